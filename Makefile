@@ -1,0 +1,39 @@
+# tiercache: `make demo` runs the main job on the embedded default; `make test` installs everything and runs all checks.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+STAMP := $(VENV)/.deps-stamp
+
+.PHONY: demo test install lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]" --config-settings editable_mode=strict
+	touch $(STAMP)
+
+# A strict editable install does not see new modules until reinstalled: re-run it every time (seconds).
+install: $(STAMP)
+	flock /tmp/tiercache-install.lock $(PIP) install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+
+demo: install
+	$(VENV)/bin/tiercache check examples/embedded.toml
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest -q
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,418 @@
+"""``file:///abs/dir``: objects as files in a sharded directory tree, written by temp file + rename.
+
+Layout: ``<root>/<h0h1>/<h2h3>/<key>`` where ``h`` is the hex xxh64 digest of the key and ``shard_depth``
+(default 2) levels of two hex characters are used. A put writes ``.<key>.<random>.tmp`` in the object's
+directory (optionally fsyncs it), then ``os.replace``s it over the object: a reader sees the old object,
+the new one or nothing, never a part. Leftover ``*.tmp`` files (from a crash) are removed on open; another
+process writing to the same directory at that moment merely sees that one put fail.
+
+Blocking file I/O runs on a dedicated ``ThreadPoolExecutor`` (``threads`` workers, which also bounds the
+parallelism of a batch). Measured on the project machine for 1-32 MiB objects, a dedicated executor was at
+least as fast as ``asyncio.to_thread`` (which shares the loop's default pool) and faster than ``aiofiles``
+(one executor hop per open/write/close instead of one per object). Reads stat the open file, ``readinto`` a
+bytearray of that size (one copy) and return it.
+
+Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
+least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
+Several processes may share a directory (objects are visible to all of them); each then enforces the capacity
+only over the objects it knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import xxhash
+
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
+from tiercache.errors import AdapterUnavailable, ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["PosixAdapter"]
+
+_T = TypeVar("_T")
+_TMP_SUFFIX = ".tmp"
+_DEFAULT_THREADS = min(32, 4 * (os.cpu_count() or 1))
+_SPLIT_BYTES = 1 << 20  # smallest range a large read is split into
+_READ_PARTS = 4  # most ranges one read is split into
+
+
+def _shard_dirs(key: str, depth: int) -> list[str]:
+    digest = xxhash.xxh64_hexdigest(key.encode())
+    return [digest[2 * i : 2 * i + 2] for i in range(depth)]
+
+
+def _as_bytes_view(value: Buffer) -> memoryview:
+    view = memoryview(value)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``fd`` at ``offset``; False if the file ends first."""
+    done, size = 0, len(view)
+    while done < size:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            return False
+        done += n
+    return True
+
+
+def _read_file(
+    path: str, buf: bytearray | None = None, helpers: ThreadPoolExecutor | None = None, parts: int = 1
+) -> bytearray | None:
+    """The whole file in a bytearray (``buf`` if it has the right size), or None if it does not exist now.
+
+    Files of at least two ``_SPLIT_BYTES`` are read in up to ``parts`` ranges at once, the first here and the
+    others on ``helpers`` (all through the one open descriptor, so every range comes from the same object).
+    A range no helper has started yet is read here, so a busy helper pool only costs parallelism.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if buf is None or len(buf) != size:
+            buf = bytearray(size)
+        view = memoryview(buf)
+        n = min(parts, size // _SPLIT_BYTES) if helpers is not None else 1
+        if n <= 1:
+            return buf if _pread_into(fd, view, 0) else None  # short: cannot happen for renamed objects
+        step = ((size + n - 1) // n + 4095) & ~4095  # page-aligned ranges
+        ranges = [(a, min(a + step, size)) for a in range(0, size, step)]
+        assert helpers is not None
+        futures = [helpers.submit(_pread_into, fd, view[a:b], a) for a, b in ranges[1:]]
+        try:
+            ok = _pread_into(fd, view[ranges[0][0] : ranges[0][1]], 0)
+            for future, (a, b) in zip(futures, ranges[1:], strict=True):
+                if future.cancel():
+                    ok = _pread_into(fd, view[a:b], a) and ok
+        finally:
+            wait(futures)
+        ok = all(f.result() for f in futures if not f.cancelled()) and ok
+        return buf if ok else None
+    finally:
+        os.close(fd)
+
+
+def _write_file(
+    directory: str, path: str, key: str, value: Buffer, fsync: bool, victims: Sequence[str]
+) -> bool:
+    """Unlink ``victims``, then write ``value`` to a temp file and rename it to ``path``; False on OSError."""
+    for victim in victims:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(victim)
+    tmp = os.path.join(directory, f".{key}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = _as_bytes_view(value)
+            done, size = 0, len(view)
+            while done < size:
+                done += os.write(fd, view[done:])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if fsync:
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+class PosixAdapter(Adapter):
+    """Objects as files under a local or network-mounted directory; persistent and shareable."""
+
+    scheme: ClassVar[str] = "file"
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=True, shared=True)
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        capacity: int | None = None,
+        fsync: bool = False,
+        shard_depth: int = 2,
+        threads: int = _DEFAULT_THREADS,
+    ) -> None:
+        """Use the existing directory ``root``; call ``open`` (or ``_load``) to scan it before use."""
+        if not os.path.isabs(root):
+            raise ConfigError(f"file: root must be an absolute path, got {root!r}")
+        if capacity is not None and capacity < 0:
+            raise ConfigError(f"file: capacity must not be negative, got {capacity}")
+        if not 0 <= shard_depth <= 8:
+            raise ConfigError(f"file: shard_depth must be between 0 and 8, got {shard_depth}")
+        if threads < 1:
+            raise ConfigError(f"file: threads must be at least 1, got {threads}")
+        self.root = os.path.normpath(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.shard_depth = shard_depth
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix")
+        # Helpers only read ranges (never wait on anything), so a read waiting on them cannot deadlock.
+        self._helpers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix-read")
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self._used = 0
+        self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
+        self._closed = False
+
+    @classmethod
+    async def open(cls, url: str, **options: object) -> Self:
+        """Open ``file:///abs/dir`` (created if missing); options: capacity, fsync, shard_depth, threads."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("file", "posix"):
+            raise ConfigError(f"file: expected a file:///absolute/path URL, got {url!r}")
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigError(f"file: URL must be file:///absolute/path (no host), got {url!r}")
+        root = unquote(parts.path)
+        if not os.path.isabs(root):
+            raise ConfigError(f"file: URL must name an absolute path, got {url!r}")
+        opts = merge_options(
+            "file",
+            parts.query,
+            options,
+            {"capacity": parse_size, "fsync": parse_bool, "shard_depth": parse_int, "threads": parse_int},
+        )
+        self = cls(root, **opts)
+        try:
+            await self._load()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._helpers.shutdown(wait=False)
+            raise
+        return self
+
+    async def _load(self) -> None:
+        """Create the root if needed, remove leftover temp files and rebuild the size/recency index."""
+        try:
+            entries = await self._run(self._scan)
+        except OSError as exc:
+            raise AdapterUnavailable(f"file: cannot use root directory {self.root!r}: {exc}") from exc
+        entries.sort(key=lambda e: e[2])
+        self._index = OrderedDict((key, size) for key, size, _ in entries)
+        self._used = sum(self._index.values())
+        evict = self._reserve_victims(0) or []
+        if evict:
+            await self._run(lambda: [_unlink(p) for p in evict])
+
+    def _scan(self) -> list[tuple[str, int, float]]:
+        os.makedirs(self.root, exist_ok=True)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable", self.root)
+        found: list[tuple[str, int, float]] = []
+
+        def walk(directory: str, depth: int) -> None:
+            with os.scandir(directory) as it:
+                for entry in it:
+                    name = entry.name
+                    if depth < self.shard_depth:
+                        if entry.is_dir(follow_symlinks=False) and len(name) == 2:
+                            walk(entry.path, depth + 1)
+                        continue
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+                        continue
+                    try:
+                        check_key(name)
+                    except ValueError:
+                        continue
+                    if os.path.dirname(self._path(name)) != directory:
+                        continue  # not ours (e.g. written with another shard_depth)
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    found.append((name, st.st_size, st.st_mtime))
+
+        walk(self.root, 0)
+        return found
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the objects this adapter knows about."""
+        return self._used
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *_shard_dirs(key, self.shard_depth), key)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AdapterUnavailable(f"file adapter on {self.root!r} is closed")
+
+    def _submit(self, fn: Callable[[], _T]) -> asyncio.Future[_T]:
+        """Run ``fn`` on the pool; a bare future (no Task), so a batch costs no extra loop iterations."""
+        try:
+            return asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        except RuntimeError as exc:  # executor shut down by a concurrent aclose
+            raise AdapterUnavailable(f"file adapter on {self.root!r} is closed") from exc
+
+    async def _run(self, fn: Callable[[], _T]) -> _T:
+        return await self._submit(fn)
+
+    def _touch(self, key: str, size: int) -> None:
+        """Record ``key`` as most recently used with ``size`` bytes."""
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old
+        self._index[key] = size
+        self._used += size
+
+    def _forget(self, key: str) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old
+
+    def _reserve_victims(self, extra: int) -> list[str] | None:
+        """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit."""
+        if self.capacity is None:
+            return []
+        victims: list[str] = []
+        if self._used + extra <= self.capacity:
+            return victims
+        for key in list(self._index):
+            if self._used + extra <= self.capacity:
+                break
+            if key in self._writing:
+                continue
+            self._forget(key)
+            victims.append(self._path(key))
+        return victims if self._used + extra <= self.capacity else None
+
+    # -- the adapter API -------------------------------------------------------------------------------
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether its file exists now (one thread hop for the whole batch)."""
+        self._check_open()
+        paths = [self._path(check_key(k)) for k in keys]
+        if not paths:
+            return []
+        return await self._run(lambda: [os.path.isfile(p) for p in paths])  # isfile never raises
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """For each key, its bytes (a fresh bytearray) or None; reads run in parallel on the pool."""
+        self._check_open()
+        paths = [self._path(check_key(k)) for k in keys]
+        # Buffers of known size are allocated here: memory malloc'ed on the loop thread is reused from the
+        # main arena, while worker-thread arenas hand freed pages back to the kernel (page faults on every
+        # read: measured 4-10x slower for 1-4 MiB objects).
+        sizes = [self._index.get(k) for k in keys]
+        futures = [
+            self._submit(
+                partial(_read_file, p, None if n is None else bytearray(n), self._helpers, _READ_PARTS)
+            )
+            for p, n in zip(paths, sizes, strict=True)
+        ]
+        try:
+            results = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+        except OSError as exc:  # EIO, EACCES...: a transport failure, not a miss
+            raise AdapterUnavailable(f"file: read failed under {self.root!r}: {exc}") from exc
+        for key, value in zip(keys, results, strict=True):
+            if value is None:
+                if key not in self._writing:
+                    self._forget(key)
+            elif key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by another process (or before a restart): start accounting for it
+                self._touch(key, len(value))
+        return list(results)
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        """Write each value (temp file + rename), evicting LRU objects; False if over capacity or on error."""
+        self._check_open()
+        check_lengths(keys, values)
+        for k in keys:
+            check_key(k)
+        if len(keys) == 1:
+            return [await self._put_one(keys[0], values[0])]
+        return list(await asyncio.gather(*(self._put_one(k, v) for k, v in zip(keys, values, strict=True))))
+
+    async def _put_one(self, key: str, value: Buffer) -> bool:
+        size = memoryview(value).nbytes
+        if self.capacity is not None and size > self.capacity:
+            return False
+        old = self._index.get(key)
+        self._forget(key)
+        victims = self._reserve_victims(size)
+        if victims is None:
+            if old is not None:  # the old object stays; keep accounting for it
+                self._touch(key, old)
+            return False
+        self._touch(key, size)
+        self._writing[key] = self._writing.get(key, 0) + 1
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        ok = False
+        try:
+            ok = await self._run(partial(_write_file, directory, path, key, value, self.fsync, victims))
+        finally:
+            others = self._writing.pop(key) - 1
+            if others:
+                self._writing[key] = others
+            elif not ok:
+                self._forget(key)
+        if not ok and not others:  # a failed put leaves no object under the key, never a stale one
+            with contextlib.suppress(AdapterUnavailable):
+                await self._run(partial(_unlink, path))
+        return ok
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        """Unlink each key's file; True where one was removed."""
+        self._check_open()
+        paths = [self._path(check_key(k)) for k in keys]
+        for k in keys:
+            self._forget(k)
+        if not paths:
+            return []
+        try:
+            return await self._run(lambda: [_unlink(p) for p in paths])
+        except OSError as exc:
+            raise AdapterUnavailable(f"file: delete failed under {self.root!r}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        """Wait for in-flight I/O and stop the threads; idempotent. Later calls raise AdapterUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        self._helpers.shutdown(wait=True)  # idle by now: every read waits for its helpers

@@ -1,0 +1,176 @@
+"""PosixAdapter vs raw ``os.write``/``os.read`` on the same directory: put/get GB/s and their ratios.
+
+Both sides write fresh files of the same sizes with the same fsync policy and read them back from the page
+cache; the adapter is driven one key per call (sequential, like the raw loop) from one event loop. Raw and
+adapter operations alternate object by object, so drift in a shared machine hits both alike; the figures are
+totals over all rounds.
+
+Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
+[--dir PATH]`` prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["posix_vs_raw"]
+
+
+def _raw_write(path: str, data: bytes, fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+        if len(data) < size:  # large reads may come back short
+            rest = [data]
+            got = len(data)
+            while got < size:
+                part = os.read(fd, size - got)
+                if not part:
+                    break
+                rest.append(part)
+                got += len(part)
+            data = b"".join(rest)
+        return data
+    finally:
+        os.close(fd)
+
+
+def _clear(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory, exist_ok=True)
+
+
+async def _measure(
+    sizes: Sequence[int], repeats: int | None, rounds: int, fsync: bool, base: str
+) -> dict[str, Any]:
+    from tiercache.adapters.posix import PosixAdapter
+
+    raw_dir = os.path.join(base, "raw")
+    store_dir = os.path.join(base, "store")
+    results: dict[str, Any] = {}
+    for size in sizes:
+        n = repeats or max(4, min(64, (512 << 20) // size))
+        data = os.urandom(size)
+        keys = [f"bench-{size}-{i}" for i in range(n)]
+        totals = {"raw_put": 0.0, "posix_put": 0.0, "raw_get": 0.0, "posix_get": 0.0}
+        clock = time.perf_counter
+        for _ in range(rounds):
+            _clear(raw_dir)
+            _clear(store_dir)
+            adapter = await PosixAdapter.open(f"file://{store_dir}", fsync=fsync)
+            try:
+                # Operations alternate raw / adapter one object at a time, so the (often large) drift of a
+                # shared machine's page cache and writeback hits both sides alike.
+                for i, key in enumerate(keys):
+                    t0 = clock()
+                    _raw_write(os.path.join(raw_dir, f"f{i}"), data, fsync)
+                    t1 = clock()
+                    ok = await adapter.batched_put([key], [data])
+                    t2 = clock()
+                    if ok != [True]:
+                        raise RuntimeError(f"put of {key} failed")
+                    totals["raw_put"] += t1 - t0
+                    totals["posix_put"] += t2 - t1
+                await adapter.batched_get(keys)  # warm the page cache for both sides
+                for i in range(n):
+                    _raw_read(os.path.join(raw_dir, f"f{i}"))
+                for i, key in enumerate(keys):
+                    t0 = clock()
+                    raw = _raw_read(os.path.join(raw_dir, f"f{i}"))
+                    t1 = clock()
+                    (value,) = await adapter.batched_get([key])
+                    t2 = clock()
+                    if value is None or len(value) != size or len(raw) != size:
+                        raise RuntimeError(f"get of {key} failed")
+                    del raw, value
+                    totals["raw_get"] += t1 - t0
+                    totals["posix_get"] += t2 - t1
+            finally:
+                await adapter.aclose()
+        volume = size * n * rounds / 1e9
+        med = {name: volume / seconds for name, seconds in totals.items()}
+        results[str(size)] = {
+            "objects": n,
+            "rounds": rounds,
+            "raw_put_GBps": round(med["raw_put"], 3),
+            "posix_put_GBps": round(med["posix_put"], 3),
+            "put_ratio": round(med["posix_put"] / med["raw_put"], 3),
+            "raw_get_GBps": round(med["raw_get"], 3),
+            "posix_get_GBps": round(med["posix_get"], 3),
+            "get_ratio": round(med["posix_get"] / med["raw_get"], 3),
+        }
+    _clear(raw_dir)
+    _clear(store_dir)
+    return results
+
+
+def posix_vs_raw(
+    sizes: Sequence[int] = (1 << 20, 4 << 20, 32 << 20),
+    repeats: int | None = None,
+    *,
+    rounds: int = 5,
+    fsync: bool = False,
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """Put/get GB/s of PosixAdapter and of raw os.write/os.read per object size, with posix/raw ratios.
+
+    ``repeats`` objects per size and round (default: about 512 MiB per round, 4..64 objects), ``rounds``
+    rounds (throughput = total bytes / total time). Files go to a fresh temp directory under ``directory``.
+    """
+    load_before = round(os.getloadavg()[0], 2)  # ratios are unreliable on a machine busy with other work
+    base = tempfile.mkdtemp(prefix="tiercache-posix-bench-", dir=directory)
+    try:
+        per_size = asyncio.run(_measure(sizes, repeats, rounds, fsync, base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {
+        "benchmark": "posix_vs_raw",
+        "fsync": fsync,
+        "directory": directory or tempfile.gettempdir(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_before": load_before,
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        "sizes": per_size,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: print the JSON of ``posix_vs_raw``."""
+    from tiercache.adapters._options import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--sizes", default="1MiB,4MiB,32MiB", help="comma-separated sizes (e.g. 1MiB,4MiB)")
+    parser.add_argument("--repeats", type=int, default=None, help="objects per size and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per size (totals reported)")
+    parser.add_argument("--fsync", action="store_true", help="fsync every object (both sides)")
+    parser.add_argument("--dir", default=None, help="parent directory for the temp files")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    result = posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

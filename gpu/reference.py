@@ -1,0 +1,412 @@
+"""Torch reference gather/scatter between paged KV and contiguous KV objects; any device, bit-exact.
+
+Per span and layer this is one vectorized index op per KV plane (``index_select`` into the object, or
+``index_copy_`` into the paged view); there is no per-token Python loop. Data moves as same-width integer bit
+patterns, so every dtype (fp8 included) round-trips exactly. Slots are ``block_id * block_size + offset``.
+CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``index_copy_`` per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
+
+if TYPE_CHECKING:
+    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+__all__ = ["gather", "gather_layer", "scatter", "scatter_layer"]
+
+_BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def gather(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: Sequence[torch.Tensor],
+) -> None:
+    """Copy the KV of tokens ``slot_mapping[start:end]`` of every layer into ``out[i]`` (object_spec shape).
+
+    ``ValueError`` for a slot < 0 (a token without KV cannot be stored), bad shapes or dtypes, and
+    CPU_BLOCKS spans that are not block-aligned.
+    """
+    _gather(range(layout.num_layers), kv_caches, layout, slot_mapping, spans, out)
+
+
+def gather_layer(
+    layer_idx: int,
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: Sequence[torch.Tensor],
+) -> None:
+    """Like ``gather`` for one layer into per-layer objects ([2, 1, T, H*D] or [1, T, D])."""
+    _check_layer(layer_idx, layout)
+    _gather(range(layer_idx, layer_idx + 1), kv_caches, layout, slot_mapping, spans, out)
+
+
+def scatter(
+    objects: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+) -> int:
+    """Write object i's tokens into the paged KV at ``slot_mapping[start:end]``; return the tokens written.
+
+    ``skip_prefix`` (an int for the first span, or one per span) tokens at the head of a span are already on
+    the GPU and are left untouched, as are slots < 0. CPU_BLOCKS writes whole pages (skips block-aligned).
+    """
+    return _scatter(range(layout.num_layers), objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
+
+
+def scatter_layer(
+    layer_idx: int,
+    objects: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+) -> int:
+    """Like ``scatter`` for one layer from per-layer objects; returns the tokens written into that layer."""
+    _check_layer(layer_idx, layout)
+    return _scatter(
+        range(layer_idx, layer_idx + 1), objects, kv_caches, layout, slot_mapping, spans, skip_prefix
+    )
+
+
+# --------------------------------------------------------------------------------------------- internals
+
+
+def _check_layer(layer_idx: int, layout: PagedLayout) -> None:
+    """``ValueError`` unless ``layer_idx`` is a layer of ``layout``."""
+    if not 0 <= layer_idx < layout.num_layers:
+        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory viewed as a same-width integer dtype (exact copies of any float, fp8 included)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor], int]:
+    """Per-layer tensors validated against ``layout``, and the number of slots each holds."""
+    layers = layer_tensors(kv_caches)
+    if len(layers) != layout.num_layers:
+        raise ValueError(f"{len(layers)} KV cache tensors for a layout of {layout.num_layers} layers")
+    nb = {layout.num_blocks_of(t) for t in layers}
+    if len(nb) != 1:
+        raise ValueError(f"layers hold different block counts: {sorted(nb)}")
+    return layers, nb.pop() * layout.block_size
+
+
+def _spans(spans: Sequence[tuple[int, int]], n_slots: int, count: int) -> list[tuple[int, int]]:
+    """Validate spans against the slot mapping length and the number of objects."""
+    if len(spans) != count:
+        raise ValueError(f"{len(spans)} spans for {count} objects")
+    out = [(int(s), int(e)) for s, e in spans]
+    for s, e in out:
+        if not 0 <= s <= e <= n_slots:
+            raise ValueError(f"span ({s}, {e}) outside the slot mapping of {n_slots} tokens")
+    return out
+
+
+def _skips(skip_prefix: int | Sequence[int], spans: list[tuple[int, int]]) -> list[int]:
+    """Per-span skip counts (an int applies to the first span only)."""
+    if isinstance(skip_prefix, int):
+        skips = [skip_prefix if i == 0 else 0 for i in range(len(spans))]
+    else:
+        skips = [int(k) for k in skip_prefix]
+        if len(skips) != len(spans):
+            raise ValueError(f"{len(skips)} skip counts for {len(spans)} spans")
+    for k, (s, e) in zip(skips, spans, strict=True):
+        if not 0 <= k <= e - s:
+            raise ValueError(f"skip_prefix {k} outside span ({s}, {e})")
+    return skips
+
+
+def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
+    """Expected shape of an object for ``tokens`` tokens of ``layers``."""
+    spec = object_spec(layout, tokens)
+    if len(layers) != layout.num_layers:
+        spec = spec.with_layers(layers.start, layers.stop)
+    return spec.shape
+
+
+def _check_object(obj: torch.Tensor, layout: PagedLayout, tokens: int, layers: range, what: str) -> None:
+    """``ValueError`` unless ``obj`` has the object shape and the layout's dtype."""
+    shape = _object_shape(layout, tokens, layers)
+    if tuple(obj.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(obj.shape)}, expected {shape} for {tokens} tokens")
+    if str(obj.dtype).removeprefix("torch.") != layout.dtype:
+        raise ValueError(f"{what} has dtype {obj.dtype}, layout dtype is {layout.dtype}")
+
+
+def _slots(slot_mapping: torch.Tensor, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """``slot_mapping[start:end]`` as int64 on ``device`` (a view when it already is)."""
+    return slot_mapping[start:end].to(device=device, dtype=torch.int64)
+
+
+def _check_range(slots: torch.Tensor, n_slots: int) -> None:
+    """``ValueError`` if a slot lies past the paged KV (negative slots are the caller's business)."""
+    if slots.numel() and int(slots.max()) >= n_slots:
+        raise ValueError(f"slot {int(slots.max())} outside the paged KV of {n_slots} slots")
+
+
+def _planes(layer: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
+    """Views [NB, BS, H, D] of one layer's K and V planes (one latent plane for MLA), any strides."""
+    if layout.kind is LayoutKind.VLLM_LEGACY:
+        return [layer[0], layer[1]]
+    tok = layer.permute(0, 2, 1, 3)  # [NB, BS, H, C]
+    if layout.kind is LayoutKind.VLLM_MLA:
+        return [tok]
+    d = layout.head_dim
+    return [tok[..., :d], tok[..., d:]]
+
+
+def _merged_stride(sizes: Sequence[int], strides: Sequence[int]) -> int | None:
+    """Stride of the single dim that ``sizes`` (outer first) collapse into, or None if they do not collapse."""
+    dims = [(n, st) for n, st in zip(sizes, strides, strict=True) if n != 1]
+    for (_, s_a), (n_b, s_b) in zip(dims, dims[1:], strict=False):
+        if s_a != n_b * s_b:
+            return None
+    return dims[-1][1] if dims else 1
+
+
+def _widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both tensors viewed as the widest integer type both allow (fewer, larger elements to move)."""
+    for wide in (torch.int64, torch.int32):
+        if wide.itemsize <= a.element_size():
+            break
+        try:
+            return a.view(wide), b.view(wide)
+        except RuntimeError:
+            continue
+    return a, b
+
+
+class _Rows:
+    """The token rows one span touches: ``slots`` [T], and per-head row indices for each paged geometry."""
+
+    def __init__(self, slots: torch.Tensor, block_size: int, heads: int) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        self.heads = heads
+        self._index: dict[tuple[int, int, int, int], torch.Tensor] = {}
+
+    def head_rows(self, strides: tuple[int, int, int], row: int) -> torch.Tensor:
+        """Index [T*H] (token-major) of each (token, head) row in a [*, D] view of row stride ``row``."""
+        key = (*strides, row)
+        index = self._index.get(key)
+        if index is None:
+            s_blk, s_off, s_head = strides
+            base = (self.slots // self.block_size) * s_blk + (self.slots % self.block_size) * s_off
+            heads = torch.arange(self.heads, device=self.slots.device) * s_head
+            index = ((base[:, None] + heads) // row).reshape(-1)
+            self._index[key] = index
+        return index
+
+
+def _row_views(
+    plane: torch.Tensor, obj: torch.Tensor, rows: _Rows
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(paged [R, D], object [T*H, D], index [T*H]) row views when the last dims are dense; else None.
+
+    Every (block, offset, head) of the paged plane starts at a multiple of the gcd ``row`` of its strides, so
+    the plane is a [R, D] view with row stride ``row`` whatever its layout (NHD, HND, legacy, padded heads).
+    """
+    nb, bs, h, d = plane.shape
+    if d > 1 and (plane.stride(3) != 1 or obj.stride(2) != 1):
+        return None
+    obj_rows = _merged_stride(obj.shape[:2], obj.stride()[:2])
+    strides = (plane.stride(0), plane.stride(1), plane.stride(2))
+    row = math.gcd(*(st for n, st in zip((nb, bs, h), strides, strict=True) if n > 1))
+    if obj_rows is None or row == 0 or (row < d and plane.numel() > d):
+        return None
+    last = ((nb - 1) * strides[0] + (bs - 1) * strides[1] + (h - 1) * strides[2]) // row
+    paged = plane.as_strided((last + 1, d), (row, 1), plane.storage_offset())
+    flat = obj.as_strided((obj.shape[0] * h, d), (obj_rows, 1), obj.storage_offset())
+    return paged, flat, rows.head_rows(strides, row)
+
+
+def _read_rows(plane: torch.Tensor, rows: _Rows, dst: torch.Tensor) -> None:
+    """dst[t] = plane row of ``rows.slots[t]`` (plane: [NB, BS, H, D] view; dst: [T, H, D])."""
+    views = _row_views(plane, dst, rows)
+    if views is None:
+        bs = plane.shape[1]
+        dst.copy_(plane[rows.slots // bs, rows.slots % bs])
+        return
+    paged, flat, index = _widened(views)
+    torch.index_select(paged, 0, index, out=flat)
+
+
+def _write_rows(plane: torch.Tensor, rows: _Rows, src: torch.Tensor) -> None:
+    """Plane row of ``rows.slots[t]`` = src[t]; writes through the view into the paged KV."""
+    views = _row_views(plane, src, rows)
+    if views is None:
+        bs = plane.shape[1]
+        plane.index_put_((rows.slots // bs, rows.slots % bs), src)
+        return
+    paged, flat, index = _widened(views)
+    paged.index_copy_(0, index, flat)
+
+
+def _widened(
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row views re-typed to the widest integer both allow."""
+    paged, flat, index = views
+    paged, flat = _widen(paged, flat)
+    return paged, flat, index
+
+
+def _obj_planes(obj: torch.Tensor, layout: PagedLayout, j: int) -> list[torch.Tensor]:
+    """Planes [T, H, D] of the object's j-th layer (K and V, or the MLA latent)."""
+    h, d = layout.num_kv_heads, layout.head_dim
+    rows = [obj[j]] if layout.planes == 1 else [obj[0, j], obj[1, j]]
+    return [r.view(r.shape[0], h, d) for r in rows]
+
+
+def _block_pages(
+    slots: torch.Tensor, block_size: int, span: tuple[int, int], final: bool, allow_negative: bool
+) -> torch.Tensor:
+    """First slot of each block of a block-aligned span (< 0: page not on the GPU); else ``ValueError``."""
+    start, end = span
+    if start % block_size or (end % block_size and not final):
+        raise ValueError(
+            f"span {span} is not block-aligned (block_size {block_size}); CPU_BLOCKS copies whole pages only"
+        )
+    firsts = slots[::block_size]
+    t = slots.numel()
+    per_token = firsts.repeat_interleave(block_size)[:t]
+    offs = torch.arange(t, device=slots.device) % block_size
+    ok = torch.where(per_token >= 0, (slots == per_token + offs) & (per_token % block_size == 0), slots < 0)
+    if not bool(ok.all()):
+        raise ValueError(f"slot_mapping of span {span} does not map whole blocks in order")
+    if not allow_negative and bool((firsts < 0).any()):
+        raise ValueError(f"span {span} has slots < 0: a token without KV cannot be stored")
+    return firsts
+
+
+def _gather(
+    layers: range,
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: Sequence[torch.Tensor],
+) -> None:
+    """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j])."""
+    kv, n_slots = _layers(kv_caches, layout)
+    device = kv[0].device
+    span_list = _spans(spans, slot_mapping.shape[0], len(out))
+    for i, (start, end) in enumerate(span_list):
+        obj = out[i]
+        _check_object(obj, layout, end - start, layers, f"out[{i}]")
+        slots = _slots(slot_mapping, start, end, device)
+        _check_range(slots, n_slots)
+        stage = obj if obj.device == device else torch.empty_like(obj, device=device)
+        if layout.block_aligned:
+            firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
+            blocks = firsts // layout.block_size
+            pages = _bits(stage).view(len(layers), blocks.numel(), *kv[0].shape[1:])
+            for j, layer in enumerate(layers):
+                torch.index_select(_bits(kv[layer]), 0, blocks, out=pages[j])
+        else:
+            if slots.numel() and int(slots.min()) < 0:
+                raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
+            rows = _Rows(slots, layout.block_size, layout.num_kv_heads)
+            for j, layer in enumerate(layers):
+                src_planes = _planes(_bits(kv[layer]), layout)
+                for src, dst in zip(src_planes, _obj_planes(_bits(stage), layout, j), strict=True):
+                    _read_rows(src, rows, dst)
+        if stage is not obj:
+            obj.copy_(stage)
+
+
+def _scatter(
+    layers: range,
+    objects: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int],
+) -> int:
+    """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer)."""
+    kv, n_slots = _layers(kv_caches, layout)
+    device = kv[0].device
+    span_list = _spans(spans, slot_mapping.shape[0], len(objects))
+    skips = _skips(skip_prefix, span_list)
+    written = 0
+    for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
+        obj = objects[i]
+        _check_object(obj, layout, end - start, layers, f"objects[{i}]")
+        if skip == end - start:
+            continue
+        slots = _slots(slot_mapping, start + skip, end, device)
+        _check_range(slots, n_slots)
+        src_obj = _bits(obj.to(device))
+        if layout.block_aligned:
+            written += _scatter_pages(layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping)
+            continue
+        keep = slots >= 0
+        n_keep = int(keep.sum())
+        if n_keep == 0:
+            continue
+        sel: torch.Tensor | None = None
+        if n_keep != slots.numel():
+            sel = keep.nonzero().squeeze(1)
+            slots = slots[sel]
+            sel = sel + skip
+        written += n_keep
+        rows = _Rows(slots, layout.block_size, layout.num_kv_heads)
+        for j, layer in enumerate(layers):
+            dst_planes = _planes(_bits(kv[layer]), layout)
+            for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
+                _write_rows(dst, rows, src[skip:] if sel is None else src.index_select(0, sel))
+    return written
+
+
+def _scatter_pages(
+    layers: range,
+    kv: list[torch.Tensor],
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    src_obj: torch.Tensor,
+    span: tuple[int, int],
+    skip: int,
+    slot_mapping: torch.Tensor,
+) -> int:
+    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens."""
+    bs = layout.block_size
+    start, end = span
+    if skip % bs:
+        raise ValueError(
+            f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
+        )
+    firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
+    total_pages = -(-(end - start) // bs)
+    pages = src_obj.view(len(layers), total_pages, *kv[0].shape[1:])[:, skip // bs :]
+    keep = firsts >= 0
+    n_keep = int(keep.sum())
+    if n_keep == 0:
+        return 0
+    if n_keep == firsts.numel():
+        blocks, sel = firsts // bs, None
+    else:
+        idx = keep.nonzero().squeeze(1)
+        blocks, sel = firsts[idx] // bs, idx
+    for j, layer in enumerate(layers):
+        src = pages[j] if sel is None else pages[j].index_select(0, sel)
+        _bits(kv[layer]).index_copy_(0, blocks, src)
+    return int((slots >= 0).sum())

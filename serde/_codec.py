@@ -1,0 +1,116 @@
+"""The Codec contract: one stage of a pipeline (array→bytes first, then bytes→bytes, encryption last)."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from tiercache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from tiercache.spec import KVSpec
+
+__all__ = ["Codec", "CodecContext", "Stage"]
+
+
+class Stage(enum.Enum):
+    """Where a codec sits in a pipeline."""
+
+    ARRAY_TO_BYTES = "array_to_bytes"
+    """Turns the raw bytes of a KV array (spec.shape, spec.dtype) into bytes; exactly one, first."""
+    BYTES_TO_BYTES = "bytes_to_bytes"
+    """Turns bytes into bytes (compression, encryption); any number, after the array stage."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodecContext:
+    """Per-frame facts a codec may bind to: the object's key and the frame's static header bytes.
+
+    ``aad`` is the part of the frame header that does not depend on the payload (``tiercache.serde.frame``);
+    an AEAD codec authenticates ``key`` and ``aad`` so a payload cannot be moved under another key or header.
+    """
+
+    key: str
+    aad: bytes
+
+
+class Codec(ABC):
+    """One stage of a codec pipeline; instances are immutable and safe to share between threads.
+
+    ``encode_into``/``decode_into`` write into caller-owned buffers and return the number of bytes written.
+    For ARRAY_TO_BYTES codecs, ``src`` on encode is the C-contiguous raw bytes of the array (exactly
+    ``spec.nbytes``) and ``dst`` on decode is exactly ``spec.nbytes`` writable bytes of the destination array.
+    For BYTES_TO_BYTES codecs, ``dst`` on decode holds at least the previous stage's ``max_encoded_size``.
+    On encode, ``dst`` holds at least ``max_encoded_size(len(src), spec)`` bytes.
+    """
+
+    codec_id: ClassVar[str]
+    """Stable id stored in frames and used in configs ("raw", "fp8", "lz4", "zstd", "aesgcm")."""
+    stage: ClassVar[Stage]
+    lossless: ClassVar[bool]
+    must_be_last: ClassVar[bool] = False
+    """True for codecs that must end the chain (encryption: nothing may follow an AEAD)."""
+    config_options: ClassVar[tuple[str, ...]] = ()
+    """Option names ``from_config`` accepts besides "id"."""
+
+    @abstractmethod
+    def max_encoded_size(self, nbytes: int, spec: KVSpec) -> int:
+        """A guaranteed upper bound of the encoded size of ``nbytes`` input bytes of an object ``spec``."""
+
+    @abstractmethod
+    def encode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
+        """Encode ``src`` into the start of ``dst``; return the number of bytes written."""
+
+    @abstractmethod
+    def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
+        """Decode ``src`` into the start of ``dst``; return the bytes written; raise on bad input."""
+
+    def header_params(self) -> bytes:
+        """Small parameters that affect decoding, stored in the frame's chain entry (at most 65535 bytes)."""
+        return b""
+
+    def get_config(self) -> dict[str, object]:
+        """JSON-compatible options that rebuild this codec (``from_config``); includes "id", no secrets."""
+        return {"id": self.codec_id}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object]) -> Self:
+        """Build the codec from ``get_config()``-style options; unknown options raise ConfigError."""
+        cls.check_options(config)
+        return cls()
+
+    @classmethod
+    def validate_config(cls, config: Mapping[str, object]) -> None:
+        """ConfigError if ``config`` is invalid, without building the codec (no secrets are read)."""
+        cls.check_options(config)
+
+    @classmethod
+    def check_options(
+        cls, config: Mapping[str, object], allowed: Collection[str] | None = None
+    ) -> dict[str, object]:
+        """The options of ``config`` without "id"; ConfigError naming any unknown option or a foreign id.
+
+        ``allowed`` defaults to ``config_options``.
+        """
+        if allowed is None:
+            allowed = cls.config_options
+        codec_id = config.get("id", cls.codec_id)
+        if codec_id != cls.codec_id:
+            raise ConfigError(f"codec config for {codec_id!r} given to codec {cls.codec_id!r}")
+        options = {k: v for k, v in config.items() if k != "id"}
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            known = ", ".join(sorted(allowed)) or "none"
+            raise ConfigError(
+                f"unknown option(s) for codec {cls.codec_id!r}: {', '.join(unknown)} (known: {known})"
+            )
+        return options
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({options})"

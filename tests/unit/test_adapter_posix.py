@@ -1,0 +1,233 @@
+"""PosixAdapter: the conformance kit plus layout, capacity/LRU, restart, temp-file and failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import xxhash
+
+from tiercache.adapters import posix
+from tiercache.adapters.posix import PosixAdapter
+from tiercache.errors import AdapterUnavailable, ConfigError
+from tiercache.testing.adapters import AdapterConformance
+
+if TYPE_CHECKING:
+    from tiercache.testing.adapters import AdapterFactory
+
+
+class TestPosixConformance(AdapterConformance):
+    """The kit against a temp directory (reopened on the same directory for the persistence test)."""
+
+    @pytest.fixture
+    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        return lambda: PosixAdapter.open(f"file://{tmp_path}/store")
+
+
+class TestPosixConformanceFsyncFlat(AdapterConformance):
+    """The kit with fsync on, no sharding and one I/O thread (smaller objects to stay fast)."""
+
+    max_object_bytes = 4 << 20
+
+    @pytest.fixture
+    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        return lambda: PosixAdapter.open(f"file://{tmp_path}?fsync=true&shard_depth=0&threads=1")
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.asyncio
+async def test_sharded_layout(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    assert await adapter.batched_put(["alpha", "beta"], [b"1", b"22"]) == [True, True]
+    await adapter.aclose()
+    expected = []
+    for key in ("alpha", "beta"):
+        h = xxhash.xxh64_hexdigest(key.encode())
+        expected.append(f"{h[0:2]}/{h[2:4]}/{key}")
+        assert (tmp_path / h[0:2] / h[2:4] / key).read_bytes() == (b"1" if key == "alpha" else b"22")
+    assert _files(tmp_path) == sorted(expected)
+
+    flat = await PosixAdapter.open(f"file://{tmp_path}/flat", shard_depth=0)
+    assert await flat.batched_put(["gamma"], [b"3"]) == [True]
+    await flat.aclose()
+    assert _files(tmp_path / "flat") == ["gamma"]
+
+
+@pytest.mark.asyncio
+async def test_lru_eviction_by_capacity(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity="3KB")
+    for k in ("a", "b", "c"):
+        assert await adapter.batched_put([k], [k.encode() * 1000]) == [True]
+    assert await adapter.batched_get(["a"]) == [b"a" * 1000]  # a is now more recent than b
+    assert await adapter.batched_put(["d"], [b"d" * 1000]) == [True]
+    assert await adapter.batched_contains(["a", "b", "c", "d"]) == [True, False, True, True]
+    assert adapter.used_bytes == 3000
+    assert await adapter.batched_put(["c"], [b"C" * 2000]) == [True]  # overwrite grows: evicts a (LRU)
+    assert await adapter.batched_contains(["a", "b", "c", "d"]) == [False, False, True, True]
+    assert adapter.used_bytes == 3000
+    assert len(_files(tmp_path)) == 2
+    await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_too_big_object_rejected(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}?capacity=1KiB")
+    assert await adapter.batched_put(["keep"], [b"k" * 100]) == [True]
+    assert await adapter.batched_put(["big", "ok"], [b"x" * 1025, b"y" * 1000]) == [False, True]
+    assert await adapter.batched_contains(["big", "ok"]) == [False, True]
+    assert await adapter.batched_contains(["keep"]) == [False]  # evicted to make room for "ok"
+    await adapter.aclose()
+    assert not any("big" in f for f in _files(tmp_path))
+
+
+@pytest.mark.asyncio
+async def test_restart_rebuilds_index_and_respects_capacity(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    first = await PosixAdapter.open(url)
+    for i, k in enumerate(("old", "mid", "new")):
+        assert await first.batched_put([k], [bytes([i]) * 1000]) == [True]
+        path = first._path(k)
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))  # distinct mtimes: old < mid < new
+    await first.aclose()
+
+    second = await PosixAdapter.open(url, capacity=3000)
+    assert second.used_bytes == 3000
+    assert await second.batched_get(["new", "mid", "old"]) == [b"\2" * 1000, b"\1" * 1000, b"\0" * 1000]
+    await second.aclose()
+
+    # a smaller capacity evicts the oldest (by mtime) at open
+    third = await PosixAdapter.open(url, capacity=2000)
+    assert third.used_bytes == 2000
+    assert await third.batched_contains(["old", "mid", "new"]) == [False, True, True]
+    assert await third.batched_put(["newer"], [b"n" * 1000]) == [True]
+    assert await third.batched_contains(["old", "mid", "new", "newer"]) == [False, False, True, True]
+    await third.aclose()
+
+
+@pytest.mark.asyncio
+async def test_stale_temp_files_removed_on_open(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    assert await adapter.batched_put(["obj"], [b"data"]) == [True]
+    shard = os.path.dirname(adapter._path("obj"))
+    await adapter.aclose()
+    leftovers = [os.path.join(shard, ".obj.abc123.tmp"), os.path.join(tmp_path, "ab", "cd", ".x.1.tmp")]
+    os.makedirs(os.path.dirname(leftovers[1]), exist_ok=True)
+    for p in leftovers:
+        Path(p).write_bytes(b"partial")  # noqa: ASYNC240
+    reopened = await PosixAdapter.open(f"file://{tmp_path}")
+    assert not any(Path(p).exists() for p in leftovers)  # noqa: ASYNC240
+    assert await reopened.batched_get(["obj"]) == [b"data"]
+    assert reopened.used_bytes == 4
+    await reopened.aclose()
+
+
+@pytest.mark.asyncio
+async def test_write_failure_leaves_no_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=10_000)
+    assert await adapter.batched_put(["prev"], [b"old"]) == [True]
+
+    def enospc(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(posix.os, "replace", enospc)
+    assert await adapter.batched_put(["new", "prev"], [b"n" * 100, b"p" * 100]) == [False, False]
+    monkeypatch.undo()
+    assert await adapter.batched_contains(["new", "prev"]) == [False, False]
+    assert _files(tmp_path) == []  # no object, no temp file
+    assert adapter.used_bytes == 0
+    assert await adapter.batched_put(["new"], [b"n"]) == [True]
+    await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_write_error_midway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    real_write = os.write
+    calls = 0
+
+    def flaky_write(fd: int, data: bytes) -> int:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise OSError(13, "Permission denied")
+        return real_write(fd, memoryview(data)[:10])  # short write, then failure
+
+    monkeypatch.setattr(posix.os, "write", flaky_write)
+    assert await adapter.batched_put(["k"], [b"x" * 100]) == [False]
+    monkeypatch.undo()
+    assert await adapter.batched_get(["k"]) == [None]
+    assert _files(tmp_path) == []
+    await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_vanished_file_is_a_miss(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    assert await adapter.batched_put(["gone"], [b"x" * 10]) == [True]
+    assert await adapter.batched_contains(["gone"]) == [True]
+    os.unlink(adapter._path("gone"))  # e.g. another process evicted it
+    assert await adapter.batched_get(["gone"]) == [None]
+    assert adapter.used_bytes == 0
+    await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_shared_directory_two_adapters(tmp_path: Path) -> None:
+    a = await PosixAdapter.open(f"file://{tmp_path}")
+    b = await PosixAdapter.open(f"file://{tmp_path}")
+    assert await a.batched_put(["x"], [b"from-a"]) == [True]
+    assert await b.batched_get(["x"]) == [b"from-a"]
+    assert await b.batched_delete(["x"]) == [True]
+    assert await a.batched_get(["x"]) == [None]
+    await a.aclose()
+    await b.aclose()
+
+
+@pytest.mark.asyncio
+async def test_get_returns_fresh_buffers(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    assert await adapter.batched_put(["k"], [b"abc"]) == [True]
+    (first,) = await adapter.batched_get(["k"])
+    assert isinstance(first, bytearray)
+    first[0] = 0
+    assert await adapter.batched_get(["k"]) == [b"abc"]
+    await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_close_waits_for_inflight_and_rejects_later_calls(tmp_path: Path) -> None:
+    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))
+    while not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")):  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.001)  # until the write has started
+    await adapter.aclose()  # waits for the in-flight write
+    assert await put == [True]
+    with pytest.raises(AdapterUnavailable):
+        await adapter.batched_get(["k"])
+
+
+@pytest.mark.asyncio
+async def test_open_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'colour'"):
+        await PosixAdapter.open(f"file://{tmp_path}", colour="blue")
+    with pytest.raises(ConfigError, match="'bogus'"):
+        await PosixAdapter.open(f"file://{tmp_path}?bogus=1")
+    with pytest.raises(ConfigError, match="fsync"):
+        await PosixAdapter.open(f"file://{tmp_path}?fsync=maybe")
+    with pytest.raises(ConfigError, match="absolute"):
+        await PosixAdapter.open("file://./relative")
+    with pytest.raises(ConfigError, match="shard_depth"):
+        await PosixAdapter.open(f"file://{tmp_path}", shard_depth=9)
+    blocker = tmp_path / "afile"
+    blocker.write_bytes(b"")
+    with pytest.raises(AdapterUnavailable, match="root"):
+        await PosixAdapter.open(f"file://{blocker}/sub")
+    ok = await PosixAdapter.open(f"posix://{tmp_path}/alias?capacity=1MiB&fsync=1&shard_depth=1")
+    assert (ok.capacity, ok.fsync, ok.shard_depth) == (1 << 20, True, 1)
+    await ok.aclose()

@@ -1,0 +1,104 @@
+"""The tiercache command: plugins, check (per-tier OK, typo'd key), inspect, clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "tiercache", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_plugins_lists_builtins_with_their_distribution() -> None:
+    proc = run("plugins", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(proc.stdout)}
+    assert rows[("adapter", "file")]["distribution"] == "tiercache"
+    assert rows[("adapter", "memory")]["target"].endswith(":MemoryAdapter")
+    assert ("codec", "raw") in rows
+    text = run("plugins").stdout
+    assert "adapters:" in text
+    assert "codecs:" in text
+
+
+def test_check_embedded_default_reports_every_tier_ok(tmp_path: Path) -> None:
+    proc = run("check", str(EXAMPLES / "embedded.toml"), env={"TIERCACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "disk" in proc.stdout
+    assert proc.stdout.count("OK") == 2  # L1 and the POSIX tier
+    as_json = json.loads(
+        run("check", str(EXAMPLES / "embedded.toml"), "--json", env={"TIERCACHE_DIR": str(tmp_path)}).stdout
+    )
+    assert as_json["ok"] is True
+    assert as_json["tiers"][0]["frame_bytes"] > as_json["tiers"][0]["raw_bytes"]
+    assert not list((tmp_path / "l2").rglob("tiercache-check*"))  # the probe was deleted
+
+
+def test_check_with_a_typo_exits_non_zero_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "typo.toml"
+    config.write_text('chunk_size = 256\n[[tiers]]\nname = "d"\nurl = "file:///tmp/x"\ncapacty = "1GiB"\n')
+    proc = run("check", str(config))
+    assert proc.returncode == 2
+    assert "'tiers[0].capacty'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_check_reports_an_unreachable_tier_as_fail(tmp_path: Path) -> None:
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        f'[[tiers]]\nname = "ok"\nurl = "memory://m"\n[[tiers]]\nname = "broken"\nurl = "file://{blocker}/sub"\n'
+    )
+    proc = run("check", str(config))
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert any("ok" in line and line.rstrip().endswith("OK") for line in lines)
+    assert any("broken" in line and "FAIL" in line for line in lines)
+
+
+def test_inspect_decodes_a_frame_file(tmp_path: Path) -> None:
+    from tiercache.serde import build_pipeline
+    from tiercache.spec import KVSpec
+
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", tokens=5)
+    frame = build_pipeline(["raw"]).encode(
+        bytes(range(256)) * (spec.nbytes // 256) + bytes(spec.nbytes % 256), spec, "some.key"
+    )
+    path = tmp_path / "frame.bin"
+    path.write_bytes(frame)
+    proc = run("inspect", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["chain"] == ["raw"]
+    assert info["tokens"] == 5
+    assert info["dtype"] == "float16"
+    assert info["raw_bytes"] == spec.nbytes
+    path.write_bytes(b"NOPE" + frame[4:])
+    bad = run("inspect", str(path))
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args", [["inspect", "not-a-file-or-key"], ["check", "/no/such/config.toml"]])
+def test_errors_are_one_line(args: list[str]) -> None:
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("tiercache: error:")
+    assert "Traceback" not in proc.stderr

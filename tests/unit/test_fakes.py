@@ -1,0 +1,167 @@
+"""The reference fakes: InMemoryAdapter passes the kit; FaultInjectingAdapter injects what it is told to."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
+from tiercache.testing.adapters import AdapterConformance
+from tiercache.testing.fakes import ALL_OPS, FaultInjectingAdapter, InMemoryAdapter
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tiercache.adapters import Adapter
+    from tiercache.testing.adapters import AdapterFactory
+
+
+class TestInMemoryConformance(AdapterConformance):
+    @pytest.fixture
+    def adapter_factory(self) -> AdapterFactory:
+        return lambda: InMemoryAdapter.open("fake-memory://")
+
+
+class TestFaultWrapperPassThroughConformance(AdapterConformance):
+    """With no faults configured the wrapper is transparent."""
+
+    max_object_bytes = 4 << 20
+
+    @pytest.fixture
+    def adapter_factory(self) -> AdapterFactory:
+        async def factory() -> Adapter:
+            return FaultInjectingAdapter(InMemoryAdapter())
+
+        return factory
+
+
+def test_lazy_exports_do_not_import_pytest(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tiercache.testing; assert 'pytest' not in sys.modules; "
+        "import tiercache.testing.fakes; assert 'pytest' not in sys.modules; "
+        "import tiercache.testing.plugin, tiercache.testing as t; "
+        "assert 'tiercache.adapters.posix' not in sys.modules and 'torch' not in sys.modules; "
+        "assert t.InMemoryAdapter.scheme == 'fake-memory'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # cwd: not the source tree
+
+
+@pytest.mark.asyncio
+async def test_inmemory_open_rejects_options() -> None:
+    with pytest.raises(ConfigError, match="'x'"):
+        await InMemoryAdapter.open("fake-memory://", x=1)
+    with pytest.raises(ConfigError):
+        await InMemoryAdapter.open("memory://")
+
+
+@pytest.mark.asyncio
+async def test_fail_rate_switchable_at_runtime() -> None:
+    fake = FaultInjectingAdapter(InMemoryAdapter(), seed=1)
+    assert await fake.batched_put(["k"], [b"v"]) == [True]
+    fake.fail_rate = 1.0
+    with pytest.raises(AdapterUnavailable, match="injected"):
+        await fake.batched_get(["k"])
+    with pytest.raises(AdapterUnavailable):
+        await fake.batched_contains(["k"])
+    fake.fail_rate = 0.0
+    assert await fake.batched_get(["k"]) == [b"v"]
+    assert fake.faults["error"] == 2
+    assert fake.calls["get"] == 2
+    assert fake.calls["contains"] == 1
+    await fake.aclose()
+    with pytest.raises(AdapterUnavailable):
+        await fake.batched_get(["k"])
+
+
+@pytest.mark.asyncio
+async def test_fail_ops_and_error_type() -> None:
+    fake = FaultInjectingAdapter(
+        InMemoryAdapter(), fail_rate=1.0, fail_ops=frozenset({"put"}), error=AdapterTimeout
+    )
+    with pytest.raises(AdapterTimeout):
+        await fake.batched_put(["k"], [b"v"])
+    assert await fake.batched_get(["k"]) == [None]  # get is not in fail_ops
+    with pytest.raises(ValueError, match="fail_ops"):
+        FaultInjectingAdapter(InMemoryAdapter(), fail_ops=frozenset({"gett"}))
+    assert frozenset({"contains", "get", "put", "delete", "lookup_and_lock"}) == ALL_OPS
+
+
+@pytest.mark.asyncio
+async def test_fail_rate_is_probabilistic_and_seeded() -> None:
+    async def count(seed: int) -> int:
+        fake = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=0.3, seed=seed)
+        failures = 0
+        for _ in range(1000):
+            try:
+                await fake.batched_contains(["k"])
+            except AdapterUnavailable:
+                failures += 1
+        assert fake.faults["error"] == failures
+        return failures
+
+    first = await count(7)
+    assert 230 < first < 370
+    assert await count(7) == first
+
+
+@pytest.mark.asyncio
+async def test_latency() -> None:
+    fake = FaultInjectingAdapter(InMemoryAdapter(), latency=0.05)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await fake.batched_contains(["k"])
+    assert loop.time() - t0 >= 0.04
+    assert fake.faults["latency"] == 1
+
+
+@pytest.mark.asyncio
+async def test_hang_until_cancelled() -> None:
+    fake = FaultInjectingAdapter(InMemoryAdapter(), hang=True, fail_ops=frozenset({"get"}))
+    assert await fake.batched_put(["k"], [b"v"]) == [True]
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(fake.batched_get(["k"]), 0.05)
+    assert fake.faults["hang"] == 1
+    fake.hang = False
+    assert await fake.batched_get(["k"]) == [b"v"]
+
+
+@pytest.mark.asyncio
+async def test_corrupt_rate_flips_one_byte() -> None:
+    inner = InMemoryAdapter()
+    fake = FaultInjectingAdapter(inner, corrupt_rate=1.0)
+    value = bytes(range(256)) * 4
+    assert await fake.batched_put(["k", "e"], [value, b""]) == [True, True]
+    got, empty = await fake.batched_get(["k", "e"])
+    assert got is not None
+    assert empty == b""
+    assert len(got) == len(value)
+    assert sum(a != b for a, b in zip(got, value, strict=True)) == 1
+    assert inner.data["k"] == value  # the stored object is untouched
+    assert fake.faults["corrupt"] == 1
+
+
+@pytest.mark.asyncio
+async def test_capabilities_mirror_wrapped() -> None:
+    class NoDelete(InMemoryAdapter):
+        from tiercache.adapters import Capabilities
+
+        capabilities = Capabilities(delete=False, persistent=True)
+
+        async def batched_delete(self, keys: object) -> list[bool]:  # type: ignore[override]
+            raise Unsupported("no delete")
+
+    fake = FaultInjectingAdapter(NoDelete())
+    assert fake.capabilities.delete is False
+    assert fake.capabilities.persistent is True
+    assert fake.scheme == "fake-memory"
+    with pytest.raises(Unsupported):
+        await fake.batched_delete(["k"])
+    with pytest.raises(Unsupported):
+        await fake.lookup_and_lock(["k"])
+    with pytest.raises(Unsupported):
+        await FaultInjectingAdapter.open("fault://x")

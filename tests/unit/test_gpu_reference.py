@@ -1,0 +1,511 @@
+"""Torch reference gather/scatter of tiercache.gpu: bit-exact round trips between engines and layouts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tiercache.gpu import (
+    LayoutKind,
+    PagedLayout,
+    gather,
+    gather_layer,
+    object_spec,
+    plan_read,
+    scatter,
+    scatter_layer,
+)
+
+L, H, D = 3, 2, 8
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Same memory as a same-width integer tensor (bit-exact compares, NaN-safe)."""
+    return t.view(BITS[t.element_size()])
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (never zeros) of ``dtype``; fp8 made through a uint8 view."""
+    if dtype == torch.float32:
+        return torch.randn(shape, generator=gen) + 3.0
+    ib = BITS[torch.empty((), dtype=dtype).element_size()]
+    info = torch.iinfo(ib)
+    raw = torch.randint(1, info.max, shape, generator=gen, dtype=torch.int64).to(ib)
+    return raw.view(dtype)
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An output buffer filled with an all-ones bit sentinel (NaN for floats)."""
+    t = torch.empty(shape, dtype=dtype)
+    bits(t).fill_(-1 if t.element_size() > 1 else 255)
+    return t
+
+
+def sentinel_left(t: torch.Tensor) -> bool:
+    """True if any element still holds the poison pattern."""
+    b = bits(t)
+    return bool((b == (-1 if t.element_size() > 1 else 255)).any())
+
+
+@dataclass
+class Engine:
+    """One engine's paged KV: per-layer tensors, its layout and a request's slot mapping."""
+
+    layout: PagedLayout
+    kv: list[torch.Tensor]
+    block_table: torch.Tensor
+
+    def slots(self, n: int) -> torch.Tensor:
+        bs = self.layout.block_size
+        pos = torch.arange(n)
+        return self.block_table[pos // bs] * bs + pos % bs
+
+    def token(self, layer: int, slot: int) -> list[torch.Tensor]:
+        """The logical K and V (or MLA latent) [H, D] of the token at ``slot``, read plainly per layout."""
+        bs, d = self.layout.block_size, self.layout.head_dim
+        b, o = divmod(slot, bs)
+        t = self.kv[layer]
+        if self.layout.kind is LayoutKind.VLLM_LEGACY:
+            return [t[0, b, o], t[1, b, o]]
+        if self.layout.kind is LayoutKind.VLLM_MLA:
+            return [t[b, :, o]]
+        return [t[b, :, o, :d], t[b, :, o, d:]]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [bits(t).clone() for t in self.kv]
+
+
+def make_engine(
+    kind: LayoutKind,
+    dtype: torch.dtype,
+    num_blocks: int,
+    block_size: int,
+    tokens: int,
+    seed: int,
+    *,
+    strided: bool = True,
+    padded: bool = False,
+) -> Engine:
+    """An engine with random KV and a random block table (block 0 is vLLM's null block, never used)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = 1 if kind is LayoutKind.VLLM_MLA else H
+    layout = PagedLayout(kind, L, h, D, block_size, str(dtype))
+    kv = []
+    for _ in range(L):
+        if kind is LayoutKind.VLLM_FLASH and padded:
+            # heads padded in the allocation: slots are strided rows, heads are not mergeable into them
+            t = random_tensor((num_blocks, block_size, h + 1, 2 * D), dtype, gen)[:, :, :h].permute(0, 2, 1, 3)
+        elif kind is LayoutKind.VLLM_FLASH and strided:
+            # GPU NHD allocation [NB, BS, H, 2D], seen through vLLM's [NB, H, BS, 2D] view.
+            t = random_tensor((num_blocks, block_size, h, 2 * D), dtype, gen).permute(0, 2, 1, 3)
+            assert not t.is_contiguous()
+        else:
+            t = random_tensor(layout.layer_shape(num_blocks), dtype, gen)
+        kv.append(t)
+    need = -(-tokens // block_size)
+    table = torch.randperm(num_blocks - 1, generator=gen)[:need] + 1
+    return Engine(layout, kv, table)
+
+
+KINDS = [
+    pytest.param(LayoutKind.VLLM_FLASH, True, id="flash-strided"),
+    pytest.param(LayoutKind.VLLM_FLASH, False, id="flash-contiguous"),
+    pytest.param(LayoutKind.VLLM_LEGACY, True, id="legacy"),
+    pytest.param(LayoutKind.VLLM_MLA, True, id="mla"),
+]
+
+
+def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def alloc(layout: PagedLayout, spans: list[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in spans]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_round_trip_between_engines(kind: LayoutKind, strided: bool, dtype: torch.dtype) -> None:
+    n, chunk = 150, 64  # last chunk unfull, chunks not block-aligned (block 16)
+    pre = make_engine(kind, dtype, 40, 16, n, seed=1, strided=strided)
+    dec = make_engine(kind, dtype, 50, 16, n, seed=2, strided=strided)
+    assert not torch.equal(pre.block_table[: len(dec.block_table)], dec.block_table)
+    spans = chunk_spans(n, chunk)
+    objs = alloc(pre.layout, spans, dtype)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    for obj in objs:
+        assert not sentinel_left(obj)
+    # token by token against a plain per-layout read
+    slots = pre.slots(n).tolist()
+    for (s, e), obj in zip(spans, objs, strict=True):
+        for layer in range(L):
+            for t in range(s, e, 7):
+                want = pre.token(layer, slots[t])
+                if kind is LayoutKind.VLLM_MLA:
+                    assert torch.equal(bits(obj[layer, t - s]), bits(want[0]).flatten())
+                else:
+                    for p in range(2):
+                        assert torch.equal(bits(obj[p, layer, t - s]), bits(want[p]).flatten())
+
+    before = dec.snapshot()
+    dec_slots = dec.slots(n)
+    assert scatter(objs, dec.kv, dec.layout, dec_slots, spans) == n
+    again = alloc(dec.layout, spans, dtype)
+    gather(dec.kv, dec.layout, dec_slots, spans, again)
+    for a, b in zip(objs, again, strict=True):
+        assert torch.equal(bits(a), bits(b))
+    # nothing outside the request's slots moved
+    touched = torch.zeros(
+        dec.kv[0].shape[0] if kind is not LayoutKind.VLLM_LEGACY else dec.kv[0].shape[1], 16
+    )
+    touched.view(-1)[dec_slots] = 1
+    untouched_blocks = (touched.sum(1) == 0).nonzero().squeeze(1)
+    for layer in range(L):
+        cur, old = bits(dec.kv[layer]), before[layer]
+        if kind is LayoutKind.VLLM_LEGACY:
+            assert torch.equal(cur[:, untouched_blocks], old[:, untouched_blocks])
+        else:
+            assert torch.equal(cur[untouched_blocks], old[untouched_blocks])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bfloat16", "fp8"])
+def test_round_trip_padded_heads_to_contiguous(dtype: torch.dtype) -> None:
+    n = 77
+    pre = make_engine(LayoutKind.VLLM_FLASH, dtype, 12, 16, n, seed=30, padded=True)
+    dec = make_engine(LayoutKind.VLLM_FLASH, dtype, 12, 16, n, seed=31, strided=False)
+    dec2 = make_engine(LayoutKind.VLLM_FLASH, dtype, 12, 16, n, seed=32, padded=True)
+    spans = chunk_spans(n, 32)
+    objs = alloc(pre.layout, spans, dtype)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    assert not any(sentinel_left(o) for o in objs)
+    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    assert scatter(objs, dec2.kv, dec2.layout, dec2.slots(n), spans) == n
+    ps, ds, d2s = pre.slots(n).tolist(), dec.slots(n).tolist(), dec2.slots(n).tolist()
+    for layer in range(L):
+        for t in range(n):
+            want = pre.token(layer, ps[t])
+            for eng, sl in ((dec, ds), (dec2, d2s)):
+                for g, w in zip(eng.token(layer, sl[t]), want, strict=True):
+                    assert torch.equal(bits(g), bits(w))
+
+
+def test_round_trip_head_dim_not_innermost() -> None:
+    """A legacy engine whose allocation is [2, NB, BS, D, H] (last dim strided) takes the indexing path."""
+    n = 50
+    pre = make_engine(LayoutKind.VLLM_LEGACY, torch.float16, 10, 16, n, seed=33)
+    dec = make_engine(LayoutKind.VLLM_LEGACY, torch.float16, 10, 16, n, seed=34)
+    gen = torch.Generator().manual_seed(35)
+    dec.kv = [random_tensor((2, 10, 16, D, H), torch.float16, gen).transpose(3, 4) for _ in range(L)]
+    assert dec.kv[0].stride(-1) != 1
+    spans = chunk_spans(n, 16)
+    objs = alloc(pre.layout, spans, torch.float16)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    back = alloc(dec.layout, spans, torch.float16)
+    gather(dec.kv, dec.layout, dec.slots(n), spans, back)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(objs, back, strict=True))
+    ps, ds = pre.slots(n).tolist(), dec.slots(n).tolist()
+    for t in range(n):
+        for g, w in zip(dec.token(1, ds[t]), pre.token(1, ps[t]), strict=True):
+            assert torch.equal(bits(g), bits(w))
+
+
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_layerwise_matches_full(kind: LayoutKind, strided: bool) -> None:
+    n = 70
+    pre = make_engine(kind, torch.bfloat16, 20, 16, n, seed=3, strided=strided)
+    dec = make_engine(kind, torch.bfloat16, 20, 16, n, seed=4, strided=strided)
+    spans = [(0, 32), (32, 70)]
+    full = alloc(pre.layout, spans, torch.bfloat16)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, full)
+    for layer in range(L):
+        per = [
+            poisoned(object_spec(pre.layout, e - s).with_layers(layer, layer + 1).shape, torch.bfloat16)
+            for s, e in spans
+        ]
+        gather_layer(layer, pre.kv, pre.layout, pre.slots(n), spans, per)
+        for f, p in zip(full, per, strict=True):
+            want = f[layer : layer + 1] if kind is LayoutKind.VLLM_MLA else f[:, layer : layer + 1]
+            assert torch.equal(bits(p), bits(want))
+        assert scatter_layer(layer, per, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=[0, 5]) == n - 5
+    back = alloc(dec.layout, spans, torch.bfloat16)
+    gather(dec.kv, dec.layout, dec.slots(n), spans, back)
+    assert torch.equal(bits(back[0]), bits(full[0]))
+    tail = (
+        (slice(None), slice(5, None))
+        if kind is LayoutKind.VLLM_MLA
+        else (slice(None), slice(None), slice(5, None))
+    )
+    assert torch.equal(bits(back[1][tail]), bits(full[1][tail]))
+    with pytest.raises(ValueError, match="out of range"):
+        gather_layer(L, pre.kv, pre.layout, pre.slots(n), spans, full)
+
+
+def test_design_example_288_local_hit_512_chunk_256() -> None:
+    chunk, hit, local = 256, 512, 288
+    pre = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 64, 16, hit, seed=5)
+    dec = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 80, 16, hit, seed=6)
+    spans = chunk_spans(hit, chunk)
+    objs = alloc(pre.layout, spans, torch.bfloat16)
+    gather(pre.kv, pre.layout, pre.slots(hit), spans, objs)
+
+    plan = plan_read(local, hit, chunk)
+    assert plan.spans == ((256, 512),)
+    assert plan.skip_prefix == 32
+    by_start = dict(zip([s for s, _ in spans], objs, strict=True))
+    read = [by_start[s] for s, _ in plan.spans]
+    before = dec.snapshot()
+    written = scatter(read, dec.kv, dec.layout, dec.slots(hit), plan.spans, plan.skip_prefix)
+    assert written == plan.tokens_to_write == 224
+
+    dec_slots, pre_slots = dec.slots(hit).tolist(), pre.slots(hit).tolist()
+    old = Engine(dec.layout, [b.view(torch.bfloat16) for b in before], dec.block_table)
+    for layer in range(L):
+        for t in range(hit):
+            got = dec.token(layer, dec_slots[t])
+            want = pre.token(layer, pre_slots[t]) if t >= local else old.token(layer, dec_slots[t])
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(bits(g), bits(w)), (layer, t)
+
+
+def test_skip_prefix_and_negative_slots_untouched() -> None:
+    n = 96
+    pre = make_engine(LayoutKind.VLLM_FLASH, torch.float16, 20, 16, n, seed=7)
+    dec = make_engine(LayoutKind.VLLM_FLASH, torch.float16, 20, 16, n, seed=8)
+    spans = [(0, 48), (48, 96)]
+    objs = alloc(pre.layout, spans, torch.float16)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    slots = dec.slots(n).clone()
+    slots[60:70] = -1  # e.g. tokens the decode engine does not want written
+    before = dec.snapshot()
+    written = scatter(objs, dec.kv, dec.layout, slots, spans, skip_prefix=[20, 4])
+    assert written == (48 - 20) + (48 - 4 - 10)
+    orig = dec.slots(n).tolist()
+    old = Engine(dec.layout, [b.view(torch.float16) for b in before], dec.block_table)
+    pre_slots = pre.slots(n).tolist()
+    for t in range(n):
+        skipped = t < 20 or 48 <= t < 52 or 60 <= t < 70
+        for layer in range(L):
+            got = dec.token(layer, orig[t])
+            want = old.token(layer, orig[t]) if skipped else pre.token(layer, pre_slots[t])
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(bits(g), bits(w)), t
+    # a whole span skipped, and a span of only negative slots: nothing written
+    assert scatter(objs[:1], dec.kv, dec.layout, slots, spans[:1], skip_prefix=48) == 0
+    neg = torch.full((n,), -1)
+    assert scatter(objs, dec.kv, dec.layout, neg, spans) == 0
+
+
+def test_gather_rejects_negative_slots() -> None:
+    pre = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 10, 16, 32, seed=9)
+    slots = pre.slots(32).clone()
+    slots[3] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        gather(pre.kv, pre.layout, slots, [(0, 32)], alloc(pre.layout, [(0, 32)], torch.bfloat16))
+
+
+def test_layout_conversion_legacy_to_flash() -> None:
+    n = 100
+    legacy = make_engine(LayoutKind.VLLM_LEGACY, torch.bfloat16, 16, 16, n, seed=10)
+    flash = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 24, 16, n, seed=11)
+    assert legacy.layout.fingerprint == flash.layout.fingerprint
+    spans = chunk_spans(n, 32)
+    objs = alloc(legacy.layout, spans, torch.bfloat16)
+    gather(legacy.kv, legacy.layout, legacy.slots(n), spans, objs)
+    assert scatter(objs, flash.kv, flash.layout, flash.slots(n), spans) == n
+    ls, fs = legacy.slots(n).tolist(), flash.slots(n).tolist()
+    for layer in range(L):
+        for t in range(n):
+            k_l, v_l = legacy.token(layer, ls[t])
+            k_f, v_f = flash.token(layer, fs[t])
+            assert torch.equal(bits(k_l), bits(k_f))
+            assert torch.equal(bits(v_l), bits(v_f))
+
+
+def test_non_contiguous_out_and_int32_slots() -> None:
+    n = 40
+    pre = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 10, 16, n, seed=12)
+    big = poisoned((2, L, 2 * n, H * D), torch.bfloat16)
+    out = big[:, :, 10 : 10 + n]  # a view, not contiguous
+    assert not out.is_contiguous()
+    gather(pre.kv, pre.layout, pre.slots(n).to(torch.int32), [(0, n)], [out])
+    assert not sentinel_left(out)
+    ref = alloc(pre.layout, [(0, n)], torch.bfloat16)
+    gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], ref)
+    assert torch.equal(bits(out), bits(ref[0]))
+    assert sentinel_left(big[:, :, :10])
+
+
+def test_argument_errors() -> None:
+    n = 32
+    pre = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 10, 16, n, seed=13)
+    objs = alloc(pre.layout, [(0, n)], torch.bfloat16)
+    slots = pre.slots(n)
+    with pytest.raises(ValueError, match="shape"):
+        gather(pre.kv, pre.layout, slots, [(0, n - 1)], objs)
+    with pytest.raises(ValueError, match="dtype"):
+        gather(pre.kv, pre.layout, slots, [(0, n)], [objs[0].half()])
+    with pytest.raises(ValueError, match="outside the slot mapping"):
+        gather(pre.kv, pre.layout, slots, [(0, n + 1)], objs)
+    with pytest.raises(ValueError, match="spans for"):
+        gather(pre.kv, pre.layout, slots, [(0, 16), (16, 32)], objs)
+    with pytest.raises(ValueError, match="outside the paged KV"):
+        gather(pre.kv, pre.layout, slots + 10 * 16, [(0, n)], objs)
+    with pytest.raises(ValueError, match="KV cache tensors"):
+        gather(pre.kv[:2], pre.layout, slots, [(0, n)], objs)
+    with pytest.raises(ValueError, match="skip_prefix"):
+        scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip_prefix=n + 1)
+    with pytest.raises(ValueError, match="skip counts"):
+        scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip_prefix=[0, 0])
+
+
+# ----------------------------------------------------------------------------------------------- CPU_BLOCKS
+
+
+def pack_cpu_page(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One (block, head) page as the CPU attention backend holds it: K as [D, BS] then V as [BS, D]."""
+    bs, d = k.shape
+    return torch.cat([k.t().reshape(-1), v.reshape(-1)]).view(bs, 2 * d)
+
+
+def unpack_cpu_page(page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_cpu_page``: logical K [BS, D] and V [BS, D]."""
+    bs, two_d = page.shape
+    d = two_d // 2
+    flat = page.reshape(-1)
+    return flat[: bs * d].view(d, bs).t(), flat[bs * d :].view(bs, d)
+
+
+def cpu_engine(num_blocks: int, block_size: int, tokens: int, seed: int) -> tuple[Engine, torch.Tensor]:
+    """A CPU_BLOCKS engine whose pages hold transposed K, and its logical KV [L, NB*BS, 2, H, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = PagedLayout(LayoutKind.CPU_BLOCKS, L, H, D, block_size, "float32")
+    logical = torch.randn(L, num_blocks, block_size, 2, H, D, generator=gen) + 5
+    kv = []
+    for layer in range(L):
+        t = torch.empty(num_blocks, H, block_size, 2 * D)
+        for b in range(num_blocks):
+            for h in range(H):
+                t[b, h] = pack_cpu_page(logical[layer, b, :, 0, h], logical[layer, b, :, 1, h])
+        kv.append(t)
+    table = torch.randperm(num_blocks - 1, generator=gen)[: -(-tokens // block_size)] + 1
+    return Engine(layout, kv, table), logical.view(L, num_blocks * block_size, 2, H, D)
+
+
+def logical_from_pages(engine: Engine) -> torch.Tensor:
+    """Decode every page of an engine back into logical KV [L, NB*BS, 2, H, D]."""
+    nb, _, bs, _ = engine.kv[0].shape
+    out = torch.empty(L, nb, bs, 2, H, D)
+    for layer in range(L):
+        for b in range(nb):
+            for h in range(H):
+                k, v = unpack_cpu_page(engine.kv[layer][b, h])
+                out[layer, b, :, 0, h], out[layer, b, :, 1, h] = k, v
+    return out.view(L, nb * bs, 2, H, D)
+
+
+def test_cpu_blocks_whole_page_round_trip() -> None:
+    bs, n = 32, 100  # final partial block (tokens 96-99) copied whole
+    pre, pre_logical = cpu_engine(12, bs, n, seed=20)
+    dec, _ = cpu_engine(16, bs, n, seed=21)
+    spans = [(0, 64), (64, 100)]
+    objs = [poisoned(object_spec(pre.layout, e - s).shape, torch.float32) for s, e in spans]
+    assert objs[1].shape[2] == 64  # 36 tokens -> 2 whole pages
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    for obj in objs:
+        assert not sentinel_left(obj)
+    # the object holds the raw pages in order: layer-major, then block
+    pages = objs[0].view(L, 2, H, bs, 2 * D)
+    for layer in range(L):
+        assert torch.equal(pages[layer], pre.kv[layer][pre.block_table[:2]])
+    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    dec_logical = logical_from_pages(dec)
+    ps, ds = pre.slots(n), dec.slots(n)
+    assert torch.equal(dec_logical[:, ds], pre_logical[:, ps])  # token by token, K and V
+    # the final page was copied whole: the 28 slots after token 99 came along with it
+    last_pre, last_dec = pre.block_table[3], dec.block_table[3]
+    for layer in range(L):
+        assert torch.equal(dec.kv[layer][last_dec], pre.kv[layer][last_pre])
+
+
+def test_cpu_blocks_skip_is_whole_pages() -> None:
+    bs, n = 32, 128
+    pre, _ = cpu_engine(8, bs, n, seed=22)
+    dec, _ = cpu_engine(8, bs, n, seed=23)
+    spans = [(0, 128)]
+    objs = [poisoned(object_spec(pre.layout, 128).shape, torch.float32)]
+    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    before = dec.snapshot()
+    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=64) == 64
+    for layer in range(L):
+        for i, blk in enumerate(dec.block_table.tolist()):
+            src = pre.kv[layer][pre.block_table[i]] if i >= 2 else before[layer][blk].view(torch.float32)
+            assert torch.equal(dec.kv[layer][blk], src)
+    # pages whose slots are < 0 are skipped whole
+    slots = dec.slots(n).clone()
+    slots[96:128] = -1
+    assert scatter(objs, dec.kv, dec.layout, slots, spans) == 96
+
+
+def test_cpu_blocks_alignment_errors() -> None:
+    bs, n = 32, 128
+    pre, _ = cpu_engine(8, bs, n, seed=24)
+    slots = pre.slots(n)
+    lay = pre.layout
+    with pytest.raises(ValueError, match="not block-aligned"):
+        gather(pre.kv, lay, slots, [(0, 48)], [torch.empty(object_spec(lay, 48).shape)])
+    with pytest.raises(ValueError, match="not block-aligned"):
+        gather(pre.kv, lay, slots, [(16, 64)], [torch.empty(object_spec(lay, 48).shape)])
+    objs = [torch.randn(object_spec(lay, 128).shape)]
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        scatter(objs, pre.kv, lay, slots, [(0, 128)], skip_prefix=16)
+    bad = slots.clone()
+    bad[5] = bad[4]  # not a whole block in order
+    with pytest.raises(ValueError, match="whole blocks"):
+        gather(pre.kv, lay, bad, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
+    half = slots.clone()
+    half[40:50] = -1  # a page partly without KV
+    with pytest.raises(ValueError, match="whole blocks"):
+        scatter(objs, pre.kv, lay, half, [(0, 128)])
+    neg = slots.clone()
+    neg[32:64] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        gather(pre.kv, lay, neg, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
+    # the final partial block is allowed only at the end of the slot mapping
+    assert scatter(objs[:1], pre.kv, lay, slots[:100], [(0, 100)]) == 100
+
+
+# ----------------------------------------------------------------------------------------------- throughput
+
+
+@pytest.mark.slow
+def test_throughput_llama8b_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    """Print gather/scatter GB/s for a Llama-8B shape on CPU against a plain copy of the same bytes."""
+    n, bs, chunk = 4096, 16, 256
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, 32, 8, 128, bs, "bfloat16")
+    nb = n // bs + 8
+    kv = [torch.empty(nb, bs, 8, 256, dtype=torch.bfloat16).permute(0, 2, 1, 3) for _ in range(32)]
+    slots = (torch.randperm(nb)[: n // bs].repeat_interleave(bs) * bs) + torch.arange(n) % bs
+    spans = chunk_spans(n, chunk)
+    objs = [torch.empty(object_spec(layout, chunk).shape, dtype=torch.bfloat16) for _ in spans]
+    nbytes = sum(o.nbytes for o in objs)
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+
+    def rate(fn: object) -> float:
+        assert callable(fn)
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    g = rate(lambda: gather(kv, layout, slots, spans, objs))
+    s = rate(lambda: scatter(objs, kv, layout, slots, spans))
+    c = rate(lambda: dst.copy_(src))
+    with capsys.disabled():
+        print(f"\n[{nbytes / 2**20:.0f} MiB] gather {g:.2f} GB/s, scatter {s:.2f} GB/s, copy {c:.2f} GB/s")

@@ -1,0 +1,285 @@
+"""The conformance kit must fail deliberately broken adapters (each bug caught by the test meant for it)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import pytest
+
+from tiercache.adapters._base import Buffer, Capabilities, check_key, check_lengths
+from tiercache.testing.adapters import AdapterConformance
+from tiercache.testing.fakes import InMemoryAdapter
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tiercache.adapters._base import Adapter
+
+pytest_plugins = ["pytester"]
+
+
+# -- broken adapters ----------------------------------------------------------------------------------
+
+
+class StaleOverwrite(InMemoryAdapter):
+    """Keeps serving the first value written under a key (a stale cache)."""
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        check_lengths(keys, values)
+        for k, v in zip(keys, values, strict=True):
+            self.data.setdefault(check_key(k), bytes(v))
+        return [True] * len(keys)
+
+
+class TornWrite(InMemoryAdapter):
+    """Writes the value into the live dict piece by piece, yielding in between (readers see prefixes)."""
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        check_lengths(keys, values)
+        for k, v in zip(keys, values, strict=True):
+            data = bytes(v)
+            step = max(1, len(data) // 8)
+            self.data[check_key(k)] = b""
+            for i in range(0, len(data), step):
+                self.data[k] = data[: i + step]
+                await asyncio.sleep(0)
+        return [True] * len(keys)
+
+
+class WrongOrder(InMemoryAdapter):
+    """Returns get results sorted by key instead of in the order asked."""
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return [self.data.get(check_key(k)) for k in sorted(keys)]
+
+
+class DropsLastByte(InMemoryAdapter):
+    """Loses the last byte of values of 1 MiB and more."""
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        out = await super().batched_get(keys)
+        return [v[:-1] if v is not None and len(v) >= 1 << 20 else v for v in out]
+
+
+class RaisesOnMiss(InMemoryAdapter):
+    """Raises KeyError for a missing key instead of returning None."""
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return [self.data[check_key(k)] for k in keys]
+
+
+class AliasesBuffers(InMemoryAdapter):
+    """Keeps references to the caller's buffers instead of copying them."""
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        check_lengths(keys, values)
+        for k, v in zip(keys, values, strict=True):
+            self.data[check_key(k)] = v  # type: ignore[assignment]
+        return [True] * len(keys)
+
+
+class NoKeyChecks(InMemoryAdapter):
+    """Accepts any key (e.g. '../x'), as a path-based store with a traversal bug would."""
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self.data for k in keys]
+
+
+class DeleteDropsAll(InMemoryAdapter):
+    """Delete clears every key, not only the ones named."""
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        out = [check_key(k) in self.data for k in keys]
+        self.data.clear()
+        return out
+
+
+class UsableAfterClose(InMemoryAdapter):
+    """aclose does nothing: later calls still work instead of raising AdapterUnavailable."""
+
+    async def aclose(self) -> None:
+        return None
+
+
+class ClaimsPersistence(InMemoryAdapter):
+    """Says it is persistent but every open starts empty."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True)
+
+
+class NotesDeleteButLacksIt(InMemoryAdapter):
+    """Capabilities say delete=False but the inherited delete works (kit expects Unsupported)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=False)
+
+
+# -- running kit tests programmatically ---------------------------------------------------------------
+
+
+class _Kit(AdapterConformance):
+    max_object_bytes = 2 << 20
+
+
+async def _outcome(test: str, cls: type[InMemoryAdapter], **params: object) -> str:
+    """Run one kit test against a fresh ``cls`` the way pytest would; 'passed', 'failed' or 'skipped'."""
+
+    async def factory() -> Adapter:
+        return cls()
+
+    method = getattr(_Kit(), test)
+    wanted = inspect.signature(method).parameters
+    adapter = await factory()
+    args: dict[str, object] = {"adapter": adapter, "adapter_factory": factory, **params}
+    try:
+        await method(**{name: args[name] for name in wanted})
+    except (AssertionError, pytest.fail.Exception, KeyError):
+        return "failed"
+    except pytest.skip.Exception:
+        return "skipped"
+    finally:
+        await adapter.aclose()
+    return "passed"
+
+
+KIT_TESTS = sorted(name for name in dir(AdapterConformance) if name.startswith("test_"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("test", KIT_TESTS)
+async def test_reference_fake_passes_every_kit_test(test: str) -> None:
+    params: dict[str, object] = {"size": "max"} if test == "test_round_trip" else {}
+    expected = "skipped" if test == "test_persistence_across_reopen" else "passed"
+    assert await _outcome(test, InMemoryAdapter, **params) == expected
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("cls", "test", "params"),
+    [
+        (StaleOverwrite, "test_overwrite", {}),
+        (StaleOverwrite, "test_no_partial_object_visible", {}),
+        (TornWrite, "test_no_partial_object_visible", {}),
+        (WrongOrder, "test_batch_positional_order", {}),
+        (DropsLastByte, "test_round_trip", {"size": (1 << 20) + 7}),
+        (DropsLastByte, "test_round_trip", {"size": "max"}),
+        (RaisesOnMiss, "test_mixed_hits_and_misses", {}),
+        (RaisesOnMiss, "test_contains_on_empty", {}),
+        (AliasesBuffers, "test_put_accepts_buffer_types_and_copies", {}),
+        (NoKeyChecks, "test_invalid_keys", {}),
+        (DeleteDropsAll, "test_delete", {}),
+        (UsableAfterClose, "test_aclose_idempotent_and_final", {}),
+        (ClaimsPersistence, "test_persistence_across_reopen", {}),
+        (NotesDeleteButLacksIt, "test_delete", {}),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else (str(v) if isinstance(v, str) else ""),
+)
+async def test_kit_fails_broken_adapter(
+    cls: type[InMemoryAdapter], test: str, params: dict[str, object]
+) -> None:
+    assert await _outcome(test, cls, **params) == "failed"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("test", ["test_round_trip", "test_overwrite", "test_batch_positional_order"])
+async def test_torn_write_still_passes_serial_tests(test: str) -> None:
+    """Sanity: the bugs are specific; a torn writer still passes the tests that never race."""
+    params: dict[str, object] = {"size": 4096} if test == "test_round_trip" else {}
+    assert await _outcome(test, TornWrite, **params) == "passed"
+
+
+# -- the real mechanism: a third-party style suite run by pytest (strict asyncio mode) -----------------
+
+_SUITE = """
+import asyncio
+import pytest
+from tiercache.adapters import check_key, check_lengths
+from tiercache.testing.adapters import AdapterConformance
+from tiercache.testing.fakes import InMemoryAdapter
+
+
+class TornWrite(InMemoryAdapter):
+    async def batched_put(self, keys, values):
+        self._check_open()
+        check_lengths(keys, values)
+        for k, v in zip(keys, values):
+            data = bytes(v)
+            step = max(1, len(data) // 8)
+            self.data[check_key(k)] = b""
+            for i in range(0, len(data), step):
+                self.data[check_key(k)] = data[: i + step]
+                await asyncio.sleep(0)
+        return [True] * len(keys)
+
+
+class TestGood(AdapterConformance):
+    max_object_bytes = 1 << 20
+
+    @pytest.fixture
+    def adapter_factory(self):
+        return lambda: InMemoryAdapter.open("fake-memory://")
+
+
+class TestTorn(AdapterConformance):
+    max_object_bytes = 1 << 20
+
+    @pytest.fixture
+    def adapter_factory(self):
+        return lambda: TornWrite.open("fake-memory://")
+"""
+
+
+def test_kit_through_pytest(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_thirdparty=_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "asyncio_mode=strict",
+        "-o",
+        "asyncio_default_fixture_loop_scope=function",
+    )
+    out = result.stdout.str()
+    failed = set(re.findall(r"^FAILED \S+::(Test\w+::test_\w+)", out, re.M))
+    passed = set(re.findall(r"^PASSED \S+::(Test\w+::test_\w+)", out, re.M))
+    assert failed == {"TestTorn::test_no_partial_object_visible"}, out[-3000:]
+    assert "TestGood::test_no_partial_object_visible" in passed
+    assert "TestGood::test_concurrent_batches" in passed
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == 1
+    assert outcomes["skipped"] == 2  # persistence, once per class
+    assert "errors" not in outcomes
+
+
+def _write_in_place(
+    directory: str, path: str, key: str, value: Buffer, fsync: bool, victims: Sequence[str]
+) -> bool:
+    """The classic bug: write the object at its final path in pieces (no temp file + rename)."""
+    import os
+    import time
+
+    os.makedirs(directory, exist_ok=True)
+    view = memoryview(value)
+    with open(path, "wb", buffering=0) as f:
+        for i in range(0, len(view), 1 << 18):
+            f.write(view[i : i + (1 << 18)])
+            time.sleep(0.001)
+    return True
+
+
+@pytest.mark.asyncio
+async def test_kit_fails_posix_writing_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiercache.adapters import posix
+
+    monkeypatch.setattr(posix, "_write_file", _write_in_place)
+    kit = _Kit()
+    adapter = await posix.PosixAdapter.open(f"file://{tmp_path}")
+    try:
+        with pytest.raises(AssertionError, match="partial or mixed"):
+            await kit.test_no_partial_object_visible(adapter)
+    finally:
+        await adapter.aclose()

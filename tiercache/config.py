@@ -1,0 +1,306 @@
+"""Deployment config: a TOML (or YAML) file -> typed, frozen objects -> the constructors the Python API uses.
+
+Unknown keys are errors naming the key and the file. Secrets never live in the file: options ending in
+``_env`` name environment variables that are read when a tier is opened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tiercache.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "L1Config",
+    "ManagerConfig",
+    "TierConfig",
+    "config_from_dict",
+    "load_config",
+    "resolve_secrets",
+]
+
+# Option names that would carry a secret in the file; their `<name>_env` form is required instead.
+_SECRET_NAMES = frozenset(
+    {
+        "password",
+        "secret",
+        "token",
+        "key",
+        "api_key",
+        "access_key",
+        "secret_key",
+        "aws_secret_access_key",
+        "aws_access_key_id",
+        "aws_session_token",
+        "sasl_password",
+    }
+)
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _parse_size(value: object, where: str) -> int:
+    from tiercache.adapters._options import parse_size
+
+    try:
+        return parse_size(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class L1Config:
+    """Host-memory tier."""
+
+    capacity: int = 1 << 30
+    """Bytes of host memory for KV objects (``"8GiB"`` accepted in files). Default 1 GiB."""
+    pinned: bool | None = None
+    """Pin the pool (page-locked) for fast GPU copies; None = pin when CUDA is available."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """Storage-manager policies for the L2 tiers (deadlines, queues, circuit breaker)."""
+
+    l2_deadline_s: float = 2.0
+    """Deadline of one L2 batch call (contains/get/put), seconds."""
+    lookup_deadline_s: float = 0.5
+    """Deadline of an L2 lookup (batched_contains) on the inference path, seconds."""
+    store_queue_size: int = 256
+    """Background store batches waiting per tier; when full, new stores are dropped and counted."""
+    circuit_failures: int = 5
+    """Consecutive failures of a tier that open its circuit (the tier is skipped)."""
+    circuit_cooldown_s: float = 10.0
+    """Seconds an open circuit waits before letting one probe call through."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One L2 tier: where (URL), how much, through which codec chain, with which adapter options."""
+
+    name: str
+    url: str
+    capacity: int | None = None
+    """Bytes this tier may hold (None: the backend's own limit)."""
+    codecs: tuple[str | Mapping[str, Any], ...] = ("raw",)
+    """Codec chain: one array->bytes codec, then bytes->bytes codecs, encryption last."""
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Adapter options; ``*_env`` options name environment variables holding secrets."""
+    adapter: str | None = None
+    """Explicit adapter class ``"module:Class"`` (settles a scheme claimed by two plugins)."""
+
+    def adapter_options(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Options to pass to ``Adapter.open``: secrets resolved from the environment, capacity included."""
+        options = resolve_secrets(self.options, f"tier {self.name!r}", environ)
+        if self.capacity is not None:
+            options["capacity"] = self.capacity
+        return options
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A whole deployment: chunking, L1, ordered L2 tiers and manager policies."""
+
+    chunk_size: int = 256
+    """Tokens per chunk object."""
+    save_unfull_chunk: bool = True
+    """Whether a prompt's short tail chunk is stored too."""
+    l1: L1Config = L1Config()
+    tiers: tuple[TierConfig, ...] = ()
+    """L2 tiers, searched in this order."""
+    manager: ManagerConfig = ManagerConfig()
+    cache_salt_env: str | None = None
+    """Environment variable holding the tenant cache salt (isolates tenants' keys)."""
+    source: str | None = None
+    """File the config was read from (for messages)."""
+
+    def tier(self, name: str) -> TierConfig:
+        """The tier called ``name``."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise ConfigError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+
+def resolve_secrets(
+    options: Mapping[str, Any], where: str, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Replace each ``<name>_env = "VAR"`` option by ``<name> = $VAR``; an unset variable is a ConfigError."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key.endswith("_env"):
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: option {key!r} must name an environment variable")
+            if value not in env:
+                raise ConfigError(
+                    f"{where}: option {key!r} names environment variable {value!r}, which is not set"
+                )
+            out[key.removesuffix("_env")] = env[value]
+        else:
+            out[key] = value
+    return out
+
+
+def _expand(text: str, where: str) -> str:
+    """Expand ``${VAR}`` and ``${VAR:-default}`` in a URL."""
+
+    def repl(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise ConfigError(f"{where}: environment variable {name!r} is not set (use ${{{name}:-default}})")
+
+    return _ENV_REF.sub(repl, text)
+
+
+class _Reader:
+    """Walks a parsed document, taking known keys and naming unknown ones with the file."""
+
+    def __init__(self, data: Mapping[str, Any], where: str, source: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: {where or 'top level'} must be a table, got {type(data).__name__}")
+        self.data = dict(data)
+        self.where = where
+        self.source = source
+
+    def _name(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def take(self, key: str, kinds: tuple[type, ...], default: Any) -> Any:
+        if key not in self.data:
+            return default
+        value = self.data.pop(key)
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"{self.source}: {self._name(key)} must be {names}, got {value!r}")
+        return value
+
+    def finish(self) -> None:
+        if self.data:
+            unknown = ", ".join(repr(self._name(k)) for k in sorted(self.data))
+            raise ConfigError(f"{self.source}: unknown config key {unknown}")
+
+
+def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
+    r = _Reader(data, f"tiers[{index}]", source)
+    name = r.take("name", (str,), None)
+    url = r.take("url", (str,), None)
+    if not name:
+        raise ConfigError(f"{source}: tiers[{index}].name is required")
+    if name in names:
+        raise ConfigError(f"{source}: duplicate tier name {name!r}")
+    names.add(name)
+    if not url:
+        raise ConfigError(f"{source}: tiers[{index}] ({name!r}).url is required")
+    where = f"{source}: tier {name!r}"
+    url = _expand(url, where)
+    if re.match(r"^[a-z0-9+.-]+://[^/@]*:[^/@]*@", url, re.IGNORECASE):
+        raise ConfigError(f"{where}: url must not carry a password; use options.password_env")
+    capacity_raw = r.take("capacity", (str, int), None)
+    capacity = None if capacity_raw is None else _parse_size(capacity_raw, f"{where}: capacity")
+    codecs_raw = r.take("codecs", (list,), ["raw"])
+    codecs: list[str | Mapping[str, Any]] = []
+    for item in codecs_raw:
+        if isinstance(item, str):
+            codecs.append(item)
+        elif isinstance(item, Mapping) and isinstance(item.get("id"), str):
+            for key in item:
+                if key in _SECRET_NAMES:
+                    raise ConfigError(f"{where}: codec option {key!r} is a secret; use {key}_env")
+            codecs.append(MappingProxyType(dict(item)))
+        else:
+            raise ConfigError(f"{where}: each codec is an id or a table with an 'id', got {item!r}")
+    options = dict(r.take("options", (dict,), {}))
+    for key in options:
+        if key.lower() in _SECRET_NAMES:
+            raise ConfigError(
+                f"{where}: option {key!r} is a secret; put it in the environment and use {key}_env"
+            )
+    adapter = r.take("adapter", (str,), None)
+    r.finish()
+    _validate_chain(codecs, where)
+    return TierConfig(name, url, capacity, tuple(codecs), MappingProxyType(options), adapter)
+
+
+def _validate_chain(codecs: list[str | Mapping[str, Any]], where: str) -> None:
+    from tiercache.serde import build_pipeline
+
+    try:
+        build_pipeline(codecs, validate_only=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"{where}: invalid codec chain: {exc}") from None
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
+    """Build a Config from parsed TOML/YAML data (the same checks as ``load_config``)."""
+    r = _Reader(data, "", source)
+    chunk_size = r.take("chunk_size", (int,), 256)
+    if chunk_size <= 0:
+        raise ConfigError(f"{source}: chunk_size must be positive")
+    save_unfull = r.take("save_unfull_chunk", (bool,), True)
+    cache_salt_env = r.take("cache_salt_env", (str,), None)
+
+    l1r = _Reader(r.take("l1", (dict,), {}), "l1", source)
+    l1_capacity = l1r.take("capacity", (str, int), None)
+    l1 = L1Config(
+        capacity=L1Config().capacity
+        if l1_capacity is None
+        else _parse_size(l1_capacity, f"{source}: l1.capacity"),
+        pinned=l1r.take("pinned", (bool,), None),
+    )
+    l1r.finish()
+
+    mr = _Reader(r.take("manager", (dict,), {}), "manager", source)
+    defaults = ManagerConfig()
+    manager = ManagerConfig(
+        l2_deadline_s=float(mr.take("l2_deadline_s", (int, float), defaults.l2_deadline_s)),
+        lookup_deadline_s=float(mr.take("lookup_deadline_s", (int, float), defaults.lookup_deadline_s)),
+        store_queue_size=mr.take("store_queue_size", (int,), defaults.store_queue_size),
+        circuit_failures=mr.take("circuit_failures", (int,), defaults.circuit_failures),
+        circuit_cooldown_s=float(mr.take("circuit_cooldown_s", (int, float), defaults.circuit_cooldown_s)),
+    )
+    mr.finish()
+    if min(manager.l2_deadline_s, manager.lookup_deadline_s, manager.circuit_cooldown_s) <= 0:
+        raise ConfigError(f"{source}: manager deadlines and cool-down must be positive")
+
+    names: set[str] = set()
+    tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))
+    r.finish()
+    return Config(chunk_size, save_unfull, l1, tiers, manager, cache_salt_env, source)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML) config file."""
+    file = Path(path)
+    source = str(file)
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {source}: {exc.strerror or exc}") from None
+    if file.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{source}: YAML configs need PyYAML: pip install 'tiercache[yaml]'") from None
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    else:
+        try:
+            data = tomllib.loads(raw.decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return config_from_dict(data, source)

@@ -1,0 +1,33 @@
+"""Conformance kit for adapter and codec packages, and reference fakes. Importing it does not import pytest.
+
+Third parties subclass ``AdapterConformance`` / ``CodecConformance`` in their own test suites.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tiercache.testing.adapters import AdapterConformance
+    from tiercache.testing.codecs import CodecConformance
+    from tiercache.testing.fakes import FaultInjectingAdapter, InMemoryAdapter
+
+__all__ = ["AdapterConformance", "CodecConformance", "FaultInjectingAdapter", "InMemoryAdapter"]
+
+_LAZY = {
+    "AdapterConformance": "tiercache.testing.adapters",
+    "CodecConformance": "tiercache.testing.codecs",
+    "FaultInjectingAdapter": "tiercache.testing.fakes",
+    "InMemoryAdapter": "tiercache.testing.fakes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load kit classes on first use (they import pytest)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tiercache.testing' has no attribute {name!r}")

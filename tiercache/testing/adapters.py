@@ -1,0 +1,313 @@
+"""``AdapterConformance``: the pytest suite every L2 adapter must pass (zarr ``StoreTests`` style).
+
+Subclass it in a ``Test*`` class and provide one fixture, ``adapter_factory``: an async callable that opens a
+new adapter on the SAME underlying location each time it is called (so persistence across reopen can be
+tested)::
+
+    class TestMyAdapter(AdapterConformance):
+        @pytest.fixture
+        def adapter_factory(self, tmp_path):
+            return lambda: MyAdapter.open(f"my:///{tmp_path}")
+
+Optional class attributes: ``max_object_bytes`` (largest value tested, default 64 MiB) and
+``supports_concurrent_overwrite`` (default True; False skips the overwrite-while-reading check). Tests use
+fresh random keys, so the location need not be empty. Works under pytest-asyncio strict and auto modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import ClassVar
+
+import pytest
+import pytest_asyncio
+
+from tiercache.adapters._base import Adapter, Buffer, Capabilities
+from tiercache.errors import AdapterUnavailable, Unsupported
+
+__all__ = ["AdapterConformance", "AdapterFactory"]
+
+AdapterFactory = Callable[[], Awaitable[Adapter]]
+"""Opens a new adapter on the location under test (the same one on every call)."""
+
+_ROUND_TRIP_SIZES = [0, 1, 4095, 4096, (1 << 20) + 7, "max"]
+_TORN_READ_BYTES = 16 << 20
+
+
+def _keys(n: int, tag: str = "k") -> list[str]:
+    prefix = uuid.uuid4().hex[:16]
+    return [f"{tag}{prefix}-{i}" for i in range(n)]
+
+
+def _value(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _same(got: Buffer | None, expected: bytes) -> bool:
+    return got is not None and len(got) == len(expected) and bytes(got) == expected
+
+
+def _describe(got: Buffer | None, expected: bytes) -> str:
+    if got is None:
+        return f"None instead of {len(expected)} bytes"
+    return f"{len(got)} bytes that differ from the {len(expected)} bytes expected"
+
+
+class AdapterConformance:
+    """Conformance tests for one ``Adapter``; subclasses provide the ``adapter_factory`` fixture."""
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.asyncio]
+
+    max_object_bytes: ClassVar[int] = 64 * 2**20
+    """Largest value size the round-trip test uses."""
+    supports_concurrent_overwrite: ClassVar[bool] = True
+    """Whether a put over an existing key may race with readers (False skips that part of the check)."""
+
+    @pytest.fixture
+    def adapter_factory(self) -> AdapterFactory:
+        """Override in the subclass: return an async callable opening an adapter on one fixed location."""
+        pytest.fail(f"{type(self).__name__} must define the 'adapter_factory' fixture")
+
+    @pytest_asyncio.fixture
+    async def adapter(self, adapter_factory: AdapterFactory) -> AsyncIterator[Adapter]:
+        """An opened adapter, closed after the test."""
+        opened = await adapter_factory()
+        try:
+            yield opened
+        finally:
+            await opened.aclose()
+
+    # -- identity ---------------------------------------------------------------------------------------
+
+    async def test_scheme_and_capabilities(self, adapter: Adapter) -> None:
+        """``scheme`` is a non-empty str and ``capabilities`` a Capabilities."""
+        assert isinstance(adapter.scheme, str)
+        assert adapter.scheme
+        assert isinstance(adapter.capabilities, Capabilities)
+
+    # -- basic operations -------------------------------------------------------------------------------
+
+    async def test_contains_on_empty(self, adapter: Adapter) -> None:
+        """Keys never written are absent, and an empty batch gives empty results."""
+        keys = _keys(5)
+        assert await adapter.batched_contains(keys) == [False] * 5
+        assert list(await adapter.batched_get(keys)) == [None] * 5
+        assert await adapter.batched_contains([]) == []
+        assert list(await adapter.batched_get([])) == []
+        assert await adapter.batched_put([], []) == []
+
+    @pytest.mark.parametrize("size", _ROUND_TRIP_SIZES, ids=lambda s: f"size={s}")
+    async def test_round_trip(self, adapter: Adapter, size: int | str) -> None:
+        """put, contains, get return exactly the bytes written (random content)."""
+        n = self.max_object_bytes if size == "max" else int(size)
+        (key,) = _keys(1)
+        value = _value(n, seed=n)
+        assert await adapter.batched_put([key], [value]) == [True]
+        assert await adapter.batched_contains([key]) == [True]
+        (got,) = await adapter.batched_get([key])
+        assert _same(got, value), _describe(got, value)
+
+    async def test_put_accepts_buffer_types_and_copies(self, adapter: Adapter) -> None:
+        """bytearray and memoryview values are stored by value: later changes to them are not seen."""
+        k1, k2 = _keys(2)
+        a = bytearray(_value(1000, 1))
+        b = bytearray(_value(1000, 2))
+        expected_a, expected_b = bytes(a), bytes(b)
+        assert await adapter.batched_put([k1, k2], [a, memoryview(b)]) == [True, True]
+        a[:] = b"\0" * len(a)
+        b[:] = b"\0" * len(b)
+        got_a, got_b = await adapter.batched_get([k1, k2])
+        assert _same(got_a, expected_a), _describe(got_a, expected_a)
+        assert _same(got_b, expected_b), _describe(got_b, expected_b)
+
+    async def test_batch_positional_order(self, adapter: Adapter) -> None:
+        """Results follow the order of the keys asked for, not the order of writing."""
+        keys = _keys(20)
+        values = [_value(100 + 37 * i, seed=i) for i in range(20)]
+        assert await adapter.batched_put(keys, values) == [True] * 20
+        order = list(range(20))
+        random.Random(7).shuffle(order)
+        got = await adapter.batched_get([keys[i] for i in order])
+        assert len(got) == 20
+        for pos, i in enumerate(order):
+            assert _same(got[pos], values[i]), f"position {pos} (key {i}): {_describe(got[pos], values[i])}"
+
+    async def test_length_mismatch(self, adapter: Adapter) -> None:
+        """put with different numbers of keys and values raises ValueError and stores nothing."""
+        k1, k2 = _keys(2)
+        with pytest.raises(ValueError, match=r"(?i)length|mismatch|values"):
+            await adapter.batched_put([k1, k2], [b"x"])
+        with pytest.raises(ValueError, match=r"(?i)length|mismatch|values"):
+            await adapter.batched_put([k1], [b"x", b"y"])
+        assert await adapter.batched_contains([k1, k2]) == [False, False]
+
+    async def test_mixed_hits_and_misses(self, adapter: Adapter) -> None:
+        """Misses are None/False in place, never an exception, in a batch mixing hits and misses."""
+        keys = _keys(8)
+        hits = keys[::2]
+        values = {k: _value(64 + i, seed=i) for i, k in enumerate(hits)}
+        assert await adapter.batched_put(hits, list(values.values())) == [True] * len(hits)
+        assert await adapter.batched_contains(keys) == [k in values for k in keys]
+        got = await adapter.batched_get(keys)
+        for k, g in zip(keys, got, strict=True):
+            if k in values:
+                assert _same(g, values[k]), f"{k}: {_describe(g, values[k])}"
+            else:
+                assert g is None, f"{k} was never written but returned {len(g)} bytes"
+
+    async def test_overwrite(self, adapter: Adapter) -> None:
+        """Each overwrite is seen by the next get and contains (no stale value, no stale size)."""
+        (key,) = _keys(1)
+        for i, size in enumerate([1000, 70_000, 10, 1 << 20, 0, 4096, 3]):
+            value = _value(size, seed=100 + i)
+            assert await adapter.batched_put([key], [value]) == [True]
+            assert await adapter.batched_contains([key]) == [True]
+            (got,) = await adapter.batched_get([key])
+            assert _same(got, value), f"after overwrite #{i}: {_describe(got, value)}"
+
+    async def test_delete(self, adapter: Adapter) -> None:
+        """Delete removes only the named keys and reports whether each existed (or raises Unsupported)."""
+        keys = _keys(3)
+        values = [_value(500 + i, seed=i) for i in range(3)]
+        assert await adapter.batched_put(keys, values) == [True] * 3
+        if not adapter.capabilities.delete:
+            with pytest.raises(Unsupported):
+                await adapter.batched_delete(keys[:1])
+            return
+        (missing,) = _keys(1, tag="m")
+        assert await adapter.batched_delete([keys[1], missing]) == [True, False]
+        assert await adapter.batched_contains(keys) == [True, False, True]
+        got = await adapter.batched_get(keys)
+        assert got[1] is None
+        assert _same(got[0], values[0]), _describe(got[0], values[0])
+        assert _same(got[2], values[2]), _describe(got[2], values[2])
+        assert await adapter.batched_delete([keys[1]]) == [False]
+        assert await adapter.batched_delete([]) == []
+
+    async def test_invalid_keys(self, adapter: Adapter) -> None:
+        """Unsafe keys (path traversal, empty, separators) raise ValueError in every operation."""
+        for bad in ("../x", "", "a/b", "/abs", "a\x00b"):
+            with pytest.raises(ValueError, match="key"):
+                await adapter.batched_contains([bad])
+            with pytest.raises(ValueError, match="key"):
+                await adapter.batched_get([bad])
+            with pytest.raises(ValueError, match="key"):
+                await adapter.batched_put([bad], [b"v"])
+            if adapter.capabilities.delete:
+                with pytest.raises(ValueError, match="key"):
+                    await adapter.batched_delete([bad])
+
+    # -- concurrency ------------------------------------------------------------------------------------
+
+    async def test_concurrent_batches(self, adapter: Adapter) -> None:
+        """Many puts, gets and contains in flight on one loop (distinct keys) all give the right results."""
+        batches = [_keys(4, tag=f"c{b}") for b in range(16)]
+        values = [[_value(1000 * (b + 1) + 7 * i, seed=b * 10 + i) for i in range(4)] for b in range(16)]
+        first = await asyncio.gather(*(adapter.batched_put(batches[b], values[b]) for b in range(8)))
+        assert first == [[True] * 4] * 8
+        second, gets, contains = await asyncio.gather(
+            asyncio.gather(*(adapter.batched_put(batches[b], values[b]) for b in range(8, 16))),
+            asyncio.gather(*(adapter.batched_get(batches[b]) for b in range(8))),
+            asyncio.gather(*(adapter.batched_contains(batches[b]) for b in range(8))),
+        )
+        assert second == [[True] * 4] * 8
+        assert contains == [[True] * 4] * 8
+        gets += await asyncio.gather(*(adapter.batched_get(batches[b]) for b in range(8, 16)))
+        for b in range(16):
+            for i in range(4):
+                got = gets[b][i]
+                assert _same(got, values[b][i]), f"batch {b} key {i}: {_describe(got, values[b][i])}"
+
+    async def test_duplicate_keys_in_one_put(self, adapter: Adapter) -> None:
+        """A batch naming one key twice stores one of the two values, whole."""
+        (key,) = _keys(1)
+        a, b = _value(3000, 1), _value(5000, 2)
+        result = await adapter.batched_put([key, key], [a, b])
+        assert len(result) == 2
+        assert any(result)
+        (got,) = await adapter.batched_get([key])
+        assert got is not None
+        assert bytes(got) in (a, b), f"got {len(got)} bytes, neither value written"
+
+    async def _watch(
+        self, adapter: Adapter, key: str, allowed: tuple[bytes, ...], stop: asyncio.Event
+    ) -> int:
+        """Get/contains ``key`` until ``stop``; each value seen must be None or exactly one of ``allowed``."""
+        reads = 0
+        while not stop.is_set():
+            (got,) = await adapter.batched_get([key])
+            if got is not None:
+                assert any(_same(got, v) for v in allowed), (
+                    f"read {len(got)} bytes: a partial or mixed object "
+                    f"(allowed sizes {[len(v) for v in allowed]})"
+                )
+            await adapter.batched_contains([key])
+            reads += 1
+            await asyncio.sleep(0)
+        return reads
+
+    async def _race(self, adapter: Adapter, key: str, allowed: tuple[bytes, ...], write: bytes) -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch(adapter, key, allowed, stop))
+        try:
+            await asyncio.sleep(0)
+            assert await adapter.batched_put([key], [write]) == [True]
+        finally:
+            stop.set()
+            await watcher  # re-raises the watcher's assertion, if any
+
+    async def test_no_partial_object_visible(self, adapter: Adapter) -> None:
+        """While a big put runs, readers see nothing, the old value or the new one, never a part or a mix."""
+        size = min(self.max_object_bytes, _TORN_READ_BYTES)
+        (key,) = _keys(1)
+        a, b = _value(size, seed=11), _value(max(size - 4097, 1), seed=12)
+        await self._race(adapter, key, (a,), a)  # the first put: None or all of a
+        if not self.supports_concurrent_overwrite:
+            return
+        for write in (b, a, b):
+            await self._race(adapter, key, (a, b), write)
+        (got,) = await adapter.batched_get([key])
+        assert _same(got, b), _describe(got, b)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def test_aclose_idempotent_and_final(self, adapter_factory: AdapterFactory) -> None:
+        """aclose twice is fine; every later call raises AdapterUnavailable."""
+        adapter = await adapter_factory()
+        (key,) = _keys(1)
+        assert await adapter.batched_put([key], [b"value"]) == [True]
+        await adapter.aclose()
+        await adapter.aclose()
+        with pytest.raises(AdapterUnavailable):
+            await adapter.batched_contains([key])
+        with pytest.raises(AdapterUnavailable):
+            await adapter.batched_get([key])
+        with pytest.raises(AdapterUnavailable):
+            await adapter.batched_put([key], [b"other"])
+        if adapter.capabilities.delete:
+            with pytest.raises(AdapterUnavailable):
+                await adapter.batched_delete([key])
+
+    async def test_persistence_across_reopen(self, adapter_factory: AdapterFactory) -> None:
+        """A persistent adapter's objects survive aclose and a reopen on the same location."""
+        adapter = await adapter_factory()
+        if not adapter.capabilities.persistent:
+            await adapter.aclose()
+            pytest.skip(f"{type(adapter).__name__} is not persistent (capabilities.persistent=False)")
+        keys = _keys(3)
+        values = [_value(n, seed=n) for n in (0, 4096, (1 << 20) + 3)]
+        try:
+            assert await adapter.batched_put(keys, values) == [True] * 3
+        finally:
+            await adapter.aclose()
+        reopened = await adapter_factory()
+        try:
+            assert await reopened.batched_contains(keys) == [True] * 3
+            got = await reopened.batched_get(keys)
+            for g, v in zip(got, values, strict=True):
+                assert _same(g, v), _describe(g, v)
+        finally:
+            await reopened.aclose()

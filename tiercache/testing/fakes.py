@@ -1,0 +1,195 @@
+"""Reference fakes for tests without services: an unbounded dict adapter and a fault-injecting wrapper.
+
+``FaultInjectingAdapter``'s constructor is a stable test API (storage-manager tests build on it). Neither fake
+imports pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+from urllib.parse import urlsplit
+
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.errors import AdapterUnavailable, ConfigError, Unsupported
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from tiercache.adapters._base import Lease
+
+__all__ = ["ALL_OPS", "FaultInjectingAdapter", "InMemoryAdapter"]
+
+ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete", "lookup_and_lock"})
+"""Operation names ``FaultInjectingAdapter`` can fail: one per batched method, plus ``lookup_and_lock``."""
+
+
+class InMemoryAdapter(Adapter):
+    """An unbounded dict of immutable byte copies; process-local, not persistent (``fake-memory://``)."""
+
+    scheme: ClassVar[str] = "fake-memory"
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=False, shared=False)
+
+    def __init__(self) -> None:
+        """An empty store."""
+        self.data: dict[str, bytes] = {}
+        self.closed = False
+
+    @classmethod
+    async def open(cls, url: str = "fake-memory://", **options: object) -> Self:
+        """A new empty store; the URL is only checked for its scheme and no options are accepted."""
+        if urlsplit(url).scheme != cls.scheme:
+            raise ConfigError(f"fake-memory: expected a fake-memory:// URL, got {url!r}")
+        if options:
+            raise ConfigError(f"fake-memory: unknown option(s) {', '.join(map(repr, sorted(options)))}")
+        return cls()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise AdapterUnavailable("fake-memory adapter is closed")
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether it is stored."""
+        self._check_open()
+        return [check_key(k) in self.data for k in keys]
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """For each key, its bytes or None."""
+        self._check_open()
+        return [self.data.get(check_key(k)) for k in keys]
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        """Store a copy of each value; always True."""
+        self._check_open()
+        check_lengths(keys, values)
+        for k in keys:
+            check_key(k)
+        for k, v in zip(keys, values, strict=True):
+            self.data[k] = bytes(v)
+        return [True] * len(keys)
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True where it was stored."""
+        self._check_open()
+        for k in keys:
+            check_key(k)
+        return [self.data.pop(k, None) is not None for k in keys]
+
+    async def aclose(self) -> None:
+        """Mark closed (data is dropped); idempotent."""
+        self.closed = True
+        self.data.clear()
+
+
+class FaultInjectingAdapter(Adapter):
+    """Wraps an adapter, injecting latency, errors, hangs and corrupt reads; each knob can change mid-test.
+
+    Parameters (all also public attributes, switchable at runtime, e.g. ``fake.fail_rate = 1.0``):
+
+    - ``latency``: seconds slept before every call (all ops, whether or not in ``fail_ops``).
+    - ``fail_rate``: probability in [0, 1] that a call of an op in ``fail_ops`` raises ``error``.
+    - ``fail_ops``: the ops that may fail or hang (names from ``ALL_OPS``: contains, get, put, delete,
+      lookup_and_lock); default all of them.
+    - ``error``: exception class raised for an injected failure (default ``AdapterUnavailable``).
+    - ``hang``: if true, calls of ops in ``fail_ops`` wait forever (until cancelled, e.g. by a deadline).
+    - ``corrupt_rate``: probability that each non-empty value ``batched_get`` returns has one byte flipped.
+    - ``seed``: seed of the private random generator (runs are reproducible).
+
+    Counters: ``calls[op]`` (every call), ``faults["latency" | "error" | "hang" | "corrupt"]``.
+    ``capabilities`` and ``scheme`` mirror the wrapped adapter's; ``aclose`` is never faulted and
+    closes the wrapped adapter.
+    """
+
+    scheme: ClassVar[str] = "fault"
+
+    def __init__(
+        self,
+        wrapped: Adapter,
+        *,
+        latency: float = 0.0,
+        fail_rate: float = 0.0,
+        fail_ops: frozenset[str] = ALL_OPS,
+        error: type[BaseException] = AdapterUnavailable,
+        hang: bool = False,
+        corrupt_rate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        """Wrap ``wrapped`` (which stays owned by this object: ``aclose`` closes it)."""
+        unknown = set(fail_ops) - ALL_OPS
+        if unknown:
+            raise ValueError(f"unknown op(s) in fail_ops: {sorted(unknown)}; known: {sorted(ALL_OPS)}")
+        self.wrapped = wrapped
+        self.latency = latency
+        self.fail_rate = fail_rate
+        self.fail_ops = frozenset(fail_ops)
+        self.error = error
+        self.hang = hang
+        self.corrupt_rate = corrupt_rate
+        self.rng = random.Random(seed)
+        self.calls: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        # An instance attribute shadows the ClassVar so the kit and the manager gate on the real capabilities.
+        setattr(self, "capabilities", wrapped.capabilities)  # noqa: B010
+        setattr(self, "scheme", wrapped.scheme)  # noqa: B010
+
+    @classmethod
+    async def open(cls, url: str, **options: object) -> Self:
+        """Not openable by URL: construct it around an opened adapter."""
+        raise Unsupported("FaultInjectingAdapter is built as FaultInjectingAdapter(wrapped, ...), not by URL")
+
+    async def _inject(self, op: str) -> None:
+        self.calls[op] += 1
+        if self.latency > 0:
+            self.faults["latency"] += 1
+            await asyncio.sleep(self.latency)
+        if op not in self.fail_ops:
+            return
+        if self.hang:
+            self.faults["hang"] += 1
+            await asyncio.Event().wait()
+        if self.fail_rate > 0 and self.rng.random() < self.fail_rate:
+            self.faults["error"] += 1
+            raise self.error(f"injected fault in {op}")
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Inject, then forward."""
+        await self._inject("contains")
+        return await self.wrapped.batched_contains(keys)
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Inject, forward, then maybe flip one byte of each returned value."""
+        await self._inject("get")
+        values = await self.wrapped.batched_get(keys)
+        if self.corrupt_rate <= 0:
+            return values
+        out: list[Buffer | None] = []
+        for value in values:
+            if value is not None and len(value) > 0 and self.rng.random() < self.corrupt_rate:
+                damaged = bytearray(value)
+                damaged[self.rng.randrange(len(damaged))] ^= 0xFF
+                self.faults["corrupt"] += 1
+                value = damaged
+            out.append(value)
+        return out
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        """Inject, then forward."""
+        await self._inject("put")
+        return await self.wrapped.batched_put(keys, values)
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        """Inject, then forward."""
+        await self._inject("delete")
+        return await self.wrapped.batched_delete(keys)
+
+    async def lookup_and_lock(self, keys: Sequence[str]) -> Lease:
+        """Inject, then forward."""
+        await self._inject("lookup_and_lock")
+        return await self.wrapped.lookup_and_lock(keys)
+
+    async def aclose(self) -> None:
+        """Close the wrapped adapter (never faulted)."""
+        await self.wrapped.aclose()
