@@ -8,6 +8,7 @@ CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -174,9 +175,9 @@ def _planes(layer: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
 
 
 def _merged_stride(sizes: Sequence[int], strides: Sequence[int]) -> int | None:
-    """Stride of the single dim that ``sizes`` (outer first) collapse into, or None if they do not collapse."""
+    """Stride of the one dim that ``sizes`` (outer first) collapse into, or None if they do not."""
     dims = [(n, st) for n, st in zip(sizes, strides, strict=True) if n != 1]
-    for (_, s_a), (n_b, s_b) in zip(dims, dims[1:], strict=False):
+    for (_, s_a), (n_b, s_b) in itertools.pairwise(dims):
         if s_a != n_b * s_b:
             return None
     return dims[-1][1] if dims else 1
@@ -318,9 +319,10 @@ def _gather(
         if layout.block_aligned:
             firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
             blocks = firsts // layout.block_size
-            pages = _bits(stage).view(len(layers), blocks.numel(), *kv[0].shape[1:])
+            pages = _object_pages(stage, len(layers), blocks.numel())
             for j, layer in enumerate(layers):
-                torch.index_select(_bits(kv[layer]), 0, blocks, out=pages[j])
+                paged, dst = _page_pair(kv[layer], pages[j])
+                torch.index_select(paged, 0, blocks, out=dst)
         else:
             if slots.numel() and int(slots.min()) < 0:
                 raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
@@ -377,6 +379,26 @@ def _scatter(
     return written
 
 
+def _page_pair(layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer as [NB, page] integer rows, object pages [n, page]) at the widest width both allow.
+
+    A layer whose inner dims are not dense keeps its shape; the object pages are then shaped like its blocks.
+    """
+    bits = _bits(layer)
+    try:
+        paged = bits.view(bits.shape[0], -1)
+    except RuntimeError:
+        return bits, pages.view(pages.shape[0], *bits.shape[1:])
+    return _widen(paged, pages)
+
+
+def _object_pages(obj: torch.Tensor, layers: int, pages: int) -> torch.Tensor:
+    """A CPU_BLOCKS object as [layers, pages, page] integer rows; ``ValueError`` unless it is contiguous."""
+    if not obj.is_contiguous():
+        raise ValueError("CPU_BLOCKS objects hold raw pages and must be contiguous")
+    return _bits(obj).view(layers, pages, -1)
+
+
 def _scatter_pages(
     layers: range,
     kv: list[torch.Tensor],
@@ -396,7 +418,7 @@ def _scatter_pages(
         )
     firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
     total_pages = -(-(end - start) // bs)
-    pages = src_obj.view(len(layers), total_pages, *kv[0].shape[1:])[:, skip // bs :]
+    pages = _object_pages(src_obj, len(layers), total_pages)[:, skip // bs :]
     keep = firsts >= 0
     n_keep = int(keep.sum())
     if n_keep == 0:
@@ -408,5 +430,6 @@ def _scatter_pages(
         blocks, sel = firsts[idx] // bs, idx
     for j, layer in enumerate(layers):
         src = pages[j] if sel is None else pages[j].index_select(0, sel)
-        _bits(kv[layer]).index_copy_(0, blocks, src)
+        paged, src = _page_pair(kv[layer], src)
+        paged.index_copy_(0, blocks, src)
     return int((slots >= 0).sum())

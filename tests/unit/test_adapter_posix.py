@@ -193,10 +193,13 @@ async def test_shared_directory_two_adapters(tmp_path: Path) -> None:
 async def test_get_returns_fresh_buffers(tmp_path: Path) -> None:
     adapter = await PosixAdapter.open(f"file://{tmp_path}")
     assert await adapter.batched_put(["k"], [b"abc"]) == [True]
-    (first,) = await adapter.batched_get(["k"])
-    assert isinstance(first, bytearray)
-    first[0] = 0
-    assert await adapter.batched_get(["k"]) == [b"abc"]
+    assert await adapter.batched_put(["big"], [b"b" * (9 << 20)]) == [True]
+    first, big = await adapter.batched_get(["k", "big"])
+    assert first == b"abc"
+    assert isinstance(big, bytearray)  # large objects: parallel ranges into one bytearray
+    assert big == b"b" * (9 << 20)
+    big[0] = 0
+    assert await adapter.batched_get(["k", "big"]) == [b"abc", b"b" * (9 << 20)]
     await adapter.aclose()
 
 

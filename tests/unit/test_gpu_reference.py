@@ -99,7 +99,9 @@ def make_engine(
     for _ in range(L):
         if kind is LayoutKind.VLLM_FLASH and padded:
             # heads padded in the allocation: slots are strided rows, heads are not mergeable into them
-            t = random_tensor((num_blocks, block_size, h + 1, 2 * D), dtype, gen)[:, :, :h].permute(0, 2, 1, 3)
+            t = random_tensor((num_blocks, block_size, h + 1, 2 * D), dtype, gen)[:, :, :h].permute(
+                0, 2, 1, 3
+            )
         elif kind is LayoutKind.VLLM_FLASH and strided:
             # GPU NHD allocation [NB, BS, H, 2D], seen through vLLM's [NB, H, BS, 2D] view.
             t = random_tensor((num_blocks, block_size, h, 2 * D), dtype, gen).permute(0, 2, 1, 3)
@@ -452,6 +454,30 @@ def test_cpu_blocks_skip_is_whole_pages() -> None:
     assert scatter(objs, dec.kv, dec.layout, slots, spans) == 96
 
 
+def test_cpu_blocks_strided_layer_and_contiguous_objects() -> None:
+    bs, n = 32, 64
+    pre, _ = cpu_engine(6, bs, n, seed=25)
+    gen = torch.Generator().manual_seed(26)
+    # inner dims not dense (padded heads): pages still move whole, block by block
+    dec = Engine(
+        pre.layout,
+        [torch.randn(6, H + 1, bs, 2 * D, generator=gen)[:, :H] for _ in range(L)],
+        pre.block_table.flip(0),
+    )
+    objs = [poisoned(object_spec(pre.layout, n).shape, torch.float32)]
+    gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], objs)
+    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), [(0, n)]) == n
+    for layer in range(L):
+        for i in range(2):
+            assert torch.equal(dec.kv[layer][dec.block_table[i]], pre.kv[layer][pre.block_table[i]])
+    back = [poisoned(object_spec(pre.layout, n).shape, torch.float32)]
+    gather(dec.kv, dec.layout, dec.slots(n), [(0, n)], back)
+    assert torch.equal(back[0], objs[0])
+    big = torch.empty(2, L, 2 * n, H * D)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], [big[:, :, :n]])
+
+
 def test_cpu_blocks_alignment_errors() -> None:
     bs, n = 32, 128
     pre, _ = cpu_engine(8, bs, n, seed=24)
@@ -509,3 +535,36 @@ def test_throughput_llama8b_shape(capsys: pytest.CaptureFixture[str]) -> None:
     c = rate(lambda: dst.copy_(src))
     with capsys.disabled():
         print(f"\n[{nbytes / 2**20:.0f} MiB] gather {g:.2f} GB/s, scatter {s:.2f} GB/s, copy {c:.2f} GB/s")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("kind", "strided"), [*KINDS, pytest.param(LayoutKind.CPU_BLOCKS, False, id="cpu-pages")]
+)
+def test_cuda_round_trip_with_host_objects(kind: LayoutKind, strided: bool) -> None:
+    """CUDA paged KV <-> host objects (staged copies) and CUDA objects give the same bits as the CPU path."""
+    n, bs = 96, 32
+    if kind is LayoutKind.CPU_BLOCKS:
+        pre, _ = cpu_engine(8, bs, n, seed=40)
+        dec, _ = cpu_engine(8, bs, n, seed=41)
+    else:
+        pre = make_engine(kind, torch.bfloat16, 8, bs, n, seed=40, strided=strided)
+        dec = make_engine(kind, torch.bfloat16, 8, bs, n, seed=41, strided=strided)
+    dtype = pre.kv[0].dtype
+    spans = chunk_spans(n, 64)
+    cpu_objs = alloc(pre.layout, spans, dtype)
+    gather(pre.kv, pre.layout, pre.slots(n), spans, cpu_objs)
+    gpu_kv = [t.cuda() for t in pre.kv]  # .cuda() keeps strides of dense views
+    assert gpu_kv[0].is_contiguous() == pre.kv[0].is_contiguous()
+    host = alloc(pre.layout, spans, dtype)
+    gather(gpu_kv, pre.layout, pre.slots(n), spans, host)  # slot_mapping on the host, KV on the GPU
+    dev = [o.cuda() for o in alloc(pre.layout, spans, dtype)]
+    gather(gpu_kv, pre.layout, pre.slots(n).cuda(), spans, dev)
+    for a, b, c in zip(cpu_objs, host, dev, strict=True):
+        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(bits(a), bits(c).cpu())
+    dec_gpu = [t.cuda() for t in dec.kv]
+    assert scatter(host, dec_gpu, dec.layout, dec.slots(n).cuda(), spans, skip_prefix=32) == n - 32
+    assert scatter(cpu_objs, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=32) == n - 32
+    for g, c in zip(dec_gpu, dec.kv, strict=True):
+        assert torch.equal(bits(g).cpu(), bits(c))

@@ -1,0 +1,237 @@
+"""Storage manager: multi-tier prefixes, background stores, prefetch, deadlines, circuits, corrupt frames."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tiercache.adapters import Adapter
+from tiercache.adapters.posix import PosixAdapter
+from tiercache.config import ManagerConfig
+from tiercache.l1 import L1Cache
+from tiercache.manager import L1_TIER, StorageManager
+from tiercache.serde import build_pipeline
+from tiercache.spec import KVSpec
+from tiercache.testing.fakes import FaultInjectingAdapter, InMemoryAdapter
+
+pytestmark = pytest.mark.asyncio
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens=8)
+POLICY = ManagerConfig(
+    l2_deadline_s=0.5, lookup_deadline_s=0.2, store_queue_size=64, circuit_failures=2, circuit_cooldown_s=0.3
+)
+
+
+def make_l1(slots: int = 32) -> L1Cache:
+    return L1Cache(SPEC.nbytes * slots, SPEC.nbytes)
+
+
+def payload(key: str) -> bytes:
+    """Key-derived bytes, never all zeros."""
+    seed = int.from_bytes(key.encode()[-4:].rjust(4, b"\x01"), "little")
+    return bytes((seed * 31 + i * 7 + 1) % 251 + 1 for i in range(SPEC.nbytes))
+
+
+async def put_all(manager: StorageManager, keys: Sequence[str]) -> None:
+    objects = await manager.batched_allocate(keys, [SPEC] * len(keys))
+    ready = []
+    for key, obj in zip(keys, objects, strict=True):
+        assert obj is not None
+        obj.buffer()[:] = payload(key)
+        ready.append(obj)
+    await manager.batched_put(ready)
+
+
+def keys_of(n: int) -> list[str]:
+    return [f"k{i:04d}" for i in range(n)]
+
+
+@pytest_asyncio.fixture
+async def posix_dir(tmp_path: Path) -> AsyncIterator[str]:
+    yield f"file://{tmp_path}/l2"
+
+
+async def test_store_then_fresh_node_restores_from_l2_bit_exact(posix_dir: str) -> None:
+    raw = build_pipeline(["raw"])
+    async with StorageManager(
+        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], POLICY
+    ) as prefill:
+        await put_all(prefill, keys_of(5))
+        await prefill.drain()
+        assert prefill.metrics.value("tiercache_stores_total", tier="disk") == 5
+    async with StorageManager(
+        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], POLICY
+    ) as decode:
+        hit = await decode.lookup_prefix(keys_of(6), [SPEC] * 6)
+        assert hit.chunks == 5
+        assert hit.tiers == ("disk",) * 5
+        leases = await decode.batched_get(keys_of(5), [SPEC] * 5)
+        for key, lease in zip(keys_of(5), leases, strict=True):
+            assert lease is not None
+            assert bytes(lease.obj.buffer()) == payload(key)
+            lease.release()
+        assert (await decode.lookup_prefix(keys_of(5))).tiers == (L1_TIER,) * 5
+
+
+async def test_multi_tier_prefix_stops_at_the_gap() -> None:
+    raw = build_pipeline(["raw"])
+    a, b = InMemoryAdapter(), InMemoryAdapter()
+    keys = keys_of(5)
+    frames = {k: raw.encode(payload(k), SPEC, k) for k in keys}
+    await a.batched_put([keys[0], keys[1]], [frames[keys[0]], frames[keys[1]]])
+    await b.batched_put([keys[3], keys[4]], [frames[keys[3]], frames[keys[4]]])
+    async with StorageManager(make_l1(), [("a", a, raw), ("b", b, raw)], POLICY) as manager:
+        hit = await manager.lookup_prefix(keys, prefetch=False)
+        assert hit.chunks == 2  # hits {0, 1, 3, 4}: the prefix ends at chunk 2
+        assert hit.tiers == ("a", "a")
+        contains = await manager.batched_contains(keys)
+        assert [h.tier if h else None for h in contains] == ["a", "a", None, "b", "b"]
+
+
+async def test_l1_first_then_l2_in_order() -> None:
+    raw = build_pipeline(["raw"])
+    a, b = InMemoryAdapter(), InMemoryAdapter()
+    keys = keys_of(3)
+    await b.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
+    await a.batched_put(keys[1:2], [raw.encode(payload(keys[1]), SPEC, keys[1])])
+    async with StorageManager(make_l1(), [("a", a, raw), ("b", b, raw)], POLICY) as manager:
+        await put_all(manager, keys[:1])
+        hit = await manager.lookup_prefix(keys, prefetch=False)
+        assert hit.tiers == (L1_TIER, "a", "b")
+
+
+async def test_dead_tier_is_a_miss_within_the_deadline_and_opens_the_circuit() -> None:
+    raw = build_pipeline(["raw"])
+    dead = FaultInjectingAdapter(InMemoryAdapter(), hang=True)
+    async with StorageManager(make_l1(), [("dead", dead, raw)], POLICY) as manager:
+        started = time.perf_counter()
+        hit = await manager.lookup_prefix(keys_of(4))
+        assert time.perf_counter() - started < POLICY.lookup_deadline_s + 0.3
+        assert hit.chunks == 0
+        await manager.lookup_prefix(keys_of(4))  # second failure opens the circuit
+        assert manager.metrics.value("tiercache_circuit_open", tier="dead") == 1
+        calls = dead.calls["contains"]
+        started = time.perf_counter()
+        assert (await manager.lookup_prefix(keys_of(4))).chunks == 0
+        assert time.perf_counter() - started < 0.05  # open circuit: no call at all
+        assert dead.calls["contains"] == calls
+        assert manager.metrics.value("tiercache_tier_errors_total", tier="dead", op="contains") == 2
+        # The tier recovers: after the cool-down one probe goes through and closes the circuit.
+        dead.hang = False
+        await asyncio.sleep(POLICY.circuit_cooldown_s + 0.05)
+        await manager.lookup_prefix(keys_of(4))
+        assert dead.calls["contains"] == calls + 1
+        assert manager.metrics.value("tiercache_circuit_open", tier="dead") == 0
+
+
+async def test_failing_tier_errors_are_misses_not_exceptions() -> None:
+    raw = build_pipeline(["raw"])
+    broken = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=1.0)
+    async with StorageManager(make_l1(), [("broken", broken, raw)], POLICY) as manager:
+        await put_all(manager, keys_of(3))
+        await manager.drain()
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="broken", reason="failed") == 3
+        leases = await manager.batched_get(keys_of(4))
+        assert [lease is not None for lease in leases] == [True, True, True, False]
+        for lease in leases:
+            if lease is not None:
+                lease.release()
+
+
+async def test_a_failed_store_leaves_no_visible_object() -> None:
+    raw = build_pipeline(["raw"])
+    inner = InMemoryAdapter()
+    flaky = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"put"}))
+    async with StorageManager(make_l1(), [("flaky", flaky, raw)], POLICY) as manager:
+        await put_all(manager, keys_of(2))
+        await manager.drain()
+        assert await inner.batched_contains(keys_of(2)) == [False, False]
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="flaky", reason="failed") == 2
+
+
+async def test_corrupt_frame_is_a_miss_and_ends_the_prefix() -> None:
+    raw = build_pipeline(["raw"])
+    inner = InMemoryAdapter()
+    keys = keys_of(3)
+    await inner.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
+    corrupting = FaultInjectingAdapter(inner)
+    async with StorageManager(make_l1(), [("bad", corrupting, raw)], POLICY) as manager:
+        assert (await manager.lookup_prefix(keys, prefetch=False)).chunks == 3
+        corrupting.corrupt_rate = 1.0
+        leases = await manager.batched_get(keys, [SPEC] * 3)
+        assert leases == [None, None, None]
+        assert manager.metrics.value("tiercache_frames_rejected_total", tier="bad") == 3
+        assert not manager.l1.contains(keys[0])
+
+
+async def test_frame_stored_under_another_key_is_rejected() -> None:
+    raw = build_pipeline(["raw"])
+    inner = InMemoryAdapter()
+    await inner.batched_put(["victim"], [raw.encode(payload("other"), SPEC, "other")])
+    async with StorageManager(make_l1(), [("m", inner, raw)], POLICY) as manager:
+        assert await manager.batched_get(["victim"]) == [None]
+        assert manager.metrics.value("tiercache_frames_rejected_total", tier="m") == 1
+
+
+class _Blocking(InMemoryAdapter):
+    """Puts never finish (until cancelled): the store queue fills up."""
+
+    async def batched_put(
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        await asyncio.Event().wait()
+        return []
+
+
+async def test_full_store_queue_drops_and_counts_without_blocking() -> None:
+    raw = build_pipeline(["raw"])
+    policy = ManagerConfig(l2_deadline_s=30.0, lookup_deadline_s=0.2, store_queue_size=2)
+    async with StorageManager(make_l1(), [("slow", _Blocking(), raw)], policy, store_batch=1) as manager:
+        started = time.perf_counter()
+        for key in keys_of(10):
+            await put_all(manager, [key])
+        assert time.perf_counter() - started < 1.0
+        dropped = manager.metrics.value("tiercache_stores_dropped_total", tier="slow", reason="queue_full")
+        assert dropped >= 10 - 2 - 1  # queue of 2, one batch in flight
+        assert manager.l1.contains("k0009")  # L1 still has everything
+
+
+async def test_l1_under_pressure_refuses_cleanly() -> None:
+    async with StorageManager(make_l1(slots=2), [], POLICY) as manager:
+        keys = keys_of(3)
+        objs = await manager.batched_allocate(keys[:2], [SPEC, SPEC])
+        assert all(o is not None for o in objs)
+        assert await manager.batched_allocate(keys[2:], [SPEC]) == [None]  # both slots still being written
+        assert manager.metrics.value("tiercache_l1_alloc_failures_total") == 1
+
+
+async def test_metrics_render_prometheus_text() -> None:
+    async with StorageManager(
+        make_l1(), [("m", InMemoryAdapter(), build_pipeline(["raw"]))], POLICY
+    ) as manager:
+        await manager.lookup_prefix(keys_of(2))
+        text = manager.metrics.render()
+        assert "tiercache_misses_total" in text
+        assert 'tiercache_tier_latency_seconds_bucket{le="0.0005",op="contains",tier="m"}' in text
+
+
+async def test_open_from_config(tmp_path: Path) -> None:
+    from tiercache.config import config_from_dict
+
+    config = config_from_dict(
+        {"l1": {"capacity": SPEC.nbytes * 4}, "tiers": [{"name": "d", "url": f"file://{tmp_path}/d"}]}
+    )
+    manager = await StorageManager.open(config, SPEC.nbytes)
+    try:
+        assert [t.name for t in manager.tiers] == ["d"]
+        assert isinstance(manager.tiers[0].adapter, Adapter)
+        assert manager.l1.num_slots == 4
+    finally:
+        await manager.aclose()
+        await manager.aclose()
+    assert (tmp_path / "d").is_dir()

@@ -1,0 +1,352 @@
+"""L1 host-memory tier: one preallocated (pinned when CUDA is present) pool of fixed-size slots, LRU eviction
+of unleased READY objects, two-phase writes and expiring reader leases.
+
+Torch is imported lazily (first construction / first ``tensor()`` call), so importing this module is light.
+
+Lifecycle of one key::
+
+    reserve_write -> WRITING (invisible) --finish_write--> READY (visible, LRU) --evict/delete--> gone
+                                         --abort_write---> gone
+
+A reader holds an :class:`L1Lease`. An unexpired, unreleased lease protects its object from eviction and
+deletion; an expired lease protects nothing (no pin ever leaks). Every slot carries a generation counter that
+is bumped whenever the slot is freed, so :meth:`L1Lease.valid` tells a reader whether the bytes it copied out
+really belonged to its object: copy first, then call ``valid()``, and drop the copy if it returns False.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiercache.spec import KVSpec
+
+__all__ = ["KVObject", "L1Cache", "L1Lease", "L1Stats", "ObjectState"]
+
+# Slot stride alignment (bytes): every slot starts at a multiple of this, so any KV dtype view is aligned.
+_SLOT_ALIGN = 8
+
+
+class ObjectState(enum.Enum):
+    """State of a KV object in L1: WRITING (reserved, invisible to readers) or READY (visible)."""
+
+    WRITING = 1
+    READY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class L1Stats:
+    """A consistent snapshot of L1 occupancy and counters."""
+
+    used_slots: int
+    num_slots: int
+    used_bytes: int
+    capacity: int
+    ready: int
+    writing: int
+    leased: int
+    evictions: int
+    expired_leases: int
+    alloc_failures: int
+
+
+class KVObject:
+    """A view on one L1 slot holding ``spec``; created by :meth:`L1Cache.reserve_write`, never by users."""
+
+    __slots__ = ("_cache", "_gen", "_leases", "_slot", "key", "spec", "state")
+
+    def __init__(self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int) -> None:
+        """Bind ``key``/``spec`` to ``slot`` at generation ``gen`` (internal)."""
+        self._cache = cache
+        self.key = key
+        self.spec = spec
+        self.state = ObjectState.WRITING
+        self._slot = slot
+        self._gen = gen
+        self._leases: dict[int, float] = {}  # lease id -> expires_at (unreleased, not yet seen expired)
+
+    def tensor(self) -> torch.Tensor:
+        """A no-copy view shaped ``spec.shape``, torch dtype of ``spec.dtype``, on the slot's memory."""
+        import torch
+
+        off = self._slot * self._cache._stride
+        raw = self._cache._pool[off : off + self.spec.nbytes]
+        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+
+    def buffer(self) -> memoryview:
+        """A writable uint8 memoryview of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
+        off = self._slot * self._cache._stride
+        return self._cache._mv[off : off + self.spec.nbytes]
+
+    def __repr__(self) -> str:
+        """Debug representation."""
+        return f"KVObject(key={self.key!r}, state={self.state.name}, slot={self._slot}, gen={self._gen})"
+
+
+class L1Lease:
+    """A reader's expiring hold on a READY object; a context manager that releases on exit."""
+
+    __slots__ = ("_cache", "_id", "_released", "expires_at", "obj")
+
+    def __init__(self, cache: L1Cache, obj: KVObject, lease_id: int, expires_at: float) -> None:
+        """Record a lease already registered on ``obj`` (internal)."""
+        self._cache = cache
+        self.obj = obj
+        self._id = lease_id
+        self.expires_at = expires_at
+        self._released = False
+
+    def valid(self) -> bool:
+        """True while unexpired, unreleased and the slot still holds this very object (generation check)."""
+        cache = self._cache
+        with cache._lock:
+            if self._released or cache._clock() >= self.expires_at:
+                return False
+            obj = self.obj
+            return cache._gens[obj._slot] == obj._gen and cache._owner[obj._slot] is obj
+
+    def release(self) -> None:
+        """Drop this lease; idempotent and never raises."""
+        cache = self._cache
+        with cache._lock:
+            if self._released:
+                return
+            self._released = True
+            obj = self.obj
+            if obj._leases.pop(self._id, None) is not None and not obj._leases:
+                cache._leased_objs.discard(obj)
+
+    def __enter__(self) -> L1Lease:
+        """Return the lease itself."""
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Release the lease."""
+        self.release()
+
+    def __repr__(self) -> str:
+        """Debug representation."""
+        return f"L1Lease(key={self.obj.key!r}, expires_at={self.expires_at}, released={self._released})"
+
+
+class L1Cache:
+    """Bounded host-memory KV store: fixed-size slots, LRU eviction of unleased READY objects, thread-safe.
+
+    ``num_slots = capacity // slot_bytes`` (slots start at multiples of 8 bytes, so a ``slot_bytes`` that is
+    not a multiple of 8 is rounded up for the stride). Objects larger than ``slot_bytes`` are refused.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        slot_bytes: int,
+        *,
+        pinned: bool | None = None,
+        default_lease_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Preallocate the pool; ValueError when it would hold no slot or a parameter is non-positive."""
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be positive: {slot_bytes}")
+        if default_lease_s <= 0:
+            raise ValueError(f"default_lease_s must be positive: {default_lease_s}")
+        stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        num_slots = capacity // stride if capacity > 0 else 0
+        if num_slots <= 0:
+            raise ValueError(f"capacity {capacity} holds no slot of {slot_bytes} bytes")
+        import torch
+
+        if pinned is None:
+            pinned = bool(torch.cuda.is_available())
+        self.capacity = capacity
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.pinned = pinned
+        self.default_lease_s = default_lease_s
+        self._stride = stride
+        self._clock = clock
+        self._pool: torch.Tensor = torch.empty(num_slots * stride, dtype=torch.uint8, pin_memory=pinned)
+        self._mv: memoryview = memoryview(self._pool.numpy().data).cast("B")
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._gens: list[int] = [0] * num_slots
+        self._owner: list[KVObject | None] = [None] * num_slots
+        self._objects: dict[str, KVObject] = {}  # READY and WRITING
+        self._lru: OrderedDict[str, KVObject] = OrderedDict()  # READY only, oldest first
+        self._leased_objs: set[KVObject] = set()  # objects with at least one registered lease
+        self._lease_ids = itertools.count(1)
+        self._used_bytes = 0
+        self._writing = 0
+        self._evictions = 0
+        self._expired_leases = 0
+        self._alloc_failures = 0
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _is_leased(self, obj: KVObject, now: float) -> bool:
+        """Whether ``obj`` has an unexpired, unreleased lease; forgets (and counts) expired ones."""
+        leases = obj._leases
+        if not leases:
+            return False
+        expired = [lid for lid, exp in leases.items() if exp <= now]
+        for lid in expired:
+            del leases[lid]
+        self._expired_leases += len(expired)
+        if leases:
+            return True
+        self._leased_objs.discard(obj)
+        return False
+
+    def _free_slot(self, obj: KVObject) -> None:
+        """Remove ``obj`` from every index and return its slot to the free list, bumping the generation."""
+        slot = obj._slot
+        assert self._owner[slot] is obj
+        del self._objects[obj.key]
+        if obj.state is ObjectState.READY:
+            del self._lru[obj.key]
+        else:
+            self._writing -= 1
+        if obj._leases:
+            obj._leases.clear()
+            self._leased_objs.discard(obj)
+        self._owner[slot] = None
+        self._gens[slot] += 1
+        self._used_bytes -= obj.spec.nbytes
+        self._free.append(slot)
+
+    def _evict_one(self, now: float) -> bool:
+        """Evict the least recently used READY object without a live lease; False when none qualifies."""
+        for obj in self._lru.values():
+            if not self._is_leased(obj, now):
+                self._free_slot(obj)
+                self._evictions += 1
+                return True
+        return False
+
+    def _current(self, obj: KVObject, state: ObjectState) -> None:
+        """ValueError unless ``obj`` is this cache's live object for its key and is in ``state``."""
+        if obj._cache is not self or self._objects.get(obj.key) is not obj or obj.state is not state:
+            raise ValueError(f"{obj!r} is not a live {state.name} object of this cache")
+
+    def _acquire_locked(self, key: str, lease_s: float, now: float) -> L1Lease | None:
+        """Lease the READY object under ``key`` and mark it recently used."""
+        obj = self._lru.get(key)
+        if obj is None:
+            return None
+        self._lru.move_to_end(key)
+        lease_id = next(self._lease_ids)
+        expires_at = now + lease_s
+        obj._leases[lease_id] = expires_at
+        self._leased_objs.add(obj)
+        return L1Lease(self, obj, lease_id, expires_at)
+
+    def _lease_seconds(self, lease_s: float | None) -> float:
+        """The lease duration to use; ValueError when non-positive."""
+        if lease_s is None:
+            return self.default_lease_s
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive: {lease_s}")
+        return lease_s
+
+    # ------------------------------------------------------------------ public API
+
+    def reserve_write(self, key: str, spec: KVSpec) -> KVObject | None:
+        """Reserve a slot for ``key`` in WRITING state; None if the key exists or no slot can be freed."""
+        nbytes = spec.nbytes
+        with self._lock:
+            if key in self._objects:
+                return None  # first writer wins
+            if nbytes > self.slot_bytes:
+                self._alloc_failures += 1
+                return None
+            if not self._free and not self._evict_one(self._clock()):
+                self._alloc_failures += 1
+                return None
+            slot = self._free.pop()
+            obj = KVObject(self, key, spec, slot, self._gens[slot])
+            self._owner[slot] = obj
+            self._objects[key] = obj
+            self._used_bytes += nbytes
+            self._writing += 1
+            return obj
+
+    def finish_write(self, obj: KVObject) -> None:
+        """WRITING -> READY: the object becomes visible to contains/acquire (most recently used)."""
+        with self._lock:
+            self._current(obj, ObjectState.WRITING)
+            obj.state = ObjectState.READY
+            self._writing -= 1
+            self._lru[obj.key] = obj
+
+    def abort_write(self, obj: KVObject) -> None:
+        """Drop a WRITING object and free its slot; the key stays absent."""
+        with self._lock:
+            self._current(obj, ObjectState.WRITING)
+            self._free_slot(obj)
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is READY (does not touch LRU order)."""
+        with self._lock:
+            return key in self._lru
+
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains` for each key, under one lock acquisition."""
+        with self._lock:
+            lru = self._lru
+            return [k in lru for k in keys]
+
+    def acquire(self, key: str, lease_s: float | None = None) -> L1Lease | None:
+        """Lease the READY ``key`` for ``lease_s`` seconds (default ``default_lease_s``); None on a miss."""
+        duration = self._lease_seconds(lease_s)
+        with self._lock:
+            return self._acquire_locked(key, duration, self._clock())
+
+    def batched_acquire(self, keys: Sequence[str], lease_s: float | None = None) -> list[L1Lease | None]:
+        """:meth:`acquire` for each key, under one lock acquisition."""
+        duration = self._lease_seconds(lease_s)
+        with self._lock:
+            now = self._clock()
+            return [self._acquire_locked(k, duration, now) for k in keys]
+
+    def delete(self, key: str) -> bool:
+        """Remove the READY object under ``key``; False if absent, WRITING or currently leased (unexpired)."""
+        with self._lock:
+            obj = self._lru.get(key)
+            if obj is None or self._is_leased(obj, self._clock()):
+                return False
+            self._free_slot(obj)
+            return True
+
+    def stats(self) -> L1Stats:
+        """A consistent snapshot of occupancy and counters (``leased`` counts objects with a live lease)."""
+        with self._lock:
+            now = self._clock()
+            leased = sum(1 for obj in list(self._leased_objs) if self._is_leased(obj, now))
+            return L1Stats(
+                used_slots=self.num_slots - len(self._free),
+                num_slots=self.num_slots,
+                used_bytes=self._used_bytes,
+                capacity=self.capacity,
+                ready=len(self._lru),
+                writing=self._writing,
+                leased=leased,
+                evictions=self._evictions,
+                expired_leases=self._expired_leases,
+                alloc_failures=self._alloc_failures,
+            )
+
+    def __repr__(self) -> str:
+        """Debug representation."""
+        return f"L1Cache(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, pinned={self.pinned})"

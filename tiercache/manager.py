@@ -1,0 +1,430 @@
+"""The storage manager: L1 plus ordered L2 tiers behind one async, batched API.
+
+Every L2 call has a deadline; an error or timeout is a miss for that tier and a metric, and repeated failures
+open the tier's circuit. Stores to L2 run in the background through bounded queues (full: dropped and counted,
+never blocking the caller). Lookups stop at the first miss (``contiguous_prefix``); a hit below L1 starts a
+prefetch (L2 -> decode -> L1) bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from tiercache.circuit import CircuitBreaker
+from tiercache.config import ManagerConfig
+from tiercache.errors import FrameError
+from tiercache.keys import contiguous_prefix
+from tiercache.metrics import Metrics
+
+if TYPE_CHECKING:
+    from tiercache.adapters import Adapter, Buffer
+    from tiercache.config import Config
+    from tiercache.l1 import KVObject, L1Cache, L1Lease
+    from tiercache.serde import CodecPipeline
+    from tiercache.spec import KVSpec
+
+__all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
+
+L1_TIER = "L1"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TierHit:
+    """Where a chunk was found: tier name and level (0 = L1, 1.. = L2 tiers in order)."""
+
+    tier: str
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The contiguous cached prefix of a key list: its length in chunks and the tier serving each chunk."""
+
+    chunks: int
+    tiers: tuple[str, ...]
+
+    def count(self, tier: str) -> int:
+        """Chunks of the prefix served by ``tier``."""
+        return self.tiers.count(tier)
+
+
+@dataclass
+class L2Tier:
+    """One opened L2 tier: adapter, codec pipeline, circuit breaker and background store queue."""
+
+    name: str
+    adapter: Adapter
+    pipeline: CodecPipeline
+    breaker: CircuitBreaker
+    queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
+    worker: asyncio.Task[None] | None = None
+
+
+class StorageManager:
+    """L1 + L2 tiers on one event loop. Construct inside the loop (or with ``open``), then ``aclose``."""
+
+    def __init__(
+        self,
+        l1: L1Cache,
+        tiers: Sequence[tuple[str, Adapter, CodecPipeline]] = (),
+        policy: ManagerConfig | None = None,
+        *,
+        metrics: Metrics | None = None,
+        store_batch: int = 8,
+    ) -> None:
+        self.l1 = l1
+        self.policy = policy or ManagerConfig()
+        self.metrics = metrics or Metrics()
+        self.store_batch = store_batch
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
+        self.tiers: list[L2Tier] = []
+        for name, adapter, pipeline in tiers:
+            tier = L2Tier(
+                name,
+                adapter,
+                pipeline,
+                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s),
+                asyncio.Queue(self.policy.store_queue_size),
+            )
+            self.tiers.append(tier)
+        self._prefetching: dict[str, asyncio.Future[bool]] = {}
+        self._closed = False
+
+    @classmethod
+    async def open(cls, config: Config, slot_bytes: int, *, metrics: Metrics | None = None) -> StorageManager:
+        """Build L1 and open every configured L2 tier (an unreachable tier is an error here, not a miss)."""
+        from tiercache._open import open_adapter
+        from tiercache.l1 import L1Cache
+        from tiercache.serde import build_pipeline
+
+        l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned)
+        opened: list[tuple[str, Adapter, CodecPipeline]] = []
+        try:
+            for tier in config.tiers:
+                pipeline = build_pipeline(list(tier.codecs))
+                adapter = await open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
+                opened.append((tier.name, adapter, pipeline))
+        except BaseException:
+            for _, adapter, _ in opened:
+                await adapter.aclose()
+            raise
+        return cls(l1, opened, config.manager, metrics=metrics)
+
+    # ----- L2 calls: deadline, circuit, metrics ------------------------------------------------------------
+    async def _call(
+        self, tier: L2Tier, op: str, call: Callable[[], Awaitable[T]], deadline_s: float
+    ) -> T | None:
+        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss)."""
+        if not tier.breaker.allow():
+            return None
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(call(), deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.metrics.errors.labels(tier.name, op).inc()
+            if tier.breaker.record_failure():
+                self.metrics.circuit_open.labels(tier.name).set(1)
+            return None
+        finally:
+            self.metrics.latency.labels(tier.name, op).observe(time.perf_counter() - started)
+        tier.breaker.record_success()
+        self.metrics.circuit_open.labels(tier.name).set(0)
+        return result
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    # ----- allocation and puts ------------------------------------------------------------------------------
+    async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[KVObject | None]:
+        """Reserve L1 objects to write into; None where the key is already stored or L1 has no room."""
+        objects = [self.l1.reserve_write(key, spec) for key, spec in zip(keys, specs, strict=True)]
+        failures = sum(
+            obj is None and not self.l1.contains(key) for obj, key in zip(objects, keys, strict=True)
+        )
+        if failures:
+            self.metrics.l1_alloc_failures.inc(failures)
+        return objects
+
+    async def batched_put(self, objects: Sequence[KVObject]) -> None:
+        """Publish written objects in L1 and queue them for every L2 tier (never blocks on L2)."""
+        for obj in objects:
+            self.l1.finish_write(obj)
+        for tier in self.tiers:
+            for obj in objects:
+                lease = self.l1.acquire(obj.key, lease_s=self.policy.l2_deadline_s * 8)
+                if lease is None:
+                    self.metrics.stores_dropped.labels(tier.name, "evicted").inc()
+                    continue
+                try:
+                    tier.queue.put_nowait((obj.key, lease))
+                except asyncio.QueueFull:
+                    lease.release()
+                    self.metrics.stores_dropped.labels(tier.name, "queue_full").inc()
+                    continue
+                if tier.worker is None or tier.worker.done():
+                    tier.worker = asyncio.get_running_loop().create_task(self._store_worker(tier))
+
+    async def _store_worker(self, tier: L2Tier) -> None:
+        """Drain a tier's store queue in batches: encode off the loop, then one batched put."""
+        while not tier.queue.empty():
+            batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
+            try:
+                await self._store_batch(tier, batch)
+            finally:
+                for _, lease in batch:
+                    lease.release()
+
+    async def _store_batch(self, tier: L2Tier, batch: list[tuple[str, L1Lease]]) -> None:
+        def encode() -> list[tuple[str, bytearray]]:
+            frames = []
+            for key, lease in batch:
+                frame = tier.pipeline.encode(lease.obj.buffer(), lease.obj.spec, key)
+                if lease.valid():  # the slot was not reused while we read it
+                    frames.append((key, frame))
+            return frames
+
+        frames = await self._run(encode)
+        dropped = len(batch) - len(frames)
+        if dropped:
+            self.metrics.stores_dropped.labels(tier.name, "lease_expired").inc(dropped)
+        if not frames:
+            return
+        keys = [k for k, _ in frames]
+        values = [f for _, f in frames]
+        stored = await self._call(
+            tier, "put", lambda: tier.adapter.batched_put(keys, values), self.policy.l2_deadline_s
+        )
+        if stored is None:
+            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(keys))
+            return
+        for ok, value in zip(stored, values, strict=True):
+            if ok:
+                self.metrics.stores.labels(tier.name).inc()
+                self.metrics.bytes_written.labels(tier.name).inc(len(value))
+            else:
+                self.metrics.stores_dropped.labels(tier.name, "refused").inc()
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued background store has finished (tests, shutdown, the demo)."""
+        workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
+        if workers:
+            await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout_s)
+
+    # ----- lookups ------------------------------------------------------------------------------------------
+    async def batched_contains(
+        self, keys: Sequence[str], tiers: Sequence[str] | None = None
+    ) -> list[TierHit | None]:
+        """For each key, the first tier (L1, then L2 in order) that holds it now; None where none does."""
+        wanted = None if tiers is None else set(tiers)
+        hits: list[TierHit | None] = [None] * len(keys)
+        if wanted is None or L1_TIER in wanted:
+            for i, present in enumerate(self.l1.batched_contains(keys)):
+                if present:
+                    hits[i] = TierHit(L1_TIER, 0)
+        for level, tier in enumerate(self.tiers, start=1):
+            if wanted is not None and tier.name not in wanted:
+                continue
+            todo = [i for i, hit in enumerate(hits) if hit is None]
+            if not todo:
+                break
+            found = await self._contains(tier, [keys[i] for i in todo], self.policy.lookup_deadline_s)
+            for i, present in zip(todo, found, strict=True):
+                if present:
+                    hits[i] = TierHit(tier.name, level)
+        return hits
+
+    async def _contains(self, tier: L2Tier, keys: list[str], deadline_s: float) -> list[bool]:
+        result = await self._call(tier, "contains", lambda: tier.adapter.batched_contains(keys), deadline_s)
+        if result is None:
+            self.metrics.misses.labels(tier.name).inc(len(keys))
+            return [False] * len(keys)
+        return result
+
+    async def lookup_prefix(
+        self, keys: Sequence[str], specs: Sequence[KVSpec] | None = None, *, prefetch: bool = True
+    ) -> PrefixHit:
+        """Longest contiguous prefix of ``keys`` across L1 and L2; starts a prefetch of its L2 part."""
+        hits: list[TierHit | None] = [None] * len(keys)
+        for i, present in enumerate(self.l1.batched_contains(keys)):
+            if present:
+                hits[i] = TierHit(L1_TIER, 0)
+        # Only keys up to the first chunk that no tier has can count; ask each L2 tier once for the rest.
+        for level, tier in enumerate(self.tiers, start=1):
+            todo = [i for i in range(len(keys)) if hits[i] is None]
+            if not todo:
+                break
+            found = await self._contains(tier, [keys[i] for i in todo], self.policy.lookup_deadline_s)
+            for i, present in zip(todo, found, strict=True):
+                if present:
+                    hits[i] = TierHit(tier.name, level)
+        chunks = contiguous_prefix(hits)
+        prefix = [h for h in hits[:chunks] if h is not None]
+        for hit in prefix:
+            self.metrics.hits.labels(hit.tier).inc()
+        if chunks < len(keys):
+            self.metrics.misses.labels("all").inc()
+        if prefetch:
+            below = [i for i, h in enumerate(prefix) if h.level > 0]
+            if below:
+                self.start_prefetch(
+                    [keys[i] for i in below],
+                    [prefix[i].tier for i in below],
+                    None if specs is None else [specs[i] for i in below],
+                )
+        return PrefixHit(chunks, tuple(h.tier for h in prefix))
+
+    # ----- prefetch -----------------------------------------------------------------------------------------
+    def start_prefetch(
+        self, keys: Sequence[str], tiers: Sequence[str], specs: Sequence[KVSpec] | None = None
+    ) -> asyncio.Task[int]:
+        """Load ``keys`` (from the named tier of each) into L1 in the background; the task returns the
+        number of leading keys now in L1."""
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for key in keys:
+            if key not in self._prefetching:
+                futures[key] = self._prefetching[key] = loop.create_future()
+        task = loop.create_task(self._prefetch(list(keys), list(tiers), specs, futures))
+        return task
+
+    async def _prefetch(
+        self,
+        keys: list[str],
+        tiers: list[str],
+        specs: Sequence[KVSpec] | None,
+        futures: dict[str, asyncio.Future[bool]],
+    ) -> int:
+        loaded = [False] * len(keys)
+        try:
+            by_tier: dict[str, list[int]] = {}
+            for i, name in enumerate(tiers):
+                if keys[i] in futures:
+                    by_tier.setdefault(name, []).append(i)
+                else:
+                    loaded[i] = True  # someone else is loading it; waited for in batched_get
+            for tier in self.tiers:
+                idx = by_tier.get(tier.name)
+                if idx:
+                    ok = await self._load(
+                        tier, [keys[i] for i in idx], None if specs is None else [specs[i] for i in idx]
+                    )
+                    for i, good in zip(idx, ok, strict=True):
+                        loaded[i] = good
+        finally:
+            for i, key in enumerate(keys):
+                future = futures.get(key)
+                if future is not None:
+                    self._prefetching.pop(key, None)
+                    if not future.done():
+                        future.set_result(loaded[i])
+        return contiguous_prefix(loaded)
+
+    async def _load(self, tier: L2Tier, keys: list[str], specs: list[KVSpec] | None) -> list[bool]:
+        """Get frames from one tier and decode them into fresh L1 objects; failures are misses."""
+        frames = await self._call(
+            tier, "get", lambda: tier.adapter.batched_get(keys), self.policy.l2_deadline_s
+        )
+        if frames is None:
+            return [False] * len(keys)
+        results: list[bool] = []
+        for i, (key, frame) in enumerate(zip(keys, frames, strict=True)):
+            if frame is None:
+                self.metrics.misses.labels(tier.name).inc()
+                results.append(False)
+                continue
+            self.metrics.bytes_read.labels(tier.name).inc(len(frame))
+            results.append(await self._decode_into_l1(tier, key, frame, None if specs is None else specs[i]))
+        return results
+
+    async def _decode_into_l1(self, tier: L2Tier, key: str, frame: Buffer, spec: KVSpec | None) -> bool:
+        from tiercache.serde import read_header
+
+        try:
+            header = read_header(frame)
+        except FrameError:
+            self.metrics.frames_rejected.labels(tier.name).inc()
+            return False
+        target = spec or header.spec
+        obj = self.l1.reserve_write(key, target)
+        if obj is None:
+            return self.l1.contains(key)
+        try:
+            await self._run(lambda: tier.pipeline.decode_into(frame, key, obj.buffer(), expected_spec=target))
+        except FrameError:
+            self.l1.abort_write(obj)
+            self.metrics.frames_rejected.labels(tier.name).inc()
+            return False
+        except BaseException:
+            self.l1.abort_write(obj)
+            raise
+        self.l1.finish_write(obj)
+        self.metrics.prefetched.labels(tier.name).inc()
+        return True
+
+    # ----- reads --------------------------------------------------------------------------------------------
+    async def batched_get(
+        self, keys: Sequence[str], specs: Sequence[KVSpec] | None = None, *, deadline_s: float | None = None
+    ) -> list[L1Lease | None]:
+        """Leases on L1 objects for ``keys``, loading a contiguous prefix from L2 first where needed.
+
+        Stops at the first key no tier can deliver within the deadline; later entries are None.
+        """
+        deadline_s = self.policy.l2_deadline_s if deadline_s is None else deadline_s
+        pending = [self._prefetching[k] for k in keys if k in self._prefetching]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending)), deadline_s)
+        present = self.l1.batched_contains(keys)
+        first_missing = contiguous_prefix(present)
+        if first_missing < len(keys) and self.tiers:
+            rest = list(keys[first_missing:])
+            hits = await self.batched_contains(rest, tiers=[t.name for t in self.tiers])
+            n = contiguous_prefix(hits)
+            if n:
+                task = self.start_prefetch(
+                    rest[:n],
+                    [h.tier for h in hits[:n] if h is not None],
+                    None if specs is None else list(specs[first_missing : first_missing + n]),
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(task), deadline_s)
+        leases: list[L1Lease | None] = []
+        for key in keys:
+            lease = self.l1.acquire(key)
+            leases.append(lease)
+            if lease is None:
+                break
+        return leases + [None] * (len(keys) - len(leases))
+
+    # ----- lifecycle ----------------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Stop background work and close every adapter; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for tier in self.tiers:
+            if tier.worker is not None:
+                tier.worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await tier.worker
+            while not tier.queue.empty():
+                _, lease = tier.queue.get_nowait()
+                lease.release()
+            with contextlib.suppress(Exception):
+                await tier.adapter.aclose()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> StorageManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
