@@ -54,6 +54,9 @@ class KeySpace:
     rank: int | Literal["shared"] = 0
     cache_salt: str = ""
     key_format_version: int = KEY_FORMAT_VERSION
+    layout_tag: str = ""
+    """Extra layout identity for objects only one engine layout can read (e.g. vLLM CPU-backend pages);
+    hashed only when set, so it never changes the keys of interchangeable layouts."""
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +73,8 @@ class KeySpace:
             raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
         fields = asdict(self)
         fields.pop("_digest")
+        if not self.layout_tag:
+            fields.pop("layout_tag")
         fields["kv_format"] = self.kv_format.name
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         object.__setattr__(self, "_digest", hashlib.sha256(canonical.encode()).digest()[:_DIGEST_BYTES])

@@ -113,7 +113,7 @@ class L1Lease:
             if self._released or cache._clock() >= self.expires_at:
                 return False
             obj = self.obj
-            return cache._gens[obj._slot] == obj._gen and cache._owner[obj._slot] is obj
+            return cache._gens[obj._slot] == obj._gen
 
     def release(self) -> None:
         """Drop this lease; idempotent and never raises."""

@@ -1,0 +1,356 @@
+"""The cache engine: tokens + paged KV in, chunk objects through the storage manager, paged KV out.
+
+It glues the token database (keys), the gpu layer (gather/scatter between paged KV and L1 objects) and the
+storage manager (L1 + L2). The vLLM connector and the demo use it. In layerwise mode every chunk is stored as
+one object per layer, and a chunk counts as cached only when all its layers are present.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiercache.gpu.layouts import PagedLayout, object_spec, plan_read
+from tiercache.keys import ChunkSpan, KeySpace, TokenDatabase, contiguous_prefix
+from tiercache.manager import L1_TIER, StorageManager
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiercache.config import Config
+    from tiercache.gpu.reference import KVCaches
+    from tiercache.l1 import KVObject
+    from tiercache.metrics import Metrics
+    from tiercache.spec import KVSpec
+
+__all__ = ["CacheEngine", "LookupResult", "RetrieveResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A lookup's answer: cached prefix length in tokens and chunks, and the tier serving each chunk."""
+
+    tokens: int
+    chunks: int
+    tiers: tuple[str, ...]
+
+    def chunks_in(self, tier: str) -> int:
+        """Chunks of the prefix served by ``tier`` (``"L1"`` or an L2 tier's name)."""
+        return self.tiers.count(tier)
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveResult:
+    """What a retrieve did: tokens read from the cache (whole chunks) and tokens written into paged KV."""
+
+    ret_mask: torch.Tensor
+    tokens_read: int
+    tokens_written: int
+    skip_prefix: int
+
+
+class CacheEngine:
+    """store / lookup / retrieve of paged KV for one engine layout and keyspace (async; one event loop)."""
+
+    def __init__(
+        self,
+        manager: StorageManager,
+        layout: PagedLayout,
+        keyspace: KeySpace,
+        *,
+        chunk_size: int = 256,
+        save_unfull_chunk: bool = True,
+        layerwise: bool = False,
+    ) -> None:
+        if layout.block_aligned and chunk_size % layout.block_size:
+            raise ValueError(f"chunk_size {chunk_size} must be a multiple of block_size {layout.block_size}")
+        self.manager = manager
+        self.layout = layout
+        self.keyspace = keyspace
+        self.token_db = TokenDatabase(keyspace, chunk_size, save_unfull_chunk)
+        self.chunk_size = chunk_size
+        self.layerwise = layerwise
+
+    @staticmethod
+    def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False) -> int:
+        """L1 slot size: one full-chunk object (per layer in layerwise mode)."""
+        spec = object_spec(layout, chunk_size)
+        return spec.with_layers(0, 1).nbytes if layerwise else spec.nbytes
+
+    @classmethod
+    async def open(
+        cls,
+        config: Config,
+        layout: PagedLayout,
+        *,
+        model: str,
+        revision: str = "",
+        world_size: int = 1,
+        rank: int | str = 0,
+        layerwise: bool = False,
+        metrics: Metrics | None = None,
+    ) -> CacheEngine:
+        """Build the keyspace from the layout, open L1 and every configured tier, and return the engine."""
+        salt = os.environ.get(config.cache_salt_env, "") if config.cache_salt_env else ""
+        keyspace = KeySpace(
+            model=model,
+            kv_dtype=layout.dtype,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            kv_format=layout.object_format,
+            revision=revision,
+            world_size=world_size,
+            rank=rank,  # type: ignore[arg-type]
+            cache_salt=salt,
+            layout_tag=layout.fingerprint if layout.block_aligned else "",
+        )
+        slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
+        manager = await StorageManager.open(config, slot, metrics=metrics)
+        return cls(
+            manager,
+            layout,
+            keyspace,
+            chunk_size=config.chunk_size,
+            save_unfull_chunk=config.save_unfull_chunk,
+            layerwise=layerwise,
+        )
+
+    async def aclose(self) -> None:
+        """Close the manager (background stores are cancelled; call ``drain`` first to finish them)."""
+        await self.manager.aclose()
+
+    async def drain(self) -> None:
+        """Wait for background L2 stores to finish."""
+        await self.manager.drain()
+
+    # ----- keys and specs -----------------------------------------------------------------------------------
+    def _spec(self, span: ChunkSpan, layer: int | None = None) -> KVSpec:
+        spec = object_spec(self.layout, span.end - span.start)
+        return spec if layer is None else spec.with_layers(layer, layer + 1)
+
+    def _layer_keys(self, span: ChunkSpan) -> list[str]:
+        return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
+
+    def _object_keys(self, spans: Sequence[ChunkSpan]) -> tuple[list[str], list[KVSpec]]:
+        """Storage keys and specs of every object of ``spans`` (chunk-major, then layer)."""
+        if not self.layerwise:
+            return [str(s.key) for s in spans], [self._spec(s) for s in spans]
+        keys: list[str] = []
+        specs: list[KVSpec] = []
+        for span in spans:
+            keys.extend(self._layer_keys(span))
+            specs.extend(self._spec(span, layer) for layer in range(self.layout.num_layers))
+        return keys, specs
+
+    # ----- store --------------------------------------------------------------------------------------------
+    async def store(
+        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+    ) -> int:
+        """Gather the KV of every keyed chunk of ``tokens`` (after the mask's False prefix) into L1, queue it
+        for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped)."""
+        from tiercache.gpu import reference
+
+        spans = self.token_db.process_tokens(tokens, mask)
+        if not spans:
+            return 0
+        keys, specs = self._object_keys(spans)
+        objects = await self.manager.batched_allocate(keys, specs)
+        layers = self.layout.num_layers if self.layerwise else 1
+        stored_tokens = 0
+        try:
+            if self.layerwise:
+                for layer in range(layers):
+                    picked = [(spans[c], objects[c * layers + layer]) for c in range(len(spans))]
+                    todo = [(s, o) for s, o in picked if o is not None]
+                    if todo:
+                        reference.gather_layer(
+                            layer,
+                            kv_caches,
+                            self.layout,
+                            slot_mapping,
+                            [(s.start, s.end) for s, _ in todo],
+                            [o.tensor() for _, o in todo],
+                        )
+            else:
+                todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+                if todo:
+                    reference.gather(
+                        kv_caches,
+                        self.layout,
+                        slot_mapping,
+                        [(s.start, s.end) for s, _ in todo],
+                        [o.tensor() for _, o in todo],
+                    )
+        except BaseException:
+            for obj in objects:
+                if obj is not None:
+                    self.manager.l1.abort_write(obj)
+            raise
+        written: list[KVObject] = [o for o in objects if o is not None]
+        await self.manager.batched_put(written)
+        for c, span in enumerate(spans):
+            if any(objects[c * layers + layer] is not None for layer in range(layers)):
+                stored_tokens += span.end - span.start
+        return stored_tokens
+
+    async def store_layers(
+        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+    ) -> AsyncIterator[int]:
+        """Layerwise store, one layer per step (yields the layer index after it is in L1 and queued)."""
+        from tiercache.gpu import reference
+
+        if not self.layerwise:
+            raise ValueError("store_layers needs an engine built with layerwise=True")
+        spans = self.token_db.process_tokens(tokens, mask)
+        for layer in range(self.layout.num_layers):
+            keys = [str(s.key.with_layer(layer)) for s in spans]
+            objects = await self.manager.batched_allocate(keys, [self._spec(s, layer) for s in spans])
+            todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+            if todo:
+                try:
+                    reference.gather_layer(
+                        layer,
+                        kv_caches,
+                        self.layout,
+                        slot_mapping,
+                        [(s.start, s.end) for s, _ in todo],
+                        [o.tensor() for _, o in todo],
+                    )
+                except BaseException:
+                    for _, obj in todo:
+                        self.manager.l1.abort_write(obj)
+                    raise
+                await self.manager.batched_put([o for _, o in todo])
+            yield layer
+
+    # ----- lookup -------------------------------------------------------------------------------------------
+    async def lookup_hit(self, tokens: object, *, prefetch: bool = True) -> LookupResult:
+        """Cached prefix of ``tokens`` across L1 and L2, with the tier of each chunk; starts prefetching."""
+        spans = self.token_db.process_tokens(tokens)
+        if not spans:
+            return LookupResult(0, 0, ())
+        if not self.layerwise:
+            keys, specs = self._object_keys(spans)
+            hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch)
+            chunks, tiers = hit.chunks, hit.tiers
+        else:
+            keys, specs = self._object_keys(spans)
+            hits = await self.manager.batched_contains(keys)
+            layers = self.layout.num_layers
+            per_chunk = [hits[c * layers : (c + 1) * layers] for c in range(len(spans))]
+            chunks = contiguous_prefix(all(h is not None for h in layer_hits) for layer_hits in per_chunk)
+            tiers = tuple(
+                max((h for h in per_chunk[c] if h is not None), key=lambda h: h.level).tier
+                for c in range(chunks)
+            )
+            if prefetch and chunks:
+                below = [
+                    (keys[i], hit.tier, specs[i])
+                    for i, hit in enumerate(hits[: chunks * layers])
+                    if hit is not None and hit.level > 0
+                ]
+                if below:
+                    self.manager.start_prefetch(
+                        [k for k, _, _ in below], [t for _, t, _ in below], [s for _, _, s in below]
+                    )
+        return LookupResult(spans[chunks - 1].end if chunks else 0, chunks, tiers)
+
+    async def lookup(self, tokens: object) -> int:
+        """Tokens of the longest contiguous cached prefix of ``tokens`` (and prefetch of its L2 part)."""
+        return (await self.lookup_hit(tokens)).tokens
+
+    # ----- retrieve -----------------------------------------------------------------------------------------
+    async def retrieve_result(
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        skip_tokens: int = 0,
+    ) -> RetrieveResult:
+        """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV.
+
+        The engine holds the first ``max(skip_tokens, mask's False count)`` tokens: chunks wholly below
+        that are not read, the chunk containing it is read whole and only its tail is written.
+        """
+        import torch
+
+        from tiercache.gpu import reference
+
+        spans = self.token_db.process_tokens(tokens)
+        num_tokens = len(tokens)  # type: ignore[arg-type]
+        ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        local = skip_tokens
+        if mask is not None:
+            masked = self.token_db.process_tokens(tokens, mask)
+            local = max(local, masked[0].start if masked else num_tokens)
+        first = local // self.chunk_size
+        wanted = spans[first:]
+        if not wanted:
+            return RetrieveResult(ret_mask, 0, 0, 0)
+        layers = self.layout.num_layers if self.layerwise else 1
+        keys, specs = self._object_keys(wanted)
+        leases = await self.manager.batched_get(keys, specs)
+        try:
+            chunks = contiguous_prefix(
+                all(leases[c * layers + layer] is not None for layer in range(layers))
+                for c in range(len(wanted))
+            )
+            if chunks == 0:
+                return RetrieveResult(ret_mask, 0, 0, 0)
+            hit_end = wanted[chunks - 1].end
+            block = self.layout.block_size if self.layout.block_aligned else None
+            plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
+            used = leases[: chunks * layers]
+            if self.layerwise:
+                written = 0
+                for layer in range(layers):
+                    objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]  # type: ignore[union-attr]
+                    written = reference.scatter_layer(
+                        layer, objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
+                    )
+            else:
+                objs = [lease.obj.tensor() for lease in used]  # type: ignore[union-attr]
+                written = reference.scatter(
+                    objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
+                )
+            # A lease that lapsed during the copy may have served reused memory: those tokens get recomputed.
+            valid = contiguous_prefix(
+                all(used[c * layers + layer].valid() for layer in range(layers))  # type: ignore[union-attr]
+                for c in range(chunks)
+            )
+            good_end = wanted[valid - 1].end if valid else local
+            if good_end > local:
+                ret_mask[local:good_end] = True
+            return RetrieveResult(
+                ret_mask,
+                chunks * self.chunk_size if valid == chunks else valid * self.chunk_size,
+                written if valid == chunks else max(0, good_end - local),
+                plan.skip_prefix,
+            )
+        finally:
+            for lease in leases:
+                if lease is not None:
+                    lease.release()
+
+    async def retrieve(
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        skip_tokens: int = 0,
+    ) -> torch.Tensor:
+        """Like ``retrieve_result``; returns the boolean ret_mask (True for tokens written from the cache)."""
+        result = await self.retrieve_result(tokens, kv_caches, slot_mapping, mask, skip_tokens=skip_tokens)
+        return result.ret_mask
+
+    @property
+    def l1_tier(self) -> str:
+        """Name under which L1 hits are reported."""
+        return L1_TIER
