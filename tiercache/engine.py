@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.gpu.reference import KVCaches
-    from tiercache.l1 import KVObject
+    from tiercache.l1 import KVObject, L1Lease
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
 
@@ -232,30 +232,10 @@ class CacheEngine:
         spans = self.token_db.process_tokens(tokens)
         if not spans:
             return LookupResult(0, 0, ())
-        if not self.layerwise:
-            keys, specs = self._object_keys(spans)
-            hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch)
-            chunks, tiers = hit.chunks, hit.tiers
-        else:
-            keys, specs = self._object_keys(spans)
-            hits = await self.manager.batched_contains(keys)
-            layers = self.layout.num_layers
-            per_chunk = [hits[c * layers : (c + 1) * layers] for c in range(len(spans))]
-            chunks = contiguous_prefix(all(h is not None for h in layer_hits) for layer_hits in per_chunk)
-            tiers = tuple(
-                max((h for h in per_chunk[c] if h is not None), key=lambda h: h.level).tier
-                for c in range(chunks)
-            )
-            if prefetch and chunks:
-                below = [
-                    (keys[i], hit.tier, specs[i])
-                    for i, hit in enumerate(hits[: chunks * layers])
-                    if hit is not None and hit.level > 0
-                ]
-                if below:
-                    self.manager.start_prefetch(
-                        [k for k, _, _ in below], [t for _, t, _ in below], [s for _, _, s in below]
-                    )
+        keys, specs = self._object_keys(spans)
+        group = self.layout.num_layers if self.layerwise else 1
+        hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch, group=group)
+        chunks, tiers = hit.chunks, hit.tiers
         return LookupResult(spans[chunks - 1].end if chunks else 0, chunks, tiers)
 
     async def lookup(self, tokens: object) -> int:
@@ -288,8 +268,7 @@ class CacheEngine:
         if mask is not None:
             masked = self.token_db.process_tokens(tokens, mask)
             local = max(local, masked[0].start if masked else num_tokens)
-        first = local // self.chunk_size
-        wanted = spans[first:]
+        wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
         if not wanted:
             return RetrieveResult(ret_mask, 0, 0, 0)
         layers = self.layout.num_layers if self.layerwise else 1
@@ -305,33 +284,25 @@ class CacheEngine:
             hit_end = wanted[chunks - 1].end
             block = self.layout.block_size if self.layout.block_aligned else None
             plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
-            used = leases[: chunks * layers]
+            used: list[L1Lease] = [lease for lease in leases[: chunks * layers] if lease is not None]
             if self.layerwise:
-                written = 0
                 for layer in range(layers):
-                    objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]  # type: ignore[union-attr]
-                    written = reference.scatter_layer(
+                    objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]
+                    reference.scatter_layer(
                         layer, objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
                     )
             else:
-                objs = [lease.obj.tensor() for lease in used]  # type: ignore[union-attr]
-                written = reference.scatter(
-                    objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
-                )
+                objs = [lease.obj.tensor() for lease in used]
+                reference.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
             # A lease that lapsed during the copy may have served reused memory: those tokens get recomputed.
             valid = contiguous_prefix(
-                all(used[c * layers + layer].valid() for layer in range(layers))  # type: ignore[union-attr]
-                for c in range(chunks)
+                all(used[c * layers + layer].valid() for layer in range(layers)) for c in range(chunks)
             )
             good_end = wanted[valid - 1].end if valid else local
             if good_end > local:
                 ret_mask[local:good_end] = True
-            return RetrieveResult(
-                ret_mask,
-                chunks * self.chunk_size if valid == chunks else valid * self.chunk_size,
-                written if valid == chunks else max(0, good_end - local),
-                plan.skip_prefix,
-            )
+            tokens_read = sum(span.end - span.start for span in wanted[:valid])
+            return RetrieveResult(ret_mask, tokens_read, max(0, good_end - local), plan.skip_prefix)
         finally:
             for lease in leases:
                 if lease is not None:

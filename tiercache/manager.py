@@ -250,34 +250,38 @@ class StorageManager:
         return result
 
     async def lookup_prefix(
-        self, keys: Sequence[str], specs: Sequence[KVSpec] | None = None, *, prefetch: bool = True
+        self,
+        keys: Sequence[str],
+        specs: Sequence[KVSpec] | None = None,
+        *,
+        prefetch: bool = True,
+        group: int = 1,
     ) -> PrefixHit:
-        """Longest contiguous prefix of ``keys`` across L1 and L2; starts a prefetch of its L2 part."""
-        hits: list[TierHit | None] = [None] * len(keys)
-        for i, present in enumerate(self.l1.batched_contains(keys)):
-            if present:
-                hits[i] = TierHit(L1_TIER, 0)
-        # Only keys up to the first chunk that no tier has can count; ask each L2 tier once for the rest.
-        for level, tier in enumerate(self.tiers, start=1):
-            todo = [i for i in range(len(keys)) if hits[i] is None]
-            if not todo:
-                break
-            found = await self._contains(tier, [keys[i] for i in todo], self.policy.lookup_deadline_s)
-            for i, present in zip(todo, found, strict=True):
-                if present:
-                    hits[i] = TierHit(tier.name, level)
-        chunks = contiguous_prefix(hits)
-        prefix = [h for h in hits[:chunks] if h is not None]
+        """Longest contiguous prefix of ``keys`` across L1 and L2; starts a prefetch of its L2 part.
+
+        With ``group`` > 1, keys come in consecutive groups (one chunk's layers) and a chunk counts only when
+        every key of its group is found; the chunk's tier is the slowest one serving any of its keys.
+        """
+        if group < 1 or len(keys) % group:
+            raise ValueError(f"{len(keys)} keys do not split into groups of {group}")
+        hits = await self.batched_contains(keys)
+        per_chunk: list[TierHit | None] = []
+        for start in range(0, len(keys), group):
+            members = hits[start : start + group]
+            found = [h for h in members if h is not None]
+            per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
+        chunks = contiguous_prefix(per_chunk)
+        prefix = [h for h in per_chunk[:chunks] if h is not None]
         for hit in prefix:
             self.metrics.hits.labels(hit.tier).inc()
-        if chunks < len(keys):
+        if chunks < len(per_chunk):
             self.metrics.misses.labels("all").inc()
         if prefetch:
-            below = [i for i, h in enumerate(prefix) if h.level > 0]
+            below = [i for i in range(chunks * group) if (h := hits[i]) is not None and h.level > 0]
             if below:
                 self.start_prefetch(
                     [keys[i] for i in below],
-                    [prefix[i].tier for i in below],
+                    [hits[i].tier for i in below],  # type: ignore[union-attr]
                     None if specs is None else [specs[i] for i in below],
                 )
         return PrefixHit(chunks, tuple(h.tier for h in prefix))
