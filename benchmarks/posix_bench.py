@@ -1,9 +1,10 @@
 """PosixAdapter vs raw ``os.write``/``os.read`` on the same directory: put/get GB/s and their ratios.
 
 Both sides write fresh files of the same sizes with the same fsync policy and read them back from the page
-cache; the adapter is driven one key per call (sequential, like the raw loop) from one event loop. Raw and
-adapter operations alternate object by object, so drift in a shared machine hits both alike; the figures are
-totals over all rounds.
+cache. Two modes: one key per call (sequential like the raw loop, so it pays one thread hop per object),
+and batched (one batched_put/get of all objects, as the storage manager calls it, against the same raw
+loop). Per-key operations alternate raw/adapter object by object, so drift in a shared machine hits both
+alike; the figures are totals over all rounds.
 
 Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
 [--dir PATH]`` prints JSON.
@@ -74,7 +75,19 @@ async def _measure(
         n = repeats or max(4, min(64, (512 << 20) // size))
         data = os.urandom(size)
         keys = [f"bench-{size}-{i}" for i in range(n)]
-        totals = {"raw_put": 0.0, "posix_put": 0.0, "raw_get": 0.0, "posix_get": 0.0}
+        totals = {
+            name: 0.0
+            for name in (
+                "raw_put",
+                "posix_put",
+                "raw_get",
+                "posix_get",
+                "raw_get_batch",
+                "posix_get_batch",
+                "raw_put_batch",
+                "posix_put_batch",
+            )
+        }
         clock = time.perf_counter
         for _ in range(rounds):
             _clear(raw_dir)
@@ -107,6 +120,29 @@ async def _measure(
                     del raw, value
                     totals["raw_get"] += t1 - t0
                     totals["posix_get"] += t2 - t1
+                # Batched, as the storage manager calls it: one batched_put/get of all objects against a raw
+                # sequential loop over the same objects (the adapter may overlap I/O on its threads).
+                t0 = clock()
+                for i in range(n):
+                    _raw_read(os.path.join(raw_dir, f"f{i}"))
+                t1 = clock()
+                values = await adapter.batched_get(keys)
+                t2 = clock()
+                if any(v is None or len(v) != size for v in values):
+                    raise RuntimeError("batched get failed")
+                del values
+                totals["raw_get_batch"] += t1 - t0
+                totals["posix_get_batch"] += t2 - t1
+                t0 = clock()
+                for i in range(n):
+                    _raw_write(os.path.join(raw_dir, f"b{i}"), data, fsync)
+                t1 = clock()
+                ok_all = await adapter.batched_put([f"{k}-b" for k in keys], [data] * n)
+                t2 = clock()
+                if not all(ok_all):
+                    raise RuntimeError("batched put failed")
+                totals["raw_put_batch"] += t1 - t0
+                totals["posix_put_batch"] += t2 - t1
             finally:
                 await adapter.aclose()
         volume = size * n * rounds / 1e9
@@ -120,6 +156,10 @@ async def _measure(
             "raw_get_GBps": round(med["raw_get"], 3),
             "posix_get_GBps": round(med["posix_get"], 3),
             "get_ratio": round(med["posix_get"] / med["raw_get"], 3),
+            "batched_put_ratio": round(med["posix_put_batch"] / med["raw_put_batch"], 3),
+            "batched_get_ratio": round(med["posix_get_batch"] / med["raw_get_batch"], 3),
+            "batched_posix_get_GBps": round(med["posix_get_batch"], 3),
+            "batched_posix_put_GBps": round(med["posix_put_batch"], 3),
         }
     _clear(raw_dir)
     _clear(store_dir)

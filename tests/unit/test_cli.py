@@ -102,3 +102,26 @@ def test_errors_are_one_line(args: list[str]) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("tiercache: error:")
     assert "Traceback" not in proc.stderr
+
+
+def test_conformance_runs_the_kit_against_a_url(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "tiercache", "conformance", f"file://{tmp_path}/kit", "-x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+    assert "failed" not in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-P", "-m", "tiercache", "conformance", "gopher://nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert bad.returncode != 0
