@@ -18,7 +18,7 @@ install: $(STAMP)
 	flock /tmp/tiercache-install.lock $(PIP) install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
 demo: install
-	$(VENV)/bin/tiercache check examples/embedded.toml
+	$(VENV)/bin/tiercache demo
 
 lint: install
 	$(VENV)/bin/ruff check .

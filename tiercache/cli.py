@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: plugins, check, inspect, conformance (demo and bench join later).
+"""The ``tiercache`` command: demo, plugins, check, inspect, conformance (bench joins later).
 
 Every failure is one clear line on stderr and a non-zero exit, never a traceback.
 """
@@ -246,10 +246,25 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return int(pytest.main(pytest_args))
 
 
+# ----- demo ------------------------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tiercache.demo import run_demo
+
+    return run_demo(args.config, json_path=args.json, show_metrics=args.metrics)
+
+
 # ----- main ------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache store for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "demo", help="prefill and decode processes share KV through L1/L2; restore and verify it bit-exact"
+    )
+    p.add_argument("--config", help="config file (default: L1 + a POSIX tier in a temp dir)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--metrics", action="store_true", help="print the decode process's Prometheus metrics")
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("plugins", help="list the adapters and codecs known, and their distributions")
     p.add_argument("--json", action="store_true", help="print JSON")

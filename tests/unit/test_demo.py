@@ -1,0 +1,167 @@
+"""tiercache demo: prefill and decode processes share KV via L2, restore it bit-exact, survive corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=180,
+        check=False,
+    )
+
+
+def check_rows(rows: list[dict[str, Any]], chunk_size: int = 256) -> None:
+    """Per-request arithmetic that must hold whatever the tiers are."""
+    for r in rows:
+        assert r["verified"], r
+        assert r["l1_hit"] + r["l2_hit"] == r["hit"] <= r["tokens"]
+        end = r["restored_end"]
+        assert r["written"] == max(0, end - r["local"])
+        if r["written"]:
+            first_chunk = (r["local"] // chunk_size) * chunk_size
+            assert r["read"] == end - first_chunk
+            assert r["read"] - r["written"] == r["skip"] == r["local"] - first_chunk
+        else:
+            assert r["read"] == 0
+        assert r["compute"] == r["tokens"] - max(r["local"], end)
+
+
+def test_demo_default_restores_every_request_bit_exact(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = run("tiercache", "demo", "--json", str(out), env={"TMPDIR": str(scratch)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["requests"]
+    assert result["ok"] is True
+    assert len(rows) >= 5
+    check_rows(rows)
+    assert result["prefill"]["pid"] != result["decode"]["pid"] != os.getpid()
+    assert any(r["l2_hit"] > 0 for r in rows)
+    assert any(r["l1_hit"] > 0 for r in rows)
+    assert any(
+        r["local"] > 0 and 0 < r["written"] < r["read"] for r in rows
+    )  # local hit: chunk read, head skipped
+    assert any(r["compute"] > 0 and r["hit"] > 0 for r in rows)  # a partial hit: the tail is recomputed
+    assert any(r["stored"] == 0 for r in rows)  # a repeated prompt stores nothing new
+    totals = {k: sum(r[k] for r in rows) for k in ("read", "written", "skip", "local", "hit")}
+    assert totals["read"] - totals["written"] == totals["skip"]
+    # The table: header, one line per request, totals and the verdict.
+    for title in ("request", "local hit", "L1 hit", "L2 hit", "read", "written", "verified"):
+        assert title in proc.stdout
+    for r in rows:
+        assert r["name"] in proc.stdout
+    total_line = next(line for line in proc.stdout.splitlines() if line.startswith("total"))
+    assert str(totals["written"]) in total_line.split()
+    assert "OK" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert "tiercache_hits_total" in result["metrics"]
+    assert not list(scratch.iterdir())  # the temp dir (and its POSIX tier) is gone
+
+
+def test_demo_metrics_and_config_with_a_process_local_tier_first(tmp_path: Path) -> None:
+    config = tmp_path / "mixed.toml"
+    config.write_text(
+        "chunk_size = 256\n[l1]\ncapacity = '256MiB'\n"
+        "[[tiers]]\nname = 'mem'\nurl = 'memory://demo'\ncapacity = '1GiB'\n"
+        f"[[tiers]]\nname = 'shared'\nurl = 'file://{tmp_path}/l2'\ncapacity = '1GiB'\n"
+    )
+    out = tmp_path / "out.json"
+    proc = run("tiercache", "demo", "--config", str(config), "--metrics", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["requests"]
+    check_rows(rows)
+    assert 'tiercache_hits_total{tier="shared"}' in proc.stdout  # decode's L2 hits came from the shared tier
+    assert "# TYPE tiercache_frames_rejected_total counter" in proc.stdout
+    assert list((tmp_path / "l2").rglob("tc1.*"))  # the configured tier, not a temp dir, held the objects
+
+
+def test_demo_refuses_a_config_without_a_shared_tier(tmp_path: Path) -> None:
+    config = tmp_path / "memory.toml"
+    config.write_text("chunk_size = 256\n[[tiers]]\nname = 'mem'\nurl = 'memory://x'\ncapacity = '1GiB'\n")
+    proc = run("tiercache", "demo", "--config", str(config))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "shared" in lines[0]
+    assert "mem" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_demo_with_a_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "typo.toml"
+    config.write_text("chunk_sise = 256\n")
+    proc = run("tiercache", "demo", "--config", str(config))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "chunk_sise" in proc.stderr
+
+
+def test_a_corrupted_l2_object_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    pre = run("tiercache.demo", "prefill", "--workdir", str(work), "--out", str(tmp_path / "prefill.json"))
+    assert pre.returncode == 0, pre.stderr
+    objects = sorted(p for p in (work / "l2").rglob("tc1.*") if p.is_file())
+    assert objects
+    victim = objects[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01  # one bit of the payload
+    victim.write_bytes(bytes(data))
+    dec = run("tiercache.demo", "decode", "--workdir", str(work), "--out", str(tmp_path / "decode.json"))
+    assert dec.returncode == 0, dec.stderr
+    result = json.loads((tmp_path / "decode.json").read_text())
+    rows = result["requests"]
+    check_rows(rows)  # every request verified: the bad chunk and what follows it are recomputed
+    assert result["frames_rejected"] >= 1
+    assert 'tiercache_frames_rejected_total{tier="disk"}' in result["metrics"]
+    assert sum(r["fallback"] for r in rows) > 0  # looked up as a hit, served as a miss
+
+
+def test_expected_kv_is_deterministic_prefix_dependent_and_never_zero() -> None:
+    torch = pytest.importorskip("torch")
+    from tiercache.demo import demo_layout, demo_requests, expected_kv
+
+    layout = demo_layout()
+    tokens = demo_requests()[0].tokens[:300]
+    kv = expected_kv(tokens, layout)
+    assert kv.shape == (2, layout.num_layers, 300, layout.num_kv_heads * layout.head_dim)
+    assert kv.dtype == torch.bfloat16
+    assert torch.equal(kv, expected_kv(tokens, layout))
+    assert bool((kv != 0).any(dim=-1).all())
+    other = expected_kv((tokens[0] + 1, *tokens[1:]), layout)
+    assert not torch.equal(kv[:, :, 1:], other[:, :, 1:])  # a different first token changes every later KV
+
+
+def test_cli_import_stays_light() -> None:
+    proc = run("tiercache", "--help")
+    assert proc.returncode == 0
+    assert "demo" in proc.stdout
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            "import sys, tiercache.cli; print('torch' in sys.modules, 'tiercache.demo' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe.stdout.split() == ["False", "False"]
