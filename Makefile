@@ -4,13 +4,20 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck unit bench clean
+.PHONY: demo test install lint typecheck unit bench clean system-deps
+
+# Servers the integration tests start (Debian packages; CI runs as root on a fresh machine).
+SYSTEM_PACKAGES := redis-server
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]" --config-settings editable_mode=strict
+	$(PIP) install -e ".[dev,redis,s3,codecs]" --config-settings editable_mode=strict
 	touch $(STAMP)
 
 # A strict editable install does not see new modules until reinstalled: re-run it every time (seconds).
@@ -30,7 +37,7 @@ typecheck: install
 unit: install
 	$(VENV)/bin/pytest -q
 
-test: install
+test: system-deps install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q

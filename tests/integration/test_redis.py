@@ -1,0 +1,283 @@
+"""The redis adapter against real servers: Redis standalone, a 3-master Redis Cluster and Valkey.
+
+Servers come from tests/integration/conftest.py (started once per session on free 127.0.0.1 ports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import tiercache
+from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
+from tiercache.config import ManagerConfig, TierConfig
+from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
+from tiercache.l1 import L1Cache
+from tiercache.manager import StorageManager
+from tiercache.serde import build_pipeline
+from tiercache.spec import KVSpec
+from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+
+pytestmark = pytest.mark.asyncio
+
+MiB = 1 << 20
+
+
+def _prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}:"
+
+
+def _keys(n: int) -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"k{tag}-{i}" for i in range(n)]
+
+
+# -- conformance ---------------------------------------------------------------------------------------
+
+
+class TestRedisConformance(AdapterConformance):
+    @pytest.fixture
+    def adapter_factory(self, redis_server: Any) -> AdapterFactory:
+        prefix = _prefix()  # one per test: the kit's tests never see each other's keys
+        return lambda: RedisAdapter.open(redis_server.url, prefix=prefix, socket_timeout=10)
+
+
+class TestRedisClusterConformance(AdapterConformance):
+    @pytest.fixture
+    def adapter_factory(self, redis_cluster: Any) -> AdapterFactory:
+        prefix = _prefix()
+        return lambda: RedisClusterAdapter.open(redis_cluster.url, prefix=prefix, socket_timeout=10)
+
+
+class TestValkeyConformance(AdapterConformance):
+    @pytest.fixture
+    def adapter_factory(self, valkey_server: Any) -> AdapterFactory:
+        prefix = _prefix()
+        url = f"valkey://127.0.0.1:{valkey_server.port}/0"
+        return lambda: tiercache.open_adapter(url, prefix=prefix, socket_timeout=10)
+
+
+# -- URL, options and registry ---------------------------------------------------------------------------
+
+
+async def test_registry_schemes_and_options(redis_server: Any, redis_cluster: Any) -> None:
+    port = redis_server.port
+    for scheme in ("redis", "valkey"):
+        adapter = await tiercache.open_adapter(
+            f"{scheme}://127.0.0.1:{port}/0?pool_size=4&ttl=30", capacity=1 << 30
+        )
+        assert type(adapter) is RedisAdapter
+        assert adapter.ttl_ms == 30_000
+        await adapter.aclose()
+    cluster = await tiercache.open_adapter(redis_cluster.url)
+    assert type(cluster) is RedisClusterAdapter
+    await cluster.aclose()
+    with pytest.raises(ConfigError, match="bogus"):
+        await RedisAdapter.open(redis_server.url, bogus=1)
+    with pytest.raises(ConfigError, match="password"):
+        await RedisAdapter.open(f"redis://user:secret@127.0.0.1:{port}/0")
+    with pytest.raises(ConfigError, match="ssl_ca_certs"):
+        await RedisAdapter.open(redis_server.url, ssl_ca_certs="/x.pem")
+    with pytest.raises(ConfigError, match="ttl"):
+        await RedisAdapter.open(redis_server.url, ttl=0)
+    with pytest.raises(ConfigError, match="database"):
+        await RedisAdapter.open(f"redis://127.0.0.1:{port}/notanumber")
+
+
+async def test_unreachable_server_fails_at_open() -> None:
+    from servers import free_port
+
+    started = time.perf_counter()
+    with pytest.raises(AdapterUnavailable):
+        await RedisAdapter.open(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    assert time.perf_counter() - started < 1.0
+
+
+# -- Redis-specific behaviour -------------------------------------------------------------------------
+
+
+async def test_ttl_expires_objects(redis_server: Any) -> None:
+    async with await RedisAdapter.open(redis_server.url, prefix=_prefix(), ttl=0.3) as adapter:
+        keys = _keys(3)
+        assert await adapter.batched_put(keys, [b"a", b"b" * 300_000, b"c"]) == [True] * 3
+        assert await adapter.batched_contains(keys) == [True] * 3
+        await asyncio.sleep(0.6)
+        assert await adapter.batched_contains(keys) == [False] * 3
+        assert await adapter.batched_get(keys) == [None] * 3
+
+
+async def test_prefix_isolation(redis_server: Any) -> None:
+    a = await RedisAdapter.open(redis_server.url, prefix=_prefix())
+    b = await RedisAdapter.open(redis_server.url, prefix=_prefix())
+    try:
+        keys = _keys(4)
+        assert await a.batched_put(keys, [b"from-a"] * 4) == [True] * 4
+        assert await b.batched_contains(keys) == [False] * 4
+        assert await b.batched_get(keys) == [None] * 4
+        assert await b.batched_delete(keys) == [False] * 4
+        assert await b.batched_put(keys[:1], [b"from-b"]) == [True]
+        assert await a.batched_get(keys[:1]) == [b"from-a"]
+        assert await b.batched_get(keys[:1]) == [b"from-b"]
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_maxmemory_eviction_gives_misses(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory("--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru")
+    async with await RedisAdapter.open(server.url) as adapter:
+        keys = _keys(40)
+        values = [bytes([i]) * MiB for i in range(40)]
+        for i in range(0, 40, 4):
+            assert await adapter.batched_put(keys[i : i + 4], values[i : i + 4]) == [True] * 4
+        present = await adapter.batched_contains(keys)
+        got = await adapter.batched_get(keys)
+        assert not all(present), "40 MiB cannot fit in 8 MB"
+        assert present[-1]
+        for g, v, p in zip(got, values, present, strict=True):
+            assert g is None or g == v
+            assert (g is not None) == p
+
+
+async def test_noeviction_refusal_is_a_failed_put(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    async with await RedisAdapter.open(server.url) as adapter:
+        keys = _keys(12)
+        results = []
+        for k in keys:  # one by one: large values are sent as single SETs
+            results += await adapter.batched_put([k], [b"x" * MiB])
+        small = await adapter.batched_put(_keys(3), [b"y"] * 3)  # pipelined path
+        assert results[0] is True
+        assert False in results
+        assert all(isinstance(r, bool) for r in results + small)
+
+
+async def test_password_auth(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory("--requirepass", "s3cret")
+    async with await RedisAdapter.open(server.url, password="s3cret") as adapter:
+        assert await adapter.batched_put(["k1"], [b"v"]) == [True]
+    # Wrong or missing password: the open's PING fails, so the error comes at open, not at the first call.
+    with pytest.raises(AdapterUnavailable):
+        await RedisAdapter.open(server.url, password="wrong")
+    with pytest.raises(AdapterUnavailable):
+        await RedisAdapter.open(server.url)
+    # Through the config: password_env is resolved before open.
+    tier = TierConfig(name="r", url=server.url, capacity=1 << 30, options={"password_env": "TC_REDIS_PW"})
+    opts = tier.adapter_options({"TC_REDIS_PW": "s3cret"})
+    adapter = await tiercache.open_adapter(tier.url, **opts)
+    assert await adapter.batched_get(["k1"]) == [b"v"]
+    await adapter.aclose()
+
+
+async def test_killed_server_is_unavailable_then_recovers(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory()
+    timeout = 1.0
+    async with await RedisAdapter.open(server.url, socket_timeout=timeout, pool_size=4) as adapter:
+        keys = _keys(4)
+        assert await adapter.batched_put(keys, [b"v" * 1000] * 4) == [True] * 4
+        server.proc.kill()
+        for call in (
+            lambda: adapter.batched_contains(keys),
+            lambda: adapter.batched_get(keys),
+            lambda: adapter.batched_put(keys, [b"w"] * 4),
+            lambda: adapter.batched_put(keys[:1], [b"w" * MiB]),
+            lambda: adapter.batched_delete(keys),
+        ):
+            started = time.perf_counter()
+            with pytest.raises(AdapterUnavailable):
+                await call()
+            assert time.perf_counter() - started < timeout
+        server.restart()  # same port, empty (no persistence)
+        assert await adapter.batched_contains(keys) == [False] * 4
+        assert await adapter.batched_put(keys, [b"again"] * 4) == [True] * 4
+        assert await adapter.batched_get(keys) == [b"again"] * 4
+
+
+async def test_hung_server_times_out_at_socket_timeout(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory()
+    timeout = 0.5
+    async with await RedisAdapter.open(server.url, socket_timeout=timeout) as adapter:
+        keys = _keys(2)
+        assert await adapter.batched_put(keys, [b"v", b"w"]) == [True, True]
+        server.proc.pause()
+        try:
+            for call in (lambda: adapter.batched_get(keys), lambda: adapter.batched_put(keys, [b"x", b"y"])):
+                started = time.perf_counter()
+                with pytest.raises(AdapterTimeout):
+                    await call()
+                elapsed = time.perf_counter() - started
+                assert timeout * 0.9 <= elapsed < timeout + 0.4, elapsed
+        finally:
+            server.proc.resume()
+        assert await adapter.batched_get(keys) in ([b"v", b"w"], [b"x", b"y"])
+
+
+async def test_pool_exhaustion_completes(redis_server: Any) -> None:
+    async with await RedisAdapter.open(redis_server.url, prefix=_prefix(), pool_size=2) as adapter:
+        batches = [_keys(3) for _ in range(20)]
+        values = [[bytes([b]) * (300_000 + 1000 * i) for i in range(3)] for b in range(20)]
+
+        async def one(b: int) -> None:
+            assert await adapter.batched_put(batches[b], values[b]) == [True] * 3
+            assert await adapter.batched_contains(batches[b]) == [True] * 3
+            assert await adapter.batched_get(batches[b]) == values[b]
+
+        started = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(one(b) for b in range(20))), 15)
+        assert time.perf_counter() - started < 15
+
+
+async def test_cluster_spreads_keys_over_masters(redis_cluster: Any) -> None:
+    import redis.asyncio as aredis
+
+    prefix = _prefix()
+    async with await RedisClusterAdapter.open(redis_cluster.url, prefix=prefix) as adapter:
+        keys = _keys(60)
+        assert await adapter.batched_put(keys, [k.encode() for k in keys]) == [True] * 60
+        assert await adapter.batched_get(keys) == [k.encode() for k in keys]
+        counts = []
+        for node in redis_cluster.nodes:
+            client = aredis.Redis(host="127.0.0.1", port=node.port)
+            counts.append(len([k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]))
+            await client.aclose()
+        assert sum(counts) == 60
+        assert all(c > 0 for c in counts), counts
+        assert await adapter.batched_delete(keys) == [True] * 60
+
+
+# -- through the storage manager ----------------------------------------------------------------------
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens=8)
+POLICY = ManagerConfig(
+    l2_deadline_s=0.5, lookup_deadline_s=0.3, store_queue_size=64, circuit_failures=2, circuit_cooldown_s=5
+)
+
+
+async def test_manager_turns_a_killed_server_into_misses(redis_factory: Callable[..., Any]) -> None:
+    server = redis_factory()
+    raw = build_pipeline(["raw"])
+    keys = _keys(4)
+    writer = await RedisAdapter.open(server.url, socket_timeout=1)
+    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", writer, raw)], POLICY) as m:
+        objects = await m.batched_allocate(keys, [SPEC] * 4)
+        for obj in objects:
+            assert obj is not None
+            obj.buffer()[:] = b"\x07" * SPEC.nbytes
+        await m.batched_put([o for o in objects if o is not None])
+        await m.drain()
+    reader = await RedisAdapter.open(server.url, socket_timeout=1)
+    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", reader, raw)], POLICY) as m:
+        assert (await m.lookup_prefix(keys, [SPEC] * 4, prefetch=False)).chunks == 4
+        server.proc.kill()
+        started = time.perf_counter()
+        hit = await m.lookup_prefix(keys, [SPEC] * 4)
+        assert hit.chunks == 0
+        leases = await m.batched_get(keys, [SPEC] * 4)
+        assert leases == [None] * 4
+        assert time.perf_counter() - started < POLICY.lookup_deadline_s + POLICY.l2_deadline_s + 0.3
+        assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") >= 1
