@@ -41,6 +41,9 @@ _SECRET_NAMES = frozenset(
         "aws_access_key_id",
         "aws_session_token",
         "sasl_password",
+        "secret_access_key",
+        "access_key_id",
+        "session_token",
     }
 )
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -1,0 +1,540 @@
+"""``s3://bucket/prefix``: objects in an S3 (or S3-compatible) bucket through one shared aioboto3 client.
+
+Layout: ``<prefix>/<keyspace>/<shard>/<key>``. ``<keyspace>`` is the 32-hex keyspace digest when the key is a
+canonical ``ChunkKey`` (``tc1.<keyspace>.<hash>[.lN]``), else ``misc``; ``<shard>`` is two hex characters of
+the chunk hash (of the key's xxh64 digest for other keys), which spreads keys over 256 S3 prefixes for
+request-rate partitioning.
+
+One ``aioboto3.Session`` and one S3 client per adapter, created in ``open`` and closed in ``aclose``. Every
+request holds a slot of a semaphore of ``max_concurrency`` (also the HTTP connection pool size), so a batch
+never has more requests in flight than that; a multipart upload takes one slot per part, never one for the
+whole upload (no deadlock when many big puts run at once).
+
+Writes: a single ``PutObject`` below ``multipart_threshold``, else a multipart upload in ``part_size`` parts
+(raised to fit S3's 10 000-part limit) that is aborted on any failure, so no partial object is ever visible
+(S3 shows an object only once ``CompleteMultipartUpload`` succeeds). ``batched_put`` replaces old values
+(plain PUT). With ``create_only=true`` puts carry ``If-None-Match: *`` (first writer wins; a put onto an
+existing key reports True because keys are content addressed, so the stored object is equivalent). Whether
+the server honours the header is probed once at open; where it does not (HTTP 501, or the header is silently
+ignored) the adapter falls back to HEAD-then-PUT, which is racy between writers but never tears an object.
+
+Credentials come from the standard AWS chain (environment, shared files, instance metadata), never from the
+URL; ``access_key_id``/``secret_access_key``/``session_token`` options exist for values a config resolved
+from ``*_env`` variables. Errors: connection refused/reset -> ``AdapterUnavailable``; connect or read
+timeouts (after ``max_attempts`` total attempts, botocore's standard retry mode) -> ``AdapterTimeout``;
+a missing bucket at open -> ``AdapterUnavailable`` (or created with ``create_bucket=true``, for tests/dev).
+``capacity`` is accepted (config passes it) but not enforced: bound a bucket with a lifecycle rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import xxhash
+
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
+from tiercache.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["S3Adapter", "object_name"]
+
+_T = TypeVar("_T")
+_MIB = 1 << 20
+_MIN_PART = 5 * _MIB  # S3's smallest part (all but the last)
+_MAX_PARTS = 10_000
+_DELETE_BATCH = 1000  # most keys one DeleteObjects call accepts
+_MISS_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+_NOT_IMPLEMENTED = frozenset({"501", "NotImplemented"})
+_PRECONDITION = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
+_ADDRESSING = ("auto", "path", "virtual")
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a number of seconds, got {value!r}")
+    try:
+        out = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+    if not out > 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    return out
+
+
+def _addressing(value: object) -> str:
+    text = _str(value).lower()
+    if text not in _ADDRESSING:
+        raise ValueError(f"expected one of {', '.join(_ADDRESSING)}, got {value!r}")
+    return text
+
+
+_PARSERS: dict[str, Callable[[object], Any]] = {
+    "endpoint_url": _str,
+    "region": _str,
+    "addressing_style": _addressing,
+    "max_concurrency": parse_int,
+    "multipart_threshold": parse_size,
+    "part_size": parse_size,
+    "create_only": parse_bool,
+    "create_bucket": parse_bool,
+    "connect_timeout": _float,
+    "read_timeout": _float,
+    "max_attempts": parse_int,
+    "checksums": parse_bool,
+    "access_key_id": _str,
+    "secret_access_key": _str,
+    "session_token": _str,
+    "capacity": parse_size,
+}
+
+
+def object_name(prefix: str, key: str) -> str:
+    """The S3 object name of ``key`` under ``prefix`` (``""`` or without slashes at either end)."""
+    try:
+        ck = ChunkKey.parse(key)
+    except ValueError:
+        keyspace, shard = "misc", xxhash.xxh64_hexdigest(key.encode())[:2]
+    else:
+        keyspace, shard = ck.keyspace_digest.hex(), ck.chunk_hash.hex()[:2]
+    name = f"{keyspace}/{shard}/{key}"
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _view(value: Buffer) -> memoryview:
+    view = memoryview(value)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _body(view: memoryview) -> bytes | bytearray:
+    """A request body botocore accepts and can resend on a retry (it rewinds anything but bytes-likes).
+
+    A whole ``bytes``/``bytearray`` is passed as is (no copy); slices and other buffers are copied once.
+    """
+    obj = view.obj
+    if isinstance(obj, bytes | bytearray) and view.c_contiguous and len(view) == len(obj):
+        return obj
+    return bytes(view)
+
+
+def _error_code(exc: BaseException) -> tuple[str, str]:
+    """(error code, HTTP status) of a botocore ClientError; empty strings for anything else."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", ""
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return code, status
+
+
+class _Unsupported(Exception):
+    """The server does not implement a conditional put (internal signal)."""
+
+
+class S3Adapter(Adapter):
+    """Objects in an S3 bucket under a prefix; persistent and shared between hosts."""
+
+    scheme: ClassVar[str] = "s3"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True, shared=True, delete=True, max_value_bytes=5 << 40
+    )
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: str = "auto",
+        max_concurrency: int = 16,
+        multipart_threshold: int = 64 * _MIB,
+        part_size: int = 8 * _MIB,
+        create_only: bool = False,
+        create_bucket: bool = False,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        max_attempts: int = 2,
+        checksums: bool = False,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        """Settings only; ``open`` creates the client and checks the bucket.
+
+        ``max_concurrency``: requests in flight per adapter (and HTTP connections). ``multipart_threshold``
+        and ``part_size`` in bytes (part size >= 5 MiB). ``connect_timeout``/``read_timeout`` in seconds per
+        attempt; ``max_attempts``: total attempts per request (botocore standard retry mode). ``checksums``:
+        let botocore add/validate CRC32 checksums where supported (off: only where S3 requires them; frames
+        carry their own checksum).
+        """
+        if not bucket:
+            raise ConfigError("s3: URL must name a bucket: s3://bucket/prefix")
+        if max_concurrency < 1:
+            raise ConfigError(f"s3: max_concurrency must be at least 1, got {max_concurrency}")
+        if part_size < _MIN_PART:
+            raise ConfigError(f"s3: part_size must be at least 5MiB, got {part_size}")
+        if multipart_threshold < 1:
+            raise ConfigError(f"s3: multipart_threshold must be positive, got {multipart_threshold}")
+        if max_attempts < 1:
+            raise ConfigError(f"s3: max_attempts must be at least 1, got {max_attempts}")
+        if (access_key_id is None) != (secret_access_key is None):
+            raise ConfigError("s3: access_key_id and secret_access_key must be given together")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.addressing_style = addressing_style
+        self.max_concurrency = max_concurrency
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.create_only = create_only
+        self.create_bucket = create_bucket
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_attempts = max_attempts
+        self.checksums = checksums
+        self.capacity = capacity
+        self._credentials = (access_key_id, secret_access_key, session_token)
+        self._conditional: bool | None = None  # If-None-Match honoured? None: not probed
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._closed = False
+        self._where = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint_url}" if endpoint_url else "")
+
+    @classmethod
+    async def open(cls, url: str, **options: object) -> Self:
+        """Open ``s3://bucket[/prefix][?option=value...]``; options are listed in ``__init__``."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("s3", "s3a"):
+            raise ConfigError(f"s3: expected an s3://bucket/prefix URL, got {url!r}")
+        if "@" in parts.netloc or ":" in parts.netloc:
+            raise ConfigError(
+                "s3: the URL must be s3://bucket/prefix (no credentials, no port); "
+                "credentials come from the AWS chain or *_env options"
+            )
+        opts = merge_options("s3", parts.query, options, _PARSERS)
+        self = cls(parts.netloc, unquote(parts.path), **opts)
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            self._closed = True
+            raise
+        return self
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        import aioboto3
+        from botocore.config import Config
+
+        key_id, secret, token = self._credentials
+        session = aioboto3.Session(
+            aws_access_key_id=key_id,
+            aws_secret_access_key=secret,
+            aws_session_token=token,
+            region_name=self.region,
+        )
+        when = "when_supported" if self.checksums else "when_required"
+        config = Config(
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
+            max_pool_connections=self.max_concurrency,
+            s3={"addressing_style": self.addressing_style},
+            request_checksum_calculation=when,
+            response_checksum_validation=when,
+        )
+        self._client = await self._stack.enter_async_context(
+            session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        )
+        await self._check_bucket()
+        if self.create_only:
+            await self._probe_conditional()
+
+    async def _check_bucket(self) -> None:
+        try:
+            await self._call(lambda c: c.head_bucket(Bucket=self.bucket))
+        except AdapterError as exc:
+            code, status = _error_code(exc.__cause__ or exc)
+            if code not in ("404", "NoSuchBucket", "NotFound") and status != "404":
+                raise
+            if not self.create_bucket:
+                raise AdapterUnavailable(
+                    f"s3: bucket {self.bucket!r} does not exist ({self._where}); create it, "
+                    "or set create_bucket=true (tests/dev)"
+                ) from exc
+            kwargs: dict[str, Any] = {"Bucket": self.bucket}
+            region = self._client.meta.region_name
+            if region and region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            try:
+                await self._call(lambda c: c.create_bucket(**kwargs))
+            except AdapterError as exc2:
+                code2, _ = _error_code(exc2.__cause__ or exc2)
+                if code2 not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    async def _probe_conditional(self) -> None:
+        """Find out whether the server honours ``If-None-Match: *`` on PutObject (one probe object)."""
+        name = f"{self.prefix}/.tiercache-probe-{secrets.token_hex(8)}".lstrip("/")
+        try:
+            await self._put_single(name, memoryview(b"1"), conditional=True)
+            second = await self._put_single(name, memoryview(b"2"), conditional=True)
+            self._conditional = not second  # the second create must be refused
+        except _Unsupported:
+            self._conditional = False
+        finally:
+            with contextlib.suppress(AdapterError):
+                await self._call(lambda c: c.delete_object(Bucket=self.bucket, Key=name))
+
+    async def aclose(self) -> None:
+        """Close the client (its connection pool); idempotent. Later calls raise AdapterUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stack.aclose()
+        self._client = None
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    @property
+    def conditional_puts(self) -> bool | None:
+        """Whether create-only puts use ``If-None-Match: *`` (None until probed, i.e. create_only off)."""
+        return self._conditional
+
+    def _name(self, key: str) -> str:
+        return object_name(self.prefix, check_key(key))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AdapterUnavailable(f"s3 adapter on {self._where} is closed")
+
+    def _translate(self, exc: Exception) -> AdapterError:
+        from botocore.exceptions import (
+            ClientError,
+            ConnectTimeoutError,
+            NoCredentialsError,
+            ReadTimeoutError,
+        )
+
+        if isinstance(exc, ConnectTimeoutError | ReadTimeoutError | TimeoutError):
+            return AdapterTimeout(f"s3: timed out talking to {self._where}: {exc}")
+        if isinstance(exc, NoCredentialsError):
+            return AdapterUnavailable(f"s3: no AWS credentials found for {self._where}: {exc}")
+        if isinstance(exc, ClientError):
+            code, status = _error_code(exc)
+            return AdapterUnavailable(f"s3: {self._where} answered {code or status}: {exc}")
+        return AdapterUnavailable(f"s3: cannot reach {self._where}: {exc}")
+
+    async def _call(self, fn: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``fn(client)`` under a concurrency slot; transport failures become AdapterError."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self._check_open()
+        async with self._sem:
+            client = self._client
+            if client is None:
+                raise AdapterUnavailable(f"s3 adapter on {self._where} is closed")
+            try:
+                return await fn(client)
+            except (TimeoutError, BotoCoreError, ClientError, OSError) as exc:
+                raise self._translate(exc) from exc
+            except Exception as exc:  # aiohttp errors that escaped botocore's wrapping
+                import aiohttp
+
+                if isinstance(exc, aiohttp.ClientError):
+                    raise self._translate(exc) from exc
+                raise
+
+    @staticmethod
+    def _is(exc: AdapterError, codes: frozenset[str]) -> bool:
+        code, status = _error_code(exc.__cause__ or exc)
+        if code == "NoSuchBucket":  # the bucket went away: unavailable, not a miss
+            return False
+        return code in codes or status in codes
+
+    # -- the adapter API -------------------------------------------------------------------------------
+
+    async def _head(self, name: str) -> bool:
+        try:
+            await self._call(lambda c: c.head_object(Bucket=self.bucket, Key=name))
+        except AdapterUnavailable as exc:
+            if self._is(exc, _MISS_CODES):
+                return False
+            raise
+        return True
+
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether its object exists (concurrent HEAD requests; 404 is False)."""
+        self._check_open()
+        names = [self._name(k) for k in keys]
+        return list(await asyncio.gather(*(self._head(n) for n in names)))
+
+    async def _get(self, name: str) -> Buffer | None:
+        async def get(client: Any) -> bytes:
+            response = await client.get_object(Bucket=self.bucket, Key=name)
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        try:
+            return await self._call(get)
+        except AdapterUnavailable as exc:
+            if self._is(exc, _MISS_CODES):
+                return None
+            raise
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """For each key, its bytes or None (concurrent GETs, each body read whole)."""
+        self._check_open()
+        names = [self._name(k) for k in keys]
+        return list(await asyncio.gather(*(self._get(n) for n in names)))
+
+    async def _put_single(self, name: str, body: memoryview, *, conditional: bool) -> bool:
+        """PutObject; False if a conditional put found an object. ``_Unsupported`` on HTTP 501."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "Body": _body(body)}
+        if conditional:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            await self._call(lambda c: c.put_object(**kwargs))
+        except AdapterUnavailable as exc:
+            if conditional and self._is(exc, _PRECONDITION):
+                return False
+            if conditional and self._is(exc, _NOT_IMPLEMENTED):
+                raise _Unsupported from exc
+            raise
+        return True
+
+    async def _put_multipart(self, name: str, body: memoryview, *, conditional: bool) -> bool:
+        """Multipart upload, aborted on any failure; False if a conditional complete found an object."""
+        size = len(body)
+        part = max(self.part_size, -(-size // _MAX_PARTS))
+        created = await self._call(lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=name))
+        upload_id = created["UploadId"]
+        done = False
+        try:
+
+            async def upload(number: int, start: int) -> dict[str, Any]:
+                chunk = _body(body[start : start + part])
+                result = await self._call(
+                    lambda c: c.upload_part(
+                        Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=chunk
+                    )
+                )
+                return {"PartNumber": number, "ETag": result["ETag"]}
+
+            tasks = [
+                asyncio.ensure_future(upload(i + 1, start)) for i, start in enumerate(range(0, size, part))
+            ]
+            try:
+                etags = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": name,
+                "UploadId": upload_id,
+                "MultipartUpload": {"Parts": list(etags)},
+            }
+            if conditional:
+                kwargs["IfNoneMatch"] = "*"
+            try:
+                await self._call(lambda c: c.complete_multipart_upload(**kwargs))
+            except AdapterUnavailable as exc:
+                if conditional and self._is(exc, _PRECONDITION):
+                    return False
+                if conditional and self._is(exc, _NOT_IMPLEMENTED):
+                    raise _Unsupported from exc
+                raise
+            done = True
+            return True
+        finally:
+            if not done:
+                await asyncio.shield(self._abort(name, upload_id))
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        with contextlib.suppress(AdapterError):
+            await self._call(
+                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+            )
+
+    async def _put_one(self, name: str, value: Buffer) -> bool:
+        body = _view(value)
+        write = self._put_multipart if len(body) >= self.multipart_threshold else self._put_single
+        if not self.create_only:
+            return await write(name, body, conditional=False)
+        if self._conditional:
+            try:
+                await write(name, body, conditional=True)  # False: someone else created it first
+                return True
+            except _Unsupported:
+                self._conditional = False  # e.g. only multipart completes lack support: fall back
+        if await self._head(name):
+            return True
+        return await write(name, body, conditional=False)
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        """Store each value (PutObject, or multipart at ``multipart_threshold``); True where stored.
+
+        A client error for one object (HTTP 4xx, e.g. EntityTooLarge) is False for it; server errors (5xx
+        after the retries), connection failures and timeouts raise, so the manager can open its circuit.
+        """
+        self._check_open()
+        check_lengths(keys, values)
+        names = [self._name(k) for k in keys]
+
+        async def one(name: str, value: Buffer) -> bool:
+            try:
+                return await self._put_one(name, value)
+            except AdapterUnavailable as exc:
+                from botocore.exceptions import ClientError
+
+                if isinstance(exc.__cause__, ClientError):
+                    code, status = _error_code(exc.__cause__)
+                    if status.startswith("4") and code != "NoSuchBucket":
+                        return False
+                raise
+
+        return list(await asyncio.gather(*(one(n, v) for n, v in zip(names, values, strict=True))))
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True where an object existed (HEADs, then DeleteObjects in batches of 1000)."""
+        self._check_open()
+        names = [self._name(k) for k in keys]
+        present = list(await asyncio.gather(*(self._head(n) for n in names)))
+        doomed = sorted({n for n, p in zip(names, present, strict=True) if p})
+        for start in range(0, len(doomed), _DELETE_BATCH):
+            batch = [{"Key": n} for n in doomed[start : start + _DELETE_BATCH]]
+            result = await self._call(
+                lambda c, b=batch: c.delete_objects(  # type: ignore[misc]
+                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
+                )
+            )
+            errors = result.get("Errors") or []
+            if errors:
+                failed = {e.get("Key") for e in errors}
+                present = [p and n not in failed for n, p in zip(names, present, strict=True)]
+        return present
