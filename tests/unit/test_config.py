@@ -92,7 +92,7 @@ def test_unknown_keys_are_named_with_the_file(tmp_path: Path, text: str, named: 
         ),
         ('[[tiers]]\nname = "a"\nurl = "redis://:pw@h:6379"', "must not carry a password"),
         ('[[tiers]]\nname = "a"\nurl = "redis://h"\noptions = { password = "x" }', "use password_env"),
-        ('[[tiers]]\nname = "a"\nurl = "s3://b/p"\noptions = { secret_access_key = "x" }', "secret_access_key_env"),
+        ('[[tiers]]\nname = "a"\nurl = "s3://b/p"\noptions = { secret_access_key = "x" }', "use secret_"),
         ('[[tiers]]\nname = "a"\nurl = "file:///x"\ncodecs = ["nosuchcodec"]', "nosuchcodec"),
         ('[[tiers]]\nname = "a"\nurl = "file:///x"\ncodecs = [3]', "each codec is an id"),
         ('[[tiers]]\nname = "a"\nurl = "file://${TC_UNSET_VAR}/x"', "'TC_UNSET_VAR' is not set"),
