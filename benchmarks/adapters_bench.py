@@ -8,7 +8,9 @@ raw ``redis.asyncio`` in every mode (sequential SET/GET one after another on the
 concurrent tasks over the pool, MGET), alternating rounds so drift hits all alike; ratios are adapter / best
 raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts (sequential and pipelined).
 
-Run: ``python benchmarks/adapters_bench.py [--backends redis,valkey] [--rounds R] [--out FILE]``; prints JSON.
+s3: 1, 4 and 32 MiB through the adapter vs raw aioboto3 on a moto server (benchmarks/s3_bench.py).
+
+Run: ``python benchmarks/adapters_bench.py [--backends redis,valkey,s3] [--rounds R] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["BACKENDS", "bench_redis"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
+
+__all__ = ["BACKENDS", "bench_redis", "bench_s3", "bench_valkey"]
 
 MiB = 1 << 20
 GB = 1e9
@@ -261,16 +265,26 @@ async def bench_valkey(rounds: int) -> dict[str, Any]:
     return await _redis_section(binary, rounds)
 
 
+async def bench_s3(rounds: int) -> dict[str, Any]:
+    """S3 through the adapter vs raw aioboto3 on a fresh moto server (see benchmarks/s3_bench.py)."""
+    from s3_bench import s3_vs_raw
+
+    return await asyncio.to_thread(s3_vs_raw, rounds=rounds)
+
+
 BACKENDS: dict[str, Callable[[int], Awaitable[dict[str, Any]]]] = {
     "redis": bench_redis,
     "valkey": bench_valkey,
+    "s3": bench_s3,
 }
-"""Backend name -> section; other network adapters (S3, ...) add theirs here."""
+"""Backend name -> section; other network adapters add theirs here."""
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--backends", default="redis", help=f"comma-separated, from {', '.join(BACKENDS)}")
+    parser.add_argument(
+        "--backends", default="redis,valkey,s3", help=f"comma-separated, from {', '.join(BACKENDS)}"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds per mode (totals reported)")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args(argv)
