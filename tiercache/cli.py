@@ -85,6 +85,9 @@ async def _check_tier(tier: TierConfig, deadline_s: float) -> dict[str, Any]:
             open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options()), deadline_s
         )
         result["adapter"] = f"{type(adapter).__module__}:{type(adapter).__qualname__}"
+        describe = getattr(adapter, "describe", None)  # optional: e.g. nvme+slab reports its I/O mode
+        if callable(describe):
+            result["io"] = str(describe())
         spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", tokens=16)
         payload = np.random.default_rng().integers(0, 1 << 16, spec.nbytes // 2, dtype=np.uint16)
         payload[payload & 0x7F80 == 0x7F80] &= 0x3FFF  # no NaN/inf bit patterns (lossy codecs compare values)
@@ -156,13 +159,26 @@ def _cmd_check(args: argparse.Namespace) -> int:
             status = "OK" if r["ok"] else f"FAIL  {r['error']}"
             chain = "+".join(r["codecs"])
             print(f"  {r['tier']:<7} {r['url']:<44} [{chain}] {r['seconds'] * 1000:7.1f} ms  {status}")
+            if r.get("io"):
+                print(f"          io: {r['io']}")
         if not config.tiers:
             print("  (no L2 tiers configured)")
     return 0 if ok else EXIT_FAIL
 
 
 # ----- inspect ---------------------------------------------------------------------------------------------
-def _header_dict(header: Any) -> dict[str, Any]:
+def _codec_params(header: Any, frame: bytes) -> dict[str, Any]:
+    """Chain params as hex (non-empty only) and, for an aesgcm frame, its key id (payload bytes 1..4)."""
+    out: dict[str, Any] = {
+        f"{cid}_params": p.hex() for cid, p in zip(header.chain, header.chain_params, strict=True) if p
+    }
+    payload = frame[header.header_len :]
+    if header.chain and header.chain[-1] == "aesgcm" and len(payload) >= 5:
+        out["aesgcm_key_id"] = payload[1:5][::-1].hex()  # u32 little-endian, shown as 8 hex digits
+    return out
+
+
+def _header_dict(header: Any, frame: bytes = b"") -> dict[str, Any]:
     spec = header.spec
     return {
         "format_version": header.version,
@@ -179,6 +195,7 @@ def _header_dict(header: Any) -> dict[str, Any]:
         "header_bytes": header.header_len,
         "checksum": f"{header.checksum:016x}",
         "key_fingerprint": f"{header.key_fingerprint:016x}",
+        **_codec_params(header, frame),
     }
 
 
@@ -215,7 +232,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise TiercacheError(f"{target!r} is not a file; to look a key up in the tiers, pass --config FILE")
     results = []
     for where, frame in frames:
-        info = {"source": where, "frame_bytes": len(frame), **_header_dict(read_header(frame))}
+        info = {"source": where, "frame_bytes": len(frame), **_header_dict(read_header(frame), frame)}
         results.append(info)
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0], indent=2))
