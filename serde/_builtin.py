@@ -16,3 +16,8 @@ __all__ = ["tiercache_register_codecs"]
 def tiercache_register_codecs(register: CodecRegistrar) -> None:
     """Register the codecs shipped with tiercache."""
     register("raw", "tiercache.serde.raw:RawCodec")
+    register("fp8", "tiercache.serde.fp8:Fp8Codec")
+    register("shuffle", "tiercache.serde.shuffle:ShuffleCodec")
+    register("lz4", "tiercache.serde.lz4:Lz4Codec", extra="codecs")
+    register("zstd", "tiercache.serde.zstd:ZstdCodec", extra="codecs")
+    register("aesgcm", "tiercache.serde.aesgcm:AesGcmCodec", extra="codecs")

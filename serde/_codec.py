@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from tiercache.errors import ConfigError
@@ -37,6 +37,10 @@ class CodecContext:
 
     key: str
     aad: bytes
+    itemsize: int = field(default=0, compare=False)
+    """Element width in bytes of the data this stage receives on encode (and must reproduce on decode), as
+    threaded by the pipeline through ``Codec.output_itemsize``; 0 = unknown. A hint for layout-aware codecs
+    (``shuffle``), not part of the context's identity (excluded from ``==``)."""
 
 
 class Codec(ABC):
@@ -69,6 +73,14 @@ class Codec(ABC):
     @abstractmethod
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
         """Decode ``src`` into the start of ``dst``; return the bytes written; raise on bad input."""
+
+    def output_itemsize(self, spec: KVSpec, itemsize: int) -> int:
+        """Element width in bytes of this stage's output, given its input's (``itemsize``).
+
+        The pipeline threads it from stage to stage into ``CodecContext.itemsize``. Default: an array-to-bytes
+        codec emits the array's elements (``spec.itemsize``); a bytes-to-bytes codec emits opaque bytes (1).
+        """
+        return spec.itemsize if self.stage is Stage.ARRAY_TO_BYTES else 1
 
     def header_params(self) -> bytes:
         """Small parameters that affect decoding, stored in the frame's chain entry (at most 65535 bytes)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -159,6 +160,13 @@ class CodecPipeline:
             sizes.append(c.max_encoded_size(sizes[-1], spec))
         return sizes
 
+    def itemsizes(self, spec: KVSpec) -> list[int]:
+        """Element width of each stage's input (``CodecContext.itemsize``), ``len(codecs)`` entries."""
+        widths = [spec.itemsize]
+        for c in self._codecs[:-1]:
+            widths.append(c.output_itemsize(spec, widths[-1]))
+        return widths
+
     def max_frame_size(self, spec: KVSpec) -> int:
         """An upper bound of the size of any frame this pipeline writes for ``spec``."""
         return self._header_len + self.bounds(spec)[-1]
@@ -208,9 +216,10 @@ class CodecPipeline:
         data = src
         n = len(src)
         last = len(self._codecs) - 1
+        widths = self.itemsizes(spec)
         for i, codec in enumerate(self._codecs):
             dst = out if i == last else memoryview(bytearray(bounds[i + 1]))
-            n = codec.encode_into(data, dst, spec, ctx)
+            n = codec.encode_into(data, dst, spec, dataclasses.replace(ctx, itemsize=widths[i]))
             if not 0 <= n <= bounds[i + 1]:
                 raise RuntimeError(
                     f"codec {codec.codec_id!r} wrote {n} bytes, over its bound {bounds[i + 1]}"
@@ -293,20 +302,21 @@ class CodecPipeline:
         spec = header.spec
         ctx = CodecContext(key=key, aad=bytes(mv[: header.static_len]))
         bounds = self.bounds(spec)
+        widths = self.itemsizes(spec)
         data = mv[header.header_len :]
         codec = self._codecs[-1]
         try:
             for i in range(len(self._codecs) - 1, 0, -1):
                 codec = self._codecs[i]
                 scratch = memoryview(bytearray(bounds[i]))
-                n = codec.decode_into(data, scratch, spec, ctx)
+                n = codec.decode_into(data, scratch, spec, dataclasses.replace(ctx, itemsize=widths[i]))
                 if not 0 <= n <= bounds[i]:
                     raise FrameError(
                         f"codec {codec.codec_id!r} decoded {n} bytes, over its bound {bounds[i]}"
                     )
                 data = scratch[:n]
             codec = self._codecs[0]
-            n = codec.decode_into(data, dst, spec, ctx)
+            n = codec.decode_into(data, dst, spec, dataclasses.replace(ctx, itemsize=widths[0]))
         except FrameError:
             raise
         except Exception as exc:

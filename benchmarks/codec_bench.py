@@ -1,0 +1,207 @@
+"""Codec benchmark: throughput against the raw library call, ratio and fp8 error, on real KV and random data.
+
+    .venv/bin/python -P benchmarks/codec_bench.py [--repeat 7] [--out benchmarks/results/codec_bench_cpu.json]
+
+Inputs: the real-KV sample (tests/fixtures/kv_sample, bf16 [2, 4, 256, 256], 1 MiB; see make_kv_sample.py) and
+random normal bf16 of the same shape. Every figure is the best of ``--repeat`` runs, codec and library call
+interleaved in the same loop, so their ratio is meaningful on a shared machine (absolute GB/s are not).
+GB/s count the stage's input bytes (encode) or output bytes (decode).
+"relative_error" is ||x' - x||₂ / ||x||₂;
+"max_error_over_absmax" is max|x' - x| / max|x|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lz4.block
+import numpy as np
+import torch
+import zstandard
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from tiercache.serde import CodecContext, build_pipeline
+from tiercache.serde._codec import Codec
+from tiercache.serde.aesgcm import AesGcmCodec
+from tiercache.serde.lz4 import Lz4Codec
+from tiercache.serde.zstd import ZstdCodec
+from tiercache.spec import KVFormat, KVSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "tests" / "fixtures" / "kv_sample"
+KEY = bytes(range(32))
+
+
+def best(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def paired(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Best times of ``a`` and ``b``, interleaved."""
+    ta, tb = [], []
+    for _ in range(repeat):
+        ta.append(best(a, 1))
+        tb.append(best(b, 1))
+    return min(ta), min(tb)
+
+
+def load_sample() -> tuple[torch.Tensor, KVSpec]:
+    meta = json.loads((SAMPLE / "kv.json").read_text())
+    s = meta["spec"]
+    spec = KVSpec(
+        s["num_layers"], s["num_kv_heads"], s["head_dim"], s["dtype"], KVFormat[s["format"]], s["tokens"]
+    )
+    data = bytearray((SAMPLE / "kv.bin").read_bytes())
+    return torch.frombuffer(data, dtype=torch.bfloat16).reshape(spec.shape).clone(), spec
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def stage_vs_library(
+    name: str, codec: Codec, lib_enc: Callable[[bytes], bytes], lib_dec: Callable[[bytes], object],
+    data: bytes, spec: KVSpec, repeat: int,
+) -> dict[str, object]:  # fmt: skip
+    """One bytes-to-bytes codec against its library's own call on the same bytes."""
+    ctx = CodecContext("bench", b"static-header", 1)
+    src = memoryview(data)
+    out = memoryview(bytearray(codec.max_encoded_size(len(data), spec)))
+    n = codec.encode_into(src, out, spec, ctx)
+    back = memoryview(bytearray(len(data)))
+    lib_out = lib_enc(data)
+    t_codec_e, t_lib_e = paired(lambda: codec.encode_into(src, out, spec, ctx), lambda: lib_enc(data), repeat)
+    enc = bytes(out[:n])
+    t_codec_d, t_lib_d = paired(
+        lambda: codec.decode_into(memoryview(enc), back, spec, ctx), lambda: lib_dec(lib_out), repeat
+    )
+    assert bytes(back) == data
+    return {
+        "codec": name,
+        "bytes": len(data),
+        "encoded_bytes": n,
+        "stored_raw": enc[0] == 0 if name in ("lz4", "zstd") else None,
+        "ratio": round(len(data) / n, 4),
+        "library_ratio": round(len(data) / len(lib_out), 4),
+        "encode_gbps": gbps(len(data), t_codec_e),
+        "library_encode_gbps": gbps(len(data), t_lib_e),
+        "encode_vs_library": round(t_lib_e / t_codec_e, 3),
+        "decode_gbps": gbps(len(data), t_codec_d),
+        "library_decode_gbps": gbps(len(data), t_lib_d),
+        "decode_vs_library": round(t_lib_d / t_codec_d, 3),
+    }
+
+
+def chain_result(chain: list[object], x: torch.Tensor, spec: KVSpec, repeat: int) -> dict[str, object]:
+    pipe = build_pipeline(chain)  # type: ignore[arg-type]
+    frame = pipe.encode(x, spec, "bench")
+    dst = torch.empty_like(x)
+    t_e = best(lambda: pipe.encode(x, spec, "bench"), repeat)
+    t_d = best(lambda: pipe.decode_into(frame, "bench", dst), repeat)
+    xf, yf = x.float(), dst.float()
+    result: dict[str, object] = {
+        "chain": [c if isinstance(c, str) else dict(c) for c in pipe.get_config()],  # type: ignore[arg-type]
+        "raw_bytes": spec.nbytes,
+        "frame_bytes": len(frame),
+        "ratio_vs_raw": round(spec.nbytes / len(frame), 4),
+        "encode_gbps": gbps(spec.nbytes, t_e),
+        "decode_gbps": gbps(spec.nbytes, t_d),
+    }
+    if not pipe.lossless:
+        result["relative_error"] = round(float((yf - xf).norm() / xf.norm()), 5)
+        result["max_error_over_absmax"] = round(float((yf - xf).abs().max() / xf.abs().max()), 5)
+    else:
+        assert torch.equal(dst.view(torch.uint8), x.view(torch.uint8))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "codec_bench_cpu.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("TIERCACHE_BENCH_KEY", KEY.hex())
+    real, spec = load_sample()
+    rng = np.random.default_rng(0)
+    rand = torch.from_numpy(rng.standard_normal(spec.shape, dtype=np.float32)).to(torch.bfloat16)
+    inputs = {"real_kv": real, "random_normal": rand}
+    aes = AESGCM(KEY)
+    nonce = bytes(12)
+    z_c, z_d = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    results: dict[str, object] = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "lz4": lz4.library_version_string(),
+            "zstd": zstandard.ZSTD_VERSION,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "inputs": {
+            "real_kv": "tests/fixtures/kv_sample (trained tiny Llama-style model, see make_kv_sample.py)",
+            "random_normal": "standard normal float32 -> bf16, same shape",
+            "spec": str(spec),
+            "bytes": spec.nbytes,
+        },
+        "repeat": args.repeat,
+    }
+    shuffle = build_pipeline(["raw", "shuffle"])
+    for label, x in inputs.items():
+        data = as_bytes(x)
+        shuffled = bytes(shuffle.encode(x, spec, "k")[-(spec.nbytes + 1) :])
+        fp8_bytes = bytes(build_pipeline(["fp8", "shuffle"]).encode(x, spec, "k"))
+        stages = []
+        for what, buf in (("raw_bf16", data), ("shuffled_bf16", shuffled), ("fp8_shuffled", fp8_bytes)):
+            lib = [
+                ("lz4", Lz4Codec(), lambda b: lz4.block.compress(b, store_size=False),
+                 functools.partial(lz4.block.decompress, uncompressed_size=len(buf))),
+                ("zstd", ZstdCodec(1), z_c.compress, z_d.decompress),
+                ("aesgcm", AesGcmCodec(KEY), lambda b: aes.encrypt(nonce, b, b"aad"),
+                 lambda b: aes.decrypt(nonce, b, b"aad")),
+            ]  # fmt: skip
+            for name, codec, enc, dec in lib:
+                r = stage_vs_library(name, codec, enc, dec, buf, spec, args.repeat)
+                stages.append({"input": what, **r})
+        chains: list[list[object]] = [
+            ["raw"],
+            ["raw", "lz4"],
+            ["raw", "zstd"],
+            ["raw", "shuffle", "lz4"],
+            ["raw", "shuffle", "zstd"],
+            ["raw", "zstd", {"id": "aesgcm", "key_env": "TIERCACHE_BENCH_KEY"}],
+            ["fp8"],
+            [{"id": "fp8", "granularity": "token"}],
+            ["fp8", "shuffle", "zstd"],
+            [{"id": "fp8", "granularity": "token"}, "shuffle", "zstd"],
+            ["fp8", "shuffle", {"id": "zstd", "level": 3}],
+            ["fp8", "shuffle", "lz4"],
+            ["fp8", "shuffle", "zstd", {"id": "aesgcm", "key_env": "TIERCACHE_BENCH_KEY"}],
+        ]
+        results[label] = {
+            "stages_vs_library": stages,
+            "chains": [chain_result(c, x, spec, args.repeat) for c in chains],
+        }
+    text = json.dumps(results, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The lz4 codec: LZ4 block compression, stored raw when it saves less than 1/64 (BYTES_TO_BYTES, lossless).
+
+Output: one flag byte, then
+
+- flag 0 (stored): the input bytes unchanged;
+- flag 1 (lz4): u64 little-endian input length, then one LZ4 block.
+
+The compressed form is kept only when its whole output (flag and length included) is at most 63/64 of the
+input (plain bf16 KV does not compress with LZ4: it is then stored, costing one byte and a memcpy on decode).
+Needs the ``lz4`` package (``pip install 'tiercache[codecs]'``), imported when the codec is loaded.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+import lz4.block
+
+from tiercache.errors import ConfigError
+from tiercache.serde._codec import Codec, CodecContext, Stage
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from tiercache.spec import KVSpec
+
+__all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "Lz4Codec", "worth_compressing"]
+
+FLAG_STORED = 0
+FLAG_COMPRESSED = 1
+_LEN = struct.Struct("<Q")
+_MAX_INPUT = 0x7E000000  # LZ4_MAX_INPUT_SIZE: larger inputs are stored
+_MODES = ("default", "fast", "high_compression")
+
+
+def worth_compressing(compressed_total: int, nbytes: int) -> bool:
+    """True when an encoding of ``compressed_total`` bytes saves at least 1/64 of ``nbytes``."""
+    return compressed_total * 64 <= nbytes * 63
+
+
+class Lz4Codec(Codec):
+    """LZ4 block compression with a stored fallback; see the module doc."""
+
+    codec_id: ClassVar[str] = "lz4"
+    stage: ClassVar[Stage] = Stage.BYTES_TO_BYTES
+    lossless: ClassVar[bool] = True
+    config_options: ClassVar[tuple[str, ...]] = ("acceleration",)
+
+    def __init__(self, acceleration: int = 1) -> None:
+        """``acceleration``: LZ4 acceleration (1 = default; higher = faster, less compression)."""
+        if not 1 <= acceleration <= 65537:
+            raise ConfigError(f"lz4 acceleration must be an integer 1..65537, not {acceleration!r}")
+        self.acceleration = acceleration
+
+    @classmethod
+    def validate_config(cls, config: Mapping[str, object]) -> None:
+        """Check option names and values."""
+        cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object]) -> Self:
+        """Build from ``{"id": "lz4", "acceleration": 1}``."""
+        options = cls.check_options(config)
+        acceleration = options.get("acceleration", 1)
+        if isinstance(acceleration, bool) or not isinstance(acceleration, int):
+            raise ConfigError(f"lz4 acceleration must be an integer, not {acceleration!r}")
+        return cls(acceleration)
+
+    def get_config(self) -> dict[str, object]:
+        """The acceleration."""
+        return {"id": self.codec_id, "acceleration": self.acceleration}
+
+    def max_encoded_size(self, nbytes: int, spec: KVSpec) -> int:
+        """Input plus the flag byte (the compressed form is only kept when smaller)."""
+        return nbytes + 1
+
+    def encode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
+        """Compress into ``dst``, or store when the saving is below 1/64."""
+        n = len(src)
+        if 0 < n <= _MAX_INPUT:
+            if self.acceleration == 1:
+                packed = lz4.block.compress(src, store_size=False)
+            else:
+                packed = lz4.block.compress(
+                    src, mode="fast", acceleration=self.acceleration, store_size=False
+                )
+            total = 1 + _LEN.size + len(packed)
+            if worth_compressing(total, n):
+                dst[0] = FLAG_COMPRESSED
+                _LEN.pack_into(dst, 1, n)
+                dst[1 + _LEN.size : total] = packed
+                return total
+        dst[0] = FLAG_STORED
+        dst[1 : 1 + n] = src
+        return 1 + n
+
+    def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
+        """Decompress (or copy) into ``dst``; ValueError on a malformed payload."""
+        if len(src) < 1:
+            raise ValueError("empty lz4 payload")
+        flag = src[0]
+        if flag == FLAG_STORED:
+            n = len(src) - 1
+            if n > len(dst):
+                raise ValueError(f"stored payload of {n} bytes overruns a {len(dst)}-byte destination")
+            dst[:n] = src[1:]
+            return n
+        if flag != FLAG_COMPRESSED or len(src) < 1 + _LEN.size:
+            raise ValueError(f"bad lz4 payload flag {flag}")
+        n = int(_LEN.unpack_from(src, 1)[0])
+        if n > len(dst) or n > _MAX_INPUT:
+            raise ValueError(f"lz4 payload of {n} bytes overruns a {len(dst)}-byte destination")
+        out = lz4.block.decompress(src[1 + _LEN.size :], uncompressed_size=n)
+        if len(out) != n:
+            raise ValueError(f"lz4 block decoded to {len(out)} bytes, expected {n}")
+        dst[:n] = out
+        return n
