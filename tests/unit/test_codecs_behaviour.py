@@ -317,3 +317,18 @@ def test_inspect_shows_chain_sizes_and_key_id(tmp_path: Path) -> None:
     assert info["aesgcm_key_id"] == f"{key_id(KEY1):08x}"
     assert info["fp8_params"] == "0102"
     assert info["payload_bytes"] < info["raw_bytes"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("granularity", ["channel", "token"])
+def test_fp8_encode_never_modifies_the_source_array(dtype: str, granularity: str) -> None:
+    import torch
+
+    from tiercache.serde import build_pipeline
+    from tiercache.spec import KVSpec
+
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype, tokens=40)
+    source = (torch.randn(spec.shape) * 3).to(getattr(torch, dtype))
+    before = source.clone()
+    build_pipeline([{"id": "fp8", "granularity": granularity}]).encode(source, spec, "some.key")
+    assert torch.equal(source, before)
