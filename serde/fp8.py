@@ -161,14 +161,18 @@ class Fp8Codec(Codec):
         # Tiles along the plane axis (never reduced) keep the float32 temporaries small and reused:
         # whole-object temporaries are fresh pages, which fault at about 0.5 GB/s.
         step = _tile_rows(shape)
+        tile = torch.empty((step, *shape[1:]), dtype=torch.float32)  # reused: never scales the source
+        magnitude = torch.empty_like(tile)
         for a in range(0, shape[0], step):
-            x = x_all[a : a + step].to(torch.float32, copy=True)  # never scale the caller's array in place
-            amax = x.abs().amax(dim=dim, keepdim=True)
+            rows = min(step, shape[0] - a)
+            x = tile[:rows]
+            x.copy_(x_all[a : a + rows])
+            amax = torch.abs(x, out=magnitude[:rows]).amax(dim=dim, keepdim=True)
             if not bool(torch.isfinite(amax).all()):
                 raise ValueError("fp8 codec needs finite input (found NaN or inf)")
             scale = (amax / FP8_MAX).clamp_min_(SCALE_FLOOR)
-            scales_out[a : a + step].copy_(scale)
-            q_out[a : a + step].copy_(x.div_(scale).clamp_(-FP8_MAX, FP8_MAX))
+            scales_out[a : a + rows].copy_(scale)
+            q_out[a : a + rows].copy_(x.div_(scale).clamp_(-FP8_MAX, FP8_MAX))
         return n
 
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
@@ -193,6 +197,10 @@ class Fp8Codec(Codec):
         q = raw[4 * n_scales :].view(torch.float8_e4m3fn).reshape(shape)
         out = _tensor_from(dst, getattr(torch, spec.dtype)).reshape(shape)
         step = _tile_rows(shape)
+        tile = torch.empty((step, *shape[1:]), dtype=torch.float32)
         for a in range(0, shape[0], step):
-            out[a : a + step].copy_(q[a : a + step].float().mul_(scale[a : a + step]))
+            rows = min(step, shape[0] - a)
+            x = tile[:rows]
+            x.copy_(q[a : a + rows])
+            out[a : a + rows].copy_(x.mul_(scale[a : a + rows]))
         return spec.nbytes
