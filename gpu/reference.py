@@ -326,11 +326,7 @@ def _gather(
         else:
             if slots.numel() and int(slots.min()) < 0:
                 raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
-            rows = _Rows(slots, layout.block_size, layout.num_kv_heads)
-            for j, layer in enumerate(layers):
-                src_planes = _planes(_bits(kv[layer]), layout)
-                for src, dst in zip(src_planes, _obj_planes(_bits(stage), layout, j), strict=True):
-                    _read_rows(src, rows, dst)
+            _gather_tokens(layers, kv, layout, slots, stage)
         if stage is not obj:
             obj.copy_(stage)
 
@@ -371,12 +367,167 @@ def _scatter(
             slots = slots[sel]
             sel = sel + skip
         written += n_keep
+        if sel is None:
+            _scatter_tokens(layers, kv, layout, slots, src_obj, skip)
+            continue
         rows = _Rows(slots, layout.block_size, layout.num_kv_heads)
         for j, layer in enumerate(layers):
             dst_planes = _planes(_bits(kv[layer]), layout)
             for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
-                _write_rows(dst, rows, src[skip:] if sel is None else src.index_select(0, sel))
+                _write_rows(dst, rows, src.index_select(0, sel))
     return written
+
+
+# ----- token layouts: whole blocks in one op per layer, the ragged ends row by row ----------------------
+#
+# For chunk-aligned spans the slots of a block are contiguous (block_id * BS + 0..BS-1), so the tokens of
+# whole blocks move with one index op over the block dim per layer (slices of a whole block instead of one
+# row per token and head). Gather: one ``index_select`` straight into the object view. Scatter: where blocks
+# are dense pages, one permuted ``copy_`` into a page scratch, then one ``index_copy_`` of whole pages (the
+# strided ``index_copy_`` is slower on CPU); else one ``index_copy_`` over the block dim.
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tensor] | None:
+    """``(k0, blocks)`` when ``slots[k0 : k0 + len(blocks) * block_size]`` map whole blocks in order.
+
+    ``k0`` is the number of tokens before the first block boundary; None when there is no whole block or the
+    slots do not follow the block pattern (negative slots, shuffled offsets): the caller then moves rows.
+    """
+    t = slots.numel()
+    if block_size <= 1 or t < block_size:
+        return None
+    first = int(slots[0])
+    if first < 0:
+        return None
+    k0 = (-first) % block_size
+    n = (t - k0) // block_size
+    if n == 0:
+        return None
+    body = slots[k0 : k0 + n * block_size].view(n, block_size)
+    firsts = body[:, 0]
+    offs = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
+    if not bool(((body == firsts[:, None] + offs) & (firsts[:, None] >= 0)).all()):
+        return None
+    if int(firsts[0]) % block_size:
+        return None
+    return k0, firsts // block_size
+
+
+def _widened_pair(
+    layer: torch.Tensor, obj: torch.Tensor, layout: PagedLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer and object as the widest integer type both allow, keeping head_dim a whole number of elements."""
+    bits, ob = _bits(layer), _bits(obj)
+    size = bits.element_size()
+    for wide in (torch.int64, torch.int32):
+        if wide.itemsize <= size or (layout.head_dim * size) % wide.itemsize:
+            continue
+        try:
+            return bits.view(wide), ob.view(wide)
+        except RuntimeError:
+            continue
+    return bits, ob
+
+
+def _paged5(layer: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
+    """A (widened) layer, or pages laid out like its blocks, as [P, NB, BS, H, D'] (P = 2 planes or 1)."""
+    if layout.kind is LayoutKind.VLLM_LEGACY:
+        return layer
+    tok = layer.permute(0, 2, 1, 3)  # [NB, BS, H, C']
+    if layout.kind is LayoutKind.VLLM_MLA:
+        return tok.unsqueeze(0)
+    nb, bs, h, c = tok.shape
+    return tok.view(nb, bs, h, 2, c // 2).permute(3, 0, 1, 2, 4)
+
+
+def _object5(obj: torch.Tensor, layout: PagedLayout, j: int, k0: int, nb: int) -> torch.Tensor:
+    """Tokens ``k0 .. k0 + nb * BS`` of object layer ``j`` (widened) as [P, nb, BS, H, D']."""
+    bs, h = layout.block_size, layout.num_kv_heads
+    span = slice(k0, k0 + nb * bs)
+    if layout.planes == 1:
+        lat = obj[j, span]  # [T, D']
+        return lat.view(1, nb, bs, 1, lat.shape[1])
+    kv = obj[:, j, span]  # [2, T, H*D']
+    return kv.view(2, nb, bs, h, kv.shape[2] // h)
+
+
+def _page_rows(layer: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(layer as [NB, page] rows, inner strides) when each block of the layer is one dense page; else None."""
+    inner = sorted((st, n) for n, st in zip(layer.shape[1:], layer.stride()[1:], strict=True) if n > 1)
+    page = 1
+    for st, n in inner:
+        if st != page:
+            return None
+        page *= n
+    raw = layer.as_strided((layer.shape[0], page), (layer.stride(0), 1), layer.storage_offset())
+    return raw, tuple(layer.stride()[1:])
+
+
+def _gather_tokens(
+    layers: range, kv: list[torch.Tensor], layout: PagedLayout, slots: torch.Tensor, stage: torch.Tensor
+) -> None:
+    """Token-layout gather of one span into ``stage``: whole blocks per layer in one op, the ends by rows."""
+    found = _whole_blocks(slots, layout.block_size)
+    t = slots.numel()
+    parts = [(0, t)]
+    if found is not None:
+        k0, blocks = found
+        nb = blocks.numel()
+        k1 = k0 + nb * layout.block_size
+        parts = [(0, k0), (k1, t)]
+        for j, layer in enumerate(layers):
+            lw, ow = _widened_pair(kv[layer], stage, layout)
+            torch.index_select(_paged5(lw, layout), 1, blocks, out=_object5(ow, layout, j, k0, nb))
+    for a, b in parts:
+        if a == b:
+            continue
+        rows = _Rows(slots[a:b], layout.block_size, layout.num_kv_heads)
+        for j, layer in enumerate(layers):
+            src_planes = _planes(_bits(kv[layer]), layout)
+            for src_p, dst_p in zip(src_planes, _obj_planes(_bits(stage), layout, j), strict=True):
+                _read_rows(src_p, rows, dst_p[a:b])
+
+
+def _scatter_tokens(
+    layers: range,
+    kv: list[torch.Tensor],
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    src_obj: torch.Tensor,
+    skip: int,
+) -> None:
+    """Token-layout scatter of object tokens ``skip..`` to ``slots`` (all >= 0): whole blocks, then rows."""
+    found = _whole_blocks(slots, layout.block_size)
+    t = slots.numel()
+    parts = [(0, t)]
+    if found is not None:
+        k0, blocks = found
+        nb = blocks.numel()
+        k1 = k0 + nb * layout.block_size
+        parts = [(0, k0), (k1, t)]
+        scratch: torch.Tensor | None = None
+        for j, layer in enumerate(layers):
+            lw, ow = _widened_pair(kv[layer], src_obj, layout)
+            src = _object5(ow, layout, j, skip + k0, nb)
+            pages = _page_rows(lw) if layout.kind is not LayoutKind.VLLM_LEGACY else None
+            if pages is None:
+                _paged5(lw, layout).index_copy_(1, blocks, src)
+                continue
+            raw, inner = pages
+            if scratch is None or scratch.dtype != raw.dtype or scratch.shape[1] != raw.shape[1]:
+                scratch = torch.empty((nb, raw.shape[1]), dtype=raw.dtype, device=raw.device)
+            # pages laid out like the layer's blocks: one permuted copy in, then whole pages out
+            like = scratch.as_strided((nb, *lw.shape[1:]), (raw.shape[1], *inner))
+            _paged5(like, layout).copy_(src)
+            raw.index_copy_(0, blocks, scratch)
+    for a, b in parts:
+        if a == b:
+            continue
+        rows = _Rows(slots[a:b], layout.block_size, layout.num_kv_heads)
+        for j, layer in enumerate(layers):
+            dst_planes = _planes(_bits(kv[layer]), layout)
+            for dst_p, src_p in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
+                _write_rows(dst_p, rows, src_p[skip + a : skip + b])
 
 
 def _page_pair(layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
