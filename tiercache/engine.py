@@ -72,6 +72,7 @@ class CacheEngine:
         self.token_db = TokenDatabase(keyspace, chunk_size, save_unfull_chunk)
         self.chunk_size = chunk_size
         self.layerwise = layerwise
+        self._specs: dict[tuple[int, int | None], KVSpec] = {}
 
     @staticmethod
     def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False) -> int:
@@ -128,8 +129,15 @@ class CacheEngine:
 
     # ----- keys and specs -----------------------------------------------------------------------------------
     def _spec(self, span: ChunkSpan, layer: int | None = None) -> KVSpec:
-        spec = object_spec(self.layout, span.end - span.start)
-        return spec if layer is None else spec.with_layers(layer, layer + 1)
+        """The object spec of a span (cached: specs are immutable and almost all chunks are full)."""
+        cache_key = (span.end - span.start, layer)
+        spec = self._specs.get(cache_key)
+        if spec is None:
+            spec = object_spec(self.layout, span.end - span.start)
+            if layer is not None:
+                spec = spec.with_layers(layer, layer + 1)
+            self._specs[cache_key] = spec
+        return spec
 
     def _layer_keys(self, span: ChunkSpan) -> list[str]:
         return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
@@ -137,7 +145,8 @@ class CacheEngine:
     def _object_keys(self, spans: Sequence[ChunkSpan]) -> tuple[list[str], list[KVSpec]]:
         """Storage keys and specs of every object of ``spans`` (chunk-major, then layer)."""
         if not self.layerwise:
-            return [str(s.key) for s in spans], [self._spec(s) for s in spans]
+            prefix = self.token_db.key_prefix
+            return [prefix + s.key.chunk_hash.hex() for s in spans], [self._spec(s) for s in spans]
         keys: list[str] = []
         specs: list[KVSpec] = []
         for span in spans:

@@ -6,6 +6,7 @@ never Python's ``hash()``.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import re
@@ -172,6 +173,14 @@ def _token_array(tokens: object) -> npt.NDArray[np.integer[Any]]:
 
     if hasattr(tokens, "detach"):  # torch tensor: no torch import needed
         tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, list | tuple):
+        # array('q') converts a list of ints about 4x faster than np.asarray (vLLM hands over lists).
+        try:
+            tokens = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+        except OverflowError:
+            raise ValueError("token ids must lie in [0, 2**32)") from None
+        except TypeError:
+            raise ValueError("token ids must be integers") from None
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
@@ -214,6 +223,11 @@ class TokenDatabase:
         self.keyspace = keyspace
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
+
+    @property
+    def key_prefix(self) -> str:
+        """Key string up to the chunk hash: ``str(key) == key_prefix + key.chunk_hash.hex()``."""
+        return f"tc{self.keyspace.key_format_version}.{self.keyspace.digest_hex}."
 
     def prefix_hashes(self, tokens: object) -> list[bytes]:
         """Chained 32-byte hashes of every keyed chunk of ``tokens``, in order."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -272,8 +273,8 @@ class StorageManager:
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
         chunks = contiguous_prefix(per_chunk)
         prefix = [h for h in per_chunk[:chunks] if h is not None]
-        for hit in prefix:
-            self.metrics.hits.labels(hit.tier).inc()
+        for tier_name, count in Counter(h.tier for h in prefix).items():
+            self.metrics.hits.labels(tier_name).inc(count)
         if chunks < len(per_chunk):
             self.metrics.misses.labels("all").inc()
         if prefetch:

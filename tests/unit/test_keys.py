@@ -249,3 +249,9 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds() -> None
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1] == outputs[2]
     assert len(outputs[0]) == 7
+
+
+def test_key_prefix_plus_hash_is_the_canonical_string() -> None:
+    db = TokenDatabase(make_keyspace(cache_salt="t"), chunk_size=8)
+    for key in db.keys(list(range(40))):
+        assert db.key_prefix + key.chunk_hash.hex() == str(key)
