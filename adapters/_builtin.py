@@ -32,3 +32,4 @@ def tiercache_register_adapters(register: AdapterRegistrar) -> None:
         extra="redis",
     )
     register("s3", "tiercache.adapters.s3:S3Adapter", aliases=("s3a",), extra="s3")
+    register("mooncake", "tiercache.adapters.mooncake:MooncakeAdapter", extra="mooncake")

@@ -10,6 +10,9 @@ raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts (sequent
 
 s3: 1, 4 and 32 MiB through the adapter vs raw aioboto3 on a moto server (benchmarks/s3_bench.py).
 
+mooncake: 1, 4 and 32 MiB through the adapter vs raw ``MooncakeDistributedStore`` batch calls on one master
++ store client (loopback TCP), same run (``bench_mooncake``).
+
 Run: ``python benchmarks/adapters_bench.py [--backends redis,valkey,s3] [--rounds R] [--out FILE]``.
 """
 
@@ -31,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
 
-__all__ = ["BACKENDS", "bench_redis", "bench_s3", "bench_valkey"]
+__all__ = ["BACKENDS", "bench_mooncake", "bench_redis", "bench_s3", "bench_valkey"]
 
 MiB = 1 << 20
 GB = 1e9
@@ -272,10 +275,196 @@ async def bench_s3(rounds: int) -> dict[str, Any]:
     return await asyncio.to_thread(s3_vs_raw, rounds=rounds)
 
 
+# -- mooncake ---------------------------------------------------------------------------------------------
+
+
+def _mooncake_installed() -> bool:
+    return os.path.exists(os.path.join(os.path.dirname(sys.executable), "mooncake_master"))
+
+
+def _mooncake_start(segment: str) -> tuple[list[subprocess.Popen[bytes]], int, int]:
+    """A mooncake_master (HTTP metadata server) + a mooncake_client lending ``segment``, on 127.0.0.1."""
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    rpc, http, metrics, cport = _free_port(), _free_port(), _free_port(), _free_port()
+    master = subprocess.Popen(
+        [
+            os.path.join(bindir, "mooncake_master"),
+            "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--rpc_thread_num=2",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    procs = [master]
+
+    def wait_port(port: int) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.3):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        for p in procs:
+            _stop(p)
+        raise RuntimeError(f"mooncake: port {port} not open")
+
+    wait_port(rpc)
+    wait_port(http)
+    procs.append(
+        subprocess.Popen(
+            [
+                os.path.join(bindir, "mooncake_client"), "--host=127.0.0.1", f"--port={cport}",
+                f"--master_server_address=127.0.0.1:{rpc}",
+                f"--metadata_server=http://127.0.0.1:{http}/metadata",
+                f"--global_segment_size={segment}", "--protocol=tcp",
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )
+    )  # fmt: skip
+    wait_port(cport)
+    return procs, rpc, http
+
+
+async def _mooncake_size(
+    raw: Any, adapter: Any, staging: Any, size_mib: int, rounds: int, buf_bytes: int
+) -> dict[str, Any]:
+    """Adapter vs raw Mooncake batch calls for one object size."""
+    import numpy as np
+
+    ptr = staging.ctypes.data
+    size = size_mib * MiB
+    n = max(2, 64 // size_mib)
+    values = [os.urandom(size) for _ in range(n)]
+    rkeys = [f"raw{size_mib}-{i}" for i in range(n)]
+    akeys = [f"ad{size_mib}-{i}" for i in range(n)]
+    per = 64 // size_mib if size_mib <= 32 else 1
+    per = max(1, min(per, buf_bytes // size))
+    groups = [list(range(i, min(n, i + per))) for i in range(0, n, per)]
+
+    def r_upsert_batch() -> None:
+        for g in groups:
+            assert raw.upsert_batch([rkeys[i] for i in g], [values[i] for i in g]) == 0
+
+    def r_upsert_from() -> None:
+        for g in groups:
+            for j, i in enumerate(g):
+                staging[j * size : (j + 1) * size] = np.frombuffer(values[i], dtype=np.uint8)
+            rcs = raw.batch_upsert_from(
+                [rkeys[i] for i in g], [ptr + j * size for j in range(len(g))], [size] * len(g)
+            )
+            assert rcs == [0] * len(g), rcs
+
+    def r_get_batch() -> None:
+        got = raw.get_batch(rkeys)
+        assert all(len(x) == size for x in got)
+
+    def r_get_buffer() -> None:
+        hs = raw.batch_get_buffer(rkeys)
+        out = [bytes(memoryview(h)) for h in hs]
+        assert all(len(x) == size for x in out)
+
+    def r_get_into() -> None:
+        for g in groups:
+            rcs = raw.batch_get_into(
+                [rkeys[i] for i in g], [ptr + j * size for j in range(len(g))], [size] * len(g)
+            )
+            assert rcs == [size] * len(g), rcs
+            _ = [bytes(staging[j * size : (j + 1) * size]) for j in range(len(g))]
+
+    async def a_put() -> None:
+        assert await adapter.batched_put(akeys, values) == [True] * n
+
+    async def a_get() -> None:
+        got = await adapter.batched_get(akeys)
+        assert all(g is not None and len(g) == size for g in got)
+
+    def thread(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+        return lambda: asyncio.to_thread(fn)  # raw calls off the loop too, like the adapter
+
+    puts = {"raw_upsert_batch": thread(r_upsert_batch), "raw_upsert_from": thread(r_upsert_from)}
+    puts["adapter"] = a_put
+    gets = {
+        "raw_get_batch": thread(r_get_batch),
+        "raw_batch_get_buffer": thread(r_get_buffer),
+        "raw_batch_get_into": thread(r_get_into),
+        "adapter": a_get,
+    }
+    total = {f"put_{m}": 0.0 for m in puts} | {f"get_{m}": 0.0 for m in gets}
+    for fn in puts.values():  # warm up: first touch of segment pages
+        await fn()
+    for _ in range(rounds):
+        for m, fn in puts.items():
+            total[f"put_{m}"] += await _timed(fn)
+        for m, fn in gets.items():
+            total[f"get_{m}"] += await _timed(fn)
+    moved = rounds * n * size
+    gbps = {k: round(moved / t / GB, 3) for k, t in total.items()}
+    best_put = max((k for k in gbps if k.startswith("put_raw")), key=gbps.__getitem__)
+    best_get = max((k for k in gbps if k.startswith("get_raw")), key=gbps.__getitem__)
+    result = {
+        "objects_per_batch": n,
+        "rounds": rounds,
+        "GBps": gbps,
+        "best_raw_put": best_put,
+        "best_raw_get": best_get,
+        "put_ratio_adapter_vs_best_raw": round(gbps["put_adapter"] / gbps[best_put], 3),
+        "get_ratio_adapter_vs_best_raw": round(gbps["get_adapter"] / gbps[best_get], 3),
+    }
+    raw.batch_remove(rkeys + akeys, True)
+    return result
+
+
+async def bench_mooncake(rounds: int) -> dict[str, Any]:
+    """Mooncake through the adapter vs raw ``MooncakeDistributedStore`` calls on one master, same run.
+
+    A master + a store client holding a 2 GB segment; adapter and raw client both lend no memory (data goes
+    over loopback TCP to the store client). Raw put modes: ``upsert_batch(bytes)`` and ``batch_upsert_from``
+    from a registered buffer (timed including the copy into it); raw get modes: ``get_batch``,
+    ``batch_get_buffer`` + copy out, ``batch_get_into`` a registered buffer (sizes known) + copy out.
+    """
+    if not _mooncake_installed():
+        return {"skipped": "mooncake_master not installed (pip install -e '.[mooncake]')"}
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    import numpy as np
+    from mooncake.store import MooncakeDistributedStore
+
+    from tiercache.adapters.mooncake import MooncakeAdapter
+
+    procs, rpc, http = _mooncake_start("2GB")
+    try:
+        url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata&protocol=tcp"
+        buf_bytes = 72 * MiB
+        adapter = await MooncakeAdapter.open(url, buffer_size=buf_bytes, timeout=120)
+        raw = MooncakeDistributedStore()
+        meta = f"http://127.0.0.1:{http}/metadata"
+        rc = raw.setup("127.0.0.1", meta, 0, buf_bytes + 4 * MiB, "tcp", "", f"127.0.0.1:{rpc}")
+        assert rc == 0, rc
+        staging = np.empty(buf_bytes, dtype=np.uint8)
+        ptr = staging.ctypes.data
+        assert raw.register_buffer(ptr, staging.nbytes) == 0
+        sizes_out: dict[str, Any] = {}
+        for size_mib in (1, 4, 32):
+            sizes_out[f"{size_mib}MiB"] = await _mooncake_size(
+                raw, adapter, staging, size_mib, rounds, buf_bytes
+            )
+        raw.unregister_buffer(ptr)
+        raw.close()
+        await adapter.aclose()
+        from importlib.metadata import version
+
+        return {"mooncake": version("mooncake-transfer-engine-non-cuda"), "sizes": sizes_out}
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
 BACKENDS: dict[str, Callable[[int], Awaitable[dict[str, Any]]]] = {
     "redis": bench_redis,
     "valkey": bench_valkey,
     "s3": bench_s3,
+    "mooncake": bench_mooncake,
 }
 """Backend name -> section; other network adapters add theirs here."""
 

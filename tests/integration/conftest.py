@@ -232,3 +232,115 @@ def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., R
 # ======================================================================================================
 # end of Redis / Valkey fixtures
 # ======================================================================================================
+
+
+# ======================================================================================================
+# Mooncake fixtures (owner: mooncake adapter). Needs the CPU wheel mooncake-transfer-engine-non-cuda
+# (extra "mooncake": mooncake_master, mooncake_client) and Debian libibverbs1. See README.md here.
+# ======================================================================================================
+
+
+def _mooncake_bin(name: str) -> str | None:
+    found = Path(sys.executable).with_name(name)
+    return str(found) if found.exists() else shutil.which(name)
+
+
+@dataclass
+class MooncakeCluster:
+    """A ``mooncake_master`` (with its HTTP metadata server) plus one store client lending a segment."""
+
+    rpc_port: int
+    http_port: int
+    master: ServerProcess
+    store: ServerProcess
+
+    @property
+    def url(self) -> str:
+        """The adapter URL (master RPC address, metadata URL, tcp)."""
+        return (
+            f"mooncake://127.0.0.1:{self.rpc_port}"
+            f"?metadata=http://127.0.0.1:{self.http_port}/metadata&protocol=tcp"
+        )
+
+    def restart_master(self) -> None:
+        """Start the master again with the same arguments (same ports) after ``kill``/``stop``."""
+        self.master.stop()
+        self.master = start_process(
+            self.master.argv, ready=lambda: _port_open(self.rpc_port), timeout=15, env=_mooncake_env()
+        )
+
+    def stop(self) -> None:
+        self.store.stop()
+        self.master.stop()
+
+
+def _port_open(port: int) -> bool:
+    from servers import port_open
+
+    return port_open("127.0.0.1", port)
+
+
+def _mooncake_env() -> dict[str, str]:
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+
+
+def start_mooncake(segment: str = "1GB") -> MooncakeCluster:
+    """Start a master on 127.0.0.1 (RPC, HTTP metadata and metrics on free ports) and a store client."""
+    master_bin, client_bin = _mooncake_bin("mooncake_master"), _mooncake_bin("mooncake_client")
+    if master_bin is None or client_bin is None:
+        missing_server("mooncake_master/mooncake_client not found (pip install -e '.[mooncake]')")
+    assert master_bin is not None
+    assert client_bin is not None
+    rpc, http, metrics, client_port = free_port(), free_port(), free_port(), free_port()
+    master_argv = [
+        master_bin,
+        "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+        "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
+        "--rpc_thread_num=2", "--logtostderr",
+    ]  # fmt: skip
+    master = start_process(
+        master_argv, ready=lambda: _port_open(rpc) and _port_open(http), env=_mooncake_env()
+    )
+    client_argv = [
+        client_bin,
+        "--host=127.0.0.1", f"--port={client_port}",
+        f"--master_server_address=127.0.0.1:{rpc}",
+        f"--metadata_server=http://127.0.0.1:{http}/metadata",
+        f"--global_segment_size={segment}", "--protocol=tcp", "--logtostderr",
+    ]  # fmt: skip
+    try:
+        store = start_process(client_argv, ready=lambda: _port_open(client_port), env=_mooncake_env())
+    except BaseException:
+        master.stop()
+        raise
+    return MooncakeCluster(rpc, http, master, store)
+
+
+@pytest.fixture(scope="session")
+def mooncake_cluster() -> Iterator[MooncakeCluster]:
+    """One master + a 1 GB store client for the whole session."""
+    cluster = start_mooncake()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def mooncake_factory() -> Iterator[Callable[..., MooncakeCluster]]:
+    """Start private master + store client pairs for one test (kill/restart tests)."""
+    started: list[MooncakeCluster] = []
+
+    def start(segment: str = "256MB") -> MooncakeCluster:
+        cluster = start_mooncake(segment)
+        started.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+# ======================================================================================================
+# end of Mooncake fixtures
+# ======================================================================================================
