@@ -36,6 +36,7 @@ lint: install
 
 typecheck: install
 	$(VENV)/bin/mypy
+	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
 
 unit: install
 	$(VENV)/bin/pytest -q
@@ -43,6 +44,7 @@ unit: install
 test: system-deps install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 clean:
