@@ -20,6 +20,7 @@ import lz4.block
 
 from tiercache.errors import ConfigError
 from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._stored import FLAG_COMPRESSED, FLAG_STORED, read_stored, worth_compressing, write_stored
 
 if TYPE_CHECKING:
     from typing import Self
@@ -28,16 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "Lz4Codec", "worth_compressing"]
 
-FLAG_STORED = 0
-FLAG_COMPRESSED = 1
 _LEN = struct.Struct("<Q")
 _MAX_INPUT = 0x7E000000  # LZ4_MAX_INPUT_SIZE: larger inputs are stored
 _MODES = ("default", "fast", "high_compression")
-
-
-def worth_compressing(compressed_total: int, nbytes: int) -> bool:
-    """True when an encoding of ``compressed_total`` bytes saves at least 1/64 of ``nbytes``."""
-    return compressed_total * 64 <= nbytes * 63
 
 
 class Lz4Codec(Codec):
@@ -92,23 +86,15 @@ class Lz4Codec(Codec):
                 _LEN.pack_into(dst, 1, n)
                 dst[1 + _LEN.size : total] = packed
                 return total
-        dst[0] = FLAG_STORED
-        dst[1 : 1 + n] = src
-        return 1 + n
+        return write_stored(src, dst)
 
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
         """Decompress (or copy) into ``dst``; ValueError on a malformed payload."""
-        if len(src) < 1:
-            raise ValueError("empty lz4 payload")
-        flag = src[0]
-        if flag == FLAG_STORED:
-            n = len(src) - 1
-            if n > len(dst):
-                raise ValueError(f"stored payload of {n} bytes overruns a {len(dst)}-byte destination")
-            dst[:n] = src[1:]
-            return n
-        if flag != FLAG_COMPRESSED or len(src) < 1 + _LEN.size:
-            raise ValueError(f"bad lz4 payload flag {flag}")
+        stored = read_stored(src, dst, "lz4")
+        if stored is not None:
+            return stored
+        if len(src) < 1 + _LEN.size:
+            raise ValueError("truncated lz4 payload")
         n = int(_LEN.unpack_from(src, 1)[0])
         if n > len(dst) or n > _MAX_INPUT:
             raise ValueError(f"lz4 payload of {n} bytes overruns a {len(dst)}-byte destination")

@@ -25,6 +25,7 @@ import zstandard
 
 from tiercache.errors import ConfigError
 from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._stored import FLAG_COMPRESSED, FLAG_STORED, read_stored, worth_compressing, write_stored
 
 if TYPE_CHECKING:
     from typing import Self
@@ -33,13 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "ZstdCodec"]
 
-FLAG_STORED = 0
-FLAG_COMPRESSED = 1
 _MIN_LEVEL, _MAX_LEVEL = -7, 22
-
-
-def _worth_compressing(compressed_total: int, nbytes: int) -> bool:
-    return compressed_total * 64 <= nbytes * 63
 
 
 def _int_option(options: Mapping[str, object], name: str, default: int, lo: int, hi: int) -> int:
@@ -169,27 +164,17 @@ class ZstdCodec(Codec):
         if n > 0:
             packed = self._compressor().compress(src)
             total = 1 + len(packed)
-            if _worth_compressing(total, n):
+            if worth_compressing(total, n):
                 dst[0] = FLAG_COMPRESSED
                 dst[1:total] = packed
                 return total
-        dst[0] = FLAG_STORED
-        dst[1 : 1 + n] = src
-        return 1 + n
+        return write_stored(src, dst)
 
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
         """Decompress (or copy) into ``dst``; ValueError/ZstdError on a malformed payload."""
-        if len(src) < 1:
-            raise ValueError("empty zstd payload")
-        flag = src[0]
-        if flag == FLAG_STORED:
-            n = len(src) - 1
-            if n > len(dst):
-                raise ValueError(f"stored payload of {n} bytes overruns a {len(dst)}-byte destination")
-            dst[:n] = src[1:]
-            return n
-        if flag != FLAG_COMPRESSED:
-            raise ValueError(f"bad zstd payload flag {flag}")
+        stored = read_stored(src, dst, "zstd")
+        if stored is not None:
+            return stored
         body = src[1:]
         params = zstandard.get_frame_parameters(body)
         n = params.content_size
