@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.gpu.reference import KVCaches
-    from tiercache.l1 import KVObject, L1Lease
+    from tiercache.l1 import L1Lease
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
 
@@ -160,68 +160,23 @@ class CacheEngine:
     ) -> int:
         """Gather the KV of every keyed chunk of ``tokens`` (after the mask's False prefix) into L1, queue it
         for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped)."""
-        from tiercache.gpu import reference
+        from tiercache.gpu import dispatch
 
         spans = self.token_db.process_tokens(tokens, mask)
         if not spans:
             return 0
-        keys, specs = self._object_keys(spans)
-        objects = await self.manager.batched_allocate(keys, specs)
-        layers = self.layout.num_layers if self.layerwise else 1
-        stored_tokens = 0
-        try:
-            if self.layerwise:
-                for layer in range(layers):
-                    picked = [(spans[c], objects[c * layers + layer]) for c in range(len(spans))]
-                    todo = [(s, o) for s, o in picked if o is not None]
-                    if todo:
-                        reference.gather_layer(
-                            layer,
-                            kv_caches,
-                            self.layout,
-                            slot_mapping,
-                            [(s.start, s.end) for s, _ in todo],
-                            [o.tensor() for _, o in todo],
-                        )
-            else:
-                todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
-                if todo:
-                    reference.gather(
-                        kv_caches,
-                        self.layout,
-                        slot_mapping,
-                        [(s.start, s.end) for s, _ in todo],
-                        [o.tensor() for _, o in todo],
-                    )
-        except BaseException:
-            for obj in objects:
-                if obj is not None:
-                    self.manager.l1.abort_write(obj)
-            raise
-        written: list[KVObject] = [o for o in objects if o is not None]
-        await self.manager.batched_put(written)
-        for c, span in enumerate(spans):
-            if any(objects[c * layers + layer] is not None for layer in range(layers)):
-                stored_tokens += span.end - span.start
-        return stored_tokens
-
-    async def store_layers(
-        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
-    ) -> AsyncIterator[int]:
-        """Layerwise store, one layer per step (yields the layer index after it is in L1 and queued)."""
-        from tiercache.gpu import reference
-
-        if not self.layerwise:
-            raise ValueError("store_layers needs an engine built with layerwise=True")
-        spans = self.token_db.process_tokens(tokens, mask)
-        for layer in range(self.layout.num_layers):
-            keys = [str(s.key.with_layer(layer)) for s in spans]
-            objects = await self.manager.batched_allocate(keys, [self._spec(s, layer) for s in spans])
+        if self.layerwise:
+            fresh = [False] * len(spans)
+            for layer in range(self.layout.num_layers):
+                stored = await self._store_layer(layer, spans, kv_caches, slot_mapping)
+                fresh = [a or b for a, b in zip(fresh, stored, strict=True)]
+        else:
+            keys, specs = self._object_keys(spans)
+            objects = await self.manager.batched_allocate(keys, specs)
             todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
             if todo:
                 try:
-                    reference.gather_layer(
-                        layer,
+                    dispatch.gather(
                         kv_caches,
                         self.layout,
                         slot_mapping,
@@ -233,6 +188,44 @@ class CacheEngine:
                         self.manager.l1.abort_write(obj)
                     raise
                 await self.manager.batched_put([o for _, o in todo])
+            fresh = [o is not None for o in objects]
+        return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
+
+    async def _store_layer(
+        self, layer: int, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor
+    ) -> list[bool]:
+        """Gather one layer of ``spans`` into fresh per-layer L1 objects and queue them; True where stored."""
+        from tiercache.gpu import dispatch
+
+        keys = [str(s.key.with_layer(layer)) for s in spans]
+        objects = await self.manager.batched_allocate(keys, [self._spec(s, layer) for s in spans])
+        todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+        if todo:
+            try:
+                dispatch.gather_layer(
+                    layer,
+                    kv_caches,
+                    self.layout,
+                    slot_mapping,
+                    [(s.start, s.end) for s, _ in todo],
+                    [o.tensor() for _, o in todo],
+                )
+            except BaseException:
+                for _, obj in todo:
+                    self.manager.l1.abort_write(obj)
+                raise
+            await self.manager.batched_put([o for _, o in todo])
+        return [o is not None for o in objects]
+
+    async def store_layers(
+        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+    ) -> AsyncIterator[int]:
+        """Layerwise store, one layer per step (yields the layer index after it is in L1 and queued)."""
+        if not self.layerwise:
+            raise ValueError("store_layers needs an engine built with layerwise=True")
+        spans = self.token_db.process_tokens(tokens, mask)
+        for layer in range(self.layout.num_layers):
+            await self._store_layer(layer, spans, kv_caches, slot_mapping)
             yield layer
 
     # ----- lookup -------------------------------------------------------------------------------------------
@@ -268,7 +261,7 @@ class CacheEngine:
         """
         import torch
 
-        from tiercache.gpu import reference
+        from tiercache.gpu import dispatch
 
         spans = self.token_db.process_tokens(tokens)
         num_tokens = len(tokens)  # type: ignore[arg-type]
@@ -297,12 +290,12 @@ class CacheEngine:
             if self.layerwise:
                 for layer in range(layers):
                     objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]
-                    reference.scatter_layer(
+                    dispatch.scatter_layer(
                         layer, objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
                     )
             else:
                 objs = [lease.obj.tensor() for lease in used]
-                reference.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
+                dispatch.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
             # A lease that lapsed during the copy may have served reused memory: those tokens get recomputed.
             valid = contiguous_prefix(
                 all(used[c * layers + layer].valid() for layer in range(layers)) for c in range(chunks)
