@@ -12,6 +12,11 @@ least as fast as ``asyncio.to_thread`` (which shares the loop's default pool) an
 (one executor hop per open/write/close instead of one per object). Reads stat the open file and copy it once
 (``os.read`` into new bytes; objects of 8 MiB and more in parallel ranges into one bytearray).
 
+Cached reads skip the thread hop: where the kernel offers ``RWF_NOWAIT``, a get first tries ``preadv2`` with
+it on the loop thread, which copies data that is wholly in the page cache and answers ``EAGAIN`` instead of
+waiting for the disk; only misses of the cache go to the pool. The inline path is bounded (objects up to
+``_INLINE_MAX_BYTES``, at most ``_INLINE_BATCH_BYTES`` per batch) so a batch never holds the loop for long.
+
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
 least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
 Several processes may share a directory (objects are visible to all of them); each then enforces the capacity
@@ -48,6 +53,9 @@ _TMP_SUFFIX = ".tmp"
 _DEFAULT_THREADS = min(32, 4 * (os.cpu_count() or 1))
 _SPLIT_BYTES = 4 << 20  # smallest range a large read is split into
 _READ_PARTS = 4  # most ranges one read is split into
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux >= 4.14: read only what the page cache holds
+_INLINE_MAX_BYTES = 8 << 20  # larger cached objects still go to the pool (parallel ranges)
+_INLINE_BATCH_BYTES = 16 << 20  # at most this much copied on the loop thread per batch
 
 
 def _shard_dirs(key: str, depth: int) -> list[str]:
@@ -73,14 +81,47 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> bool:
     return True
 
 
+def _read_cached(path: str, budget: int) -> tuple[bool, Buffer | None]:
+    """``(True, bytes or None if absent)`` when the file is at most ``budget`` bytes and wholly in the page
+    cache (never waits for the disk), else ``(False, None)``: read it on the pool. Needs ``RWF_NOWAIT``."""
+    import numpy as np
+
+    assert _NOWAIT is not None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return True, None
+    try:
+        size = os.fstat(fd).st_size
+        if size > budget:
+            return False, None
+        if size == 0:
+            return True, b""
+        view = np.empty(size, dtype=np.uint8).data  # no zero-fill: preadv overwrites it all or we give up
+        try:
+            got = os.preadv(fd, [view], 0, _NOWAIT)
+        except BlockingIOError:
+            return False, None
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystem without RWF_NOWAIT support
+                return False, None
+            raise
+        return (True, view) if got == size else (False, None)
+    finally:
+        os.close(fd)
+
+
 def _read_file(path: str, helpers: ThreadPoolExecutor | None = None, parts: int = 1) -> Buffer | None:
     """The whole file (one copy), or None if it does not exist now.
 
-    Below two ``_SPLIT_BYTES`` one ``os.read`` returns new ``bytes`` (no zero-filling: measured 1.3-1.5x
-    faster than ``readinto`` a fresh bytearray). Larger files are read into one bytearray in up to ``parts``
-    page-aligned ranges at once, the first here and the others on ``helpers``, all through the one open
-    descriptor, so every range comes from the same object; a range no helper has started is read here.
+    The file is read with ``preadv`` into an uninitialised numpy buffer (no zero-fill; on the pool this
+    measured about 1.5x faster than ``os.read`` into new bytes). Files of two ``_SPLIT_BYTES`` and more are
+    read in up to ``parts`` page-aligned ranges at once, the first here and the others on ``helpers``, all
+    through the one open descriptor, so every range comes from the same object; a range no helper has
+    started is read here.
     """
+    import numpy as np
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -88,15 +129,11 @@ def _read_file(path: str, helpers: ThreadPoolExecutor | None = None, parts: int 
     try:
         size = os.fstat(fd).st_size
         n = min(parts, size // _SPLIT_BYTES) if helpers is not None else 1
+        if size == 0:
+            return b""
+        view = np.empty(size, dtype=np.uint8).data
         if n <= 1:
-            data = os.read(fd, size)
-            if len(data) == size:
-                return data
-            buf = bytearray(size)  # a short read (rare, e.g. > 2 GiB): finish with preadv
-            buf[: len(data)] = data
-            return buf if _pread_into(fd, memoryview(buf)[len(data) :], len(data)) else None
-        buf = bytearray(size)
-        view = memoryview(buf)
+            return view if _pread_into(fd, view, 0) else None
         step = ((size + n - 1) // n + 4095) & ~4095  # page-aligned ranges
         ranges = [(a, min(a + step, size)) for a in range(0, size, step)]
         assert helpers is not None
@@ -109,7 +146,7 @@ def _read_file(path: str, helpers: ThreadPoolExecutor | None = None, parts: int 
         finally:
             wait(futures)
         ok = all(f.result() for f in futures if not f.cancelled()) and ok
-        return buf if ok else None  # short: cannot happen for objects written by rename
+        return view if ok else None  # short: cannot happen for objects written by rename
     finally:
         os.close(fd)
 
@@ -336,11 +373,27 @@ class PosixAdapter(Adapter):
         """For each key, its bytes (fresh bytes or bytearray) or None; reads run in parallel on the pool."""
         self._check_open()
         paths = [self._path(check_key(k)) for k in keys]
-        futures = [self._submit(partial(_read_file, p, self._helpers, _READ_PARTS)) for p in paths]
+        results: list[Buffer | None] = [None] * len(paths)
+        pooled = list(range(len(paths)))
         try:
-            results = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+            if _NOWAIT is not None:
+                pooled, budget = [], _INLINE_BATCH_BYTES
+                for i, path in enumerate(paths):
+                    done, value = (
+                        _read_cached(path, min(budget, _INLINE_MAX_BYTES)) if budget > 0 else (False, None)
+                    )
+                    if not done:
+                        pooled.append(i)
+                        continue
+                    results[i] = value
+                    budget -= 0 if value is None else len(value)
+            read = partial(_read_file, helpers=self._helpers, parts=_READ_PARTS)
+            futures = [self._submit(partial(read, paths[i])) for i in pooled]
+            loaded = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
         except OSError as exc:  # EIO, EACCES...: a transport failure, not a miss
             raise AdapterUnavailable(f"file: read failed under {self.root!r}: {exc}") from exc
+        for i, value in zip(pooled, loaded, strict=True):
+            results[i] = value
         for key, value in zip(keys, results, strict=True):
             if value is None:
                 if key not in self._writing:

@@ -37,6 +37,24 @@ class TestPosixConformanceFsyncFlat(AdapterConformance):
         return lambda: PosixAdapter.open(f"file://{tmp_path}?fsync=true&shard_depth=0&threads=1")
 
 
+def _drops_page_cache(directory: Path) -> bool:
+    """Whether POSIX_FADV_DONTNEED really evicts file pages here (not on tmpfs, for one)."""
+    probe = directory / "fadvise-probe"
+    probe.write_bytes(os.urandom(1 << 20))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(1 << 20)], 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
@@ -196,9 +214,10 @@ async def test_get_returns_fresh_buffers(tmp_path: Path) -> None:
     assert await adapter.batched_put(["big"], [b"b" * (9 << 20)]) == [True]
     first, big = await adapter.batched_get(["k", "big"])
     assert first == b"abc"
-    assert isinstance(big, bytearray)  # large objects: parallel ranges into one bytearray
+    assert isinstance(big, memoryview)  # large objects: parallel ranges into one fresh buffer
+    assert not big.readonly
     assert big == b"b" * (9 << 20)
-    big[0] = 0
+    big[0] = 0  # the caller owns it: changing it changes nothing stored
     assert await adapter.batched_get(["k", "big"]) == [b"abc", b"b" * (9 << 20)]
     await adapter.aclose()
 
@@ -234,3 +253,48 @@ async def test_open_errors(tmp_path: Path) -> None:
     ok = await PosixAdapter.open(f"posix://{tmp_path}/alias?capacity=1MiB&fsync=1&shard_depth=1")
     assert (ok.capacity, ok.fsync, ok.shard_depth) == (1 << 20, True, 1)
     await ok.aclose()
+
+
+@pytest.mark.asyncio
+async def test_reads_from_page_cache_and_from_disk_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cached objects are read inline (RWF_NOWAIT); evicted ones and large ones go to the pool: same bytes."""
+    adapter = await PosixAdapter.open(f"file://{tmp_path}/s")
+    try:
+        values = {f"k{i}": os.urandom(size) for i, size in enumerate([1, 5000, 1 << 20, 9 << 20, 3 << 20])}
+        assert all(await adapter.batched_put(list(values), list(values.values())))
+        pooled: list[str] = []
+        original = posix._read_file
+
+        def spy(path: str, *args: object, **kwargs: object) -> object:
+            pooled.append(os.path.basename(path))
+            return original(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(posix, "_read_file", spy)
+        got = await adapter.batched_get(list(values))
+        assert [bytes(v) for v in got if v is not None] == list(values.values())
+        if posix._NOWAIT is not None:
+            assert "k3" in pooled  # 9 MiB: over the inline limit
+            assert "k0" not in pooled  # small and cached: read on the loop thread
+        # Drop the page cache for one object: it must come from the pool, byte-exact.
+        target = adapter._path("k2")
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        pooled.clear()
+        (value,) = await adapter.batched_get(["k2"])
+        assert value is not None
+        assert bytes(value) == values["k2"]
+        if posix._NOWAIT is not None and _drops_page_cache(tmp_path):
+            assert pooled == ["k2"]  # not in the page cache: the loop thread must not have waited for it
+        monkeypatch.setattr(posix, "_NOWAIT", None)  # a kernel without RWF_NOWAIT: everything via the pool
+        pooled.clear()
+        got = await adapter.batched_get(list(values))
+        assert [bytes(v) for v in got if v is not None] == list(values.values())
+        assert sorted(pooled) == sorted(values)
+    finally:
+        await adapter.aclose()
