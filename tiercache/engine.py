@@ -160,7 +160,7 @@ class CacheEngine:
     ) -> int:
         """Gather the KV of every keyed chunk of ``tokens`` (after the mask's False prefix) into L1, queue it
         for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped)."""
-        from tiercache.gpu import reference
+        from tiercache.gpu import dispatch
 
         spans = self.token_db.process_tokens(tokens, mask)
         if not spans:
@@ -176,7 +176,7 @@ class CacheEngine:
             todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
             if todo:
                 try:
-                    reference.gather(
+                    dispatch.gather(
                         kv_caches,
                         self.layout,
                         slot_mapping,
@@ -195,14 +195,14 @@ class CacheEngine:
         self, layer: int, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor
     ) -> list[bool]:
         """Gather one layer of ``spans`` into fresh per-layer L1 objects and queue them; True where stored."""
-        from tiercache.gpu import reference
+        from tiercache.gpu import dispatch
 
         keys = [str(s.key.with_layer(layer)) for s in spans]
         objects = await self.manager.batched_allocate(keys, [self._spec(s, layer) for s in spans])
         todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
         if todo:
             try:
-                reference.gather_layer(
+                dispatch.gather_layer(
                     layer,
                     kv_caches,
                     self.layout,
@@ -261,7 +261,7 @@ class CacheEngine:
         """
         import torch
 
-        from tiercache.gpu import reference
+        from tiercache.gpu import dispatch
 
         spans = self.token_db.process_tokens(tokens)
         num_tokens = len(tokens)  # type: ignore[arg-type]
@@ -290,12 +290,12 @@ class CacheEngine:
             if self.layerwise:
                 for layer in range(layers):
                     objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]
-                    reference.scatter_layer(
+                    dispatch.scatter_layer(
                         layer, objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
                     )
             else:
                 objs = [lease.obj.tensor() for lease in used]
-                reference.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
+                dispatch.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
             # A lease that lapsed during the copy may have served reused memory: those tokens get recomputed.
             valid = contiguous_prefix(
                 all(used[c * layers + layer].valid() for layer in range(layers)) for c in range(chunks)

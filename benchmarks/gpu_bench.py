@@ -1,0 +1,346 @@
+"""GPU data-path benchmark: ceilings, torch baselines and the Triton kernels, measured in one run.
+
+Prints one JSON document on stdout (a table on stderr). Shape: Llama-3-8B (32 layers, 8 kv heads, head_dim
+128, bf16, block 16), 4096 tokens in 16 chunks of 256, vLLM FLASH layout on an NHD allocation (a strided
+``[NB, H, BS, 2D]`` view), a shuffled block table. Payload = bytes of the gathered objects (512 MiB).
+
+Measured: device-to-device copy (ceiling), torch ``index_select`` per layer and plane (the anchor baseline)
+and the project's torch reference, the one-launch kernel (launch only, and the whole ``gather`` call with its
+validation), the same for scatter; pinned D2H/H2D copies (ceiling) and store/retrieve through L1 objects
+(``L1Cache(pinned=True)``) via the staged pipeline; the fused fp8 gather (GB/s of bf16 input) against the
+unfused torch quantize. Times are CUDA-event medians after warm-up (wall clock, synchronized, for the
+pipeline calls, which synchronize themselves). Usage: ``python benchmarks/gpu_bench.py > out.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tiercache.gpu import LayoutKind, PagedLayout, object_spec, reference
+from tiercache.gpu import transfer as tr
+from tiercache.gpu import triton_kernels as tk
+
+L, H, D, BS, T, CHUNK = 32, 8, 128, 16, 4096, 256
+NB = 2 * T // BS
+DEV = torch.device("cuda")
+GB = 1e9
+
+
+def log(*a: object) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def cuda_time(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def make_engine(
+    kind: LayoutKind, layers: int, heads: int, head_dim: int, seed: int
+) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Random paged KV (never zeros), a shuffled block table; returns the raw allocations too."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    layout = PagedLayout(kind, layers, heads, head_dim, BS, "bfloat16")
+    raw, kv = [], []
+    for _ in range(layers):
+        if kind is LayoutKind.VLLM_FLASH:
+            a = torch.randn((NB, BS, heads, 2 * head_dim), generator=gen, device=DEV).add_(3).bfloat16()
+            raw.append(a)
+            kv.append(a.permute(0, 2, 1, 3))
+        else:
+            a = torch.randn(layout.layer_shape(NB), generator=gen, device=DEV).add_(3).bfloat16()
+            raw.append(a)
+            kv.append(a)
+    table = torch.randperm(NB - 1, generator=gen, device=DEV)[: T // BS] + 1
+    pos = torch.arange(T, device=DEV)
+    return layout, kv, table[pos // BS] * BS + pos % BS, raw
+
+
+def spans() -> list[tuple[int, int]]:
+    return [(s, s + CHUNK) for s in range(0, T, CHUNK)]
+
+
+def index_select_baseline(
+    raw: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
+) -> Callable[[], None]:
+    """The anchor's torch baseline: per layer and plane one ``index_select`` of [T*H] head rows (int64 words)
+    from the NHD allocation straight into the object [2, L, T, H*D] (all 4096 tokens in one object)."""
+    idx = (slots[:, None] * H + torch.arange(H, device=DEV)).reshape(-1)
+    dw = D * 2 // 8
+    rows = [a.view(torch.int64).view(NB * BS * H, 2 * dw) for a in raw]
+    dst = out.view(torch.int64).view(2, L, T * H, dw)
+
+    def run() -> None:
+        for layer in range(L):
+            for p in range(2):
+                torch.index_select(rows[layer][:, p * dw : (p + 1) * dw], 0, idx, out=dst[p, layer])
+
+    return run
+
+
+def index_copy_baseline(
+    raw: list[torch.Tensor], slots: torch.Tensor, src: torch.Tensor
+) -> Callable[[], None]:
+    idx = (slots[:, None] * H + torch.arange(H, device=DEV)).reshape(-1)
+    dw = D * 2 // 8
+    rows = [a.view(torch.int64).view(NB * BS * H, 2 * dw) for a in raw]
+    s = src.view(torch.int64).view(2, L, T * H, dw)
+
+    def run() -> None:
+        for layer in range(L):
+            for p in range(2):
+                rows[layer][:, p * dw : (p + 1) * dw].index_copy_(0, idx, s[p, layer])
+
+    return run
+
+
+def main() -> None:
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "shape": {
+            "layers": L,
+            "kv_heads": H,
+            "head_dim": D,
+            "dtype": "bfloat16",
+            "block_size": BS,
+            "tokens": T,
+            "chunk": CHUNK,
+            "layout": "VLLM_FLASH (NHD allocation, strided view)",
+        },
+    }
+    layout, kv, slots, raw = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=1)
+    sp = spans()
+    payload = object_spec(layout, T).nbytes
+    res["payload_bytes"] = payload
+
+    # ---- ceilings
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV).random_(1, 255)
+    b = torch.empty_like(a)
+    t = cuda_time(lambda: b.copy_(a))
+    res["device_copy_ceiling_GBps"] = a.numel() / t / GB
+    log(f"device copy ceiling {res['device_copy_ceiling_GBps']:.0f} GB/s payload")
+
+    # ---- gather
+    objs = [torch.empty(object_spec(layout, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
+    want = [torch.empty_like(o) for o in objs]
+    reference.gather(kv, layout, slots, sp, want)
+    whole = torch.empty(object_spec(layout, T).shape, dtype=torch.bfloat16, device=DEV)
+    t_base = cuda_time(index_select_baseline(raw, slots, whole))
+    t_ref = cuda_time(lambda: reference.gather(kv, layout, slots, sp, objs), reps=10)
+    configs = [tk.TileConfig(tb, 0, nw) for tb in (8192, 16384, 32768) for nw in (4, 8)]
+    sweep = {}
+    plan = tk.plan_gather(kv, layout, slots, sp, objs)
+    for cfg in configs:
+        for o in objs:
+            bits(o).fill_(-1)
+        plan.launch(cfg)
+        ok = all(torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True))
+        tc = cuda_time(lambda cfg=cfg: plan.launch(cfg))
+        sweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {"GBps": payload / tc / GB, "bit_exact": ok}
+    best_name, best = max(sweep.items(), key=lambda kv_: kv_[1]["GBps"])
+    best_cfg = configs[list(sweep).index(best_name)]
+    t_call = cuda_time(lambda: tk.gather(kv, layout, slots, sp, objs, cfg=best_cfg))
+    res["gather"] = {
+        "torch_index_select_baseline_GBps": payload / t_base / GB,
+        "torch_reference_GBps": payload / t_ref / GB,
+        "kernel_GBps": best["GBps"],
+        "kernel_config": best_name,
+        "kernel_call_with_validation_GBps": payload / t_call / GB,
+        "kernel_vs_ceiling": best["GBps"] / res["device_copy_ceiling_GBps"],
+        "kernel_vs_index_select": best["GBps"] / (payload / t_base / GB),
+        "bit_exact": all(v["bit_exact"] for v in sweep.values()),
+        "sweep": sweep,
+    }
+    log("gather", json.dumps({k: v for k, v in res["gather"].items() if k != "sweep"}))
+
+    # ---- scatter (into a second engine's KV, no skips)
+    _, kv2, slots2, raw2 = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=2)
+    t_base_s = cuda_time(index_copy_baseline(raw2, slots2, whole))
+    t_ref_s = cuda_time(lambda: reference.scatter(objs, kv2, layout, slots2, sp), reps=10)
+    splan = tk.plan_scatter(objs, kv2, layout, slots2, sp)
+    ssweep = {}
+    for cfg in configs:
+        ssweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {
+            "GBps": payload / cuda_time(lambda cfg=cfg: splan.launch(cfg)) / GB
+        }
+    sbest_name, sbest = max(ssweep.items(), key=lambda kv_: kv_[1]["GBps"])
+    sbest_cfg = configs[list(ssweep).index(sbest_name)]
+    t_scall = cuda_time(lambda: tk.scatter(objs, kv2, layout, slots2, sp, cfg=sbest_cfg))
+    back = [torch.empty_like(o) for o in objs]
+    reference.gather(kv2, layout, slots2, sp, back)
+    res["scatter"] = {
+        "torch_index_copy_baseline_GBps": payload / t_base_s / GB,
+        "torch_reference_GBps": payload / t_ref_s / GB,
+        "kernel_GBps": sbest["GBps"],
+        "kernel_config": sbest_name,
+        "kernel_call_with_validation_GBps": payload / t_scall / GB,
+        "kernel_vs_ceiling": sbest["GBps"] / res["device_copy_ceiling_GBps"],
+        "kernel_vs_index_copy": sbest["GBps"] / (payload / t_base_s / GB),
+        "round_trip_bit_exact": all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True)),
+        "sweep": ssweep,
+    }
+    log("scatter", json.dumps({k: v for k, v in res["scatter"].items() if k != "sweep"}))
+
+    # ---- pinned ceilings and the GPU <-> L1 pipeline
+    from tiercache.l1 import L1Cache
+
+    host = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(payload, dtype=torch.uint8, device=DEV).random_(1, 255)
+    d2h = payload / cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=10) / GB
+    h2d = payload / cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=10) / GB
+    chunk_bytes = object_spec(layout, CHUNK).nbytes
+    l1 = L1Cache(len(sp) * chunk_bytes, chunk_bytes, pinned=True)
+    l1_objs = [l1.reserve_write(f"c{i}", object_spec(layout, e - s)) for i, (s, e) in enumerate(sp)]
+    outs = [o.tensor() for o in l1_objs if o is not None]
+    pipe: dict[str, Any] = {"pinned_D2H_ceiling_GBps": d2h, "pinned_H2D_ceiling_GBps": h2d, "staging": {}}
+    xfer = tr.transfer_for(DEV)
+    for staging in (32 << 20, 64 << 20, 128 << 20):
+        xfer.staging_bytes = staging
+        xfer.buffers = [None, None]
+        ts = wall_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs))
+        ok = all(torch.equal(bits(x.cpu()), bits(y)) for x, y in zip(want, outs, strict=True))
+        _, kv3, slots3, _ = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=3)
+        tl_ = wall_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp))  # noqa: B023
+        back = [torch.empty_like(o) for o in objs]
+        reference.gather(kv3, layout, slots3, sp, back)
+        ok2 = all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True))
+        pipe["staging"][f"{staging >> 20}MiB"] = {
+            "store_GBps": payload / ts / GB,
+            "retrieve_GBps": payload / tl_ / GB,
+            "store_bit_exact": ok,
+            "retrieve_bit_exact": ok2,
+        }
+    best_s = max(pipe["staging"].values(), key=lambda v: v["store_GBps"] + v["retrieve_GBps"])
+    pipe["store_GBps"] = best_s["store_GBps"]
+    pipe["retrieve_GBps"] = best_s["retrieve_GBps"]
+    pipe["store_vs_D2H_ceiling"] = best_s["store_GBps"] / d2h
+    pipe["retrieve_vs_H2D_ceiling"] = best_s["retrieve_GBps"] / h2d
+
+    # naive: torch reference gather on the GPU then a synchronous copy to pinned, per chunk
+    def naive() -> None:
+        reference.gather(kv, layout, slots, sp, objs)
+        for o, w in zip(outs, objs, strict=True):
+            o.copy_(w)
+
+    pipe["naive_gather_then_copy_GBps"] = payload / wall_time(naive) / GB
+    xfer.staging_bytes = tr.DEFAULT_STAGING_BYTES
+    res["gpu_l1"] = pipe
+    log("gpu<->L1", json.dumps({k: v for k, v in pipe.items() if k != "staging"}))
+
+    # ---- fused fp8 gather
+    fouts = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8, device=DEV) for s, e in sp]
+    fsweep = {}
+    for bt in (16, 32, 64):
+        for nw in (4, 8):
+            tf = cuda_time(
+                lambda bt=bt, nw=nw: tk.gather_fp8(
+                    kv, layout, slots, sp, fouts, block_t=bt, num_warps=nw, check=False
+                )
+            )
+            fsweep[f"bt{bt}_w{nw}"] = payload / tf / GB
+    fbest = max(fsweep, key=fsweep.__getitem__)
+    bt, nw = (int(x) for x in fbest.removeprefix("bt").split("_w"))
+    t_fcall = cuda_time(lambda: tk.gather_fp8(kv, layout, slots, sp, fouts, block_t=bt, num_warps=nw))
+    # unfused torch: gathered object -> per-channel absmax -> scale -> quantize (the codec's math, on GPU)
+
+    def unfused() -> None:
+        for o in objs:
+            x = o.view(2 * L, CHUNK, H * D).float()
+            s = (x.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min_(2.0**-126)
+            (x / s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    t_unf = cuda_time(unfused, reps=10)
+    from tiercache.serde.fp8 import Fp8Codec
+
+    codec = Fp8Codec()
+    spec = object_spec(layout, CHUNK)
+    err_max, exact = 0.0, True
+    for i in (0, 7, 15):
+        want_b = bytearray(codec.max_encoded_size(spec.nbytes, spec))
+        host_obj = want[i].cpu()
+        codec.encode_into(
+            memoryview(host_obj.view(torch.uint8).numpy()).cast("B"), memoryview(want_b), spec, None
+        )  # type: ignore[arg-type]
+        got = fouts[i].cpu()
+        exact = exact and torch.equal(torch.frombuffer(want_b, dtype=torch.uint8), got)
+        dec = torch.empty(spec.shape, dtype=torch.bfloat16)
+        codec.decode_into(
+            memoryview(got.numpy()), memoryview(dec.view(torch.uint8).numpy()).cast("B"), spec, None
+        )  # type: ignore[arg-type]
+        err_max = max(err_max, float((dec.float() - host_obj.float()).norm() / host_obj.float().norm()))
+    res["fp8_gather"] = {
+        "input_bf16_GBps": fsweep[fbest],
+        "config": fbest,
+        "call_with_checks_GBps": payload / t_fcall / GB,
+        "torch_unfused_quantize_only_GBps": payload / t_unf / GB,
+        "bytes_equal_fp8_codec": exact,
+        "relative_error": err_max,
+        "sweep": fsweep,
+    }
+    log("fp8", json.dumps({k: v for k, v in res["fp8_gather"].items() if k != "sweep"}))
+
+    # ---- MLA and legacy shapes (kernel vs reference)
+    extra = {}
+    for name, kind, layers, heads, hd in (
+        ("deepseek_mla_61x576", LayoutKind.VLLM_MLA, 61, 1, 576),
+        ("llama8b_legacy", LayoutKind.VLLM_LEGACY, L, H, D),
+    ):
+        lay, kvx, sl, _ = make_engine(kind, layers, heads, hd, seed=4)
+        ob = [torch.empty(object_spec(lay, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
+        wx = [torch.empty_like(o) for o in ob]
+        reference.gather(kvx, lay, sl, sp, wx)
+        px = tk.plan_gather(kvx, lay, sl, sp, ob)
+        px.launch(best_cfg)
+        okx = all(torch.equal(bits(x), bits(y)) for x, y in zip(ob, wx, strict=True))
+        nbytes = object_spec(lay, T).nbytes
+        extra[name] = {
+            "kernel_GBps": nbytes / cuda_time(lambda px=px: px.launch(best_cfg)) / GB,
+            "torch_reference_GBps": nbytes
+            / cuda_time(lambda: reference.gather(kvx, lay, sl, sp, ob), reps=5)  # noqa: B023
+            / GB,
+            "bit_exact": okx,
+        }
+    res["other_layouts_gather"] = extra
+    log("other", json.dumps(extra))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+# mypy: disable-error-code="no-untyped-call,unreachable"
+"""The GPU <-> L1 staging pipeline: gather into device staging, copy to pinned host on a side stream.
+
+Store (``store_to_host``): spans are cut into groups of at most ``staging_bytes``; group g is gathered by one
+Triton launch on the current stream into staging buffer ``g % 2``, an event hands it to a side stream that
+copies each object to its host tensor (an L1 object view on the pinned pool), and a second event gives the
+buffer back. So gathering group g+1 overlaps copying group g, and the copy engine is never idle waiting on
+the host. Retrieve (``load_from_host``) mirrors it: host-to-device copies on the side stream into staging,
+one scatter launch per group on the current stream.
+
+Both return after the host memory is no longer touched (the side stream is synchronized): the caller may
+release its L1 leases at once. A retrieve's scatter kernels stay queued on the current stream, ordered
+before whatever the caller launches next there. Validation (slot ranges, shapes) happens once, up front,
+before any launch, so an error never leaves a half-done move; ``triton_kernels.Unsupported`` means "use
+the reference".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiercache.gpu import triton_kernels as tk
+from tiercache.gpu.layouts import PagedLayout, layer_tensors
+
+if TYPE_CHECKING:
+    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+__all__ = ["DEFAULT_STAGING_BYTES", "Transfer", "load_from_host", "store_to_host"]
+
+DEFAULT_STAGING_BYTES = 64 << 20
+_ALIGN = 256
+
+
+def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive index groups whose byte sizes (each aligned) sum to at most ``limit`` (>= 1 each); the
+    first group holds one object, so that the first copy starts as early as possible."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        n = -(-n // _ALIGN) * _ALIGN
+        if cur and (used + n > limit or len(groups) == 0):
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class Transfer:
+    """Per-device staging buffers (two), a side stream and the events that order them."""
+
+    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self.stream = torch.cuda.Stream(device)
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.lock = threading.Lock()
+
+    def _views(self, b: int, objs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device views shaped like ``objs`` carved from staging buffer ``b`` (grown when too small)."""
+        sizes = [-(-o.numel() * o.element_size() // _ALIGN) * _ALIGN for o in objs]
+        need = sum(sizes)
+        buf = self.buffers[b]
+        if buf is None or buf.numel() < need:
+            # the old buffer may still be in use by queued work: wait for it before dropping it
+            torch.cuda.current_stream(self.device).wait_event(self.free[b])
+            buf = torch.empty(max(need, self.staging_bytes), dtype=torch.uint8, device=self.device)
+            self.buffers[b] = buf
+        out, at = [], 0
+        for o, n in zip(objs, sizes, strict=True):
+            nbytes = o.numel() * o.element_size()
+            out.append(buf[at : at + nbytes].view(o.dtype).view(o.shape))
+            at += n
+        return out
+
+    def store(
+        self,
+        kv_caches: KVCaches,
+        layout: PagedLayout,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        host_outs: list[torch.Tensor],
+        layers: range | None = None,
+        cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+    ) -> None:
+        """Gather the spans into ``host_outs`` (reference ``gather`` contract) through the pipeline."""
+        layers = range(layout.num_layers) if layers is None else layers
+        span_list, _, finish = tk.check_move(kv_caches, layout, slot_mapping, spans, host_outs, layers, None)
+        if not span_list:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        with self.lock:
+            groups = _groups([o.numel() * o.element_size() for o in host_outs], self.staging_bytes)
+            for g, idx in enumerate(groups):
+                b = g % 2
+                cur.wait_event(self.free[b])
+                views = self._views(b, [host_outs[i] for i in idx])
+                plan = tk.plan_gather(
+                    kv_caches, layout, slot_mapping, [span_list[i] for i in idx], views, layers, check=False
+                )
+                plan.launch(cfg)
+                self.ready[b].record(cur)
+                self.stream.wait_event(self.ready[b])
+                with torch.cuda.stream(self.stream):
+                    for i, v in zip(idx, views, strict=True):
+                        host_outs[i].copy_(v, non_blocking=True)
+                self.free[b].record(self.stream)
+            self.stream.synchronize()
+        finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
+
+    def load(
+        self,
+        host_objs: list[torch.Tensor],
+        kv_caches: KVCaches,
+        layout: PagedLayout,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        skip_prefix: int | Sequence[int] = 0,
+        layers: range | None = None,
+        cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+    ) -> int:
+        """Scatter ``host_objs`` into the paged KV (reference ``scatter`` contract); tokens written."""
+        layers = range(layout.num_layers) if layers is None else layers
+        span_list, skips, finish = tk.check_move(
+            kv_caches, layout, slot_mapping, spans, host_objs, layers, skip_prefix
+        )
+        todo = [i for i, ((s, e), k) in enumerate(zip(span_list, skips, strict=True)) if e - s > k]
+        if not todo:
+            return finish()
+        cur = torch.cuda.current_stream(self.device)
+        with self.lock:
+            sizes = [host_objs[i].numel() * host_objs[i].element_size() for i in todo]
+            for g, pos in enumerate(_groups(sizes, self.staging_bytes)):
+                idx = [todo[p] for p in pos]
+                b = g % 2
+                views = self._views(b, [host_objs[i] for i in idx])
+                self.stream.wait_event(self.free[b])
+                with torch.cuda.stream(self.stream):
+                    for i, v in zip(idx, views, strict=True):
+                        v.copy_(host_objs[i], non_blocking=True)
+                self.ready[b].record(self.stream)
+                cur.wait_event(self.ready[b])
+                plan = tk.plan_scatter(
+                    views,
+                    kv_caches,
+                    layout,
+                    slot_mapping,
+                    [span_list[i] for i in idx],
+                    [skips[i] for i in idx],
+                    layers,
+                    check=False,
+                )
+                plan.launch(cfg)
+                self.free[b].record(cur)
+            self.stream.synchronize()  # host memory is no longer read: leases may be released
+        return finish()
+
+
+_TRANSFERS: dict[torch.device, Transfer] = {}
+_LOCK = threading.Lock()
+
+
+def transfer_for(device: torch.device) -> Transfer:
+    """The process-wide Transfer of ``device`` (created on first use)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _LOCK:
+        t = _TRANSFERS.get(device)
+        if t is None:
+            t = Transfer(device)
+            _TRANSFERS[device] = t
+        return t
+
+
+def store_to_host(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    host_outs: list[torch.Tensor],
+    *,
+    layers: range | None = None,
+) -> None:
+    """Gather from CUDA paged KV into host objects (L1 views on the pinned pool) through the pipeline."""
+    device = layer_tensors(kv_caches)[0].device
+    transfer_for(device).store(kv_caches, layout, slot_mapping, spans, host_outs, layers)
+
+
+def load_from_host(
+    host_objs: list[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skips: int | Sequence[int] = 0,
+    *,
+    layers: range | None = None,
+) -> int:
+    """Scatter host objects into CUDA paged KV through the pipeline; returns the tokens written."""
+    device = layer_tensors(kv_caches)[0].device
+    return transfer_for(device).load(host_objs, kv_caches, layout, slot_mapping, spans, skips, layers)

@@ -1,0 +1,205 @@
+"""GPU tests of the Triton kernels, the GPU<->L1 pipeline and the fused fp8 gather (skipped without CUDA).
+
+Random bit patterns (never zeros), poisoned outputs checked for full coverage, bit-exact against the torch
+reference (which runs on the same CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from tiercache.gpu import (
+    LayoutKind,
+    PagedLayout,
+    dispatch,
+    object_spec,
+    reference,
+    transfer,
+)
+from tiercache.gpu import triton_kernels as tk
+from tiercache.l1 import L1Cache
+from tiercache.serde.fp8 import Fp8Codec
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+KINDS = [
+    pytest.param(LayoutKind.VLLM_FLASH, True, id="flash-nhd-strided"),
+    pytest.param(LayoutKind.VLLM_FLASH, False, id="flash-contiguous"),
+    pytest.param(LayoutKind.VLLM_LEGACY, False, id="legacy"),
+    pytest.param(LayoutKind.VLLM_MLA, False, id="mla"),
+]
+DEV = torch.device("cuda")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(BITS[t.element_size()])
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.float32:
+        return torch.randn(shape, generator=gen, device=DEV) + 3.0
+    ib = BITS[torch.empty((), dtype=dtype).element_size()]
+    raw = torch.randint(1, torch.iinfo(ib).max, shape, generator=gen, dtype=torch.int64, device=DEV)
+    return raw.to(ib).view(dtype)
+
+
+def poisoned(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = DEV, pin: bool = False
+) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+    bits(t).fill_(-1 if t.element_size() > 1 else 255)
+    return t
+
+
+def sentinel_left(t: torch.Tensor) -> bool:
+    return bool((bits(t) == (-1 if t.element_size() > 1 else 255)).any())
+
+
+def make_kv(
+    kind: LayoutKind,
+    dtype: torch.dtype,
+    strided: bool,
+    seed: int,
+    *,
+    layers: int = 4,
+    heads: int = 4,
+    head_dim: int = 64,
+    bs: int = 16,
+    nb: int = 64,
+    tokens: int = 600,
+) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor]:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    h = 1 if kind is LayoutKind.VLLM_MLA else heads
+    layout = PagedLayout(kind, layers, h, head_dim, bs, str(dtype))
+    kv = []
+    for _ in range(layers):
+        if kind is LayoutKind.VLLM_FLASH and strided:
+            kv.append(random_tensor((nb, bs, h, 2 * head_dim), dtype, gen).permute(0, 2, 1, 3))
+        else:
+            kv.append(random_tensor(layout.layer_shape(nb), dtype, gen))
+    need = -(-tokens // bs)
+    table = torch.randperm(nb - 1, generator=gen, device=DEV)[:need] + 1
+    pos = torch.arange(tokens, device=DEV)
+    return layout, kv, table[pos // bs] * bs + pos % bs
+
+
+def spans_of(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_kernels_match_reference(kind: LayoutKind, strided: bool, dtype: torch.dtype) -> None:
+    n = 600
+    spans = spans_of(n, 256)  # the last chunk is unfull (88 tokens)
+    layout, kv, slots = make_kv(kind, dtype, strided, seed=1, tokens=n)
+    want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in spans]
+    got = [poisoned(w.shape, dtype) for w in want]
+    reference.gather(kv, layout, slots, spans, want)
+    tk.gather(kv, layout, slots, spans, got)
+    for a, b in zip(want, got, strict=True):
+        assert not sentinel_left(b)
+        assert torch.equal(bits(a), bits(b))
+    _, dst_ref, other = make_kv(kind, dtype, strided, seed=2, tokens=n)
+    dst_ker = [t.clone() for t in dst_ref]
+    other[300] = -1
+    skips = [37, 0, 5]
+    assert (
+        reference.scatter(got, dst_ref, layout, other, spans, skips)
+        == tk.scatter(got, dst_ker, layout, other, spans, skips)
+        == n - 37 - 5 - 1
+    )
+    for a, b in zip(dst_ref, dst_ker, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool) -> None:
+    """CUDA KV <-> L1 objects (pinned pool views) through the staged pipeline, small staging (many groups)."""
+    n = 1000
+    spans = spans_of(n, 128)
+    layout, kv, slots = make_kv(kind, torch.bfloat16, strided, seed=3, tokens=n, nb=80)
+    spec = object_spec(layout, 128)
+    l1 = L1Cache(len(spans) * 2 * spec.nbytes, spec.nbytes, pinned=True)
+    objs = [l1.reserve_write(f"k{i}", object_spec(layout, e - s)) for i, (s, e) in enumerate(spans)]
+    outs = [o.tensor() for o in objs if o is not None]
+    assert len(outs) == len(spans)
+    for o in outs:
+        bits(o).fill_(-1)
+    old = transfer.transfer_for(DEV).staging_bytes
+    transfer.transfer_for(DEV).staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
+    try:
+        dispatch.gather(kv, layout, slots, spans, outs)
+        want = [poisoned(o.shape, o.dtype, torch.device("cpu")) for o in outs]
+        reference.gather(kv, layout, slots, spans, want)
+        for a, b in zip(want, outs, strict=True):
+            assert not sentinel_left(b)
+            assert torch.equal(bits(a), bits(b))
+        _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=4, tokens=n, nb=80)
+        dst_ref = [t.clone() for t in dst]
+        other[700] = -1
+        assert dispatch.scatter(outs, dst, layout, other, spans, 40) == n - 41
+        assert reference.scatter(outs, dst_ref, layout, other, spans, 40) == n - 41
+        for a, b in zip(dst_ref, dst, strict=True):
+            assert torch.equal(bits(a), bits(b))
+        # layerwise entry points
+        spec1 = object_spec(layout, 128).with_layers(2, 3)
+        one = poisoned(spec1.shape, torch.bfloat16, torch.device("cpu"), pin=True)
+        ref1 = poisoned(spec1.shape, torch.bfloat16, torch.device("cpu"))
+        dispatch.gather_layer(2, kv, layout, slots, [(128, 256)], [one])
+        reference.gather_layer(2, kv, layout, slots, [(128, 256)], [ref1])
+        assert torch.equal(bits(one), bits(ref1))
+    finally:
+        transfer.transfer_for(DEV).staging_bytes = old
+
+
+def test_gather_errors_and_fallback() -> None:
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=5, tokens=256)
+    out = [poisoned(object_spec(layout, 256).shape, torch.bfloat16)]
+    bad = slots.clone()
+    bad[10] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        dispatch.gather(kv, layout, bad, [(0, 256)], out)
+    bad[10] = 10**6
+    with pytest.raises(ValueError, match="outside the paged KV"):
+        dispatch.gather(kv, layout, bad, [(0, 256)], out)
+    kv[1] = kv[1].contiguous()  # strides differ between layers: the reference runs instead
+    with pytest.raises(tk.Unsupported):
+        tk.gather(kv, layout, slots, [(0, 256)], out)
+    want = [poisoned(out[0].shape, torch.bfloat16)]
+    dispatch.gather(kv, layout, slots, [(0, 256)], out)
+    reference.gather(kv, layout, slots, [(0, 256)], want)
+    assert torch.equal(bits(out[0]), bits(want[0]))
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hw-cvt", "soft-cvt"])
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dtype, soft: bool) -> None:
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(kind, torch.bfloat16, True, seed=6, tokens=n)
+    layout = PagedLayout(kind, layout.num_layers, layout.num_kv_heads, layout.head_dim, 16, str(dtype))
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    kv = [torch.randn(t.shape, generator=gen, device=DEV).mul_(3).to(dtype) for t in kv]
+    objs = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype, device=DEV) for s, e in spans]
+    reference.gather(kv, layout, slots, spans, objs)
+    outs = [
+        torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8, device=DEV)
+        for s, e in spans
+    ]
+    tk.gather_fp8(kv, layout, slots, spans, outs, soft_convert=soft)
+    codec = Fp8Codec()
+    for (s, e), obj, out in zip(spans, objs, outs, strict=True):
+        spec = object_spec(layout, e - s)
+        want = bytearray(codec.max_encoded_size(spec.nbytes, spec))
+        host = obj.cpu()
+        codec.encode_into(memoryview(host.view(torch.uint8).numpy()).cast("B"), memoryview(want), spec, None)  # type: ignore[arg-type]
+        got = out.cpu()
+        mismatch = int((torch.frombuffer(want, dtype=torch.uint8) != got).sum())
+        assert mismatch == 0, f"{mismatch} of {got.numel()} bytes differ from the codec"
