@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tiercache.gpu.layouts import PagedLayout, object_spec, plan_read
+from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.keys import ChunkSpan, KeySpace, TokenDatabase, contiguous_prefix
 from tiercache.manager import L1_TIER, StorageManager
+from tiercache.spec import KVFormat
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
 
-__all__ = ["CacheEngine", "LookupResult", "RetrieveResult"]
+__all__ = ["CacheEngine", "LookupResult", "PreparedRetrieve", "RetrieveResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,39 @@ class CacheEngine:
         return (await self.lookup_hit(tokens)).tokens
 
     # ----- retrieve -----------------------------------------------------------------------------------------
+    async def prepare_retrieve(
+        self, tokens: object, mask: object | None = None, *, skip_tokens: int = 0
+    ) -> PreparedRetrieve:
+        """Lease the cached prefix of ``tokens`` beyond what the engine holds, ready to be scattered.
+
+        The engine holds the first ``max(skip_tokens, mask's False count)`` tokens: chunks wholly below
+        that are not read, the chunk containing it is read whole and only its tail will be written. L2
+        chunks are loaded into L1 first (contiguous prefix only). Always ``finish()`` the result.
+        """
+        spans = self.token_db.process_tokens(tokens)
+        num_tokens = len(tokens)  # type: ignore[arg-type]
+        local = skip_tokens
+        if mask is not None:
+            masked = self.token_db.process_tokens(tokens, mask)
+            local = max(local, masked[0].start if masked else num_tokens)
+        wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
+        layers = self.layout.num_layers if self.layerwise else 1
+        leases: list[L1Lease | None] = []
+        if wanted:
+            keys, specs = self._object_keys(wanted)
+            leases = await self.manager.batched_get(keys, specs)
+        chunks = contiguous_prefix(
+            all(leases[c * layers + layer] is not None for layer in range(layers)) for c in range(len(wanted))
+        )
+        for lease in leases[chunks * layers :]:  # beyond the prefix: not needed
+            if lease is not None:
+                lease.release()
+        used = [lease for lease in leases[: chunks * layers] if lease is not None]
+        block = self.layout.block_size if self.layout.block_aligned else None
+        hit_end = wanted[chunks - 1].end if chunks else local
+        plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
+        return PreparedRetrieve(self, num_tokens, local, wanted[:chunks], used, plan)
+
     async def retrieve_result(
         self,
         tokens: object,
@@ -254,61 +288,14 @@ class CacheEngine:
         *,
         skip_tokens: int = 0,
     ) -> RetrieveResult:
-        """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV.
-
-        The engine holds the first ``max(skip_tokens, mask's False count)`` tokens: chunks wholly below
-        that are not read, the chunk containing it is read whole and only its tail is written.
-        """
-        import torch
-
-        from tiercache.gpu import dispatch
-
-        spans = self.token_db.process_tokens(tokens)
-        num_tokens = len(tokens)  # type: ignore[arg-type]
-        ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        local = skip_tokens
-        if mask is not None:
-            masked = self.token_db.process_tokens(tokens, mask)
-            local = max(local, masked[0].start if masked else num_tokens)
-        wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
-        if not wanted:
-            return RetrieveResult(ret_mask, 0, 0, 0)
-        layers = self.layout.num_layers if self.layerwise else 1
-        keys, specs = self._object_keys(wanted)
-        leases = await self.manager.batched_get(keys, specs)
+        """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV
+        (``prepare_retrieve``, then every layer at once, then ``finish``)."""
+        prepared = await self.prepare_retrieve(tokens, mask, skip_tokens=skip_tokens)
         try:
-            chunks = contiguous_prefix(
-                all(leases[c * layers + layer] is not None for layer in range(layers))
-                for c in range(len(wanted))
-            )
-            if chunks == 0:
-                return RetrieveResult(ret_mask, 0, 0, 0)
-            hit_end = wanted[chunks - 1].end
-            block = self.layout.block_size if self.layout.block_aligned else None
-            plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
-            used: list[L1Lease] = [lease for lease in leases[: chunks * layers] if lease is not None]
-            if self.layerwise:
-                for layer in range(layers):
-                    objs = [used[c * layers + layer].obj.tensor() for c in range(chunks)]
-                    dispatch.scatter_layer(
-                        layer, objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips
-                    )
-            else:
-                objs = [lease.obj.tensor() for lease in used]
-                dispatch.scatter(objs, kv_caches, self.layout, slot_mapping, plan.spans, plan.skips)
-            # A lease that lapsed during the copy may have served reused memory: those tokens get recomputed.
-            valid = contiguous_prefix(
-                all(used[c * layers + layer].valid() for layer in range(layers)) for c in range(chunks)
-            )
-            good_end = wanted[valid - 1].end if valid else local
-            if good_end > local:
-                ret_mask[local:good_end] = True
-            tokens_read = sum(span.end - span.start for span in wanted[:valid])
-            return RetrieveResult(ret_mask, tokens_read, max(0, good_end - local), plan.skip_prefix)
+            prepared.scatter(kv_caches, slot_mapping)
         finally:
-            for lease in leases:
-                if lease is not None:
-                    lease.release()
+            result = prepared.finish()
+        return result
 
     async def retrieve(
         self,
@@ -327,3 +314,97 @@ class CacheEngine:
     def l1_tier(self) -> str:
         """Name under which L1 hits are reported."""
         return L1_TIER
+
+
+class PreparedRetrieve:
+    """Leased L1 objects of a request's cached prefix and the plan to write them into paged KV.
+
+    Scatter all layers at once (``scatter``) or one layer at a time (``scatter_layer``, to overlap with the
+    forward pass), then ``finish()``: it checks that no lease lapsed during the copies (a lapsed one may have
+    served reused memory, so its tokens are reported as not retrieved), builds the ret_mask and releases.
+    """
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        num_tokens: int,
+        local: int,
+        chunks: list[ChunkSpan],
+        leases: list[L1Lease],
+        plan: ReadPlan,
+    ) -> None:
+        self.engine = engine
+        self.num_tokens = num_tokens
+        self.local = local
+        self.chunks = chunks
+        self.leases = leases
+        self.plan = plan
+        self._result: RetrieveResult | None = None
+
+    @property
+    def tokens_to_write(self) -> int:
+        """Tokens the scatter will write (the hit beyond what the engine holds)."""
+        return self.plan.tokens_to_write
+
+    def _objects(self, layer: int | None) -> list[torch.Tensor]:
+        """The objects to scatter: whole chunks, or one layer of each (a view for non-layerwise objects)."""
+        if self.engine.layerwise:
+            if layer is None:
+                raise ValueError("a layerwise retrieve is scattered layer by layer")
+            layers = self.engine.layout.num_layers
+            return [self.leases[c * layers + layer].obj.tensor() for c in range(len(self.chunks))]
+        tensors = [lease.obj.tensor() for lease in self.leases]
+        if layer is None:
+            return tensors
+        if self.engine.layout.object_format is KVFormat.KV_MLA:
+            return [t[layer : layer + 1] for t in tensors]
+        return [t[:, layer : layer + 1] for t in tensors]
+
+    def scatter(self, kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
+        """Write every layer of the prefix into the paged KV."""
+        from tiercache.gpu import dispatch
+
+        if not self.chunks:
+            return
+        if self.engine.layerwise:
+            for layer in range(self.engine.layout.num_layers):
+                self.scatter_layer(layer, kv_caches, slot_mapping)
+            return
+        plan = self.plan
+        dispatch.scatter(
+            self._objects(None), kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
+        )
+
+    def scatter_layer(self, layer: int, kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
+        """Write one layer of the prefix into the paged KV (layer-by-layer loading)."""
+        from tiercache.gpu import dispatch
+
+        if not self.chunks:
+            return
+        plan = self.plan
+        objects = self._objects(layer)
+        dispatch.scatter_layer(
+            layer, objects, kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
+        )
+
+    def finish(self) -> RetrieveResult:
+        """Check the leases, release them and report what was retrieved; idempotent."""
+        import torch
+
+        if self._result is not None:
+            return self._result
+        layers = self.engine.layout.num_layers if self.engine.layerwise else 1
+        valid = contiguous_prefix(
+            all(self.leases[c * layers + layer].valid() for layer in range(layers))
+            for c in range(len(self.chunks))
+        )
+        for lease in self.leases:
+            lease.release()
+        ret_mask = torch.zeros(self.num_tokens, dtype=torch.bool)
+        good_end = self.chunks[valid - 1].end if valid else self.local
+        if good_end > self.local:
+            ret_mask[self.local : good_end] = True
+        tokens_read = sum(span.end - span.start for span in self.chunks[:valid])
+        skip = self.plan.skip_prefix if valid else 0
+        self._result = RetrieveResult(ret_mask, tokens_read, max(0, good_end - self.local), skip)
+        return self._result

@@ -281,3 +281,48 @@ async def test_expired_lease_during_retrieve_is_not_served(tmp_path: Path) -> No
         assert result.tokens_written == 0
     finally:
         await engine.aclose()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_layer_by_layer_retrieve_writes_one_layer_per_step(layerwise: bool) -> None:
+    layout = layout_of()
+    tokens = list(range(600))
+    kv = expected_kv(layout, 600)
+    src = Engine(layout, 64, seed=16)
+    src.write(kv, 0, 600)
+    engine = await open_engine(layout, None, layerwise=layerwise)
+    try:
+        await engine.store(tokens, src.kv, src.slots(600))
+        dst = Engine(layout, 64, seed=17)
+        dst.write(kv, 0, 100)
+        prepared = await engine.prepare_retrieve(tokens, skip_tokens=100)
+        assert prepared.tokens_to_write == 500
+        assert engine.manager.l1.stats().leased > 0
+        for layer in range(layout.num_layers):
+            prepared.scatter_layer(layer, dst.kv, dst.slots(600))
+            got = dst.read(0, 600)
+            assert same_bits(got[:, : layer + 1], kv[:, : layer + 1])  # layers so far: restored
+            assert got[:, layer + 1 :, 100:].isnan().all()  # later layers: untouched yet
+        result = prepared.finish()
+        assert prepared.finish() is result  # idempotent
+        assert result.tokens_written == 500
+        assert result.ret_mask[100:].all()
+        assert not result.ret_mask[:100].any()
+        assert engine.manager.l1.stats().leased == 0  # every lease released
+    finally:
+        await engine.aclose()
+
+
+async def test_prepare_retrieve_with_nothing_cached_is_empty() -> None:
+    layout = layout_of()
+    engine = await open_engine(layout, None)
+    try:
+        prepared = await engine.prepare_retrieve(list(range(300)))
+        dst = Engine(layout, 64, seed=18)
+        prepared.scatter(dst.kv, dst.slots(300))
+        result = prepared.finish()
+        assert result.tokens_written == 0
+        assert not result.ret_mask.any()
+        assert dst.read(0, 300).isnan().all()
+    finally:
+        await engine.aclose()
