@@ -165,3 +165,51 @@ def test_cli_import_stays_light() -> None:
         check=True,
     )
     assert probe.stdout.split() == ["False", "False"]
+
+
+def test_demo_through_an_encrypted_compressed_tier(tmp_path: Path) -> None:
+    """Both processes open the tier with the same key; frames on disk are sealed, KV still bit-exact."""
+    out = tmp_path / "out.json"
+    env = {"TIERCACHE_KEY": "ab" * 32, "TIERCACHE_DIR": str(tmp_path)}
+    proc = run("tiercache", "demo", "--config", str(EXAMPLES / "encrypted.toml"), "--json", str(out), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    check_rows(result["requests"])
+    assert any(r["l2_hit"] > 0 for r in result["requests"])
+    frames = list((tmp_path / "l2").rglob("tc1.*"))
+    assert frames
+    from tiercache.serde import read_header
+
+    header = read_header(frames[0].read_bytes())
+    assert header.chain == ("raw", "shuffle", "zstd", "aesgcm")
+    # A decode process with another key finds the objects but cannot open them: misses, never wrong KV.
+    work = tmp_path / "work"
+    work.mkdir()
+    config = ["--config", str(EXAMPLES / "encrypted.toml")]
+    step_env = {**env, "TIERCACHE_DIR": str(tmp_path / "second")}
+    pre = run(
+        "tiercache.demo",
+        "prefill",
+        "--workdir",
+        str(work),
+        *config,
+        "--out",
+        str(tmp_path / "p.json"),
+        env=step_env,
+    )
+    assert pre.returncode == 0, pre.stderr
+    dec = run(
+        "tiercache.demo",
+        "decode",
+        "--workdir",
+        str(work),
+        *config,
+        "--out",
+        str(tmp_path / "d.json"),
+        env={**step_env, "TIERCACHE_KEY": "cd" * 32},
+    )
+    assert dec.returncode == 0, dec.stderr
+    decoded = json.loads((tmp_path / "d.json").read_text())
+    check_rows(decoded["requests"])  # verified: nothing wrong was served
+    assert all(r["l2_hit"] == 0 or r["fallback"] for r in decoded["requests"])
+    assert decoded["frames_rejected"] >= 1
