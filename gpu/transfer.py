@@ -94,8 +94,8 @@ class Transfer:
     ) -> None:
         """Gather the spans into ``host_outs`` (reference ``gather`` contract) through the pipeline."""
         layers = range(layout.num_layers) if layers is None else layers
-        span_list, _, finish = tk.check_move(kv_caches, layout, slot_mapping, spans, host_outs, layers, None)
-        if not span_list:
+        mv = tk.check_move(kv_caches, layout, slot_mapping, spans, host_outs, layers, None)
+        if not mv.span_list:
             return
         cur = torch.cuda.current_stream(self.device)
         with self.lock:
@@ -104,10 +104,7 @@ class Transfer:
                 b = g % 2
                 cur.wait_event(self.free[b])
                 views = self._views(b, [host_outs[i] for i in idx])
-                plan = tk.plan_gather(
-                    kv_caches, layout, slot_mapping, [span_list[i] for i in idx], views, layers, check=False
-                )
-                plan.launch(cfg)
+                mv.plan(idx, views).launch(cfg)
                 self.ready[b].record(cur)
                 self.stream.wait_event(self.ready[b])
                 with torch.cuda.stream(self.stream):
@@ -115,7 +112,7 @@ class Transfer:
                         host_outs[i].copy_(v, non_blocking=True)
                 self.free[b].record(self.stream)
             self.stream.synchronize()
-        finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
+        mv.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
 
     def load(
         self,
@@ -130,12 +127,10 @@ class Transfer:
     ) -> int:
         """Scatter ``host_objs`` into the paged KV (reference ``scatter`` contract); tokens written."""
         layers = range(layout.num_layers) if layers is None else layers
-        span_list, skips, finish = tk.check_move(
-            kv_caches, layout, slot_mapping, spans, host_objs, layers, skip_prefix
-        )
-        todo = [i for i, ((s, e), k) in enumerate(zip(span_list, skips, strict=True)) if e - s > k]
+        mv = tk.check_move(kv_caches, layout, slot_mapping, spans, host_objs, layers, skip_prefix)
+        todo = [i for i, ((s, e), k) in enumerate(zip(mv.span_list, mv.skips, strict=True)) if e - s > k]
         if not todo:
-            return finish()
+            return mv.finish()
         cur = torch.cuda.current_stream(self.device)
         with self.lock:
             sizes = [host_objs[i].numel() * host_objs[i].element_size() for i in todo]
@@ -149,20 +144,10 @@ class Transfer:
                         v.copy_(host_objs[i], non_blocking=True)
                 self.ready[b].record(self.stream)
                 cur.wait_event(self.ready[b])
-                plan = tk.plan_scatter(
-                    views,
-                    kv_caches,
-                    layout,
-                    slot_mapping,
-                    [span_list[i] for i in idx],
-                    [skips[i] for i in idx],
-                    layers,
-                    check=False,
-                )
-                plan.launch(cfg)
+                mv.plan(idx, views).launch(cfg)
                 self.free[b].record(cur)
             self.stream.synchronize()  # host memory is no longer read: leases may be released
-        return finish()
+        return mv.finish()
 
 
 _TRANSFERS: dict[torch.device, Transfer] = {}

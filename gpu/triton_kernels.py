@@ -20,8 +20,13 @@ head_dim runs, 16-byte aligned when the alignment hints (checked on the host) al
 The fused fp8 gather (``gather_fp8``) writes, per span, exactly the payload of ``Fp8Codec("channel")``:
 float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**-126)``) then e4m3 bytes
 ``[P*L, T, H*D]`` (``x / scale`` rounded to nearest even, clamped to +-448), so ``Fp8Codec.decode_into``
-accepts it as is. Each program owns one (span, layer, plane, channel chunk) and reads its tokens twice
-(absmax, then quantize; the second read mostly hits L2).
+accepts it as is. Each program owns one (span, layer, plane, channel block) tile: when the tile fits
+(``FP8_ONE_PASS_ELEMS``) it is loaded once and kept in registers for the absmax and the quantize; longer spans
+fall back to two passes of 32 tokens (the second read mostly hits L2).
+
+Host side: the tensor-free geometry, object shapes, span tables and layer offsets are cached (keyed by the
+layers' pointers/shapes/strides, and by value), and the slot checks are queued without a sync (a CPU slot
+mapping is checked on the host; a device one by a few reductions copied to pinned memory behind an event).
 
 Kernels are compiled lazily (``TRITON_INTERPRET=1`` is read when they are first built, so tests can run them
 on the CPU through Triton's interpreter).
@@ -29,7 +34,7 @@ on the CPU through Triton's interpreter).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -184,6 +189,7 @@ def _build() -> Any:
         SOFT_CVT: tl.constexpr,
         VEC: tl.constexpr,
         OVEC: tl.constexpr,
+        ONE_PASS: tl.constexpr,
     ):
         span = tl.program_id(0)
         pid1 = tl.program_id(1).to(tl.int64)
@@ -202,23 +208,11 @@ def _build() -> Any:
         group = plane * num_layers + layer  # plane-major, as the codec's [P*L, T, H*D] view
         hd = heads * D
         chan = head * D + d
-        amax = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for t0 in range(0, n_tok, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tmask = t < n_tok
-            slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=0).to(tl.int64)
-            tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots: reported by the host
-            blk = slot // BS
-            src = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
-            m = tmask[:, None] & dmask[None, :]
-            x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
         scale_ptr = (out_ptr + o_off).to(tl.pointer_type(tl.float32))
-        tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
         q_base = out_ptr + o_off + 4 * P * num_layers * hd + group * n_tok * hd
-        for t0 in range(0, n_tok, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        if ONE_PASS:
+            # the whole [tokens, BLOCK_D] tile is loaded once and kept in registers: absmax, then quantize
+            t = tl.arange(0, BLOCK_T).to(tl.int64)
             tmask = t < n_tok
             slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=0).to(tl.int64)
             tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots: reported by the host
@@ -226,6 +220,9 @@ def _build() -> Any:
             src = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
             m = tmask[:, None] & dmask[None, :]
             x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=0)
+            scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+            tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
             y = tl.math.div_rn(x, scale[None, :])
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             if SOFT_CVT:
@@ -241,6 +238,44 @@ def _build() -> Any:
             else:
                 q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             tl.store(q_base + (t[:, None] * hd + chan[None, :]), q, mask=m)
+        else:
+            amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for t0 in range(0, n_tok, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+                tmask = t < n_tok
+                slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=0).to(tl.int64)
+                tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots: reported by the host
+                blk = slot // BS
+                src = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
+                m = tmask[:, None] & dmask[None, :]
+                x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+            scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+            tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
+            for t0 in range(0, n_tok, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+                tmask = t < n_tok
+                slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=0).to(tl.int64)
+                tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots: reported by the host
+                blk = slot // BS
+                src = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
+                m = tmask[:, None] & dmask[None, :]
+                x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
+                y = tl.math.div_rn(x, scale[None, :])
+                y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+                if SOFT_CVT:
+                    # e4m3fn by integer rounding (round to nearest even), for Triton's interpreter, whose
+                    # float8 emulation mis-rounds mantissa carries; |y| <= 448 here, so no overflow
+                    a = tl.abs(y)
+                    ab = a.to(tl.int32, bitcast=True)
+                    r = ab + 0x7FFFF + ((ab >> 20) & 1)
+                    qn = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+                    qs = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+                    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+                    q = (tl.where(a < 0.015625, qs, qn) | (sign << 7)).to(tl.uint8)
+                else:
+                    q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                tl.store(q_base + (t[:, None] * hd + chan[None, :]), q, mask=m)
 
     class K:
         move = _move_kernel
@@ -271,6 +306,22 @@ class _Geometry:
     s_head: int
     n_slots: int
     device: torch.device
+    es: int = 2
+
+
+@dataclass(frozen=True)
+class _GeoInts:
+    """The cached, tensor-free part of a ``_Geometry`` (holds no reference to the KV memory)."""
+
+    word: int
+    vec: int
+    layer_off: tuple[int, ...]
+    s_plane: int
+    s_blk: int
+    s_off: int
+    s_head: int
+    n_slots: int
+    es: int
 
 
 def _element_strides(t: torch.Tensor, layout: PagedLayout) -> tuple[int, int, int, int, int]:
@@ -294,19 +345,67 @@ def _alias(t: torch.Tensor, dtype: torch.dtype, byte_offset: int = 0) -> torch.T
     return out
 
 
+def _align_of(ptrs: Sequence[int]) -> int:
+    """The largest power of two <= 16 dividing every pointer (what the word and vector choice depends on)."""
+    a = 16
+    for p in ptrs:
+        a = min(a, p & -p) if p else a
+    return a
+
+
+_GEO_CACHE: dict[tuple[Any, ...], _GeoInts] = {}
+
+
 def _geometry(
     kv_caches: KVCaches, layout: PagedLayout, layers: range, extra_ptrs: Sequence[int]
 ) -> _Geometry:
+    """The launch geometry; the integer part is cached by layout, layers and the layers' pointers, shapes
+    and strides (engines keep their KV tensors), so a repeated call costs one pass over the layer list."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
         raise ValueError(f"{len(kv)} KV cache tensors for a layout of {layout.num_layers} layers")
+    first = kv[0]
+    align = _align_of(extra_ptrs)
+    key = (
+        layout,
+        layers.start,
+        layers.stop,
+        align,
+        first.device,
+        first.dtype,
+        tuple((t.data_ptr(), t.shape, t.stride()) for t in kv),
+    )
+    g = _GEO_CACHE.get(key)
+    if g is None:
+        if len({t.device for t in kv}) != 1 or len({t.dtype for t in kv}) != 1:
+            raise Unsupported("layers differ in device or dtype")
+        g = _geometry_ints(kv, layout, layers, align)
+        if len(_GEO_CACHE) > 64:
+            _GEO_CACHE.clear()
+        _GEO_CACHE[key] = g
+    return _Geometry(
+        word=g.word,
+        vec=g.vec,
+        kv_base=_alias(first, _WORDS[g.word]),
+        layer_off=list(g.layer_off),
+        s_plane=g.s_plane,
+        s_blk=g.s_blk,
+        s_off=g.s_off,
+        s_head=g.s_head,
+        n_slots=g.n_slots,
+        device=first.device,
+        es=g.es,
+    )
+
+
+def _geometry_ints(kv: list[torch.Tensor], layout: PagedLayout, layers: range, align: int) -> _GeoInts:
     nbs = {layout.num_blocks_of(t) for t in kv}
     if len(nbs) != 1:
         raise ValueError(f"layers hold different block counts: {sorted(nbs)}")
     first = kv[0]
-    if len({t.stride() for t in kv}) != 1 or len({t.device for t in kv}) != 1:
+    if len({t.stride() for t in kv}) != 1:
         raise Unsupported("layers differ in strides or device")
     es = first.element_size()
     s_plane, s_blk, s_off, s_head, s_d = _element_strides(first, layout)
@@ -318,7 +417,7 @@ def _geometry(
     # strides of dims of size 1 never move the address: they are left out of the divisibility test
     dims = [(s_plane, layout.planes), (s_blk, nb), (s_off, layout.block_size), (s_head, layout.num_kv_heads)]
     terms = [layout.head_dim * es] + [s * es for s, n in dims if n > 1] + [p - base for p in ptrs]
-    all_ptrs = [base, *extra_ptrs]
+    all_ptrs = [base, align]
     word = next(
         w
         for w in (8, 4, 2, 1)
@@ -335,31 +434,46 @@ def _geometry(
     def w(s: int, n: int) -> int:
         return (s * es) // word if n > 1 else 0
 
-    return _Geometry(
+    return _GeoInts(
         word=word,
         vec=vec,
-        kv_base=_alias(first, _WORDS[word]),
-        layer_off=[(ptrs[i] - base) // word for i in layers],
+        layer_off=tuple((ptrs[i] - base) // word for i in layers),
         s_plane=w(s_plane, layout.planes),
         s_blk=w(s_blk, nb),
         s_off=w(s_off, layout.block_size),
         s_head=w(s_head, layout.num_kv_heads),
         n_slots=nb * layout.block_size,
-        device=first.device,
+        es=es,
     )
+
+
+_SHAPES: dict[tuple[PagedLayout, int, int, int], tuple[tuple[int, ...], str]] = {}
+
+
+def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of the object of ``tokens`` tokens of ``layers`` (cached)."""
+    key = (layout, tokens, layers.start, layers.stop)
+    r = _SHAPES.get(key)
+    if r is None:
+        spec = object_spec(layout, tokens)
+        if len(layers) != layout.num_layers:
+            spec = spec.with_layers(layers.start, layers.stop)
+        r = (tuple(spec.shape), layout.dtype)
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
+        _SHAPES[key] = r
+    return r
 
 
 def _check_objects(
     objs: Sequence[torch.Tensor], layout: PagedLayout, spans: list[tuple[int, int]], layers: range, what: str
 ) -> None:
     for i, ((s, e), obj) in enumerate(zip(spans, objs, strict=True)):
-        spec = object_spec(layout, e - s)
-        if len(layers) != layout.num_layers:
-            spec = spec.with_layers(layers.start, layers.stop)
-        if tuple(obj.shape) != spec.shape:
-            raise ValueError(f"{what}[{i}] has shape {tuple(obj.shape)}, expected {spec.shape}")
-        if str(obj.dtype).removeprefix("torch.") != layout.dtype:
-            raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {layout.dtype}")
+        shape, dtype = _object_shape(layout, e - s, layers)
+        if tuple(obj.shape) != shape:
+            raise ValueError(f"{what}[{i}] has shape {tuple(obj.shape)}, expected {shape}")
+        if str(obj.dtype).removeprefix("torch.") != dtype:
+            raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {dtype}")
         if not obj.is_contiguous():
             raise Unsupported("objects must be contiguous")
 
@@ -405,9 +519,121 @@ def triton_next_pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
+# ------------------------------------------------------------------------------- small device tensors
+
+
+_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _device_ints(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """An int64 device tensor of ``values``, cached by value (span tables and layer offsets repeat: the
+    staging buffers, the KV tensors and the chunking stay put); copied from pinned memory, never a sync."""
+    key = (device, tuple(tuple(v) if isinstance(v, Sequence) else v for v in values))
+    t = _TABLES.get(key)
+    if t is None:
+        host = torch.tensor(values, dtype=torch.int64)
+        t = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        if len(_TABLES) > 512:
+            _TABLES.clear()
+        _TABLES[key] = t
+    return t
+
+
+def _layer_offsets(geo: _Geometry, scale: int = 1) -> torch.Tensor:
+    """The per-layer offsets (words, or elements with ``scale``) as a device int64 tensor (cached)."""
+    return _device_ints([x * scale for x in geo.layer_off], geo.device)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+    s = slot_mapping
+    if s.dtype not in (torch.int32, torch.int64):
+        s = s.to(torch.int64)
+    if s.device != device:
+        if s.device.type == "cpu" and device.type == "cuda":
+            s = s.contiguous().pin_memory().to(device, non_blocking=True)
+        else:
+            s = s.to(device)
+    return s.contiguous()
+
+
+class SlotCheck:
+    """The slot checks of one move, queued without a sync: [min, max, count >= 0] of the slots it touches.
+
+    A CPU ``slot_mapping`` is checked on the host at once; a device one by a few reductions whose result is
+    copied to pinned host memory behind an event, read by ``result()`` (which waits for that event only, not
+    for the moves queued after it). The kernels never touch bad slots, so reading late is safe.
+    """
+
+    def __init__(
+        self,
+        slot_mapping: torch.Tensor,
+        slots: torch.Tensor,
+        span_list: list[tuple[int, int]],
+        skips: list[int],
+        *,
+        count: bool,
+    ) -> None:
+        self.slots = slots
+        self.span_list = span_list
+        self._values: list[int] | None = None
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
+        if not ranges:
+            self._values = [0, -1, 0]
+            return
+        src = slot_mapping if slot_mapping.device.type == "cpu" else slots
+        if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
+            sel = src[ranges[0][0] : ranges[-1][1]]
+        else:
+            sel = torch.cat([src[a:b] for a, b in ranges])
+        if src.device.type == "cpu":
+            lo, hi = torch.aminmax(sel)
+            self._values = [int(lo), int(hi), int((sel >= 0).sum()) if count else 0]
+            return
+        lo, hi = torch.aminmax(sel)
+        parts = [lo.to(torch.int64), hi.to(torch.int64)]
+        if count:
+            parts.append((sel >= 0).sum())
+        stats = torch.stack(parts)
+        self._host = torch.empty(stats.shape, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(stats, non_blocking=True)
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record()
+
+    def result(self) -> list[int]:
+        """[min, max, count] (count 0 unless asked for); waits for the queued checks only."""
+        if self._values is None:
+            assert self._host is not None
+            assert self._event is not None
+            self._event.synchronize()
+            v = self._host.tolist()
+            self._values = [v[0], v[1], v[2] if len(v) > 2 else 0]
+        return self._values
+
+    def check(self, n_slots: int, *, scatter: bool) -> int:
+        """``ValueError`` for a slot past the KV, or < 0 in a gather; else the number of slots >= 0 (the
+        tokens a scatter writes). The kernels never touch such slots."""
+        lo, hi, written = self.result()
+        if hi >= n_slots:
+            raise ValueError(f"slot {hi} outside the paged KV of {n_slots} slots")
+        if not scatter and lo < 0:
+            bad = next((s, e) for (s, e) in self.span_list if e > s and int(self.slots[s:e].min()) < 0)
+            raise ValueError(f"span {bad} has slots < 0: a token without KV cannot be stored")
+        return written
+
+
 @dataclass
 class MovePlan:
-    """Everything one launch needs; built once by ``plan_gather``/``plan_scatter`` (validation, one sync)."""
+    """Everything one launch needs; built by ``plan_gather``/``plan_scatter`` (checks queued, no sync)."""
 
     geo: _Geometry
     obj_base: torch.Tensor
@@ -421,14 +647,13 @@ class MovePlan:
     dw: int
     block_size: int
     scatter: bool
-    stats: torch.Tensor | None = None
-    span_list: list[tuple[int, int]] | None = None
+    checks: SlotCheck | None = None
 
     def finish(self) -> int:
-        """Read the slot checks (one sync): ``ValueError`` on bad slots, else the tokens written."""
-        return check_stats(
-            self.stats, self.geo.n_slots, self.slots, self.span_list or [], scatter=self.scatter
-        )
+        """Read the slot checks (waits for them only): ``ValueError`` on bad slots, else tokens written."""
+        if self.checks is None:
+            return 0
+        return self.checks.check(self.geo.n_slots, scatter=self.scatter)
 
     def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
         if self.num_spans == 0 or self.tiles_per_span == 0:
@@ -437,12 +662,11 @@ class MovePlan:
         block_d, ndc, block_t = _tiles(self.dw, self.geo.word, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers * self.planes, self.heads * ndc)
-        layer_off = self._layer_off
         with torch.cuda.device(self.geo.device) if self.geo.device.type == "cuda" else _null():
             k.move[grid](
                 self.geo.kv_base,
                 self.obj_base,
-                layer_off,
+                _layer_offsets(self.geo),
                 self.span_table,
                 self.slots,
                 tiles,
@@ -464,76 +688,37 @@ class MovePlan:
                 num_warps=cfg.num_warps,
             )
 
-    @property
-    def _layer_off(self) -> torch.Tensor:
-        return _layer_offsets(self.geo)
 
+@dataclass
+class MoveCheck:
+    """A validated move whose objects live elsewhere (``check_move``): per-group plans reuse all of it."""
 
-_LAYER_OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+    kv_caches: KVCaches
+    layout: PagedLayout
+    layers: range
+    span_list: list[tuple[int, int]]
+    skips: list[int]
+    slots: torch.Tensor
+    checks: SlotCheck
+    n_slots: int
+    scatter: bool
 
+    def finish(self) -> int:
+        """``ValueError`` on bad slots, else the tokens written (waits for the checks only)."""
+        return self.checks.check(self.n_slots, scatter=self.scatter)
 
-def _layer_offsets(geo: _Geometry) -> torch.Tensor:
-    """The per-layer word offsets as a device int64 tensor (cached: engines keep their KV tensors)."""
-    key = (geo.device, tuple(geo.layer_off))
-    t = _LAYER_OFFSETS.get(key)
-    if t is None:
-        if len(_LAYER_OFFSETS) > 64:
-            _LAYER_OFFSETS.clear()
-        t = torch.tensor(geo.layer_off, dtype=torch.int64).to(geo.device, non_blocking=True)
-        _LAYER_OFFSETS[key] = t
-    return t
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
-
-
-def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
-    s = slot_mapping
-    if s.dtype not in (torch.int32, torch.int64):
-        s = s.to(torch.int64)
-    if s.device != device:
-        s = s.to(device)
-    return s.contiguous()
-
-
-def slot_stats(
-    slots: torch.Tensor, span_list: list[tuple[int, int]], skips: list[int]
-) -> torch.Tensor | None:
-    """[min, max, count >= 0] of the slots a move touches, as a device tensor (no sync); None if none."""
-    ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
-    if not ranges:
-        return None
-    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
-        sel = slots[ranges[0][0] : ranges[-1][1]].to(torch.int64)
-    else:
-        sel = torch.cat([slots[a:b] for a, b in ranges]).to(torch.int64)
-    return torch.stack([sel.min(), sel.max(), (sel >= 0).sum()])
-
-
-def check_stats(
-    stats: torch.Tensor | None,
-    n_slots: int,
-    slots: torch.Tensor,
-    span_list: list[tuple[int, int]],
-    *,
-    scatter: bool,
-) -> int:
-    """Read ``slot_stats`` (one sync): ``ValueError`` for a slot past the KV, or < 0 in a gather; returns
-    the number of slots >= 0 (the tokens a scatter writes). The kernels never touch such slots."""
-    if stats is None:
-        return 0
-    lo, hi, written = stats.tolist()
-    if hi >= n_slots:
-        raise ValueError(f"slot {hi} outside the paged KV of {n_slots} slots")
-    if not scatter and lo < 0:
-        bad = next((s, e) for (s, e) in span_list if e > s and int(slots[s:e].min()) < 0)
-        raise ValueError(f"span {bad} has slots < 0: a token without KV cannot be stored")
-    return int(written)
+    def plan(self, idx: Sequence[int], views: Sequence[torch.Tensor]) -> MovePlan:
+        """The launch plan of spans ``idx`` with device objects ``views`` (no checks, no sync)."""
+        return _plan_objects(
+            self.kv_caches,
+            self.layout,
+            self.slots,
+            [self.span_list[i] for i in idx],
+            views,
+            self.layers,
+            [self.skips[i] for i in idx],
+            scatter=self.scatter,
+        )
 
 
 def check_move(
@@ -544,10 +729,9 @@ def check_move(
     objs: Sequence[torch.Tensor],
     layers: range,
     skip_prefix: int | Sequence[int] | None,
-) -> tuple[list[tuple[int, int]], list[int], Callable[[], int]]:
-    """Validate a move whose objects live elsewhere (host): (spans, skips, finish). The slot checks are
-    queued on the device; ``finish()`` reads them (one sync), raises ``ValueError`` or returns the tokens
-    written.
+) -> MoveCheck:
+    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device;
+    ``finish()`` reads them, raises ``ValueError`` or returns the tokens written.
 
     ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
     """
@@ -557,12 +741,54 @@ def check_move(
     _check_objects(objs, layout, span_list, layers, "out" if skip_prefix is None else "objects")
     geo = _geometry(kv_caches, layout, layers, [])
     slots = _device_slots(slot_mapping, geo.device)
-    stats = slot_stats(slots, span_list, skips)
+    scatter = skip_prefix is not None
+    checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter)
+    return MoveCheck(kv_caches, layout, layers, span_list, skips, slots, checks, geo.n_slots, scatter)
 
-    def finish() -> int:
-        return check_stats(stats, geo.n_slots, slots, span_list, scatter=skip_prefix is not None)
 
-    return span_list, skips, finish
+def _plan_objects(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    span_list: list[tuple[int, int]],
+    objs: Sequence[torch.Tensor],
+    layers: range,
+    skips: list[int],
+    *,
+    scatter: bool,
+) -> MovePlan:
+    """The launch plan for checked spans, device slots and device objects."""
+    ptrs = [o.data_ptr() for o in objs]
+    geo = _geometry(kv_caches, layout, layers, ptrs)
+    dev = geo.device
+    if any(o.device != dev for o in objs):
+        raise Unsupported("objects are not on the KV device")
+    es = objs[0].element_size() if objs else 1
+    word = geo.word
+    dw = layout.head_dim * es // word
+    obj_base = _alias(objs[0], _WORDS[word]) if objs else geo.kv_base
+    base_ptr = ptrs[0] if objs else 0
+    rows = []
+    max_tokens = 0
+    for (s, e), k, p in zip(span_list, skips, ptrs, strict=True):
+        if (p - base_ptr) % word:
+            raise Unsupported("misaligned object")
+        rows.append((s, e - s, k, (p - base_ptr) // word))
+        max_tokens = max(max_tokens, e - s - k)
+    return MovePlan(
+        geo=geo,
+        obj_base=obj_base,
+        span_table=_device_ints(rows or [(0, 0, 0, 0)], dev),
+        slots=slots,
+        tiles_per_span=max_tokens,
+        num_spans=len(span_list),
+        layers=len(layers),
+        planes=layout.planes,
+        heads=layout.num_kv_heads,
+        dw=dw,
+        block_size=layout.block_size,
+        scatter=scatter,
+    )
 
 
 def _plan(
@@ -577,47 +803,18 @@ def _plan(
     scatter: bool,
     check: bool = True,
 ) -> MovePlan:
-    """Validate (one sync when ``check``) and build the launch plan of one move."""
+    """Validate (slot checks queued when ``check``, read by ``finish``) and build the plan of one move."""
     _check_layer_range(layers, layout)
     span_list = _spans(spans, slot_mapping.shape[0], len(objs))
     _check_objects(objs, layout, span_list, layers, "objects" if scatter else "out")
-    geo = _geometry(kv_caches, layout, layers, [o.data_ptr() for o in objs])
-    dev = geo.device
-    if any(o.device != dev for o in objs):
-        raise Unsupported("objects are not on the KV device")
-    es = torch.empty((), dtype=objs[0].dtype).element_size() if objs else 1
-    word = geo.word
-    dw = layout.head_dim * es // word
-    slots = _device_slots(slot_mapping, dev)
-    obj_base = _alias(objs[0], _WORDS[word]) if objs else geo.kv_base
-    base_ptr = objs[0].data_ptr() if objs else 0
-    rows = []
-    max_tokens = 0
     if skips is None:
         skips = [0] * len(span_list)
-    for (s, e), k, o in zip(span_list, skips, objs, strict=True):
-        if (o.data_ptr() - base_ptr) % word:
-            raise Unsupported("misaligned object")
-        rows.append([s, e - s, k, (o.data_ptr() - base_ptr) // word])
-        max_tokens = max(max_tokens, e - s - k)
-    table = torch.tensor(rows or [[0, 0, 0, 0]], dtype=torch.int64).to(dev, non_blocking=True)
-    stats = slot_stats(slots, span_list, skips) if check else None
-    return MovePlan(
-        geo=geo,
-        obj_base=obj_base,
-        span_table=table,
-        slots=slots,
-        tiles_per_span=max_tokens,
-        num_spans=len(span_list),
-        layers=len(layers),
-        planes=layout.planes,
-        heads=layout.num_kv_heads,
-        dw=dw,
-        block_size=layout.block_size,
-        scatter=scatter,
-        stats=stats,
-        span_list=span_list,
-    )
+    first = layer_tensors(kv_caches)[0]
+    slots = _device_slots(slot_mapping, first.device)
+    plan = _plan_objects(kv_caches, layout, slots, span_list, objs, layers, skips, scatter=scatter)
+    if check:
+        plan.checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter)
+    return plan
 
 
 def plan_gather(
@@ -630,7 +827,7 @@ def plan_gather(
     *,
     check: bool = True,
 ) -> MovePlan:
-    """Validate a gather (one sync when ``check``) and return its launch plan."""
+    """Validate a gather (slot checks queued when ``check``) and return its launch plan."""
     layers = range(layout.num_layers) if layers is None else layers
     return _plan(kv_caches, layout, slot_mapping, spans, out, layers, None, scatter=False, check=check)
 
@@ -646,7 +843,7 @@ def plan_scatter(
     *,
     check: bool = True,
 ) -> MovePlan:
-    """Validate a scatter (one sync when ``check``: it also counts the tokens written) and plan it."""
+    """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
     layers = range(layout.num_layers) if layers is None else layers
     span_list = _spans(spans, slot_mapping.shape[0], len(objects))
     skips = _skips(skip_prefix, span_list)
@@ -688,13 +885,17 @@ def scatter(
 
 # --------------------------------------------------------------------------------------------- fp8
 
+FP8_ONE_PASS_ELEMS = 16384  # largest [tokens, channels] tile kept in registers by one program
+
 
 def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
     """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element."""
     if tokens == 0:
         return 0
-    spec = object_spec(layout, tokens)
-    elements = spec.nbytes // spec.itemsize
+    shape, _ = _object_shape(layout, tokens, range(layout.num_layers))
+    elements = 1
+    for n in shape:
+        elements *= n
     return 4 * (elements // tokens) + elements
 
 
@@ -705,8 +906,8 @@ def gather_fp8(
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
     *,
-    block_t: int = 32,
-    block_d: int = 128,
+    block_t: int = 0,
+    block_d: int = 32,
     num_warps: int = 4,
     check: bool = True,
     soft_convert: bool | None = None,
@@ -714,9 +915,11 @@ def gather_fp8(
     """Fused gather + fp8 quantize: ``out[i]`` (uint8, ``fp8_payload_nbytes`` bytes, on the KV device)
     receives exactly the ``Fp8Codec("channel")`` payload of span i (see the module doc).
 
-    ``ValueError`` for slots < 0 or out of range and, when ``check``, for non-finite input (one sync).
-    ``soft_convert`` rounds to e4m3 with integer ops instead of the hardware conversion (default: only under
-    the interpreter); both give the codec's bytes.
+    ``block_t`` 0 (default) loads each (span, layer, plane, channel block) tile once, whole, when it has at
+    most ``FP8_ONE_PASS_ELEMS`` elements (else 32 tokens at a time, in two passes); ``block_t`` >= the
+    longest span is one pass too. ``ValueError`` for slots < 0 or out of range and, when ``check``, for
+    non-finite input (one more sync). ``soft_convert`` rounds to e4m3 with integer ops instead of the
+    hardware conversion (default: only under the interpreter); both give the codec's bytes.
     """
     if layout.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"fp8 gather encodes bfloat16, float16 or float32 KV, not {layout.dtype}")
@@ -727,30 +930,36 @@ def gather_fp8(
         if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
             raise ValueError(f"out[{i}] must be a contiguous uint8 tensor of {n} bytes")
     geo = _geometry(kv_caches, layout, layers, [])
-    kv = layer_tensors(kv_caches)
-    es = kv[0].element_size()
     if any(o.device != geo.device for o in out):
         raise Unsupported("outputs are not on the KV device")
-    slots = _device_slots(slot_mapping, geo.device)
-    stats = slot_stats(slots, span_list, [0] * len(span_list))
     base_ptr = out[0].data_ptr() if out else 0
-    rows = [[s, e - s, 0, o.data_ptr() - base_ptr] for (s, e), o in zip(span_list, out, strict=True)]
-    if not rows or max(r[1] for r in rows) == 0:
+    rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
+    max_tok = max((r[1] for r in rows), default=0)
+    if max_tok == 0:
         return
-    table = torch.tensor(rows, dtype=torch.int64).to(geo.device, non_blocking=True)
-    # element (not word) offsets: the fp8 kernel reads real values
-    scale = geo.word // es
-    layer_off = torch.tensor([x * scale for x in geo.layer_off], dtype=torch.int64).to(geo.device)
-    k = _kernels()
+    slots = _device_slots(slot_mapping, geo.device)
+    checks = SlotCheck(slot_mapping, slots, span_list, [0] * len(span_list), count=False)
+    table = _device_ints(rows, geo.device)
+    es = geo.es
+    scale = geo.word // es  # element (not word) offsets: the fp8 kernel reads real values
     d = layout.head_dim
     bd = min(block_d, triton_next_pow2(d))
     ndc = -(-d // bd)
+    if block_t <= 0:
+        bt = triton_next_pow2(max_tok)
+        if bt * bd > FP8_ONE_PASS_ELEMS:
+            bt = 32
+    else:
+        bt = block_t
+    vec = max(1, geo.vec * geo.word // es)
+    k = _kernels()
+    kv0 = layer_tensors(kv_caches)[0]
     grid = (len(rows), len(layers) * layout.planes, layout.num_kv_heads * ndc)
     with torch.cuda.device(geo.device) if geo.device.type == "cuda" else _null():
         k.fp8[grid](
-            _alias(kv[0], kv[0].dtype),
+            _alias(kv0, kv0.dtype),
             out[0],
-            layer_off,
+            _layer_offsets(geo, scale),
             table,
             slots,
             geo.s_plane * scale,
@@ -763,15 +972,16 @@ def gather_fp8(
             BS=layout.block_size,
             P=layout.planes,
             D=d,
-            BLOCK_T=block_t,
+            BLOCK_T=bt,
             BLOCK_D=bd,
             NDC=ndc,
             SOFT_CVT=_interpret() if soft_convert is None else soft_convert,
-            VEC=max(1, geo.vec * geo.word // es) if d % max(1, geo.vec * geo.word // es) == 0 else 1,
+            VEC=vec if d % vec == 0 and bd % vec == 0 else 1,
             OVEC=16 if all(o.data_ptr() % 16 == 0 for o in out) else 1,
+            ONE_PASS=bt >= max_tok,
             num_warps=num_warps,
         )
-    check_stats(stats, geo.n_slots, slots, span_list, scatter=False)
+    checks.check(geo.n_slots, scatter=False)
     if check:
         finite = [
             o[: 4 * (fp8_payload_nbytes(layout, e - s) - _elements(layout, e - s)) // 4].view(torch.float32)

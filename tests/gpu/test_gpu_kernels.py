@@ -177,10 +177,13 @@ def test_gather_errors_and_fallback() -> None:
     assert torch.equal(bits(out[0]), bits(want[0]))
 
 
+@pytest.mark.parametrize("block_t", [0, 32], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("soft", [False, True], ids=["hw-cvt", "soft-cvt"])
 @pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dtype, soft: bool) -> None:
+def test_fused_fp8_gather_is_the_codec_payload(
+    kind: LayoutKind, dtype: torch.dtype, soft: bool, block_t: int
+) -> None:
     n = 600
     spans = spans_of(n, 256)
     layout, kv, slots = make_kv(kind, torch.bfloat16, True, seed=6, tokens=n)
@@ -193,7 +196,7 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
         torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8, device=DEV)
         for s, e in spans
     ]
-    tk.gather_fp8(kv, layout, slots, spans, outs, soft_convert=soft)
+    tk.gather_fp8(kv, layout, slots, spans, outs, soft_convert=soft, block_t=block_t)
     codec = Fp8Codec()
     for (s, e), obj, out in zip(spans, objs, outs, strict=True):
         spec = object_spec(layout, e - s)
@@ -203,3 +206,20 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
         got = out.cpu()
         mismatch = int((torch.frombuffer(want, dtype=torch.uint8) != got).sum())
         assert mismatch == 0, f"{mismatch} of {got.numel()} bytes differ from the codec"
+
+
+def test_cpu_slot_mapping_and_repeated_calls() -> None:
+    """A host slot_mapping is checked on the host; repeated calls (cached plans) stay bit-exact."""
+    n = 512
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=9, tokens=n)
+    want = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
+    reference.gather(kv, layout, slots, spans, want)
+    for sl in (slots, slots.cpu(), slots.to(torch.int32), slots):
+        got = [poisoned(w.shape, torch.bfloat16) for w in want]
+        tk.gather(kv, layout, sl, spans, got)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
+    bad = slots.cpu()
+    bad[300] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        tk.gather(kv, layout, bad, spans, want)

@@ -146,9 +146,10 @@ def test_unsupported_layers_fall_back() -> None:
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(out, want, strict=True))
 
 
+@pytest.mark.parametrize("block_t", [0, 8], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dtype) -> None:
+def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dtype, block_t: int) -> None:
     gen = torch.Generator().manual_seed(6)
     h = 1 if kind is LayoutKind.VLLM_MLA else H
     layout = PagedLayout(kind, L, h, D, BS, str(dtype))
@@ -161,7 +162,7 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype) for s, e in SPANS]
     reference.gather(kv, layout, slots, SPANS, objs)
     outs = [torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8) for s, e in SPANS]
-    tk.gather_fp8(kv, layout, slots, SPANS, outs)
+    tk.gather_fp8(kv, layout, slots, SPANS, outs, block_t=block_t, block_d=4 if block_t else 32)
     codec = Fp8Codec()
     for (s, e), obj, out in zip(SPANS, objs, outs, strict=True):
         spec: KVSpec = object_spec(layout, e - s)
@@ -174,3 +175,29 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
         )  # type: ignore[arg-type]
         err = (back.float() - obj.float()).norm() / obj.float().norm()
         assert err < 0.05
+
+
+def test_fp8_gather_refuses_bad_slots() -> None:
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, L, H, D, BS, "bfloat16")
+    _, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=8)
+    kv = [(torch.randn(t.shape) * 3).to(torch.bfloat16) for t in kv]
+    outs = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in SPANS]
+    bad = slots.clone()
+    bad[3] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        tk.gather_fp8(kv, layout, bad, SPANS, outs)
+    bad[3] = NB * BS
+    with pytest.raises(ValueError, match="outside the paged KV"):
+        tk.gather_fp8(kv, layout, bad, SPANS, outs)
+
+
+def test_repeated_calls_reuse_cached_plans() -> None:
+    """Later calls hit the geometry and table caches and stay bit-exact, also after the slots change."""
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=9)
+    for shift in (0, 1, 0):
+        sl = slots.roll(shift)
+        want = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in SPANS]
+        got = [poisoned(w.shape, torch.bfloat16) for w in want]
+        reference.gather(kv, layout, sl, SPANS, want)
+        tk.gather(kv, layout, sl, SPANS, got)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
