@@ -9,7 +9,7 @@ from urllib.parse import parse_qsl
 
 from tiercache.errors import ConfigError
 
-__all__ = ["merge_options", "parse_bool", "parse_int", "parse_size"]
+__all__ = ["merge_options", "parse_bool", "parse_float", "parse_int", "parse_size", "parse_str"]
 
 _UNITS = {
     "": 1,
@@ -82,6 +82,27 @@ def parse_int(value: object) -> int:
         except ValueError:
             pass
     raise ValueError(f"invalid integer {value!r}")
+
+
+def parse_float(value: object) -> float:
+    """A number from a float, an int or a string like ``"2.5"`` (URL query values are strings)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid number {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"invalid number {value!r}")
+
+
+def parse_str(value: object) -> str:
+    """``value`` if it is a string, else ValueError."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
 
 
 def merge_options(

@@ -67,7 +67,7 @@ import numpy as np
 from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_int, parse_size
+from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
 from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -95,40 +95,21 @@ def _transport_code(rc: int) -> bool:
     return -1099 <= rc <= -900
 
 
-def _parse_float(value: object) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"invalid number {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"invalid number {value!r}")
-
-
-def _parse_str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
 def _parse_protocol(value: object) -> str:
-    low = _parse_str(value).strip().lower()
+    low = parse_str(value).strip().lower()
     if low not in ("tcp", "rdma"):
         raise ValueError(f"invalid protocol {value!r}: use tcp or rdma")
     return low
 
 
 _PARSERS: dict[str, Callable[[object], Any]] = {
-    "metadata": _parse_str,
+    "metadata": parse_str,
     "protocol": _parse_protocol,
-    "rdma_devices": _parse_str,
-    "local_hostname": _parse_str,
+    "rdma_devices": parse_str,
+    "local_hostname": parse_str,
     "segment_size": parse_size,
     "buffer_size": parse_size,
-    "timeout": _parse_float,
+    "timeout": parse_float,
     "workers": parse_int,
     "capacity": parse_size,
 }

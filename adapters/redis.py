@@ -61,7 +61,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_int, parse_size
+from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -86,43 +86,24 @@ _PLAIN_SCHEMES = {"redis", "valkey"}
 _CERT_REQS = {"required": "required", "optional": "optional", "none": "none"}
 
 
-def _parse_float(value: object) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"invalid number {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"invalid number {value!r}")
-
-
-def _parse_str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
 def _parse_cert_reqs(value: object) -> str:
-    low = _parse_str(value).strip().lower()
+    low = parse_str(value).strip().lower()
     if low not in _CERT_REQS:
         raise ValueError(f"invalid ssl_cert_reqs {value!r}: use required, optional or none")
     return _CERT_REQS[low]
 
 
 _PARSERS: dict[str, Callable[[object], Any]] = {
-    "password": _parse_str,
-    "username": _parse_str,
+    "password": parse_str,
+    "username": parse_str,
     "pool_size": parse_int,
-    "socket_timeout": _parse_float,
-    "ttl": _parse_float,
-    "prefix": _parse_str,
+    "socket_timeout": parse_float,
+    "ttl": parse_float,
+    "prefix": parse_str,
     "capacity": parse_size,
-    "ssl_ca_certs": _parse_str,
-    "ssl_certfile": _parse_str,
-    "ssl_keyfile": _parse_str,
+    "ssl_ca_certs": parse_str,
+    "ssl_certfile": parse_str,
+    "ssl_keyfile": parse_str,
     "ssl_cert_reqs": _parse_cert_reqs,
 }
 

@@ -38,7 +38,14 @@ from urllib.parse import unquote, urlsplit
 import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
+from tiercache.adapters._options import (
+    merge_options,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_size,
+    parse_str,
+)
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache.keys import ChunkKey
 
@@ -58,47 +65,36 @@ _PRECONDITION = frozenset({"412", "PreconditionFailed", "409", "ConditionalReque
 _ADDRESSING = ("auto", "path", "virtual")
 
 
-def _str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _float(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"expected a number of seconds, got {value!r}")
-    try:
-        out = float(value)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+def _seconds(value: object) -> float:
+    out = parse_float(value)
     if not out > 0:
         raise ValueError(f"must be positive, got {value!r}")
     return out
 
 
 def _addressing(value: object) -> str:
-    text = _str(value).lower()
+    text = parse_str(value).lower()
     if text not in _ADDRESSING:
         raise ValueError(f"expected one of {', '.join(_ADDRESSING)}, got {value!r}")
     return text
 
 
 _PARSERS: dict[str, Callable[[object], Any]] = {
-    "endpoint_url": _str,
-    "region": _str,
+    "endpoint_url": parse_str,
+    "region": parse_str,
     "addressing_style": _addressing,
     "max_concurrency": parse_int,
     "multipart_threshold": parse_size,
     "part_size": parse_size,
     "create_only": parse_bool,
     "create_bucket": parse_bool,
-    "connect_timeout": _float,
-    "read_timeout": _float,
+    "connect_timeout": _seconds,
+    "read_timeout": _seconds,
     "max_attempts": parse_int,
     "checksums": parse_bool,
-    "access_key_id": _str,
-    "secret_access_key": _str,
-    "session_token": _str,
+    "access_key_id": parse_str,
+    "secret_access_key": parse_str,
+    "session_token": parse_str,
     "capacity": parse_size,
 }
 
