@@ -31,11 +31,13 @@ __all__ = [
     "LayoutKind",
     "PagedLayout",
     "ReadPlan",
+    "check_spans",
     "detect_layout",
     "layer_tensors",
     "object_spec",
     "plan_read",
     "skip_prefix_for",
+    "span_skips",
 ]
 
 
@@ -248,6 +250,31 @@ def _candidates(
             if cpu_backend_possible:
                 out.append((LayoutKind.CPU_BLOCKS, h, c // 2))
     return out
+
+
+def check_spans(spans: Sequence[tuple[int, int]], n_slots: int, count: int) -> list[tuple[int, int]]:
+    """The spans as int pairs, checked against the slot mapping length and the number of objects."""
+    if len(spans) != count:
+        raise ValueError(f"{len(spans)} spans for {count} objects")
+    out = [(int(s), int(e)) for s, e in spans]
+    for s, e in out:
+        if not 0 <= s <= e <= n_slots:
+            raise ValueError(f"span ({s}, {e}) outside the slot mapping of {n_slots} tokens")
+    return out
+
+
+def span_skips(skip_prefix: int | Sequence[int], spans: list[tuple[int, int]]) -> list[int]:
+    """Per-span skip counts (an int applies to the first span only), each within its span."""
+    if isinstance(skip_prefix, int):
+        skips = [skip_prefix if i == 0 else 0 for i in range(len(spans))]
+    else:
+        skips = [int(k) for k in skip_prefix]
+        if len(skips) != len(spans):
+            raise ValueError(f"{len(skips)} skip counts for {len(spans)} spans")
+    for k, (s, e) in zip(skips, spans, strict=True):
+        if not 0 <= k <= e - s:
+            raise ValueError(f"skip_prefix {k} outside span ({s}, {e})")
+    return skips
 
 
 def skip_prefix_for(num_local_tokens: int, chunk_start: int) -> int:

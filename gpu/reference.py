@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -108,31 +108,6 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
     if len(nb) != 1:
         raise ValueError(f"layers hold different block counts: {sorted(nb)}")
     return layers, nb.pop() * layout.block_size
-
-
-def _spans(spans: Sequence[tuple[int, int]], n_slots: int, count: int) -> list[tuple[int, int]]:
-    """Validate spans against the slot mapping length and the number of objects."""
-    if len(spans) != count:
-        raise ValueError(f"{len(spans)} spans for {count} objects")
-    out = [(int(s), int(e)) for s, e in spans]
-    for s, e in out:
-        if not 0 <= s <= e <= n_slots:
-            raise ValueError(f"span ({s}, {e}) outside the slot mapping of {n_slots} tokens")
-    return out
-
-
-def _skips(skip_prefix: int | Sequence[int], spans: list[tuple[int, int]]) -> list[int]:
-    """Per-span skip counts (an int applies to the first span only)."""
-    if isinstance(skip_prefix, int):
-        skips = [skip_prefix if i == 0 else 0 for i in range(len(spans))]
-    else:
-        skips = [int(k) for k in skip_prefix]
-        if len(skips) != len(spans):
-            raise ValueError(f"{len(skips)} skip counts for {len(spans)} spans")
-    for k, (s, e) in zip(skips, spans, strict=True):
-        if not 0 <= k <= e - s:
-            raise ValueError(f"skip_prefix {k} outside span ({s}, {e})")
-    return skips
 
 
 def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
@@ -309,7 +284,7 @@ def _gather(
     """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j])."""
     kv, n_slots = _layers(kv_caches, layout)
     device = kv[0].device
-    span_list = _spans(spans, slot_mapping.shape[0], len(out))
+    span_list = check_spans(spans, slot_mapping.shape[0], len(out))
     for i, (start, end) in enumerate(span_list):
         obj = out[i]
         _check_object(obj, layout, end - start, layers, f"out[{i}]")
@@ -343,8 +318,8 @@ def _scatter(
     """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer)."""
     kv, n_slots = _layers(kv_caches, layout)
     device = kv[0].device
-    span_list = _spans(spans, slot_mapping.shape[0], len(objects))
-    skips = _skips(skip_prefix, span_list)
+    span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
+    skips = span_skips(skip_prefix, span_list)
     written = 0
     for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
         obj = objects[i]

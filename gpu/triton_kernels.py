@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -478,29 +478,6 @@ def _check_objects(
             raise Unsupported("objects must be contiguous")
 
 
-def _spans(spans: Sequence[tuple[int, int]], n: int, count: int) -> list[tuple[int, int]]:
-    if len(spans) != count:
-        raise ValueError(f"{len(spans)} spans for {count} objects")
-    out = [(int(s), int(e)) for s, e in spans]
-    for s, e in out:
-        if not 0 <= s <= e <= n:
-            raise ValueError(f"span ({s}, {e}) outside the slot mapping of {n} tokens")
-    return out
-
-
-def _skips(skip_prefix: int | Sequence[int], spans: list[tuple[int, int]]) -> list[int]:
-    if isinstance(skip_prefix, int):
-        skips = [skip_prefix if i == 0 else 0 for i in range(len(spans))]
-    else:
-        skips = [int(k) for k in skip_prefix]
-        if len(skips) != len(spans):
-            raise ValueError(f"{len(skips)} skip counts for {len(spans)} spans")
-    for k, (s, e) in zip(skips, spans, strict=True):
-        if not 0 <= k <= e - s:
-            raise ValueError(f"skip_prefix {k} outside span ({s}, {e})")
-    return skips
-
-
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
@@ -736,8 +713,8 @@ def check_move(
     ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
     """
     _check_layer_range(layers, layout)
-    span_list = _spans(spans, slot_mapping.shape[0], len(objs))
-    skips = [0] * len(span_list) if skip_prefix is None else _skips(skip_prefix, span_list)
+    span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
+    skips = [0] * len(span_list) if skip_prefix is None else span_skips(skip_prefix, span_list)
     _check_objects(objs, layout, span_list, layers, "out" if skip_prefix is None else "objects")
     geo = _geometry(kv_caches, layout, layers, [])
     slots = _device_slots(slot_mapping, geo.device)
@@ -805,7 +782,7 @@ def _plan(
 ) -> MovePlan:
     """Validate (slot checks queued when ``check``, read by ``finish``) and build the plan of one move."""
     _check_layer_range(layers, layout)
-    span_list = _spans(spans, slot_mapping.shape[0], len(objs))
+    span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
     _check_objects(objs, layout, span_list, layers, "objects" if scatter else "out")
     if skips is None:
         skips = [0] * len(span_list)
@@ -845,8 +822,8 @@ def plan_scatter(
 ) -> MovePlan:
     """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
     layers = range(layout.num_layers) if layers is None else layers
-    span_list = _spans(spans, slot_mapping.shape[0], len(objects))
-    skips = _skips(skip_prefix, span_list)
+    span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
+    skips = span_skips(skip_prefix, span_list)
     return _plan(
         kv_caches, layout, slot_mapping, span_list, objects, layers, skips, scatter=True, check=check
     )
@@ -924,7 +901,7 @@ def gather_fp8(
     if layout.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"fp8 gather encodes bfloat16, float16 or float32 KV, not {layout.dtype}")
     layers = range(layout.num_layers)
-    span_list = _spans(spans, slot_mapping.shape[0], len(out))
+    span_list = check_spans(spans, slot_mapping.shape[0], len(out))
     for i, ((s, e), o) in enumerate(zip(span_list, out, strict=True)):
         n = fp8_payload_nbytes(layout, e - s)
         if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
