@@ -59,6 +59,8 @@ def _gather(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> bool:
     """Try the kernel paths; False when the reference must do it."""
     if not out or not kernels_enabled(kv_caches, layout):
@@ -69,10 +71,21 @@ def _gather(
     where = _where(out, device)
     try:
         if where == "device":
-            triton_kernels.gather(kv_caches, layout, slot_mapping, spans, out, layers)
+            triton_kernels.gather(
+                kv_caches, layout, slot_mapping, spans, out, layers, trusted=trusted, host_slots=host_slots
+            )
             return True
         if where == "host":
-            transfer.store_to_host(kv_caches, layout, slot_mapping, spans, list(out), layers=layers)
+            transfer.store_to_host(
+                kv_caches,
+                layout,
+                slot_mapping,
+                spans,
+                list(out),
+                layers=layers,
+                trusted=trusted,
+                host_slots=host_slots,
+            )
             return True
     except triton_kernels.Unsupported:
         return False
@@ -87,6 +100,8 @@ def _scatter(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     skip_prefix: int | Sequence[int],
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> int | None:
     """Try the kernel paths; None when the reference must do it."""
     if not objects or not kernels_enabled(kv_caches, layout):
@@ -98,11 +113,27 @@ def _scatter(
     try:
         if where == "device":
             return triton_kernels.scatter(
-                objects, kv_caches, layout, slot_mapping, spans, skip_prefix, layers
+                objects,
+                kv_caches,
+                layout,
+                slot_mapping,
+                spans,
+                skip_prefix,
+                layers,
+                trusted=trusted,
+                host_slots=host_slots,
             )
         if where == "host":
             return transfer.load_from_host(
-                list(objects), kv_caches, layout, slot_mapping, spans, skip_prefix, layers=layers
+                list(objects),
+                kv_caches,
+                layout,
+                slot_mapping,
+                spans,
+                skip_prefix,
+                layers=layers,
+                trusted=trusted,
+                host_slots=host_slots,
             )
     except triton_kernels.Unsupported:
         return None
@@ -115,9 +146,17 @@ def gather(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
-    """``reference.gather`` contract; one Triton launch (or the staged pipeline) on CUDA."""
-    if not _gather(range(layout.num_layers), kv_caches, layout, slot_mapping, spans, out):
+    """``reference.gather`` contract; one Triton launch (or the staged pipeline) on CUDA.
+
+    ``host_slots``: a CPU copy of a device ``slot_mapping``; the slot checks then run on the host (no device
+    reductions). ``trusted``: the caller vouches for every slot, no checks at all (kernel paths only; the
+    reference always checks)."""
+    layers = range(layout.num_layers)
+    if not _gather(layers, kv_caches, layout, slot_mapping, spans, out, trusted, host_slots):
         reference.gather(kv_caches, layout, slot_mapping, spans, out)
 
 
@@ -143,9 +182,14 @@ def scatter(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     skip_prefix: int | Sequence[int] = 0,
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> int:
-    """``reference.scatter`` contract; returns the tokens written."""
-    n = _scatter(range(layout.num_layers), objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
+    """``reference.scatter`` contract; returns the tokens written (``trusted``/``host_slots``: as ``gather``;
+    a trusted scatter counts every token past the skips)."""
+    layers = range(layout.num_layers)
+    n = _scatter(layers, objects, kv_caches, layout, slot_mapping, spans, skip_prefix, trusted, host_slots)
     if n is None:
         return reference.scatter(objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
     return n

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_STAGING_BYTES", "Transfer", "load_from_host", "store_to_host"]
 
 DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_COALESCE = False
 _ALIGN = 256
 
 
@@ -53,17 +54,72 @@ def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return groups
 
 
-class Transfer:
-    """Per-device staging buffers (two), a side stream and the events that order them."""
+def _runs(objs: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first, stop, nbytes) of the runs of ``objs`` that lie back to back in one host storage and at the
+    same distances in staging (``offsets``): each run moves as one copy."""
+    runs: list[tuple[int, int, int]] = []
+    prev_end = prev_off = prev_store = -1
+    for i, o in enumerate(objs):
+        n = o.numel() * o.element_size()
+        store = o.untyped_storage().data_ptr()
+        if runs and store == prev_store and o.data_ptr() == prev_end and offsets[i] == prev_off:
+            a, _, total = runs[-1]
+            runs[-1] = (a, i + 1, total + n)
+        else:
+            runs.append((i, i + 1, n))
+        prev_end, prev_off, prev_store = o.data_ptr() + n, offsets[i] + n, store
+    return runs
 
-    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+
+def _flat(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes from ``t``'s first element, as a uint8 view of its storage (may run past ``t``)."""
+    start = t.storage_offset() * t.element_size()
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(t.untyped_storage(), start, (nbytes,), (1,))
+    return out
+
+
+class Transfer:
+    """Per-device staging buffers (two), a side stream and the events that order them.
+
+    ``coalesce``: objects that lie back to back in host memory (L1 slots handed out in order) move as one
+    copy per run instead of one per object.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        *,
+        coalesce: bool = DEFAULT_COALESCE,
+    ) -> None:
         self.device = device
         self.staging_bytes = staging_bytes
+        self.coalesce = coalesce
         self.stream = torch.cuda.Stream(device)
         self.buffers: list[torch.Tensor | None] = [None, None]
         self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         self.free = [torch.cuda.Event(), torch.cuda.Event()]
         self.lock = threading.Lock()
+
+    def _copies(
+        self, b: int, objs: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host, staging) tensor pairs to copy for ``objs`` and their staging ``views``: one pair per object,
+        or per run of back-to-back objects with ``coalesce``."""
+        if not self.coalesce or len(objs) < 2:
+            return list(zip(objs, views, strict=True))
+        buf = self.buffers[b]
+        assert buf is not None
+        base = buf.data_ptr()
+        offsets = [v.data_ptr() - base for v in views]
+        pairs = []
+        for a, z, n in _runs(objs, offsets):
+            if z - a == 1:
+                pairs.append((objs[a], views[a]))
+            else:
+                pairs.append((_flat(objs[a], n), buf[offsets[a] : offsets[a] + n]))
+        return pairs
 
     def _views(self, b: int, objs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device views shaped like ``objs`` carved from staging buffer ``b`` (grown when too small)."""
@@ -91,10 +147,23 @@ class Transfer:
         host_outs: list[torch.Tensor],
         layers: range | None = None,
         cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+        *,
+        trusted: bool = False,
+        host_slots: torch.Tensor | None = None,
     ) -> None:
         """Gather the spans into ``host_outs`` (reference ``gather`` contract) through the pipeline."""
         layers = range(layout.num_layers) if layers is None else layers
-        mv = tk.check_move(kv_caches, layout, slot_mapping, spans, host_outs, layers, None)
+        mv = tk.check_move(
+            kv_caches,
+            layout,
+            slot_mapping,
+            spans,
+            host_outs,
+            layers,
+            None,
+            trusted=trusted,
+            host_slots=host_slots,
+        )
         if not mv.span_list:
             return
         cur = torch.cuda.current_stream(self.device)
@@ -108,8 +177,8 @@ class Transfer:
                 self.ready[b].record(cur)
                 self.stream.wait_event(self.ready[b])
                 with torch.cuda.stream(self.stream):
-                    for i, v in zip(idx, views, strict=True):
-                        host_outs[i].copy_(v, non_blocking=True)
+                    for h, v in self._copies(b, [host_outs[i] for i in idx], views):
+                        h.copy_(v, non_blocking=True)
                 self.free[b].record(self.stream)
             self.stream.synchronize()
         mv.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
@@ -124,10 +193,23 @@ class Transfer:
         skip_prefix: int | Sequence[int] = 0,
         layers: range | None = None,
         cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+        *,
+        trusted: bool = False,
+        host_slots: torch.Tensor | None = None,
     ) -> int:
         """Scatter ``host_objs`` into the paged KV (reference ``scatter`` contract); tokens written."""
         layers = range(layout.num_layers) if layers is None else layers
-        mv = tk.check_move(kv_caches, layout, slot_mapping, spans, host_objs, layers, skip_prefix)
+        mv = tk.check_move(
+            kv_caches,
+            layout,
+            slot_mapping,
+            spans,
+            host_objs,
+            layers,
+            skip_prefix,
+            trusted=trusted,
+            host_slots=host_slots,
+        )
         todo = [i for i, ((s, e), k) in enumerate(zip(mv.span_list, mv.skips, strict=True)) if e - s > k]
         if not todo:
             return mv.finish()
@@ -140,8 +222,8 @@ class Transfer:
                 views = self._views(b, [host_objs[i] for i in idx])
                 self.stream.wait_event(self.free[b])
                 with torch.cuda.stream(self.stream):
-                    for i, v in zip(idx, views, strict=True):
-                        v.copy_(host_objs[i], non_blocking=True)
+                    for h, v in self._copies(b, [host_objs[i] for i in idx], views):
+                        v.copy_(h, non_blocking=True)
                 self.ready[b].record(self.stream)
                 cur.wait_event(self.ready[b])
                 mv.plan(idx, views).launch(cfg)
@@ -174,10 +256,14 @@ def store_to_host(
     host_outs: list[torch.Tensor],
     *,
     layers: range | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """Gather from CUDA paged KV into host objects (L1 views on the pinned pool) through the pipeline."""
     device = layer_tensors(kv_caches)[0].device
-    transfer_for(device).store(kv_caches, layout, slot_mapping, spans, host_outs, layers)
+    transfer_for(device).store(
+        kv_caches, layout, slot_mapping, spans, host_outs, layers, trusted=trusted, host_slots=host_slots
+    )
 
 
 def load_from_host(
@@ -189,7 +275,19 @@ def load_from_host(
     skips: int | Sequence[int] = 0,
     *,
     layers: range | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> int:
     """Scatter host objects into CUDA paged KV through the pipeline; returns the tokens written."""
     device = layer_tensors(kv_caches)[0].device
-    return transfer_for(device).load(host_objs, kv_caches, layout, slot_mapping, spans, skips, layers)
+    return transfer_for(device).load(
+        host_objs,
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        skips,
+        layers,
+        trusted=trusted,
+        host_slots=host_slots,
+    )

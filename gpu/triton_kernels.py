@@ -51,6 +51,7 @@ __all__ = [
     "available",
     "gather",
     "gather_fp8",
+    "plan_fp8",
     "scatter",
 ]
 
@@ -81,7 +82,9 @@ class TileConfig:
     num_warps: int = 4
 
 
-DEFAULT_CONFIG = TileConfig(tile_bytes=32768, num_warps=8)  # best gather tile on the H200 (gpu_bench)
+# best gather tile of the interleaved H200 A/B (benchmarks/gpu_ab.py; every tile 1686-1702 GB/s, within noise;
+# scatter 1538, best 1539)
+DEFAULT_CONFIG = TileConfig(tile_bytes=8192, num_warps=8)
 _KERNELS: dict[bool, Any] = {}
 
 
@@ -541,12 +544,30 @@ def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Ten
     return s.contiguous()
 
 
+SLOT_CHECK_READ = (
+    "event"  # how a device slot check is read: "event" (pinned copy + event) or "sync" (.tolist())
+)
+
+
+def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> torch.Tensor | None:
+    """Validate the caller's CPU copy of ``slot_mapping`` (checked on the host instead of the device)."""
+    if host_slots is None:
+        return None
+    if host_slots.device.type != "cpu" or tuple(host_slots.shape) != tuple(slot_mapping.shape):
+        raise ValueError(
+            f"host_slots must be a CPU tensor shaped like slot_mapping {tuple(slot_mapping.shape)}, "
+            f"got {tuple(host_slots.shape)} on {host_slots.device}"
+        )
+    return host_slots
+
+
 class SlotCheck:
     """The slot checks of one move, queued without a sync: [min, max, count >= 0] of the slots it touches.
 
-    A CPU ``slot_mapping`` is checked on the host at once; a device one by a few reductions whose result is
-    copied to pinned host memory behind an event, read by ``result()`` (which waits for that event only, not
-    for the moves queued after it). The kernels never touch bad slots, so reading late is safe.
+    A CPU ``slot_mapping`` (or the caller's CPU copy of a device one, ``host_slots``) is checked on the host
+    at once; a device one by a few reductions whose result is copied to pinned host memory behind an event,
+    read by ``result()`` (which waits for that event only, not for the moves queued after it). The kernels
+    never touch bad slots, so reading late is safe.
     """
 
     def __init__(
@@ -557,17 +578,22 @@ class SlotCheck:
         skips: list[int],
         *,
         count: bool,
+        host_slots: torch.Tensor | None = None,
     ) -> None:
-        self.slots = slots
         self.span_list = span_list
         self._values: list[int] | None = None
         self._host: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
+        if host_slots is not None:
+            src = host_slots
+        else:
+            src = slot_mapping if slot_mapping.device.type == "cpu" else slots
+        self.slots = src
         if not ranges:
             self._values = [0, -1, 0]
             return
-        src = slot_mapping if slot_mapping.device.type == "cpu" else slots
         if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
             sel = src[ranges[0][0] : ranges[-1][1]]
         else:
@@ -581,6 +607,9 @@ class SlotCheck:
         if count:
             parts.append((sel >= 0).sum())
         stats = torch.stack(parts)
+        if SLOT_CHECK_READ == "sync":
+            self._stats = stats
+            return
         self._host = torch.empty(stats.shape, dtype=torch.int64, pin_memory=True)
         self._host.copy_(stats, non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -588,6 +617,9 @@ class SlotCheck:
 
     def result(self) -> list[int]:
         """[min, max, count] (count 0 unless asked for); waits for the queued checks only."""
+        if self._values is None and self._stats is not None:
+            v = self._stats.tolist()
+            self._values = [v[0], v[1], v[2] if len(v) > 2 else 0]
         if self._values is None:
             assert self._host is not None
             assert self._event is not None
@@ -625,11 +657,12 @@ class MovePlan:
     block_size: int
     scatter: bool
     checks: SlotCheck | None = None
+    unchecked_tokens: int = 0  # what ``finish`` returns without checks (every slot taken as valid)
 
     def finish(self) -> int:
         """Read the slot checks (waits for them only): ``ValueError`` on bad slots, else tokens written."""
         if self.checks is None:
-            return 0
+            return self.unchecked_tokens
         return self.checks.check(self.geo.n_slots, scatter=self.scatter)
 
     def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
@@ -676,12 +709,15 @@ class MoveCheck:
     span_list: list[tuple[int, int]]
     skips: list[int]
     slots: torch.Tensor
-    checks: SlotCheck
+    checks: SlotCheck | None
     n_slots: int
     scatter: bool
 
     def finish(self) -> int:
-        """``ValueError`` on bad slots, else the tokens written (waits for the checks only)."""
+        """``ValueError`` on bad slots, else the tokens written (waits for the checks only); a trusted move
+        (no checks) counts every token of its spans past the skips."""
+        if self.checks is None:
+            return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
         return self.checks.check(self.n_slots, scatter=self.scatter)
 
     def plan(self, idx: Sequence[int], views: Sequence[torch.Tensor]) -> MovePlan:
@@ -706,8 +742,12 @@ def check_move(
     objs: Sequence[torch.Tensor],
     layers: range,
     skip_prefix: int | Sequence[int] | None,
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> MoveCheck:
-    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device;
+    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device (or
+    run on the host with ``host_slots``, a CPU copy of ``slot_mapping``; none when ``trusted``);
     ``finish()`` reads them, raises ``ValueError`` or returns the tokens written.
 
     ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
@@ -719,7 +759,10 @@ def check_move(
     geo = _geometry(kv_caches, layout, layers, [])
     slots = _device_slots(slot_mapping, geo.device)
     scatter = skip_prefix is not None
-    checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter)
+    hs = _host_slots(slot_mapping, host_slots)
+    checks = (
+        None if trusted else SlotCheck(slot_mapping, slots, span_list, skips, count=scatter, host_slots=hs)
+    )
     return MoveCheck(kv_caches, layout, layers, span_list, skips, slots, checks, geo.n_slots, scatter)
 
 
@@ -779,6 +822,7 @@ def _plan(
     *,
     scatter: bool,
     check: bool = True,
+    host_slots: torch.Tensor | None = None,
 ) -> MovePlan:
     """Validate (slot checks queued when ``check``, read by ``finish``) and build the plan of one move."""
     _check_layer_range(layers, layout)
@@ -790,7 +834,10 @@ def _plan(
     slots = _device_slots(slot_mapping, first.device)
     plan = _plan_objects(kv_caches, layout, slots, span_list, objs, layers, skips, scatter=scatter)
     if check:
-        plan.checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter)
+        hs = _host_slots(slot_mapping, host_slots)
+        plan.checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter, host_slots=hs)
+    else:
+        plan.unchecked_tokens = sum(max(0, e - s - k) for (s, e), k in zip(span_list, skips, strict=True))
     return plan
 
 
@@ -803,10 +850,23 @@ def plan_gather(
     layers: range | None = None,
     *,
     check: bool = True,
+    host_slots: torch.Tensor | None = None,
 ) -> MovePlan:
-    """Validate a gather (slot checks queued when ``check``) and return its launch plan."""
+    """Validate a gather (slot checks queued when ``check``, on the host with ``host_slots``) and return its
+    launch plan."""
     layers = range(layout.num_layers) if layers is None else layers
-    return _plan(kv_caches, layout, slot_mapping, spans, out, layers, None, scatter=False, check=check)
+    return _plan(
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        out,
+        layers,
+        None,
+        scatter=False,
+        check=check,
+        host_slots=host_slots,
+    )
 
 
 def plan_scatter(
@@ -819,13 +879,23 @@ def plan_scatter(
     layers: range | None = None,
     *,
     check: bool = True,
+    host_slots: torch.Tensor | None = None,
 ) -> MovePlan:
     """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
     layers = range(layout.num_layers) if layers is None else layers
     span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
     skips = span_skips(skip_prefix, span_list)
     return _plan(
-        kv_caches, layout, slot_mapping, span_list, objects, layers, skips, scatter=True, check=check
+        kv_caches,
+        layout,
+        slot_mapping,
+        span_list,
+        objects,
+        layers,
+        skips,
+        scatter=True,
+        check=check,
+        host_slots=host_slots,
     )
 
 
@@ -837,9 +907,19 @@ def gather(
     out: Sequence[torch.Tensor],
     layers: range | None = None,
     cfg: TileConfig = DEFAULT_CONFIG,
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
-    """One-launch gather into device objects (same contract as ``reference.gather``)."""
-    plan = plan_gather(kv_caches, layout, slot_mapping, spans, out, layers)
+    """One-launch gather into device objects (same contract as ``reference.gather``).
+
+    ``host_slots``: a CPU copy of a device ``slot_mapping`` (engines have one), checked on the host instead
+    of by device reductions. ``trusted``: the caller vouches that every slot is in ``[0, slots)``, no check
+    runs (the kernel still never touches a bad slot: its rows are left as they were).
+    """
+    plan = plan_gather(
+        kv_caches, layout, slot_mapping, spans, out, layers, check=not trusted, host_slots=host_slots
+    )
     plan.launch(cfg)
     plan.finish()
 
@@ -853,9 +933,23 @@ def scatter(
     skip_prefix: int | Sequence[int] = 0,
     layers: range | None = None,
     cfg: TileConfig = DEFAULT_CONFIG,
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> int:
-    """One-launch scatter from device objects; returns the tokens written per layer (reference contract)."""
-    plan = plan_scatter(objects, kv_caches, layout, slot_mapping, spans, skip_prefix, layers)
+    """One-launch scatter from device objects; returns the tokens written per layer (reference contract).
+    ``trusted`` / ``host_slots`` as in ``gather`` (trusted: every token past the skips counts as written)."""
+    plan = plan_scatter(
+        objects,
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        skip_prefix,
+        layers,
+        check=not trusted,
+        host_slots=host_slots,
+    )
     plan.launch(cfg)
     return plan.finish()
 
@@ -863,6 +957,8 @@ def scatter(
 # --------------------------------------------------------------------------------------------- fp8
 
 FP8_ONE_PASS_ELEMS = 16384  # largest [tokens, channels] tile kept in registers by one program
+FP8_BLOCK_D = 64  # channels per program: 64 x 8 warps was the fastest bit-exact kernel on the H200 A/B
+FP8_NUM_WARPS = 8  # (1174 GB/s of bf16 input alone, vs 921 for 32 x 4 and 894-945 for 128 channels)
 
 
 def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
@@ -876,7 +972,37 @@ def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
     return 4 * (elements // tokens) + elements
 
 
-def gather_fp8(
+@dataclass
+class Fp8Plan:
+    """One fused-fp8 launch, ready to go (``plan_fp8``): ``launch()`` is the kernel alone (no host work but
+    the launch); ``finish()`` reads the slot checks and, if asked, checks the scales for non-finite input."""
+
+    launch_fn: Any
+    checks: SlotCheck | None
+    n_slots: int
+    layout: PagedLayout
+    span_list: list[tuple[int, int]]
+    out: Sequence[torch.Tensor]
+
+    def launch(self) -> None:
+        self.launch_fn()
+
+    def finish(self, check_finite: bool = True) -> None:
+        if self.checks is not None:
+            self.checks.check(self.n_slots, scatter=False)
+        if not check_finite:
+            return
+        lay = self.layout
+        scales = [
+            o[: fp8_payload_nbytes(lay, e - s) - _elements(lay, e - s)].view(torch.float32)
+            for (s, e), o in zip(self.span_list, self.out, strict=True)
+            if e > s
+        ]
+        if scales and not bool(torch.isfinite(torch.cat(scales)).all()):
+            raise ValueError("fp8 gather needs finite input (found NaN or inf)")
+
+
+def plan_fp8(
     kv_caches: KVCaches,
     layout: PagedLayout,
     slot_mapping: torch.Tensor,
@@ -884,20 +1010,14 @@ def gather_fp8(
     out: Sequence[torch.Tensor],
     *,
     block_t: int = 0,
-    block_d: int = 32,
-    num_warps: int = 4,
-    check: bool = True,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    one_pass_elems: int = FP8_ONE_PASS_ELEMS,
     soft_convert: bool | None = None,
-) -> None:
-    """Fused gather + fp8 quantize: ``out[i]`` (uint8, ``fp8_payload_nbytes`` bytes, on the KV device)
-    receives exactly the ``Fp8Codec("channel")`` payload of span i (see the module doc).
-
-    ``block_t`` 0 (default) loads each (span, layer, plane, channel block) tile once, whole, when it has at
-    most ``FP8_ONE_PASS_ELEMS`` elements (else 32 tokens at a time, in two passes); ``block_t`` >= the
-    longest span is one pass too. ``ValueError`` for slots < 0 or out of range and, when ``check``, for
-    non-finite input (one more sync). ``soft_convert`` rounds to e4m3 with integer ops instead of the
-    hardware conversion (default: only under the interpreter); both give the codec's bytes.
-    """
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+) -> Fp8Plan:
+    """Validate a fused fp8 gather (``gather_fp8``) and return its launch (slot checks queued)."""
     if layout.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"fp8 gather encodes bfloat16, float16 or float32 KV, not {layout.dtype}")
     layers = range(layout.num_layers)
@@ -913,9 +1033,14 @@ def gather_fp8(
     rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
     max_tok = max((r[1] for r in rows), default=0)
     if max_tok == 0:
-        return
+        return Fp8Plan(lambda: None, None, geo.n_slots, layout, span_list, out)
     slots = _device_slots(slot_mapping, geo.device)
-    checks = SlotCheck(slot_mapping, slots, span_list, [0] * len(span_list), count=False)
+    hs = _host_slots(slot_mapping, host_slots)
+    checks = (
+        None
+        if trusted
+        else SlotCheck(slot_mapping, slots, span_list, [0] * len(span_list), count=False, host_slots=hs)
+    )
     table = _device_ints(rows, geo.device)
     es = geo.es
     scale = geo.word // es  # element (not word) offsets: the fp8 kernel reads real values
@@ -924,7 +1049,7 @@ def gather_fp8(
     ndc = -(-d // bd)
     if block_t <= 0:
         bt = triton_next_pow2(max_tok)
-        if bt * bd > FP8_ONE_PASS_ELEMS:
+        if bt * bd > one_pass_elems:
             bt = 32
     else:
         bt = block_t
@@ -932,41 +1057,84 @@ def gather_fp8(
     k = _kernels()
     kv0 = layer_tensors(kv_caches)[0]
     grid = (len(rows), len(layers) * layout.planes, layout.num_kv_heads * ndc)
-    with torch.cuda.device(geo.device) if geo.device.type == "cuda" else _null():
-        k.fp8[grid](
-            _alias(kv0, kv0.dtype),
-            out[0],
-            _layer_offsets(geo, scale),
-            table,
-            slots,
-            geo.s_plane * scale,
-            geo.s_blk * scale,
-            geo.s_off * scale,
-            geo.s_head * scale,
-            len(layers),
-            layout.num_kv_heads,
-            geo.n_slots,
-            BS=layout.block_size,
-            P=layout.planes,
-            D=d,
-            BLOCK_T=bt,
-            BLOCK_D=bd,
-            NDC=ndc,
-            SOFT_CVT=_interpret() if soft_convert is None else soft_convert,
-            VEC=vec if d % vec == 0 and bd % vec == 0 else 1,
-            OVEC=16 if all(o.data_ptr() % 16 == 0 for o in out) else 1,
-            ONE_PASS=bt >= max_tok,
-            num_warps=num_warps,
-        )
-    checks.check(geo.n_slots, scatter=False)
-    if check:
-        finite = [
-            o[: 4 * (fp8_payload_nbytes(layout, e - s) - _elements(layout, e - s)) // 4].view(torch.float32)
-            for (s, e), o in zip(span_list, out, strict=True)
-            if e > s
-        ]
-        if not bool(torch.isfinite(torch.cat(finite)).all()):
-            raise ValueError("fp8 gather needs finite input (found NaN or inf)")
+    args = (
+        _alias(kv0, kv0.dtype),
+        out[0],
+        _layer_offsets(geo, scale),
+        table,
+        slots,
+        geo.s_plane * scale,
+        geo.s_blk * scale,
+        geo.s_off * scale,
+        geo.s_head * scale,
+        len(layers),
+        layout.num_kv_heads,
+        geo.n_slots,
+    )
+    meta = {
+        "BS": layout.block_size,
+        "P": layout.planes,
+        "D": d,
+        "BLOCK_T": bt,
+        "BLOCK_D": bd,
+        "NDC": ndc,
+        "SOFT_CVT": _interpret() if soft_convert is None else soft_convert,
+        "VEC": vec if d % vec == 0 and bd % vec == 0 else 1,
+        "OVEC": 16 if all(o.data_ptr() % 16 == 0 for o in out) else 1,
+        "ONE_PASS": bt >= max_tok,
+        "num_warps": num_warps,
+    }
+    device = geo.device
+
+    def launch() -> None:
+        with torch.cuda.device(device) if device.type == "cuda" else _null():
+            k.fp8[grid](*args, **meta)
+
+    return Fp8Plan(launch, checks, geo.n_slots, layout, span_list, out)
+
+
+def gather_fp8(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: Sequence[torch.Tensor],
+    *,
+    block_t: int = 0,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    one_pass_elems: int = FP8_ONE_PASS_ELEMS,
+    check: bool = True,
+    soft_convert: bool | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+) -> None:
+    """Fused gather + fp8 quantize: ``out[i]`` (uint8, ``fp8_payload_nbytes`` bytes, on the KV device)
+    receives exactly the ``Fp8Codec("channel")`` payload of span i (see the module doc).
+
+    ``block_t`` 0 (default) loads each (span, layer, plane, channel block) tile once, whole, when it has at
+    most ``one_pass_elems`` elements (else 32 tokens at a time, in two passes); ``block_t`` >= the longest
+    span is one pass too. ``ValueError`` for slots < 0 or out of range (unless ``trusted``; on the host with
+    ``host_slots``, a CPU copy of the mapping) and, when ``check``, for non-finite input (one more sync).
+    ``soft_convert`` rounds to e4m3 with integer ops instead of the hardware conversion (default: only under
+    the interpreter); both give the codec's bytes.
+    """
+    plan = plan_fp8(
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        out,
+        block_t=block_t,
+        block_d=block_d,
+        num_warps=num_warps,
+        one_pass_elems=one_pass_elems,
+        soft_convert=soft_convert,
+        trusted=trusted,
+        host_slots=host_slots,
+    )
+    plan.launch()
+    plan.finish(check)
 
 
 def _elements(layout: PagedLayout, tokens: int) -> int:

@@ -118,8 +118,9 @@ def test_kernels_match_reference(kind: LayoutKind, strided: bool, dtype: torch.d
         assert torch.equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("coalesce", [False, True], ids=["per-object", "coalesced"])
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
-def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool) -> None:
+def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: bool) -> None:
     """CUDA KV <-> L1 objects (pinned pool views) through the staged pipeline, small staging (many groups)."""
     n = 1000
     spans = spans_of(n, 128)
@@ -131,8 +132,10 @@ def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool) -> None:
     assert len(outs) == len(spans)
     for o in outs:
         bits(o).fill_(-1)
-    old = transfer.transfer_for(DEV).staging_bytes
-    transfer.transfer_for(DEV).staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
+    xfer = transfer.transfer_for(DEV)
+    old, old_co = xfer.staging_bytes, xfer.coalesce
+    xfer.staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
+    xfer.coalesce = coalesce
     try:
         dispatch.gather(kv, layout, slots, spans, outs)
         want = [poisoned(o.shape, o.dtype, torch.device("cpu")) for o in outs]
@@ -154,8 +157,18 @@ def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool) -> None:
         dispatch.gather_layer(2, kv, layout, slots, [(128, 256)], [one])
         reference.gather_layer(2, kv, layout, slots, [(128, 256)], [ref1])
         assert torch.equal(bits(one), bits(ref1))
+        # host-checked and trusted moves through the pipeline
+        for kw in ({"host_slots": slots.cpu()}, {"trusted": True}):
+            for o in outs:
+                bits(o).fill_(-1)
+            dispatch.gather(kv, layout, slots, spans, outs, **kw)  # type: ignore[arg-type]
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, outs, strict=True))
+        bad = slots.cpu()
+        bad[5] = -1
+        with pytest.raises(ValueError, match="slots < 0"):
+            dispatch.gather(kv, layout, slots, spans, outs, host_slots=bad)
     finally:
-        transfer.transfer_for(DEV).staging_bytes = old
+        xfer.staging_bytes, xfer.coalesce = old, old_co
 
 
 def test_gather_errors_and_fallback() -> None:
