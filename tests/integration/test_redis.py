@@ -139,9 +139,13 @@ async def test_maxmemory_eviction_gives_misses(redis_factory: Callable[..., Any]
         got = await adapter.batched_get(keys)
         assert not all(present), "40 MiB cannot fit in 8 MB"
         assert present[-1]
+        # Over maxmemory Redis evicts while serving any command, reads included, so a key that EXISTS reported
+        # may be gone by its GET: what must hold is that a read is the stored value or a miss, never an error
+        # or another value, and that nothing evicted comes back.
         for g, v, p in zip(got, values, present, strict=True):
             assert g is None or g == v
-            assert (g is not None) == p
+            assert p or g is None
+        assert any(g is None for g in got)
 
 
 async def test_noeviction_refusal_is_a_failed_put(redis_factory: Callable[..., Any]) -> None:
