@@ -81,6 +81,33 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - started
 
 
+async def _compare_modes(
+    puts: dict[str, Callable[[], Awaitable[Any]]],
+    gets: dict[str, Callable[[], Awaitable[Any]]],
+    rounds: int,
+    batch_bytes: int,
+) -> dict[str, Any]:
+    """Time every put/get mode (raw client modes and ``adapter``) in alternating rounds; GB/s and the
+    adapter's ratio to the best raw mode of each direction."""
+    total = {f"put_{m}": 0.0 for m in puts} | {f"get_{m}": 0.0 for m in gets}
+    for _ in range(rounds):
+        for m, fn in puts.items():
+            total[f"put_{m}"] += await _timed(fn)
+        for m, fn in gets.items():
+            total[f"get_{m}"] += await _timed(fn)
+    gbps = {k: round(rounds * batch_bytes / t / GB, 3) for k, t in total.items()}
+    best_put = max((k for k in gbps if k.startswith("put_raw")), key=gbps.__getitem__)
+    best_get = max((k for k in gbps if k.startswith("get_raw")), key=gbps.__getitem__)
+    return {
+        "rounds": rounds,
+        "GBps": gbps,
+        "best_raw_put": best_put,
+        "best_raw_get": best_get,
+        "put_ratio_adapter_vs_best_raw": round(gbps["put_adapter"] / gbps[best_put], 3),
+        "get_ratio_adapter_vs_best_raw": round(gbps["get_adapter"] / gbps[best_get], 3),
+    }
+
+
 async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dict[str, Any]:
     """Adapter vs every raw mode for one frame size."""
     size = size_mib * MiB
@@ -138,26 +165,9 @@ async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dic
         "raw_mget": mget,
         "adapter": a_get,
     }
-    total = {f"put_{m}": 0.0 for m in puts} | {f"get_{m}": 0.0 for m in gets}
     await a_put()  # warm up: server memory, connections
-    for _ in range(rounds):
-        for m, fn in puts.items():
-            total[f"put_{m}"] += await _timed(fn)
-        for m, fn in gets.items():
-            total[f"get_{m}"] += await _timed(fn)
-    moved = rounds * n * size
-    gbps = {k: round(moved / t / GB, 3) for k, t in total.items()}
-    best_put = max((k for k in gbps if k.startswith("put_raw")), key=gbps.__getitem__)
-    best_get = max((k for k in gbps if k.startswith("get_raw")), key=gbps.__getitem__)
-    result = {
-        "objects_per_batch": n,
-        "rounds": rounds,
-        "GBps": gbps,
-        "best_raw_put": best_put,
-        "best_raw_get": best_get,
-        "put_ratio_adapter_vs_best_raw": round(gbps["put_adapter"] / gbps[best_put], 3),
-        "get_ratio_adapter_vs_best_raw": round(gbps["get_adapter"] / gbps[best_get], 3),
-    }
+    result = await _compare_modes(puts, gets, rounds, n * size)
+    result["objects_per_batch"] = n
     await raw.delete(*keys)
     return result
 
@@ -391,27 +401,10 @@ async def _mooncake_size(
         "raw_batch_get_into": thread(r_get_into),
         "adapter": a_get,
     }
-    total = {f"put_{m}": 0.0 for m in puts} | {f"get_{m}": 0.0 for m in gets}
     for fn in puts.values():  # warm up: first touch of segment pages
         await fn()
-    for _ in range(rounds):
-        for m, fn in puts.items():
-            total[f"put_{m}"] += await _timed(fn)
-        for m, fn in gets.items():
-            total[f"get_{m}"] += await _timed(fn)
-    moved = rounds * n * size
-    gbps = {k: round(moved / t / GB, 3) for k, t in total.items()}
-    best_put = max((k for k in gbps if k.startswith("put_raw")), key=gbps.__getitem__)
-    best_get = max((k for k in gbps if k.startswith("get_raw")), key=gbps.__getitem__)
-    result = {
-        "objects_per_batch": n,
-        "rounds": rounds,
-        "GBps": gbps,
-        "best_raw_put": best_put,
-        "best_raw_get": best_get,
-        "put_ratio_adapter_vs_best_raw": round(gbps["put_adapter"] / gbps[best_put], 3),
-        "get_ratio_adapter_vs_best_raw": round(gbps["get_adapter"] / gbps[best_get], 3),
-    }
+    result = await _compare_modes(puts, gets, rounds, n * size)
+    result["objects_per_batch"] = n
     raw.batch_remove(rkeys + akeys, True)
     return result
 
