@@ -169,6 +169,9 @@ def _build() -> Any:
             x = tl.load(paged, mask=mask)
             tl.store(obj, x, mask=mask)
 
+    # The e4m3 conversion below is written out in both fp8 passes on purpose: Triton resolves a called @jit
+    # function through the module's globals, and these kernels are built per interpret mode inside _build, so
+    # a shared helper here would be invisible to them (and a module-level one would mix the two modes).
     @triton.jit
     def _fp8_kernel(
         kv_ptr,
