@@ -5,11 +5,15 @@ Prints one JSON document on stdout (a table on stderr). Shape: Llama-3-8B (32 la
 ``[NB, H, BS, 2D]`` view), a shuffled block table. Payload = bytes of the gathered objects (512 MiB).
 
 Measured: device-to-device copy (ceiling), torch ``index_select`` per layer and plane (the anchor baseline)
-and the project's torch reference, the one-launch kernel (launch only, and the whole ``gather`` call with its
-validation), the same for scatter; pinned D2H/H2D copies (ceiling) and store/retrieve through L1 objects
-(``L1Cache(pinned=True)``) via the staged pipeline; the fused fp8 gather (GB/s of bf16 input) against the
-unfused torch quantize. Times are CUDA-event medians after warm-up (wall clock, synchronized, for the
-pipeline calls, which synchronize themselves). Usage: ``python benchmarks/gpu_bench.py > out.json``.
+and the project's torch reference, the one-launch kernel (a tile sweep) and the whole ``gather`` call with
+its slot checks, the same for scatter; pinned D2H/H2D copies (ceiling) and store/retrieve through L1 objects
+(``L1Cache(pinned=True)``) via the staged pipeline; the fused fp8 gather (GB/s of bf16 input; kernel sweep
+and whole call with slot and finite checks) against the unfused torch quantize.
+
+Timing: ceilings, baselines and kernels are GPU time (CUDA-event medians after warm-up, a GPU sleep queued
+before each run so the launch latency is not counted, for all of them alike); whole calls and the pipeline
+are wall-clock medians from an idle, synchronized device (host work included).
+Usage: ``python benchmarks/gpu_bench.py > out.json``.
 """
 
 from __future__ import annotations
@@ -37,14 +41,20 @@ def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+SLEEP_CYCLES = 2_000_000  # about 1 ms of GPU sleep queued before each timed run
+
+
 def cuda_time(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` by CUDA events."""
+    """Median GPU seconds of ``fn`` by CUDA events. A GPU sleep is queued first, so the host has queued
+    ``fn``'s work before the start event fires: this times the device work, not the launch latency (the
+    ceilings are timed the same way; whole calls are timed by ``wall_time``)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         a.record()
         fn()
         b.record()
@@ -54,6 +64,7 @@ def cuda_time(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> floa
 
 
 def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn`` from an idle, synchronized device to its end (host work included)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -129,6 +140,30 @@ def index_copy_baseline(
     return run
 
 
+def per_layer_gather(raw: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """The anchor's torch baseline as a user writes it: per layer one ``index_select`` of whole token rows
+    of the NHD allocation, then one copy into the object's K and V planes."""
+    dst = out.view(2, L, T, H, D)
+
+    def run() -> None:
+        for layer in range(L):
+            rows = torch.index_select(raw[layer].view(NB * BS, H, 2, D), 0, slots)  # [T, H, 2, D]
+            dst[:, layer].copy_(rows.permute(2, 0, 1, 3))
+
+    return run
+
+
+def per_layer_scatter(raw: list[torch.Tensor], slots: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    """The anchor's scatter: per layer one ``index_copy_`` of whole token rows from the object's planes."""
+    planes = src.view(2, L, T, H, D)
+
+    def run() -> None:
+        for layer in range(L):
+            raw[layer].view(NB * BS, H, 2, D).index_copy_(0, slots, planes[:, layer].permute(1, 2, 0, 3))
+
+    return run
+
+
 def main() -> None:
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -163,10 +198,11 @@ def main() -> None:
     reference.gather(kv, layout, slots, sp, want)
     whole = torch.empty(object_spec(layout, T).shape, dtype=torch.bfloat16, device=DEV)
     t_base = cuda_time(index_select_baseline(raw, slots, whole))
+    t_layer = cuda_time(per_layer_gather(raw, slots, whole))
     t_ref = cuda_time(lambda: reference.gather(kv, layout, slots, sp, objs), reps=10)
-    configs = [tk.TileConfig(tb, 0, nw) for tb in (8192, 16384, 32768) for nw in (4, 8)]
+    configs = [tk.TileConfig(tb, 0, nw) for tb in (4096, 8192, 16384, 32768) for nw in (4, 8)]
     sweep = {}
-    plan = tk.plan_gather(kv, layout, slots, sp, objs)
+    plan = tk.plan_gather(kv, layout, slots, sp, objs, check=False)
     for cfg in configs:
         for o in objs:
             bits(o).fill_(-1)
@@ -176,15 +212,17 @@ def main() -> None:
         sweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {"GBps": payload / tc / GB, "bit_exact": ok}
     best_name, best = max(sweep.items(), key=lambda kv_: kv_[1]["GBps"])
     best_cfg = configs[list(sweep).index(best_name)]
-    t_call = cuda_time(lambda: tk.gather(kv, layout, slots, sp, objs, cfg=best_cfg))
+    t_call = wall_time(lambda: tk.gather(kv, layout, slots, sp, objs, cfg=best_cfg), reps=20)
     res["gather"] = {
         "torch_index_select_baseline_GBps": payload / t_base / GB,
+        "torch_per_layer_baseline_GBps": payload / t_layer / GB,
         "torch_reference_GBps": payload / t_ref / GB,
         "kernel_GBps": best["GBps"],
         "kernel_config": best_name,
-        "kernel_call_with_validation_GBps": payload / t_call / GB,
+        "call_wall_with_checks_GBps": payload / t_call / GB,
         "kernel_vs_ceiling": best["GBps"] / res["device_copy_ceiling_GBps"],
         "kernel_vs_index_select": best["GBps"] / (payload / t_base / GB),
+        "kernel_vs_torch_per_layer": best["GBps"] * t_layer / payload * GB,
         "bit_exact": all(v["bit_exact"] for v in sweep.values()),
         "sweep": sweep,
     }
@@ -193,8 +231,9 @@ def main() -> None:
     # ---- scatter (into a second engine's KV, no skips)
     _, kv2, slots2, raw2 = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=2)
     t_base_s = cuda_time(index_copy_baseline(raw2, slots2, whole))
+    t_layer_s = cuda_time(per_layer_scatter(raw2, slots2, whole))
     t_ref_s = cuda_time(lambda: reference.scatter(objs, kv2, layout, slots2, sp), reps=10)
-    splan = tk.plan_scatter(objs, kv2, layout, slots2, sp)
+    splan = tk.plan_scatter(objs, kv2, layout, slots2, sp, check=False)
     ssweep = {}
     for cfg in configs:
         ssweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {
@@ -202,17 +241,19 @@ def main() -> None:
         }
     sbest_name, sbest = max(ssweep.items(), key=lambda kv_: kv_[1]["GBps"])
     sbest_cfg = configs[list(ssweep).index(sbest_name)]
-    t_scall = cuda_time(lambda: tk.scatter(objs, kv2, layout, slots2, sp, cfg=sbest_cfg))
+    t_scall = wall_time(lambda: tk.scatter(objs, kv2, layout, slots2, sp, cfg=sbest_cfg), reps=20)
     back = [torch.empty_like(o) for o in objs]
     reference.gather(kv2, layout, slots2, sp, back)
     res["scatter"] = {
         "torch_index_copy_baseline_GBps": payload / t_base_s / GB,
+        "torch_per_layer_baseline_GBps": payload / t_layer_s / GB,
         "torch_reference_GBps": payload / t_ref_s / GB,
         "kernel_GBps": sbest["GBps"],
         "kernel_config": sbest_name,
-        "kernel_call_with_validation_GBps": payload / t_scall / GB,
+        "call_wall_with_checks_GBps": payload / t_scall / GB,
         "kernel_vs_ceiling": sbest["GBps"] / res["device_copy_ceiling_GBps"],
         "kernel_vs_index_copy": sbest["GBps"] / (payload / t_base_s / GB),
+        "kernel_vs_torch_per_layer": sbest["GBps"] * t_layer_s / payload * GB,
         "round_trip_bit_exact": all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True)),
         "sweep": ssweep,
     }
@@ -231,8 +272,8 @@ def main() -> None:
     outs = [o.tensor() for o in l1_objs if o is not None]
     pipe: dict[str, Any] = {"pinned_D2H_ceiling_GBps": d2h, "pinned_H2D_ceiling_GBps": h2d, "staging": {}}
     xfer = tr.transfer_for(DEV)
-    for staging in (32 << 20, 64 << 20, 128 << 20):
-        xfer.staging_bytes = staging
+    for staging, co in ((s, c) for s in (32 << 20, 64 << 20, 128 << 20) for c in (False, True)):
+        xfer.staging_bytes, xfer.coalesce = staging, co
         xfer.buffers = [None, None]
         ts = wall_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs))
         ok = all(torch.equal(bits(x.cpu()), bits(y)) for x, y in zip(want, outs, strict=True))
@@ -241,7 +282,7 @@ def main() -> None:
         back = [torch.empty_like(o) for o in objs]
         reference.gather(kv3, layout, slots3, sp, back)
         ok2 = all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True))
-        pipe["staging"][f"{staging >> 20}MiB"] = {
+        pipe["staging"][f"{staging >> 20}MiB{'_coalesced' if co else ''}"] = {
             "store_GBps": payload / ts / GB,
             "retrieve_GBps": payload / tl_ / GB,
             "store_bit_exact": ok,
@@ -260,25 +301,23 @@ def main() -> None:
             o.copy_(w)
 
     pipe["naive_gather_then_copy_GBps"] = payload / wall_time(naive) / GB
-    xfer.staging_bytes = tr.DEFAULT_STAGING_BYTES
+    xfer.staging_bytes, xfer.coalesce = tr.DEFAULT_STAGING_BYTES, tr.DEFAULT_COALESCE
     res["gpu_l1"] = pipe
     log("gpu<->L1", json.dumps({k: v for k, v in pipe.items() if k != "staging"}))
 
-    # ---- fused fp8 gather
+    # ---- fused fp8 gather: kernel sweep (trusted plans, GPU time), then the whole call (wall, with checks)
     fouts = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8, device=DEV) for s, e in sp]
     fsweep: dict[str, float] = {}
     fexact: dict[str, bool] = {}
     first_bytes: list[torch.Tensor] | None = None
-    fcfgs = [(0, bd, nw) for bd in (16, 32, 64) for nw in (4, 8)] + [(0, 128, 8), (0, 128, 16)]
-    fcfgs.append((32, 128, 4))  # last: the old two-pass
+    fcfgs = [(0, bd, nw, fast) for bd in (32, 64, 128) for nw in (4, 8) for fast in (True, False)]
+    fcfgs += [(0, 128, 16, True), (32, 128, 4, True), (32, 128, 4, False)]  # last two: two-pass
 
     def ope(bd: int) -> int:  # a [256 tokens, 128 channels] tile stays one pass
         return max(tk.FP8_ONE_PASS_ELEMS, CHUNK * bd)
 
-    for bt, bd, nw in fcfgs:
-        for o in fouts:
-            o.fill_(255)
-        tk.gather_fp8(
+    def fplan_of(bt: int, bd: int, nw: int, fast: bool, **kw: Any) -> tk.Fp8Plan:
+        return tk.plan_fp8(
             kv,
             layout,
             slots,
@@ -287,48 +326,34 @@ def main() -> None:
             block_t=bt,
             block_d=bd,
             num_warps=nw,
-            check=False,
             one_pass_elems=ope(bd),
+            channels_fast=fast,
+            **kw,
         )
+
+    for bt, bd, nw, fast in fcfgs:
+        for o in fouts:
+            o.fill_(255)
+        fp = fplan_of(bt, bd, nw, fast, trusted=True, check_finite=False)
+        fp.launch()
         if first_bytes is None:
             first_bytes = [o.clone() for o in fouts]
-        name = f"onepass_bd{bd}_w{nw}" if bt == 0 else f"twopass_bt{bt}_bd{bd}_w{nw}"
+        name = f"{'onepass' if bt == 0 else f'twopass_bt{bt}'}_bd{bd}_w{nw}{'_chfast' if fast else ''}"
         fexact[name] = all(torch.equal(a, b) for a, b in zip(first_bytes, fouts, strict=True))
-        tf = cuda_time(
-            lambda bt=bt, bd=bd, nw=nw: tk.gather_fp8(
-                kv,
-                layout,
-                slots,
-                sp,
-                fouts,
-                block_t=bt,
-                block_d=bd,
-                num_warps=nw,
-                check=False,
-                one_pass_elems=ope(bd),
-            )
-        )
-        fsweep[name] = payload / tf / GB
+        fsweep[name] = payload / cuda_time(fp.launch) / GB
     fbest = max(fsweep, key=fsweep.__getitem__)
-    bt, bd, nw = next(c for c, n in zip(fcfgs, fsweep, strict=True) if n == fbest)
-    t_fcall = cuda_time(
-        lambda: tk.gather_fp8(
-            kv, layout, slots, sp, fouts, block_t=bt, block_d=bd, num_warps=nw, one_pass_elems=ope(bd)
-        )
-    )
-    fplan = tk.plan_fp8(
-        kv,
-        layout,
-        slots,
-        sp,
-        fouts,
-        block_t=bt,
-        block_d=bd,
-        num_warps=nw,
-        one_pass_elems=ope(bd),
-        trusted=True,
-    )
-    t_fkernel = cuda_time(fplan.launch)
+    bt, bd, nw, fast = next(c for c, n in zip(fcfgs, fsweep, strict=True) if n == fbest)
+
+    def fcall(**kw: Any) -> Callable[[], None]:
+        def run() -> None:
+            fp = fplan_of(bt, bd, nw, fast, **kw)
+            fp.launch()
+            fp.finish()
+
+        return run
+
+    t_fcall = wall_time(fcall(), reps=20)
+    t_fcall_slots = wall_time(fcall(check_finite=False), reps=20)
     # unfused torch: gathered object -> per-channel absmax -> scale -> quantize (the codec's math, on GPU)
 
     def unfused() -> None:
@@ -357,15 +382,14 @@ def main() -> None:
         )  # type: ignore[arg-type]
         err_max = max(err_max, float((dec.float() - host_obj.float()).norm() / host_obj.float().norm()))
     res["fp8_gather"] = {
-        "input_bf16_GBps": fsweep[fbest],
+        "kernel_GBps": fsweep[fbest],
         "config": fbest,
-        "kernel_only_GBps": payload / t_fkernel / GB,
-        "call_with_checks_GBps": payload / t_fcall / GB,
+        "call_wall_with_checks_GBps": payload / t_fcall / GB,
+        "call_wall_slot_checks_only_GBps": payload / t_fcall_slots / GB,
         "torch_unfused_quantize_only_GBps": payload / t_unf / GB,
         "bytes_equal_fp8_codec": exact,
         "all_configs_same_bytes": all(fexact.values()),
-        "two_pass_GBps": fsweep["twopass_bt32_bd128_w4"],
-        "note": "sweep figures time the whole call without the finite check (host work included)",
+        "note": "GB/s of bf16 input; kernels: GPU time; calls: wall time with slot and finite checks",
         "relative_error": err_max,
         "sweep": fsweep,
     }
@@ -381,7 +405,7 @@ def main() -> None:
         ob = [torch.empty(object_spec(lay, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
         wx = [torch.empty_like(o) for o in ob]
         reference.gather(kvx, lay, sl, sp, wx)
-        px = tk.plan_gather(kvx, lay, sl, sp, ob)
+        px = tk.plan_gather(kvx, lay, sl, sp, ob, check=False)
         px.launch(best_cfg)
         okx = all(torch.equal(bits(x), bits(y)) for x, y in zip(ob, wx, strict=True))
         nbytes = object_spec(lay, T).nbytes

@@ -10,9 +10,10 @@ one scatter launch per group on the current stream.
 
 Both return after the host memory is no longer touched (the side stream is synchronized): the caller may
 release its L1 leases at once. A retrieve's scatter kernels stay queued on the current stream, ordered
-before whatever the caller launches next there. Validation (slot ranges, shapes) happens once, up front,
-before any launch, so an error never leaves a half-done move; ``triton_kernels.Unsupported`` means "use
-the reference".
+before whatever the caller launches next there. Shapes and spans are validated once, up front, before any
+launch; the slot checks are queued after the first group (the kernels never touch a bad slot, so a bad
+slot is reported at the end and nothing was written for it); ``triton_kernels.Unsupported`` means "use the
+reference".
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class Transfer:
                     for h, v in self._copies(b, [host_outs[i] for i in idx], views):
                         h.copy_(v, non_blocking=True)
                 self.free[b].record(self.stream)
+                mv.queue_checks()  # after the first group: the copy engine is already busy
             self.stream.synchronize()
         mv.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
 
@@ -228,6 +230,7 @@ class Transfer:
                 cur.wait_event(self.ready[b])
                 mv.plan(idx, views).launch(cfg)
                 self.free[b].record(cur)
+                mv.queue_checks()
             self.stream.synchronize()  # host memory is no longer read: leases may be released
         return mv.finish()
 

@@ -13,20 +13,28 @@ element is ``layer_base[l] + p*s_plane + block*s_blk + offset*s_off + head*s_hea
 are word offsets from layer 0 in an int64 tensor (one launch for all layers); objects are contiguous
 ``[P, L, T, H*D]`` (KV_2LTD, P = 2) or ``[L, T, D]`` (KV_MLA, P = 1) and addressed as word offsets from object
 0, one row of a small int64 span table per span. The word is the widest integer (8, 4, 2 or 1 bytes) that
-divides head_dim's bytes, every stride and every base offset. Grid: (spans x token tiles, layers x planes,
-heads x head_dim chunks); each program moves a ``[BLOCK_T, BLOCK_D]`` tile whose rows are contiguous
-head_dim runs, 16-byte aligned when the alignment hints (checked on the host) allow vector loads.
+divides head_dim's bytes, every stride and every base offset. Grid: (spans x token tiles, layers, head chunks
+x head_dim chunks); each program moves a ``[BLOCK_T, HB, BLOCK_D]`` tile (tokens, heads, words) of every
+plane in turn, so K and V of a token, which share one paged row in vLLM's NHD allocation, are read back to
+back and neighbouring programs read neighbouring token rows; 16-byte vector loads where the alignment hints
+(checked on the host) allow. The H200 A/B (``benchmarks/gpu_ab.py``) put this at 1995 GB/s against 1956
+for the earlier one-head-row-per-program tiling, 94 % of the device-copy ceiling.
+
+Slot checks run on the device as one small kernel (one program per span) queued right after the move, its
+per-span counts copied to pinned memory behind an event (``SlotCheck``); a CPU slot mapping is checked on the
+host. The moves never touch a bad slot, so a late report loses nothing.
 
 The fused fp8 gather (``gather_fp8``) writes, per span, exactly the payload of ``Fp8Codec("channel")``:
 float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**-126)``) then e4m3 bytes
 ``[P*L, T, H*D]`` (``x / scale`` rounded to nearest even, clamped to +-448), so ``Fp8Codec.decode_into``
 accepts it as is. Each program owns one (span, layer, plane, channel block) tile: when the tile fits
 (``FP8_ONE_PASS_ELEMS``) it is loaded once and kept in registers for the absmax and the quantize; longer spans
-fall back to two passes of 32 tokens (the second read mostly hits L2).
+fall back to two passes of 32 tokens (the second read mostly hits L2). Channel blocks vary fastest in the grid
+(programs running together read neighbouring head rows; 1324 vs 1290 GB/s on the H200), and the kernel counts
+non-finite input into its span's status word, so the finite check needs no pass of its own.
 
 Host side: the tensor-free geometry, object shapes, span tables and layer offsets are cached (keyed by the
-layers' pointers/shapes/strides, and by value), and the slot checks are queued without a sync (a CPU slot
-mapping is checked on the host; a device one by a few reductions copied to pinned memory behind an event).
+layers' pointers/shapes/strides, and by value), so a repeated call costs a pass over its spans and layers.
 
 Kernels are compiled lazily (``TRITON_INTERPRET=1`` is read when they are first built, so tests can run them
 on the CPU through Triton's interpreter).
@@ -82,9 +90,9 @@ class TileConfig:
     num_warps: int = 4
 
 
-# best gather tile of the interleaved H200 A/B (benchmarks/gpu_ab.py; every tile 1686-1702 GB/s, within noise;
-# scatter 1538, best 1539)
-DEFAULT_CONFIG = TileConfig(tile_bytes=8192, num_warps=8)
+# best tile of the interleaved H200 A/B (benchmarks/gpu_ab.py, 5 rounds): gather 1995 GB/s, scatter 2005;
+# every other tile 1978-1993 / 1957-1980, within 1 %
+DEFAULT_CONFIG = TileConfig(tile_bytes=4096, num_warps=4)
 _KERNELS: dict[bool, Any] = {}
 
 
@@ -121,19 +129,22 @@ def _build() -> Any:
         s_off,
         s_head,
         num_layers,
-        heads,
         n_slots,
+        H: tl.constexpr,
         BS: tl.constexpr,
         P: tl.constexpr,
         DW: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        HB: tl.constexpr,
         BLOCK_D: tl.constexpr,
         NDC: tl.constexpr,
         VEC: tl.constexpr,
         SCATTER: tl.constexpr,
     ):
+        # one program: BLOCK_T tokens x HB heads x BLOCK_D words of one layer, every plane (K and V read from
+        # the same paged rows back to back, so a token's whole page row is fetched together)
         pid0 = tl.program_id(0)
-        pid1 = tl.program_id(1).to(tl.int64)
+        layer = tl.program_id(1).to(tl.int64)
         pid2 = tl.program_id(2)
         span = pid0 // tiles_per_span
         tile = pid0 % tiles_per_span
@@ -142,32 +153,49 @@ def _build() -> Any:
         n_tok = tl.load(row + 1)
         first = tl.load(row + 2)
         o_off = tl.load(row + 3)
-        layer = pid1 // P
-        plane = pid1 % P
-        head = (pid2 // NDC).to(tl.int64)
-        dc = pid2 % NDC
+        h = (pid2 // NDC) * HB + tl.arange(0, HB).to(tl.int64)
+        d = (pid2 % NDC) * BLOCK_D + tl.arange(0, BLOCK_D)
         t = first + tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         tmask = t < n_tok
         slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
-        tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots are reported by the host, never moved
+        tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots are reported by the checks, never moved
         blk = slot // BS
-        off = slot - blk * BS
-        l_off = tl.load(layer_off_ptr + layer)
-        paged_row = l_off + plane * s_plane + blk * s_blk + off * s_off + head * s_head
-        hdw = heads * DW
-        obj_row = o_off + ((plane * num_layers + layer) * n_tok + t) * hdw + head * DW
-        paged_row = tl.multiple_of(paged_row, VEC)
-        obj_row = tl.multiple_of(obj_row, VEC)
-        d = dc * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = tmask[:, None] & (d < DW)[None, :]
-        paged = kv_ptr + (paged_row[:, None] + d[None, :])
-        obj = obj_ptr + (obj_row[:, None] + d[None, :])
-        if SCATTER:
-            x = tl.load(obj, mask=mask)
-            tl.store(paged, x, mask=mask)
-        else:
-            x = tl.load(paged, mask=mask)
-            tl.store(obj, x, mask=mask)
+        paged_t = tl.load(layer_off_ptr + layer) + blk * s_blk + (slot - blk * BS) * s_off
+        paged_h = tl.multiple_of(h * s_head, VEC)
+        obj_h = tl.multiple_of(h * DW, VEC)
+        mask = tmask[:, None, None] & (h < H)[None, :, None] & (d < DW)[None, None, :]
+        for p in tl.static_range(P):
+            paged_row = tl.multiple_of(paged_t + p * s_plane, VEC)
+            obj_row = tl.multiple_of(o_off + ((p * num_layers + layer) * n_tok + t) * (H * DW), VEC)
+            paged = kv_ptr + (paged_row[:, None, None] + paged_h[None, :, None] + d[None, None, :])
+            obj = obj_ptr + (obj_row[:, None, None] + obj_h[None, :, None] + d[None, None, :])
+            if SCATTER:
+                tl.store(paged, tl.load(obj, mask=mask), mask=mask)
+            else:
+                tl.store(obj, tl.load(paged, mask=mask), mask=mask)
+
+    @triton.jit
+    def _check_kernel(slot_ptr, span_ptr, out_ptr, n_slots, BLOCK: tl.constexpr):
+        # one program per span: words 0-2 of its status row = [slots < 0, slots >= n_slots, slots in range]
+        # over the span's tokens past its skip (word 3 is the fused fp8 kernel's non-finite count)
+        span = tl.program_id(0)
+        row = span_ptr + span * 4
+        s_start = tl.load(row)
+        n_tok = tl.load(row + 1)
+        first = tl.load(row + 2)
+        neg = tl.zeros([BLOCK], dtype=tl.int64)
+        high = tl.zeros([BLOCK], dtype=tl.int64)
+        for t0 in range(0, n_tok, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            m = (t < n_tok) & (t >= first)
+            s = tl.load(slot_ptr + s_start + t, mask=m, other=0).to(tl.int64)
+            neg += (m & (s < 0)).to(tl.int64)
+            high += (m & (s >= n_slots)).to(tl.int64)
+        n_neg = tl.sum(neg, axis=0)
+        n_high = tl.sum(high, axis=0)
+        tl.store(out_ptr + span * 4, n_neg)
+        tl.store(out_ptr + span * 4 + 1, n_high)
+        tl.store(out_ptr + span * 4 + 2, tl.maximum(n_tok - first, 0) - n_neg - n_high)
 
     # The e4m3 conversion below is written out in both fp8 passes on purpose: Triton resolves a called @jit
     # function through the module's globals, and these kernels are built per interpret mode inside _build, so
@@ -179,6 +207,7 @@ def _build() -> Any:
         layer_off_ptr,
         span_ptr,
         slot_ptr,
+        status_ptr,
         s_plane,
         s_blk,
         s_off,
@@ -196,10 +225,17 @@ def _build() -> Any:
         VEC: tl.constexpr,
         OVEC: tl.constexpr,
         ONE_PASS: tl.constexpr,
+        FINITE: tl.constexpr,
+        CH_FAST: tl.constexpr,
     ):
-        span = tl.program_id(0)
-        pid1 = tl.program_id(1).to(tl.int64)
-        pid2 = tl.program_id(2)
+        if CH_FAST:  # channel blocks vary fastest: programs running together read neighbouring head rows
+            pid2 = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            span = tl.program_id(2)
+        else:
+            span = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            pid2 = tl.program_id(2)
         row = span_ptr + span * 4
         s_start = tl.load(row)
         n_tok = tl.load(row + 1)
@@ -227,6 +263,9 @@ def _build() -> Any:
             m = tmask[:, None] & dmask[None, :]
             x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=0)
+            if FINITE:  # count non-finite input into the span's status word 3 (max() would hide a NaN)
+                bad = tl.sum(tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1), axis=0)
+                tl.atomic_add(status_ptr + span * 4 + 3, bad.to(tl.int64), mask=bad > 0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
             tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
             y = tl.math.div_rn(x, scale[None, :])
@@ -256,6 +295,9 @@ def _build() -> Any:
                 m = tmask[:, None] & dmask[None, :]
                 x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+                if FINITE:
+                    bad = tl.sum(tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1), axis=0)
+                    tl.atomic_add(status_ptr + span * 4 + 3, bad.to(tl.int64), mask=bad > 0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
             tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
             for t0 in range(0, n_tok, BLOCK_T):
@@ -286,6 +328,7 @@ def _build() -> Any:
     class K:
         move = _move_kernel
         fp8 = _fp8_kernel
+        check = _check_kernel
 
     return K
 
@@ -362,27 +405,40 @@ def _align_of(ptrs: Sequence[int]) -> int:
 _GEO_CACHE: dict[tuple[Any, ...], _GeoInts] = {}
 
 
-def _geometry(
-    kv_caches: KVCaches, layout: PagedLayout, layers: range, extra_ptrs: Sequence[int]
-) -> _Geometry:
-    """The launch geometry; the integer part is cached by layout, layers and the layers' pointers, shapes
-    and strides (engines keep their KV tensors), so a repeated call costs one pass over the layer list."""
+def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
+    """What the geometry depends on besides alignment: layout, layers and the layers' pointers, shapes and
+    strides (one pass over the layer list; a move computes it once for all its launches)."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
         raise ValueError(f"{len(kv)} KV cache tensors for a layout of {layout.num_layers} layers")
     first = kv[0]
-    align = _align_of(extra_ptrs)
-    key = (
+    return (
         layout,
         layers.start,
         layers.stop,
-        align,
         first.device,
         first.dtype,
         tuple((t.data_ptr(), t.shape, t.stride()) for t in kv),
     )
+
+
+def _geometry(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    layers: range,
+    extra_ptrs: Sequence[int],
+    key: tuple[Any, ...] | None = None,
+) -> _Geometry:
+    """The launch geometry; the integer part is cached by ``_geometry_key`` (engines keep their KV tensors)
+    and the alignment of ``extra_ptrs``."""
+    if key is None:
+        key = _geometry_key(kv_caches, layout, layers)
+    kv = layer_tensors(kv_caches)
+    first = kv[0]
+    align = _align_of(extra_ptrs)
+    key = (*key, align)
     g = _GEO_CACHE.get(key)
     if g is None:
         if len({t.device for t in kv}) != 1 or len({t.dtype for t in kv}) != 1:
@@ -474,9 +530,13 @@ def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[tupl
 def _check_objects(
     objs: Sequence[torch.Tensor], layout: PagedLayout, spans: list[tuple[int, int]], layers: range, what: str
 ) -> None:
+    known: dict[int, tuple[tuple[int, ...], str]] = {}
     for i, ((s, e), obj) in enumerate(zip(spans, objs, strict=True)):
-        shape, dtype = _object_shape(layout, e - s, layers)
-        if tuple(obj.shape) != shape:
+        want = known.get(e - s)
+        if want is None:
+            want = known[e - s] = _object_shape(layout, e - s, layers)
+        shape, dtype = want
+        if obj.shape != shape:
             raise ValueError(f"{what}[{i}] has shape {tuple(obj.shape)}, expected {shape}")
         if str(obj.dtype).removeprefix("torch.") != dtype:
             raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {dtype}")
@@ -488,14 +548,17 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def _tiles(dw: int, word: int, max_tokens: int, cfg: TileConfig) -> tuple[int, int, int]:
-    """(BLOCK_D, NDC, BLOCK_T) for rows of ``dw`` words."""
+def _tiles(dw: int, word: int, heads: int, max_tokens: int, cfg: TileConfig) -> tuple[int, int, int, int]:
+    """(BLOCK_D, NDC, HB, BLOCK_T) for head rows of ``dw`` words: a plane's tile is BLOCK_T tokens x HB
+    heads x BLOCK_D words, about ``cfg.tile_bytes``, as many whole heads of a token as fit."""
     low = dw & -dw  # largest power of two dividing dw
     block_d = min(low, 256) if low == dw or low >= 32 else triton_next_pow2(dw)
     ndc = -(-dw // block_d)
-    block_t = cfg.block_t or _pow2_floor(max(1, cfg.tile_bytes // (block_d * word)))
+    row = block_d * word
+    hb = min(triton_next_pow2(heads), _pow2_floor(max(1, cfg.tile_bytes // row)))
+    block_t = cfg.block_t or _pow2_floor(max(1, cfg.tile_bytes // (hb * row)))
     block_t = max(1, min(block_t, triton_next_pow2(max(1, max_tokens)), 1024))
-    return block_d, ndc, block_t
+    return block_d, ndc, hb, block_t
 
 
 def triton_next_pow2(x: int) -> int:
@@ -508,10 +571,11 @@ def triton_next_pow2(x: int) -> int:
 _TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
-def _device_ints(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """An int64 device tensor of ``values``, cached by value (span tables and layer offsets repeat: the
-    staging buffers, the KV tensors and the chunking stay put); copied from pinned memory, never a sync."""
-    key = (device, tuple(tuple(v) if isinstance(v, Sequence) else v for v in values))
+def _device_ints(values: Sequence[int] | Sequence[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """An int64 device tensor of ``values`` (ints, or rows as tuples), cached by value (span tables and layer
+    offsets repeat: the staging buffers, the KV tensors and the chunking stay put); copied from pinned
+    memory, never a sync."""
+    key = (device, tuple(values))
     t = _TABLES.get(key)
     if t is None:
         host = torch.tensor(values, dtype=torch.int64)
@@ -535,6 +599,13 @@ class _null:
         return None
 
 
+def _on(device: torch.device) -> Any:
+    """A context that makes ``device`` current for a launch (nothing to do when it already is, or on CPU)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _null()
+    return torch.cuda.device(device)
+
+
 def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
     s = slot_mapping
     if s.dtype not in (torch.int32, torch.int64):
@@ -550,12 +621,14 @@ def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Ten
 SLOT_CHECK_READ = (
     "event"  # how a device slot check is read: "event" (pinned copy + event) or "sync" (.tolist())
 )
+CHECK_BLOCK = 1024  # slots per step of the check kernel (one program per span)
 
 
 def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> torch.Tensor | None:
-    """Validate the caller's CPU copy of ``slot_mapping`` (checked on the host instead of the device)."""
+    """The CPU tensor the slot checks run on: ``slot_mapping`` itself on the CPU, else the caller's CPU copy
+    ``host_slots`` (validated), else None (checked on the device)."""
     if host_slots is None:
-        return None
+        return slot_mapping if slot_mapping.device.type == "cpu" else None
     if host_slots.device.type != "cpu" or tuple(host_slots.shape) != tuple(slot_mapping.shape):
         raise ValueError(
             f"host_slots must be a CPU tensor shaped like slot_mapping {tuple(slot_mapping.shape)}, "
@@ -565,87 +638,150 @@ def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> 
 
 
 class SlotCheck:
-    """The slot checks of one move, queued without a sync: [min, max, count >= 0] of the slots it touches.
+    """The slot checks of one move, queued without a sync; ``check()`` reads them.
 
-    A CPU ``slot_mapping`` (or the caller's CPU copy of a device one, ``host_slots``) is checked on the host
-    at once; a device one by a few reductions whose result is copied to pinned host memory behind an event,
-    read by ``result()`` (which waits for that event only, not for the moves queued after it). The kernels
-    never touch bad slots, so reading late is safe.
+    Queued by ``queue()``, after the move's kernels (the kernels never touch bad slots, so checking late is
+    safe and the host work overlaps the move). A CPU slot mapping (or the caller's CPU copy of a device one,
+    ``host``) is checked on the host (min, max, count). A device one by one launch of the check kernel, which
+    writes per span ``[slots < 0, slots >= n_slots, slots in range]`` (past the span's skip) into words 0-2
+    of a zeroed device status row; word 3 is where the fused fp8 kernel counts non-finite input (``flags``:
+    a status even when the slots are checked on the host, or not at all with ``check=False``). ``seal()``
+    queues the status's copy to pinned host memory behind an event; ``result()`` waits for that event only.
     """
 
     def __init__(
         self,
-        slot_mapping: torch.Tensor,
         slots: torch.Tensor,
         span_list: list[tuple[int, int]],
         skips: list[int],
+        n_slots: int,
         *,
-        count: bool,
-        host_slots: torch.Tensor | None = None,
+        host: torch.Tensor | None = None,
+        check: bool = True,
+        flags: bool = False,
     ) -> None:
         self.span_list = span_list
-        self._values: list[int] | None = None
-        self._host: torch.Tensor | None = None
-        self._stats: torch.Tensor | None = None
+        self.skips = skips
+        self.n_slots = n_slots
+        self.slots = host if host is not None else slots
+        self.device_slots = slots
+        self.ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
+        self.on_host = check and host is not None
+        self.status: torch.Tensor | None = None
+        if flags or (check and host is None):
+            self.status = torch.zeros((len(span_list), 4), dtype=torch.int64, device=slots.device)
+        self._run_kernel = check and host is None
+        self._host_values: tuple[int, int, int] | None = None
+        self._queued = False
+        self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
-        ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
-        if host_slots is not None:
-            src = host_slots
-        else:
-            src = slot_mapping if slot_mapping.device.type == "cpu" else slots
-        self.slots = src
-        if not ranges:
-            self._values = [0, -1, 0]
+        self._values: tuple[int, int, int, int] | None = None
+        self._rows: list[list[int]] | None = None
+
+    def queue(self) -> None:
+        """Run the checks (device: launch the check kernel, then ``seal``); once, after the move's kernels."""
+        if self._queued:
             return
-        if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
-            sel = src[ranges[0][0] : ranges[-1][1]]
+        self._queued = True
+        if self.on_host:
+            self._host_values = self._check_on_host(self.slots)
+        if self._run_kernel:
+            assert self.status is not None
+            dev = self.device_slots.device
+            rows = [(s, e - s, k, 0) for (s, e), k in zip(self.span_list, self.skips, strict=True)]
+            with _on(dev):
+                _kernels().check[(len(rows),)](
+                    self.device_slots, _device_ints(rows, dev), self.status, self.n_slots, BLOCK=CHECK_BLOCK
+                )
+        self.seal()
+
+    def _check_on_host(self, host: torch.Tensor) -> tuple[int, int, int]:
+        if not self.ranges:
+            return (0, 0, 0)
+        r = self.ranges
+        if all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1)):
+            sel = host[r[0][0] : r[-1][1]]
         else:
-            sel = torch.cat([src[a:b] for a, b in ranges])
-        if src.device.type == "cpu":
-            lo, hi = torch.aminmax(sel)
-            self._values = [int(lo), int(hi), int((sel >= 0).sum()) if count else 0]
-            return
+            sel = torch.cat([host[a:b] for a, b in r])
         lo, hi = torch.aminmax(sel)
-        parts = [lo.to(torch.int64), hi.to(torch.int64)]
-        if count:
-            parts.append((sel >= 0).sum())
-        stats = torch.stack(parts)
-        if SLOT_CHECK_READ == "sync":
-            self._stats = stats
+        ok = int(((sel >= 0) & (sel < self.n_slots)).sum())
+        return (int(lo < 0), int(hi >= self.n_slots), ok)
+
+    def seal(self) -> None:
+        """Queue the status's read (after every kernel that writes it); ``result()`` waits for this."""
+        st = self.status
+        if st is None or st.device.type != "cuda" or SLOT_CHECK_READ == "sync":
             return
-        self._host = torch.empty(stats.shape, dtype=torch.int64, pin_memory=True)
-        self._host.copy_(stats, non_blocking=True)
-        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        if self._pinned is None:
+            self._pinned = torch.empty(st.shape, dtype=torch.int64, pin_memory=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._pinned.copy_(st, non_blocking=True)
+        assert self._event is not None
         self._event.record()
 
-    def result(self) -> list[int]:
-        """[min, max, count] (count 0 unless asked for); waits for the queued checks only."""
-        if self._values is None and self._stats is not None:
-            v = self._stats.tolist()
-            self._values = [v[0], v[1], v[2] if len(v) > 2 else 0]
+    def rows(self) -> list[list[int]]:
+        """Per span ``[slots < 0, slots past the KV, slots in range, non-finite inputs]`` (device status)."""
+        self.queue()
+        if self._rows is None:
+            st = self.status
+            if st is None:
+                self._rows = [[0, 0, 0, 0] for _ in self.span_list]
+            elif self._pinned is not None:
+                assert self._event is not None
+                self._event.synchronize()
+                self._rows = self._pinned.tolist()
+            else:
+                self._rows = st.tolist()
+        return self._rows
+
+    def result(self) -> tuple[int, int, int, int]:
+        """(slots < 0, slots past the KV, slots in range, non-finite inputs): each > 0 when that happened."""
         if self._values is None:
-            assert self._host is not None
-            assert self._event is not None
-            self._event.synchronize()
-            v = self._host.tolist()
-            self._values = [v[0], v[1], v[2] if len(v) > 2 else 0]
+            rows = self.rows()
+            neg, high, ok, nonfinite = (sum(col) for col in zip(*rows, strict=True)) if rows else (0, 0, 0, 0)
+            if self._host_values is not None:
+                neg, high, ok = self._host_values
+            self._values = (neg, high, ok, nonfinite)
         return self._values
 
-    def check(self, n_slots: int, *, scatter: bool) -> int:
-        """``ValueError`` for a slot past the KV, or < 0 in a gather; else the number of slots >= 0 (the
+    def check(self, *, scatter: bool) -> int:
+        """``ValueError`` for a slot past the KV, or < 0 in a gather; else the number of slots in range (the
         tokens a scatter writes). The kernels never touch such slots."""
-        lo, hi, written = self.result()
-        if hi >= n_slots:
-            raise ValueError(f"slot {hi} outside the paged KV of {n_slots} slots")
-        if not scatter and lo < 0:
+        neg, high, written, _ = self.result()
+        if high:
+            worst = max(int(self.slots[a:b].max()) for a, b in self.ranges)
+            raise ValueError(f"slot {worst} outside the paged KV of {self.n_slots} slots")
+        if not scatter and neg:
             bad = next((s, e) for (s, e) in self.span_list if e > s and int(self.slots[s:e].min()) < 0)
             raise ValueError(f"span {bad} has slots < 0: a token without KV cannot be stored")
         return written
 
+    def nonfinite(self) -> int:
+        """Non-finite inputs the fused fp8 kernel counted (0 without ``flags``)."""
+        return self.result()[3]
+
+
+def _slot_check(
+    slot_mapping: torch.Tensor,
+    slots: torch.Tensor,
+    span_list: list[tuple[int, int]],
+    skips: list[int],
+    n_slots: int,
+    host_slots: torch.Tensor | None,
+    *,
+    flags: bool = False,
+) -> SlotCheck:
+    """The checks of one move (``queue()`` them after its kernels): on the host for a CPU mapping or
+    ``host_slots``, else on the device."""
+    return SlotCheck(
+        slots, span_list, skips, n_slots, host=_host_slots(slot_mapping, host_slots), flags=flags
+    )
+
 
 @dataclass
 class MovePlan:
-    """Everything one launch needs; built by ``plan_gather``/``plan_scatter`` (checks queued, no sync)."""
+    """Everything one launch needs; built by ``plan_gather``/``plan_scatter`` (validated, no sync; the slot
+    checks are queued right after the kernel, by ``launch``)."""
 
     geo: _Geometry
     obj_base: torch.Tensor
@@ -666,16 +802,16 @@ class MovePlan:
         """Read the slot checks (waits for them only): ``ValueError`` on bad slots, else tokens written."""
         if self.checks is None:
             return self.unchecked_tokens
-        return self.checks.check(self.geo.n_slots, scatter=self.scatter)
+        return self.checks.check(scatter=self.scatter)
 
     def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
         if self.num_spans == 0 or self.tiles_per_span == 0:
             return
         k = _kernels()
-        block_d, ndc, block_t = _tiles(self.dw, self.geo.word, self.tiles_per_span, cfg)
+        block_d, ndc, hb, block_t = _tiles(self.dw, self.geo.word, self.heads, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
-        grid = (self.num_spans * tiles, self.layers * self.planes, self.heads * ndc)
-        with torch.cuda.device(self.geo.device) if self.geo.device.type == "cuda" else _null():
+        grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
+        with _on(self.geo.device):
             k.move[grid](
                 self.geo.kv_base,
                 self.obj_base,
@@ -688,18 +824,21 @@ class MovePlan:
                 self.geo.s_off,
                 self.geo.s_head,
                 self.layers,
-                self.heads,
                 self.geo.n_slots,
+                H=self.heads,
                 BS=self.block_size,
                 P=self.planes,
                 DW=self.dw,
                 BLOCK_T=block_t,
+                HB=hb,
                 BLOCK_D=block_d,
                 NDC=ndc,
                 VEC=self.geo.vec if block_d % self.geo.vec == 0 else 1,
                 SCATTER=self.scatter,
                 num_warps=cfg.num_warps,
             )
+        if self.checks is not None:
+            self.checks.queue()  # after the kernel: its host work overlaps the move
 
 
 @dataclass
@@ -715,13 +854,19 @@ class MoveCheck:
     checks: SlotCheck | None
     n_slots: int
     scatter: bool
+    geo_key: tuple[Any, ...] | None = None
 
     def finish(self) -> int:
         """``ValueError`` on bad slots, else the tokens written (waits for the checks only); a trusted move
         (no checks) counts every token of its spans past the skips."""
         if self.checks is None:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
-        return self.checks.check(self.n_slots, scatter=self.scatter)
+        return self.checks.check(scatter=self.scatter)
+
+    def queue_checks(self) -> None:
+        """Queue the slot checks (once; best right after the first launch, so they overlap the move)."""
+        if self.checks is not None:
+            self.checks.queue()
 
     def plan(self, idx: Sequence[int], views: Sequence[torch.Tensor]) -> MovePlan:
         """The launch plan of spans ``idx`` with device objects ``views`` (no checks, no sync)."""
@@ -734,6 +879,7 @@ class MoveCheck:
             self.layers,
             [self.skips[i] for i in idx],
             scatter=self.scatter,
+            geo_key=self.geo_key,
         )
 
 
@@ -759,14 +905,12 @@ def check_move(
     span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
     skips = [0] * len(span_list) if skip_prefix is None else span_skips(skip_prefix, span_list)
     _check_objects(objs, layout, span_list, layers, "out" if skip_prefix is None else "objects")
-    geo = _geometry(kv_caches, layout, layers, [])
+    key = _geometry_key(kv_caches, layout, layers)
+    geo = _geometry(kv_caches, layout, layers, [], key)
     slots = _device_slots(slot_mapping, geo.device)
     scatter = skip_prefix is not None
-    hs = _host_slots(slot_mapping, host_slots)
-    checks = (
-        None if trusted else SlotCheck(slot_mapping, slots, span_list, skips, count=scatter, host_slots=hs)
-    )
-    return MoveCheck(kv_caches, layout, layers, span_list, skips, slots, checks, geo.n_slots, scatter)
+    checks = None if trusted else _slot_check(slot_mapping, slots, span_list, skips, geo.n_slots, host_slots)
+    return MoveCheck(kv_caches, layout, layers, span_list, skips, slots, checks, geo.n_slots, scatter, key)
 
 
 def _plan_objects(
@@ -779,10 +923,11 @@ def _plan_objects(
     skips: list[int],
     *,
     scatter: bool,
+    geo_key: tuple[Any, ...] | None = None,
 ) -> MovePlan:
     """The launch plan for checked spans, device slots and device objects."""
     ptrs = [o.data_ptr() for o in objs]
-    geo = _geometry(kv_caches, layout, layers, ptrs)
+    geo = _geometry(kv_caches, layout, layers, ptrs, geo_key)
     dev = geo.device
     if any(o.device != dev for o in objs):
         raise Unsupported("objects are not on the KV device")
@@ -837,8 +982,7 @@ def _plan(
     slots = _device_slots(slot_mapping, first.device)
     plan = _plan_objects(kv_caches, layout, slots, span_list, objs, layers, skips, scatter=scatter)
     if check:
-        hs = _host_slots(slot_mapping, host_slots)
-        plan.checks = SlotCheck(slot_mapping, slots, span_list, skips, count=scatter, host_slots=hs)
+        plan.checks = _slot_check(slot_mapping, slots, span_list, skips, plan.geo.n_slots, host_slots)
     else:
         plan.unchecked_tokens = sum(max(0, e - s - k) for (s, e), k in zip(span_list, skips, strict=True))
     return plan
@@ -961,6 +1105,7 @@ def scatter(
 
 FP8_ONE_PASS_ELEMS = 16384  # largest [tokens, channels] tile kept in registers by one program
 FP8_BLOCK_D = 64  # channels per program: 64 x 8 warps was the fastest bit-exact kernel on the H200 A/B
+FP8_CHANNELS_FAST = True  # grid order: channel blocks of one (layer, plane) fastest, spans slowest
 FP8_NUM_WARPS = 8  # (1174 GB/s of bf16 input alone, vs 921 for 32 x 4 and 894-945 for 128 channels)
 
 
@@ -982,26 +1127,19 @@ class Fp8Plan:
 
     launch_fn: Any
     checks: SlotCheck | None
-    n_slots: int
-    layout: PagedLayout
-    span_list: list[tuple[int, int]]
-    out: Sequence[torch.Tensor]
 
     def launch(self) -> None:
         self.launch_fn()
-
-    def finish(self, check_finite: bool = True) -> None:
         if self.checks is not None:
-            self.checks.check(self.n_slots, scatter=False)
-        if not check_finite:
+            self.checks.queue()
+
+    def finish(self) -> None:
+        """``ValueError`` for bad slots (unless trusted) or non-finite input (when planned with
+        ``check_finite``); waits for the checks only."""
+        if self.checks is None:
             return
-        lay = self.layout
-        scales = [
-            o[: fp8_payload_nbytes(lay, e - s) - _elements(lay, e - s)].view(torch.float32)
-            for (s, e), o in zip(self.span_list, self.out, strict=True)
-            if e > s
-        ]
-        if scales and not bool(torch.isfinite(torch.cat(scales)).all()):
+        self.checks.check(scatter=False)
+        if self.checks.nonfinite():
             raise ValueError("fp8 gather needs finite input (found NaN or inf)")
 
 
@@ -1019,14 +1157,20 @@ def plan_fp8(
     soft_convert: bool | None = None,
     trusted: bool = False,
     host_slots: torch.Tensor | None = None,
+    check_finite: bool = True,
+    channels_fast: bool = FP8_CHANNELS_FAST,
 ) -> Fp8Plan:
-    """Validate a fused fp8 gather (``gather_fp8``) and return its launch (slot checks queued)."""
+    """Validate a fused fp8 gather (``gather_fp8``) and return its launch (slot checks queued; the kernel
+    counts non-finite input when ``check_finite``)."""
     if layout.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"fp8 gather encodes bfloat16, float16 or float32 KV, not {layout.dtype}")
     layers = range(layout.num_layers)
     span_list = check_spans(spans, slot_mapping.shape[0], len(out))
+    sizes: dict[int, int] = {}
     for i, ((s, e), o) in enumerate(zip(span_list, out, strict=True)):
-        n = fp8_payload_nbytes(layout, e - s)
+        n = sizes.get(e - s, -1)
+        if n < 0:
+            n = sizes[e - s] = fp8_payload_nbytes(layout, e - s)
         if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
             raise ValueError(f"out[{i}] must be a contiguous uint8 tensor of {n} bytes")
     geo = _geometry(kv_caches, layout, layers, [])
@@ -1036,14 +1180,16 @@ def plan_fp8(
     rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
     max_tok = max((r[1] for r in rows), default=0)
     if max_tok == 0:
-        return Fp8Plan(lambda: None, None, geo.n_slots, layout, span_list, out)
+        return Fp8Plan(lambda: None, None)
     slots = _device_slots(slot_mapping, geo.device)
-    hs = _host_slots(slot_mapping, host_slots)
-    checks = (
-        None
-        if trusted
-        else SlotCheck(slot_mapping, slots, span_list, [0] * len(span_list), count=False, host_slots=hs)
-    )
+    skips = [0] * len(span_list)
+    checks: SlotCheck | None = None
+    if not trusted:
+        checks = _slot_check(
+            slot_mapping, slots, span_list, skips, geo.n_slots, host_slots, flags=check_finite
+        )
+    elif check_finite:
+        checks = SlotCheck(slots, span_list, skips, geo.n_slots, check=False, flags=True)
     table = _device_ints(rows, geo.device)
     es = geo.es
     scale = geo.word // es  # element (not word) offsets: the fp8 kernel reads real values
@@ -1059,13 +1205,17 @@ def plan_fp8(
     vec = max(1, geo.vec * geo.word // es)
     k = _kernels()
     kv0 = layer_tensors(kv_caches)[0]
+    ch_fast = channels_fast and len(rows) < 65536  # grid dims 1 and 2 hold at most 65535
     grid = (len(rows), len(layers) * layout.planes, layout.num_kv_heads * ndc)
+    if ch_fast:
+        grid = (grid[2], grid[1], grid[0])
     args = (
         _alias(kv0, kv0.dtype),
         out[0],
         _layer_offsets(geo, scale),
         table,
         slots,
+        checks.status if checks is not None and checks.status is not None else slots,
         geo.s_plane * scale,
         geo.s_blk * scale,
         geo.s_off * scale,
@@ -1085,15 +1235,17 @@ def plan_fp8(
         "VEC": vec if d % vec == 0 and bd % vec == 0 else 1,
         "OVEC": 16 if all(o.data_ptr() % 16 == 0 for o in out) else 1,
         "ONE_PASS": bt >= max_tok,
+        "FINITE": check_finite,
+        "CH_FAST": ch_fast,
         "num_warps": num_warps,
     }
     device = geo.device
 
     def launch() -> None:
-        with torch.cuda.device(device) if device.type == "cuda" else _null():
+        with _on(device):
             k.fp8[grid](*args, **meta)
 
-    return Fp8Plan(launch, checks, geo.n_slots, layout, span_list, out)
+    return Fp8Plan(launch, checks)
 
 
 def gather_fp8(
@@ -1135,11 +1287,7 @@ def gather_fp8(
         soft_convert=soft_convert,
         trusted=trusted,
         host_slots=host_slots,
+        check_finite=check,
     )
     plan.launch()
-    plan.finish(check)
-
-
-def _elements(layout: PagedLayout, tokens: int) -> int:
-    spec = object_spec(layout, tokens)
-    return spec.nbytes // spec.itemsize
+    plan.finish()

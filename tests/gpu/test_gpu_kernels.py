@@ -92,26 +92,36 @@ def spans_of(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+CONFIGS = [
+    pytest.param(tk.DEFAULT_CONFIG, id="default"),
+    pytest.param(tk.TileConfig(128, 0, 2), id="head-chunks"),
+    pytest.param(tk.TileConfig(65536, 0, 8), id="big-tile"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
-def test_kernels_match_reference(kind: LayoutKind, strided: bool, dtype: torch.dtype) -> None:
+def test_kernels_match_reference(
+    kind: LayoutKind, strided: bool, dtype: torch.dtype, cfg: tk.TileConfig
+) -> None:
     n = 600
     spans = spans_of(n, 256)  # the last chunk is unfull (88 tokens)
-    layout, kv, slots = make_kv(kind, dtype, strided, seed=1, tokens=n)
+    layout, kv, slots = make_kv(kind, dtype, strided, seed=1, tokens=n, heads=6)
     want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in spans]
     got = [poisoned(w.shape, dtype) for w in want]
     reference.gather(kv, layout, slots, spans, want)
-    tk.gather(kv, layout, slots, spans, got)
+    tk.gather(kv, layout, slots, spans, got, cfg=cfg)
     for a, b in zip(want, got, strict=True):
         assert not sentinel_left(b)
         assert torch.equal(bits(a), bits(b))
-    _, dst_ref, other = make_kv(kind, dtype, strided, seed=2, tokens=n)
+    _, dst_ref, other = make_kv(kind, dtype, strided, seed=2, tokens=n, heads=6)
     dst_ker = [t.clone() for t in dst_ref]
     other[300] = -1
     skips = [37, 0, 5]
     assert (
         reference.scatter(got, dst_ref, layout, other, spans, skips)
-        == tk.scatter(got, dst_ker, layout, other, spans, skips)
+        == tk.scatter(got, dst_ker, layout, other, spans, skips, cfg=cfg)
         == n - 37 - 5 - 1
     )
     for a, b in zip(dst_ref, dst_ker, strict=True):
@@ -236,3 +246,49 @@ def test_cpu_slot_mapping_and_repeated_calls() -> None:
     bad[300] = -1
     with pytest.raises(ValueError, match="slots < 0"):
         tk.gather(kv, layout, bad, spans, want)
+
+
+def test_device_checks_refuse_and_count() -> None:
+    """The device check kernel: slots < 0 refused by a gather, skipped and not counted by a scatter, slots
+    past the KV refused by both; nothing is written for a bad slot."""
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=11, tokens=n)
+    objs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
+    tk.gather(kv, layout, slots, spans, objs)
+    bad = slots.clone()
+    bad[3] = -1
+    bad[520] = -7
+    dst = [t.clone() for t in kv]
+    dst_ref = [t.clone() for t in kv]
+    assert tk.scatter(objs, dst, layout, bad, spans, [5, 0, 0]) == n - 5 - 1
+    reference.scatter(objs, dst_ref, layout, bad, spans, [5, 0, 0])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    with pytest.raises(ValueError, match=r"span \(0, 256\) has slots < 0"):
+        tk.gather(kv, layout, bad, spans, objs)
+    bad[520] = 64 * 16 + 3
+    with pytest.raises(ValueError, match=f"slot {64 * 16 + 3} outside"):
+        tk.scatter(objs, dst, layout, bad, spans, [5, 0, 0])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_fused_fp8_refuses_non_finite_input(poison: float) -> None:
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=12, tokens=n)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    kv = [torch.randn(t.shape, generator=gen, device=DEV).to(torch.bfloat16) for t in kv]
+    outs = [
+        torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8, device=DEV) for s, e in spans
+    ]
+    tk.gather_fp8(kv, layout, slots, spans, outs)
+    clean = [o.clone() for o in outs]
+    for fast in (True, False):
+        again = [torch.full_like(o, 255) for o in outs]
+        tk.plan_fp8(kv, layout, slots, spans, again, channels_fast=fast, trusted=True).launch()
+        assert all(torch.equal(a, b) for a, b in zip(clean, again, strict=True))
+    blk, off = divmod(int(slots[300]), 16)
+    kv[2][blk, 3, off, 70] = poison
+    with pytest.raises(ValueError, match="finite"):
+        tk.gather_fp8(kv, layout, slots, spans, outs)
+    tk.gather_fp8(kv, layout, slots, spans, outs, check=False)  # asked not to check: no error

@@ -105,6 +105,36 @@ def test_gather_and_scatter_match_reference(kind: LayoutKind, strided: bool, dty
         assert torch.equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [tk.TileConfig(32, 0, 1), tk.TileConfig(64, 2, 2), tk.DEFAULT_CONFIG],
+    ids=["head-chunks", "two-tokens", "default"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(("kind", "strided"), KINDS[:3])
+def test_head_chunks_and_odd_shapes(
+    kind: LayoutKind, strided: bool, dtype: torch.dtype, cfg: tk.TileConfig
+) -> None:
+    """Three heads of 12 channels: head chunks with a masked head, rows that are not a power of two."""
+    gen = torch.Generator().manual_seed(14)
+    layout = PagedLayout(kind, 2, 3, 12, BS, str(dtype))
+    shape = (NB, BS, 3, 24) if strided else layout.layer_shape(NB)
+    kv = [random_tensor(shape, dtype, gen) for _ in range(2)]
+    kv = [t.permute(0, 2, 1, 3) for t in kv] if strided else kv
+    pos = torch.arange(70)
+    slots = (torch.randperm(NB - 1, generator=gen)[:5] + 1)[pos // BS] * BS + pos % BS
+    want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in SPANS]
+    got = [poisoned(w.shape, dtype) for w in want]
+    reference.gather(kv, layout, slots, SPANS, want)
+    tk.gather(kv, layout, slots, SPANS, got, cfg=cfg)
+    assert all(not sentinel_left(b) and torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
+    dst = [poisoned(t.shape, dtype) for t in kv]
+    dst_ref = [t.clone() for t in dst]
+    assert tk.scatter(got, dst, layout, slots, SPANS, [1, 0, 4], cfg=cfg) == 70 - 5
+    reference.scatter(got, dst_ref, layout, slots, SPANS, [1, 0, 4])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+
+
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
 def test_one_layer(kind: LayoutKind, strided: bool) -> None:
     layout, kv, slots = make_kv(kind, torch.bfloat16, strided, seed=3)
@@ -228,14 +258,57 @@ def test_host_slots_and_trusted_calls() -> None:
         tk.gather(kv, layout, slots, SPANS, want, host_slots=bad)
     with pytest.raises(ValueError, match="host_slots"):
         tk.gather(kv, layout, slots, SPANS, want, host_slots=slots[:-1])
-    # the sync read mode (pass 1) gives the same answers
-    old = tk.SLOT_CHECK_READ
-    tk.SLOT_CHECK_READ = "sync"
+
+
+@pytest.mark.parametrize("skip", [0, 3])
+def test_check_kernel_counts_what_the_host_check_counts(skip: int) -> None:
+    """The device slot check (one program per span) agrees with the host check, span by span."""
+    _, _, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=12)
+    n_slots = NB * BS
+    bad = slots.clone()
+    bad[1] = -5  # inside span 0's skip when skip=3: not counted then
+    bad[40] = -1
+    bad[41] = n_slots
+    bad[69] = n_slots + 7
+    skips = [skip] * len(SPANS)
+    dev = tk.SlotCheck(bad, SPANS, skips, n_slots)  # no host copy: the check kernel runs
+    host = tk.SlotCheck(bad, SPANS, skips, n_slots, host=bad)
+    neg0 = 1 if skip == 0 else 0
+    assert dev.rows() == [
+        [neg0, 0, 32 - skip - neg0, 0],
+        [1, 1, 32 - skip - 2, 0],
+        [0, 1, 6 - skip - 1, 0],
+    ]
+    in_range = 32 - skip - neg0 + 32 - skip - 2 + 6 - skip - 1
+    assert dev.result() == (1 + neg0, 2, in_range, 0)
+    assert [bool(x) for x in host.result()[:2]] == [True, True]  # the host check reports presence only
+    assert host.result()[2:] == (in_range, 0)
+    with pytest.raises(ValueError, match=f"slot {n_slots + 7} outside"):
+        dev.check(scatter=True)
+    good = tk.SlotCheck(slots, SPANS, skips, n_slots)
+    assert good.check(scatter=False) == 70 - 3 * skip
+    tk.SLOT_CHECK_READ, old = "sync", tk.SLOT_CHECK_READ  # the sync read mode gives the same answers
     try:
-        with pytest.raises(ValueError, match="slots < 0"):
-            tk.gather(kv, layout, bad, SPANS, want)
+        assert tk.SlotCheck(slots, SPANS, skips, n_slots).check(scatter=True) == 70 - 3 * skip
     finally:
         tk.SLOT_CHECK_READ = old
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("block_t", [0, 8], ids=["one-pass", "two-pass"])
+def test_fp8_gather_refuses_non_finite_input(block_t: int) -> None:
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=13)
+    kv = [(torch.randn(t.shape) * 3).to(torch.bfloat16) for t in kv]
+    outs = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in SPANS]
+    for poison in (float("nan"), float("inf"), -float("inf")):
+        bad = [t.clone() for t in kv]
+        blk, off = divmod(int(slots[40]), BS)
+        bad[2][blk, 1, off, D + 3] = poison  # layer 2, head 1, a V channel of token 40
+        for kw in ({}, {"trusted": True}, {"host_slots": slots.clone()}):
+            with pytest.raises(ValueError, match="finite"):
+                tk.gather_fp8(bad, layout, slots, SPANS, outs, block_t=block_t, block_d=4, **kw)  # type: ignore[arg-type]
+        tk.gather_fp8(bad, layout, slots, SPANS, outs, block_t=block_t, block_d=4, check=False)
+    tk.gather_fp8(kv, layout, slots, SPANS, outs, block_t=block_t, block_d=4)  # finite: no error
 
 
 def test_fp8_plan_launch_alone_matches_the_call() -> None:
@@ -243,7 +316,11 @@ def test_fp8_plan_launch_alone_matches_the_call() -> None:
     kv = [(torch.randn(t.shape) * 3).to(torch.bfloat16) for t in kv]
     outs = [torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8) for s, e in SPANS]
     tk.gather_fp8(kv, layout, slots, SPANS, outs)
-    for kw in ({"block_d": 8, "num_warps": 8}, {"block_d": 16, "one_pass_elems": 64}):
+    for kw in (
+        {"block_d": 8, "num_warps": 8},
+        {"block_d": 16, "one_pass_elems": 64},
+        {"channels_fast": False},
+    ):
         again = [torch.full_like(o, 255) for o in outs]
         plan = tk.plan_fp8(kv, layout, slots, SPANS, again, trusted=True, **kw)  # type: ignore[arg-type]
         plan.launch()
