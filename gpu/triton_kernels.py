@@ -43,7 +43,7 @@ on the CPU through Triton's interpreter).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,8 +263,9 @@ def _build() -> Any:
             m = tmask[:, None] & dmask[None, :]
             x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=0)
-            if FINITE:  # count non-finite input into the span's status word 3 (max() would hide a NaN)
-                bad = tl.sum(tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1), axis=0)
+            if FINITE:  # count channels with non-finite input into the span's status word 3 (max() hides
+                # a NaN; x * 0 is NaN exactly for NaN and infinities, and its sum never overflows)
+                bad = tl.sum(tl.where(tl.sum(x * 0.0, axis=0) == 0.0, 0, 1), axis=0)
                 tl.atomic_add(status_ptr + span * 4 + 3, bad.to(tl.int64), mask=bad > 0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
             tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
@@ -296,7 +297,7 @@ def _build() -> Any:
                 x = tl.load(kv_ptr + (src[:, None] + d[None, :]), mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
                 if FINITE:
-                    bad = tl.sum(tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1), axis=0)
+                    bad = tl.sum(tl.where(tl.sum(x * 0.0, axis=0) == 0.0, 0, 1), axis=0)
                     tl.atomic_add(status_ptr + span * 4 + 3, bad.to(tl.int64), mask=bad > 0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
             tl.store(scale_ptr + group * hd + chan, scale, mask=dmask)
@@ -356,6 +357,7 @@ class _Geometry:
     n_slots: int
     device: torch.device
     es: int = 2
+    offsets: dict[int, torch.Tensor] = field(default_factory=dict)  # layer offsets on the device, by scale
 
 
 @dataclass(frozen=True)
@@ -588,7 +590,10 @@ def _device_ints(values: Sequence[int] | Sequence[tuple[int, ...]], device: torc
 
 def _layer_offsets(geo: _Geometry, scale: int = 1) -> torch.Tensor:
     """The per-layer offsets (words, or elements with ``scale``) as a device int64 tensor (cached)."""
-    return _device_ints([x * scale for x in geo.layer_off], geo.device)
+    t = geo.offsets.get(scale)
+    if t is None:
+        t = geo.offsets[scale] = _device_ints([x * scale for x in geo.layer_off], geo.device)
+    return t
 
 
 class _null:
@@ -843,7 +848,10 @@ class MovePlan:
 
 @dataclass
 class MoveCheck:
-    """A validated move whose objects live elsewhere (``check_move``): per-group plans reuse all of it."""
+    """A validated move whose objects live elsewhere (``check_move``): per-group plans reuse all of it.
+
+    The slot checks are only set up by ``queue_checks`` (or ``finish``), so that the first group's launch
+    does not wait for them."""
 
     kv_caches: KVCaches
     layout: PagedLayout
@@ -851,25 +859,38 @@ class MoveCheck:
     span_list: list[tuple[int, int]]
     skips: list[int]
     slots: torch.Tensor
-    checks: SlotCheck | None
     n_slots: int
     scatter: bool
-    geo_key: tuple[Any, ...] | None = None
+    geo_key: tuple[Any, ...]
+    check_args: tuple[torch.Tensor, torch.Tensor | None] | None  # (slot_mapping, host_slots); None: trusted
+    checks: SlotCheck | None = None
+    geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of a group's views
 
     def finish(self) -> int:
         """``ValueError`` on bad slots, else the tokens written (waits for the checks only); a trusted move
         (no checks) counts every token of its spans past the skips."""
+        self.queue_checks()
         if self.checks is None:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
         return self.checks.check(scatter=self.scatter)
 
     def queue_checks(self) -> None:
         """Queue the slot checks (once; best right after the first launch, so they overlap the move)."""
-        if self.checks is not None:
+        if self.checks is None and self.check_args is not None:
+            mapping, host_slots = self.check_args
+            self.checks = _slot_check(
+                mapping, self.slots, self.span_list, self.skips, self.n_slots, host_slots
+            )
             self.checks.queue()
 
     def plan(self, idx: Sequence[int], views: Sequence[torch.Tensor]) -> MovePlan:
         """The launch plan of spans ``idx`` with device objects ``views`` (no checks, no sync)."""
+        align = _align_of([v.data_ptr() for v in views])
+        geo = self.geos.get(align)
+        if geo is None:
+            geo = self.geos[align] = _geometry(
+                self.kv_caches, self.layout, self.layers, [align], self.geo_key
+            )
         return _plan_objects(
             self.kv_caches,
             self.layout,
@@ -879,7 +900,7 @@ class MoveCheck:
             self.layers,
             [self.skips[i] for i in idx],
             scatter=self.scatter,
-            geo_key=self.geo_key,
+            geo=geo,
         )
 
 
@@ -895,9 +916,9 @@ def check_move(
     trusted: bool = False,
     host_slots: torch.Tensor | None = None,
 ) -> MoveCheck:
-    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device (or
-    run on the host with ``host_slots``, a CPU copy of ``slot_mapping``; none when ``trusted``);
-    ``finish()`` reads them, raises ``ValueError`` or returns the tokens written.
+    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device by
+    ``queue_checks()`` (or run on the host with ``host_slots``, a CPU copy of ``slot_mapping``; none when
+    ``trusted``); ``finish()`` reads them, raises ``ValueError`` or returns the tokens written.
 
     ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
     """
@@ -908,9 +929,14 @@ def check_move(
     key = _geometry_key(kv_caches, layout, layers)
     geo = _geometry(kv_caches, layout, layers, [], key)
     slots = _device_slots(slot_mapping, geo.device)
-    scatter = skip_prefix is not None
-    checks = None if trusted else _slot_check(slot_mapping, slots, span_list, skips, geo.n_slots, host_slots)
-    return MoveCheck(kv_caches, layout, layers, span_list, skips, slots, checks, geo.n_slots, scatter, key)
+    if host_slots is not None:
+        _host_slots(slot_mapping, host_slots)  # a bad host copy is refused before anything moves
+    args = None if trusted else (slot_mapping, host_slots)
+    mv = MoveCheck(
+        kv_caches, layout, layers, span_list, skips, slots, geo.n_slots, skip_prefix is not None, key, args
+    )
+    mv.geos[16] = geo  # staging views are 256-byte aligned: the groups' plans reuse this geometry
+    return mv
 
 
 def _plan_objects(
@@ -923,11 +949,13 @@ def _plan_objects(
     skips: list[int],
     *,
     scatter: bool,
-    geo_key: tuple[Any, ...] | None = None,
+    geo: _Geometry | None = None,
 ) -> MovePlan:
-    """The launch plan for checked spans, device slots and device objects."""
+    """The launch plan for checked spans, device slots and device objects (``geo``: their geometry, when
+    the caller has it)."""
     ptrs = [o.data_ptr() for o in objs]
-    geo = _geometry(kv_caches, layout, layers, ptrs, geo_key)
+    if geo is None:
+        geo = _geometry(kv_caches, layout, layers, ptrs)
     dev = geo.device
     if any(o.device != dev for o in objs):
         raise Unsupported("objects are not on the KV device")
