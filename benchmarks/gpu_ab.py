@@ -99,7 +99,7 @@ def gpu_l1(
     slots2: torch.Tensor,
     want: list[torch.Tensor],
 ) -> dict[str, Any]:
-    """GPU <-> pinned L1 through the staged pipeline: staging size x coalescing x copy streams, interleaved,
+    """GPU <-> pinned L1 through the staged pipeline: staging size x coalescing, interleaved,
     with the pinned-copy ceilings in each round. (Zero-copy, the kernel writing the pinned L1 objects in
     place, was tried too: 51.1 GB/s store and 49.7 retrieve against the pipeline's 52.7 and 53.7.)"""
     from tiercache.gpu import transfer as tr
@@ -118,9 +118,9 @@ def gpu_l1(
     dev = torch.empty(payload, dtype=torch.uint8, device=DEV)
     xfer = tr.transfer_for(DEV)
 
-    def pipe(staging: int, co: bool, streams: int, store: bool) -> Callable[[], object]:
+    def pipe(staging: int, co: bool, store: bool) -> Callable[[], object]:
         def run() -> object:
-            xfer.staging_bytes, xfer.coalesce, xfer.copy_streams = staging, co, streams
+            xfer.staging_bytes, xfer.coalesce = staging, co
             if store:
                 return tr.store_to_host(kv, layout, slots, sp, outs)
             return tr.load_from_host(outs, kv2, layout, slots2, sp)
@@ -128,16 +128,10 @@ def gpu_l1(
         return run
 
     walls: dict[str, Callable[[], object]] = {}
-    for staging, co, streams in (
-        (64 << 20, False, 1),
-        (64 << 20, False, 2),
-        (32 << 20, False, 2),
-        (128 << 20, True, 1),
-        (128 << 20, True, 2),
-    ):
-        tag = f"{staging >> 20}MiB{'_coalesced' if co else ''}_{streams}streams"
-        walls[f"store_{tag}"] = pipe(staging, co, streams, True)
-        walls[f"retrieve_{tag}"] = pipe(staging, co, streams, False)
+    for staging, co in ((32 << 20, False), (64 << 20, False), (128 << 20, True)):
+        tag = f"{staging >> 20}MiB{'_coalesced' if co else ''}"
+        walls[f"store_{tag}"] = pipe(staging, co, True)
+        walls[f"retrieve_{tag}"] = pipe(staging, co, False)
     exact: dict[str, bool] = {}
     for name, fn in walls.items():
         if name.startswith("store"):
@@ -158,7 +152,6 @@ def gpu_l1(
             got[name].append(payload / wall_time(fn, reps=9) / GB)
         log(f"gpu_l1 round {r}: " + " ".join(f"{n}={v[-1]:.1f}" for n, v in got.items()))
     xfer.staging_bytes, xfer.coalesce = tr.DEFAULT_STAGING_BYTES, tr.DEFAULT_COALESCE
-    xfer.copy_streams = tr.DEFAULT_COPY_STREAMS
     return {"GBps_median": {n: statistics.median(v) for n, v in got.items()}, "store_bit_exact": exact}
 
 

@@ -63,9 +63,9 @@ def cuda_time(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> floa
     return statistics.median(times)
 
 
-def pipeline_gpu_time(fn: Callable[[], object], side: list[torch.cuda.Stream], reps: int = 9) -> float:
+def pipeline_gpu_time(fn: Callable[[], object], side: torch.cuda.Stream, reps: int = 9) -> float:
     """Median device seconds of a pipeline call that synchronizes itself: a long GPU sleep is queued first
-    (the side streams wait for it too), so the host has queued the whole pipeline before the start event
+    (the side stream waits for it too), so the host has queued the whole pipeline before the start event
     fires; the end event is recorded once the call returns. What the wall time adds to this is host work."""
     for _ in range(2):
         fn()
@@ -75,8 +75,7 @@ def pipeline_gpu_time(fn: Callable[[], object], side: list[torch.cuda.Stream], r
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(10 * SLEEP_CYCLES)
         a.record()
-        for st in side:
-            st.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(torch.cuda.current_stream())
         fn()
         b.record()
         b.synchronize()
@@ -302,19 +301,18 @@ def main() -> None:
     }
     xfer = tr.transfer_for(DEV)
     _, kv3, slots3, _ = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=3)
-    combos = [(s, c, n) for s in (32 << 20, 64 << 20, 128 << 20) for c in (False, True) for n in (1, 2)]
-    for staging, co, streams in combos:
-        xfer.staging_bytes, xfer.coalesce, xfer.copy_streams = staging, co, streams
+    for staging, co in ((s, c) for s in (32 << 20, 64 << 20, 128 << 20) for c in (False, True)):
+        xfer.staging_bytes, xfer.coalesce = staging, co
         xfer.buffers = [None, None]
         ts = wall_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs), reps=11)
-        gs = pipeline_gpu_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs), xfer.streams)
+        gs = pipeline_gpu_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs), xfer.stream)
         ok = all(torch.equal(bits(x.cpu()), bits(y)) for x, y in zip(want, outs, strict=True))
         tl_ = wall_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp), reps=11)
-        gl = pipeline_gpu_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp), xfer.streams)
+        gl = pipeline_gpu_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp), xfer.stream)
         back = [torch.empty_like(o) for o in objs]
         reference.gather(kv3, layout, slots3, sp, back)
         ok2 = all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True))
-        pipe["staging"][f"{staging >> 20}MiB{'_coalesced' if co else ''}_{streams}streams"] = {
+        pipe["staging"][f"{staging >> 20}MiB{'_coalesced' if co else ''}"] = {
             "store_GBps": payload / ts / GB,
             "retrieve_GBps": payload / tl_ / GB,
             "store_device_GBps": payload / gs / GB,
@@ -349,7 +347,6 @@ def main() -> None:
 
     pipe["naive_gather_then_copy_GBps"] = payload / wall_time(naive) / GB
     xfer.staging_bytes, xfer.coalesce = tr.DEFAULT_STAGING_BYTES, tr.DEFAULT_COALESCE
-    xfer.copy_streams = tr.DEFAULT_COPY_STREAMS
     res["gpu_l1"] = pipe
     log("gpu<->L1", json.dumps({k: v for k, v in pipe.items() if k != "staging"}))
 

@@ -128,10 +128,9 @@ def test_kernels_match_reference(
         assert torch.equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("streams", [1, 2], ids=["one-copy-stream", "two-copy-streams"])
 @pytest.mark.parametrize("coalesce", [False, True], ids=["per-object", "coalesced"])
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
-def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: bool, streams: int) -> None:
+def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: bool) -> None:
     """CUDA KV <-> L1 objects (pinned pool views) through the staged pipeline, small staging (many groups)."""
     n = 1000
     spans = spans_of(n, 128)
@@ -144,9 +143,9 @@ def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: b
     for o in outs:
         bits(o).fill_(-1)
     xfer = transfer.transfer_for(DEV)
-    old, old_co, old_st = xfer.staging_bytes, xfer.coalesce, xfer.copy_streams
+    old, old_co = xfer.staging_bytes, xfer.coalesce
     xfer.staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
-    xfer.coalesce, xfer.copy_streams = coalesce, streams
+    xfer.coalesce = coalesce
     try:
         dispatch.gather(kv, layout, slots, spans, outs)
         want = [poisoned(o.shape, o.dtype, torch.device("cpu")) for o in outs]
@@ -179,7 +178,7 @@ def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: b
         with pytest.raises(ValueError, match="slots < 0"):
             dispatch.gather(kv, layout, slots, spans, outs, host_slots=bad)
     finally:
-        xfer.staging_bytes, xfer.coalesce, xfer.copy_streams = old, old_co, old_st
+        xfer.staging_bytes, xfer.coalesce = old, old_co
 
 
 def test_gather_errors_and_fallback() -> None:
