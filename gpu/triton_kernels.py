@@ -42,6 +42,7 @@ on the CPU through Triton's interpreter).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -596,18 +597,10 @@ def _layer_offsets(geo: _Geometry, scale: int = 1) -> torch.Tensor:
     return t
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
-
-
 def _on(device: torch.device) -> Any:
     """A context that makes ``device`` current for a launch (nothing to do when it already is, or on CPU)."""
     if device.type != "cuda" or device.index == torch.cuda.current_device():
-        return _null()
+        return contextlib.nullcontext()
     return torch.cuda.device(device)
 
 
@@ -623,9 +616,6 @@ def _device_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Ten
     return s.contiguous()
 
 
-SLOT_CHECK_READ = (
-    "event"  # how a device slot check is read: "event" (pinned copy + event) or "sync" (.tolist())
-)
 CHECK_BLOCK = 1024  # slots per step of the check kernel (one program per span)
 
 
@@ -715,7 +705,7 @@ class SlotCheck:
     def seal(self) -> None:
         """Queue the status's read (after every kernel that writes it); ``result()`` waits for this."""
         st = self.status
-        if st is None or st.device.type != "cuda" or SLOT_CHECK_READ == "sync":
+        if st is None or st.device.type != "cuda":
             return
         if self._pinned is None:
             self._pinned = torch.empty(st.shape, dtype=torch.int64, pin_memory=True)
@@ -785,8 +775,9 @@ def _slot_check(
 
 @dataclass
 class MovePlan:
-    """Everything one launch needs; built by ``plan_gather``/``plan_scatter`` (validated, no sync; the slot
-    checks are queued right after the kernel, by ``launch``)."""
+    """Everything one launch needs (``MoveCheck.plan``). A whole move's plan (``plan_gather``,
+    ``plan_scatter``) carries its ``MoveCheck``: ``launch`` queues the slot checks right after the kernel,
+    ``finish`` reads them; a pipeline group's plan has none (its move is checked once, by the pipeline)."""
 
     geo: _Geometry
     obj_base: torch.Tensor
@@ -800,14 +791,12 @@ class MovePlan:
     dw: int
     block_size: int
     scatter: bool
-    checks: SlotCheck | None = None
-    unchecked_tokens: int = 0  # what ``finish`` returns without checks (every slot taken as valid)
+    move: MoveCheck | None = None
 
     def finish(self) -> int:
         """Read the slot checks (waits for them only): ``ValueError`` on bad slots, else tokens written."""
-        if self.checks is None:
-            return self.unchecked_tokens
-        return self.checks.check(scatter=self.scatter)
+        assert self.move is not None, "a pipeline group's plan is finished through its MoveCheck"
+        return self.move.finish()
 
     def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
         if self.num_spans == 0 or self.tiles_per_span == 0:
@@ -842,13 +831,13 @@ class MovePlan:
                 SCATTER=self.scatter,
                 num_warps=cfg.num_warps,
             )
-        if self.checks is not None:
-            self.checks.queue()  # after the kernel: its host work overlaps the move
+        if self.move is not None:
+            self.move.queue_checks()  # after the kernel: its host work overlaps the move
 
 
 @dataclass
 class MoveCheck:
-    """A validated move whose objects live elsewhere (``check_move``): per-group plans reuse all of it.
+    """A validated move (``check_move``): its plans, one launch or one per pipeline group, reuse all of it.
 
     The slot checks are only set up by ``queue_checks`` (or ``finish``), so that the first group's launch
     does not wait for them."""
@@ -883,24 +872,41 @@ class MoveCheck:
             )
             self.checks.queue()
 
-    def plan(self, idx: Sequence[int], views: Sequence[torch.Tensor]) -> MovePlan:
-        """The launch plan of spans ``idx`` with device objects ``views`` (no checks, no sync)."""
-        align = _align_of([v.data_ptr() for v in views])
+    def plan(self, idx: Sequence[int], objs: Sequence[torch.Tensor]) -> MovePlan:
+        """The launch plan of spans ``idx`` with device objects ``objs`` (no checks, no sync)."""
+        ptrs = [o.data_ptr() for o in objs]
+        align = _align_of(ptrs)
         geo = self.geos.get(align)
         if geo is None:
             geo = self.geos[align] = _geometry(
                 self.kv_caches, self.layout, self.layers, [align], self.geo_key
             )
-        return _plan_objects(
-            self.kv_caches,
-            self.layout,
-            self.slots,
-            [self.span_list[i] for i in idx],
-            views,
-            self.layers,
-            [self.skips[i] for i in idx],
-            scatter=self.scatter,
+        if any(o.device != geo.device for o in objs):
+            raise Unsupported("objects are not on the KV device")
+        word = geo.word
+        base_ptr = ptrs[0] if objs else 0
+        rows = []
+        max_tokens = 0
+        for i, p in zip(idx, ptrs, strict=True):
+            (s, e), k = self.span_list[i], self.skips[i]
+            if (p - base_ptr) % word:
+                raise Unsupported("misaligned object")
+            rows.append((s, e - s, k, (p - base_ptr) // word))
+            max_tokens = max(max_tokens, e - s - k)
+        lay = self.layout
+        return MovePlan(
             geo=geo,
+            obj_base=_alias(objs[0], _WORDS[word]) if objs else geo.kv_base,
+            span_table=_device_ints(rows or [(0, 0, 0, 0)], geo.device),
+            slots=self.slots,
+            tiles_per_span=max_tokens,
+            num_spans=len(rows),
+            layers=len(self.layers),
+            planes=lay.planes,
+            heads=lay.num_kv_heads,
+            dw=lay.head_dim * (objs[0].element_size() if objs else 1) // word,
+            block_size=lay.block_size,
+            scatter=self.scatter,
         )
 
 
@@ -916,9 +922,10 @@ def check_move(
     trusted: bool = False,
     host_slots: torch.Tensor | None = None,
 ) -> MoveCheck:
-    """Validate a move whose objects live elsewhere (host). The slot checks are queued on the device by
-    ``queue_checks()`` (or run on the host with ``host_slots``, a CPU copy of ``slot_mapping``; none when
-    ``trusted``); ``finish()`` reads them, raises ``ValueError`` or returns the tokens written.
+    """Validate a move (objects on the device for one launch, or in host memory for the pipeline). The slot
+    checks are queued on the device by ``queue_checks()`` (or run on the host with ``host_slots``, a CPU
+    copy of ``slot_mapping``; none when ``trusted``); ``finish()`` reads them, raises ``ValueError`` or
+    returns the tokens written.
 
     ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
     """
@@ -939,54 +946,6 @@ def check_move(
     return mv
 
 
-def _plan_objects(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    span_list: list[tuple[int, int]],
-    objs: Sequence[torch.Tensor],
-    layers: range,
-    skips: list[int],
-    *,
-    scatter: bool,
-    geo: _Geometry | None = None,
-) -> MovePlan:
-    """The launch plan for checked spans, device slots and device objects (``geo``: their geometry, when
-    the caller has it)."""
-    ptrs = [o.data_ptr() for o in objs]
-    if geo is None:
-        geo = _geometry(kv_caches, layout, layers, ptrs)
-    dev = geo.device
-    if any(o.device != dev for o in objs):
-        raise Unsupported("objects are not on the KV device")
-    es = objs[0].element_size() if objs else 1
-    word = geo.word
-    dw = layout.head_dim * es // word
-    obj_base = _alias(objs[0], _WORDS[word]) if objs else geo.kv_base
-    base_ptr = ptrs[0] if objs else 0
-    rows = []
-    max_tokens = 0
-    for (s, e), k, p in zip(span_list, skips, ptrs, strict=True):
-        if (p - base_ptr) % word:
-            raise Unsupported("misaligned object")
-        rows.append((s, e - s, k, (p - base_ptr) // word))
-        max_tokens = max(max_tokens, e - s - k)
-    return MovePlan(
-        geo=geo,
-        obj_base=obj_base,
-        span_table=_device_ints(rows or [(0, 0, 0, 0)], dev),
-        slots=slots,
-        tiles_per_span=max_tokens,
-        num_spans=len(span_list),
-        layers=len(layers),
-        planes=layout.planes,
-        heads=layout.num_kv_heads,
-        dw=dw,
-        block_size=layout.block_size,
-        scatter=scatter,
-    )
-
-
 def _plan(
     kv_caches: KVCaches,
     layout: PagedLayout,
@@ -994,25 +953,26 @@ def _plan(
     spans: Sequence[tuple[int, int]],
     objs: Sequence[torch.Tensor],
     layers: range,
-    skips: list[int] | None,
+    skip_prefix: int | Sequence[int] | None,
     *,
-    scatter: bool,
     check: bool = True,
     host_slots: torch.Tensor | None = None,
 ) -> MovePlan:
-    """Validate (slot checks queued when ``check``, read by ``finish``) and build the plan of one move."""
-    _check_layer_range(layers, layout)
-    span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
-    _check_objects(objs, layout, span_list, layers, "objects" if scatter else "out")
-    if skips is None:
-        skips = [0] * len(span_list)
-    first = layer_tensors(kv_caches)[0]
-    slots = _device_slots(slot_mapping, first.device)
-    plan = _plan_objects(kv_caches, layout, slots, span_list, objs, layers, skips, scatter=scatter)
-    if check:
-        plan.checks = _slot_check(slot_mapping, slots, span_list, skips, plan.geo.n_slots, host_slots)
-    else:
-        plan.unchecked_tokens = sum(max(0, e - s - k) for (s, e), k in zip(span_list, skips, strict=True))
+    """Validate one move (``check_move``) and plan it as a single launch; ``launch`` queues its slot checks
+    when ``check``, ``finish`` reads them."""
+    mv = check_move(
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        objs,
+        layers,
+        skip_prefix,
+        trusted=not check,
+        host_slots=host_slots,
+    )
+    plan = mv.plan(range(len(mv.span_list)), objs)
+    plan.move = mv
     return plan
 
 
@@ -1031,16 +991,7 @@ def plan_gather(
     launch plan."""
     layers = range(layout.num_layers) if layers is None else layers
     return _plan(
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        out,
-        layers,
-        None,
-        scatter=False,
-        check=check,
-        host_slots=host_slots,
+        kv_caches, layout, slot_mapping, spans, out, layers, None, check=check, host_slots=host_slots
     )
 
 
@@ -1058,17 +1009,14 @@ def plan_scatter(
 ) -> MovePlan:
     """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
     layers = range(layout.num_layers) if layers is None else layers
-    span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
-    skips = span_skips(skip_prefix, span_list)
     return _plan(
         kv_caches,
         layout,
         slot_mapping,
-        span_list,
+        spans,
         objects,
         layers,
-        skips,
-        scatter=True,
+        skip_prefix,
         check=check,
         host_slots=host_slots,
     )
