@@ -15,9 +15,11 @@ Payload (JSON-able, string keys only)::
 
 Counters from each engine's ``tiercache.metrics.Metrics`` (summed over labels other than ``tier``): ``hits``,
 ``misses``, ``read_bytes``, ``written_bytes``, ``stores``, ``stores_dropped``, ``frames_rejected``,
-``tier_errors``, ``prefetched``; from the connector's own counters (tier ``""``): ``load_errors``,
-``invalid_blocks``, ``tokens_loaded``, ``tokens_saved``, ``save_failures``, ``lookups``,
-``lookup_failures``, ``lookup_hit_tokens``. Gauge: ``circuit_open`` (1 while a tier's circuit is open).
+``tier_errors``, ``prefetched``, ``call_seconds``/``calls`` (the tier-call latency histogram's sum and
+count over all operations: their rates give the mean latency); from the connector's own counters
+(tier ``""``): ``load_errors``, ``invalid_blocks``, ``tokens_loaded``, ``tokens_saved``, ``save_failures``,
+``lookups``, ``lookup_failures``, ``lookup_hit_tokens``. Gauges (the largest value over workers):
+``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``.
 Increments are taken per ``Metrics`` object, shared by every connector side of the process, so an engine the
 scheduler shares with the worker is counted once.
 """
@@ -62,6 +64,8 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "frames_rejected": ("tiercache_frames_rejected_total", "Frames that failed their checks (misses)"),
     "tier_errors": ("tiercache_tier_errors_total", "Failed or timed-out tier calls"),
     "prefetched": ("tiercache_prefetched_total", "Chunks loaded from L2 into L1"),
+    "call_seconds": ("tiercache_tier_latency_seconds_sum", "Seconds spent in tier calls (all operations)"),
+    "calls": ("tiercache_tier_latency_seconds_count", "Tier calls (all operations)"),
 }
 CONNECTOR_COUNTERS: dict[str, str] = {
     "load_errors": "KV loads that failed (the blocks were recomputed)",
@@ -75,6 +79,7 @@ CONNECTOR_COUNTERS: dict[str, str] = {
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "circuit_open": ("tiercache_circuit_open", "1 while a tier's circuit is open"),
+    "store_queue_depth": ("tiercache_store_queue_depth", "Objects waiting in a tier's store queue"),
 }
 _SAMPLE_TO_COUNTER = {sample: name for name, (sample, _) in ENGINE_COUNTERS.items()}
 _SAMPLE_TO_GAUGE = {sample: name for name, (sample, _) in GAUGES.items()}
@@ -130,7 +135,7 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The log line's values: each non-zero counter (``name[tier]``), hit ratios, open circuits."""
+        """The log line's values: each non-zero counter and gauge (``name[tier]``) and hit ratios."""
         out: dict[str, int | float] = {}
         for name in sorted(self.counters):
             for tier, value in sorted(self.counters[name].items()):
@@ -140,9 +145,10 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
             looked = hits[tier] + misses[tier]
             if looked:
                 out[f"hit_ratio[{tier}]"] = round(hits[tier] / looked, 4)
-        for tier, value in sorted(self.gauges.get("circuit_open", {}).items()):
-            if value:
-                out[f"circuit_open[{tier}]"] = _number(value)
+        for name in sorted(self.gauges):
+            for tier, value in sorted(self.gauges[name].items()):
+                if value:
+                    out[f"{name}[{tier}]"] = _number(value)
         return out
 
     def is_empty(self) -> bool:
