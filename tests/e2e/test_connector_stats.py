@@ -193,3 +193,36 @@ def test_metric_names_match_tiercache_metrics() -> None:
         assert sample in exported, sample
     for sample, _ in GAUGES.values():
         assert sample in exported, sample
+
+
+def _e2e_helpers() -> ModuleType:
+    """run()/spec()/PROMPTS of test_vllm_e2e.py (one vLLM instance per OS process)."""
+    path = Path(__file__).with_name("test_vllm_e2e.py")
+    spec = importlib.util.spec_from_file_location("tiercache_e2e_vllm_helpers", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_stats_reach_vllm_prometheus_end_to_end(tiny_model: Path, write_config: Any, tmp_path: Path) -> None:
+    """A real vLLM (LLM, stat loggers on): a consumer's hits per tier land in vLLM's Prometheus registry
+    with the same count the tiercache engine itself recorded."""
+    e2e = _e2e_helpers()
+    config = write_config(tmp_path / "disk.toml", [("disk", f"file://{tmp_path}/l2")])
+    producer = {"role": "kv_producer", "extra": {"config": str(config)}}
+    e2e.run(tmp_path, "prefill", e2e.spec(tiny_model, ["A", "B"], producer))
+    consumer = {"role": "kv_consumer", "extra": {"config": str(config)}}
+    result = e2e.run(tmp_path, "decode", e2e.spec(tiny_model, ["C", "D"], consumer, log_stats=True))
+    prom = result["prom"]
+    engine_hits = sum(
+        w["metrics"].get("tiercache_hits_total", {}).get("tier=disk", 0.0)
+        for w in result["connector"]["worker"]
+    )
+    assert engine_hits > 0
+    assert prom["vllm:tiercache_hits_total|disk"] == engine_hits
+    assert prom["vllm:tiercache_lookups_total|"] >= 2
+    assert prom["vllm:tiercache_tokens_loaded_total|"] > 0
+    assert prom["vllm:tiercache_read_bytes_total|disk"] > 0
