@@ -113,3 +113,55 @@ def test_missing_extra_gives_the_install_hint(extra: str, tmp_path: Path) -> Non
     report = json.loads(rest)
     assert report["ok"] is False
     assert hint in report["tiers"][0]["error"]
+
+
+_CODEC_CHILD = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    BLOCKED = set(sys.argv[1].split(","))
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    from tiercache.errors import PluginError
+    from tiercache.serde import build_pipeline
+
+    out = {}
+    for codec in sys.argv[2:]:
+        try:
+            build_pipeline(["raw", codec])
+        except PluginError as exc:
+            out[codec] = str(exc)
+        except BaseException as exc:
+            out[codec] = f"NOT A PluginError: {type(exc).__name__}: {exc}"
+        else:
+            out[codec] = "built"
+    print(json.dumps(out))
+    """
+)
+CODEC_MODULES = {"lz4": "lz4", "zstd": "zstandard", "aesgcm": "cryptography"}
+
+
+def test_missing_codec_extra_gives_the_install_hint(tmp_path: Path) -> None:
+    """Every built-in codec with an extra: a PluginError naming the package and ``tiercache[codecs]``."""
+    registry = Registry(entry_points=False)
+    with_extra = {r.name: r.extra for r in registry.codecs() if r.extra is not None}
+    assert with_extra == dict.fromkeys(CODEC_MODULES, "codecs")
+    done = subprocess.run(
+        [sys.executable, "-c", _CODEC_CHILD, ",".join(CODEC_MODULES.values()), *CODEC_MODULES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    results = json.loads(done.stdout or "{}")
+    assert set(results) == set(CODEC_MODULES), done.stderr
+    for codec, module in CODEC_MODULES.items():
+        assert f"needs the Python package {module!r}" in results[codec], results[codec]
+        assert "install it with: pip install 'tiercache[codecs]'" in results[codec], results[codec]
