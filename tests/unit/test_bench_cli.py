@@ -166,3 +166,38 @@ def test_measure_helpers() -> None:
     assert ratio(2.0, 4.0) == 0.5
     assert ratio(2.0, None) is None
     assert ratio(2.0, 0.0) is None
+
+
+def test_an_unreachable_tier_is_a_note_not_a_crash(tmp_path: Path) -> None:
+    """A tier that cannot be opened is reported in the suite's notes; the other tiers are still measured."""
+    config = tmp_path / "tiers.toml"
+    config.write_text(
+        '[[tiers]]\nname = "down"\nurl = "redis://127.0.0.1:1/0"\noptions = { socket_timeout = 0.5 }\n'
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\n'
+    )
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("tiercache")),
+            "bench",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--sizes",
+            "4KiB",
+            "--repeat",
+            "2",
+            "tiers",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = _doc(out, "tiers")
+    assert doc["config"] == str(config)
+    assert {r["case"] for r in doc["rows"]} == {"disk put", "disk get"}
+    assert len(doc["notes"]) == 1
+    assert doc["notes"][0].startswith("tier 'down' not measured: AdapterUnavailable")
