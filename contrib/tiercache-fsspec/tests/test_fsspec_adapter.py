@@ -192,6 +192,9 @@ async def test_url_forms_and_layout(tmp_path: Path) -> None:
         await adapter.aclose()
     bucket = f"bucket-{uuid.uuid4().hex[:8]}"
     writer = await open_adapter(f"fsspec+memory://{bucket}/p")
+    assert isinstance(writer, FsspecAdapter)
+    assert (writer.capabilities.shared, writer.capabilities.persistent) == (False, True)  # one per process
+    assert (adapter.capabilities.shared, adapter.capabilities.persistent) == (True, True)
     reader = await open_adapter(f"fsspec+memory://{bucket}/p")
     try:
         assert await writer.batched_put(["k"], [b"shared"]) == [True]
@@ -272,7 +275,10 @@ def test_cli_plugins_and_check(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert [t["ok"] for t in report["tiers"]] == [True, True]
-    assert {t["adapter"] for t in report["tiers"]} == {"tiercache_fsspec.adapter:FsspecAdapter"}
+    assert [t["adapter"] for t in report["tiers"]] == [
+        "tiercache_fsspec.adapter:FsspecAdapter",
+        "tiercache_fsspec.adapter:InProcessFsspecAdapter",
+    ]
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 
 ``fsspec+memory://bucket/prefix``, ``fsspec+file:///var/cache/kv``, ``fsspec+gcs://bucket/prefix``,
 ``fsspec+abfs://container/prefix`` all go through this one class: the text after ``fsspec+`` is an ordinary
-fsspec URL, and each key is one file ``<location>/<key>``.
+fsspec URL, and each key is one file ``<location>/<key>``. Objects are ``persistent`` and ``shared``
+(other processes and hosts see them), except under ``fsspec+memory://``: fsspec's memory filesystem is one
+per process, so those adapters (``InProcessFsspecAdapter``) are not ``shared``.
 
 Options (URL query or keyword; unknown ones raise ``ConfigError``):
 
@@ -35,7 +37,7 @@ import os
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 from urllib.parse import urlsplit
 
 from tiercache.adapters import (
@@ -53,7 +55,7 @@ from tiercache_fsspec import SCHEME, URL_PREFIX
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["COMMIT_MODES", "DEFAULT_MAX_CONCURRENCY", "FsspecAdapter", "split_url"]
+__all__ = ["COMMIT_MODES", "DEFAULT_MAX_CONCURRENCY", "FsspecAdapter", "InProcessFsspecAdapter", "split_url"]
 
 T = TypeVar("T")
 
@@ -62,6 +64,7 @@ DEFAULT_MAX_CONCURRENCY = 16
 COMMIT_MODES = ("rename", "direct")
 """Ways a put is made visible whole (see the module docstring)."""
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
+_IN_PROCESS_PROTOCOLS = frozenset({"memory"})
 _TMP_PREFIX = ".tmp."  # keys start with [A-Za-z0-9], so a temporary name can never be a key
 _SCALARS = (str, int, float, bool)
 _EXTRAS = {"gcs": "gcs", "gs": "gcs", "abfs": "abfs", "abfss": "abfs", "az": "abfs", "s3": "s3", "s3a": "s3"}
@@ -194,7 +197,8 @@ class FsspecAdapter(Adapter):
         except Exception as exc:
             raise AdapterUnavailable(f"fsspec: cannot open {label}: {type(exc).__name__}: {exc}") from exc
         default_commit = "rename" if protocols & _LOCAL_PROTOCOLS else "direct"
-        adapter = cls(
+        make = InProcessFsspecAdapter if protocols & _IN_PROCESS_PROTOCOLS else cls
+        adapter = make(
             fs,
             root,
             commit=opts.get("commit", default_commit),
@@ -206,7 +210,7 @@ class FsspecAdapter(Adapter):
         except BaseException:
             await adapter.aclose()
             raise
-        return adapter
+        return cast("Self", adapter)
 
     # ----- plumbing ----------------------------------------------------------------------------------------
     async def _prepare(self) -> None:
@@ -339,3 +343,9 @@ class FsspecAdapter(Adapter):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+class InProcessFsspecAdapter(FsspecAdapter):
+    """``fsspec+memory://``: fsspec's memory filesystem lives in this process only (not ``shared``)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=False, delete=True)
