@@ -226,3 +226,36 @@ def test_stats_reach_vllm_prometheus_end_to_end(tiny_model: Path, write_config: 
     assert prom["vllm:tiercache_lookups_total|"] >= 2
     assert prom["vllm:tiercache_tokens_loaded_total|"] > 0
     assert prom["vllm:tiercache_read_bytes_total|disk"] > 0
+
+
+def test_fast_reading_equals_the_registry_reading() -> None:
+    """The per-step reader (metric children's values) gives exactly what registry.collect() gives."""
+    from tiercache_vllm.stats import ENGINE_COUNTERS, GAUGES, read_engine_metrics, read_engine_metrics_slow
+
+    m = Metrics()
+    depth = [3]
+    for i, tier in enumerate(("L1", "disk", "redis")):
+        m.hits.labels(tier).inc(i + 1)
+        m.misses.labels(tier).inc(2 * i)
+        m.bytes_read.labels(tier).inc(1000 + i)
+        m.bytes_written.labels(tier).inc(7 * i)
+        m.stores.labels(tier).inc(i)
+        m.frames_rejected.labels(tier).inc(1)
+        m.prefetched.labels(tier).inc(i)
+        for j, op in enumerate(("get", "put", "contains")):
+            m.latency.labels(tier, op).observe(0.001 * (j + 1))
+            m.errors.labels(tier, op).inc(j)
+        for reason in ("queue_full", "failed"):
+            m.stores_dropped.labels(tier, reason).inc(i + 2)
+        m.circuit_open.labels(tier).set(i % 2)
+        m.store_queue_depth.labels(tier).set_function(lambda: depth[0])
+    fast, slow = read_engine_metrics(m), read_engine_metrics_slow(m)
+    assert fast == slow
+    totals, gauges = fast
+    assert {name for name, _ in totals} == set(ENGINE_COUNTERS)
+    assert {name for name, _ in gauges} == set(GAUGES)
+    assert totals[("stores_dropped", "redis")] == 8  # summed over reasons
+    assert totals[("calls", "disk")] == 3
+    assert totals[("call_seconds", "disk")] == pytest.approx(0.006)
+    depth[0] = 5
+    assert read_engine_metrics(m)[1][("store_queue_depth", "disk")] == 5

@@ -48,6 +48,8 @@ __all__ = [
     "TierCacheStats",
     "collect_stats",
     "engine_increments",
+    "read_engine_metrics",
+    "read_engine_metrics_slow",
 ]
 
 PROM_PREFIX = "vllm:tiercache_"
@@ -181,11 +183,28 @@ _ENGINE_BASELINES: weakref.WeakKeyDictionary[Metrics, _Baseline] = weakref.WeakK
 _ENGINE_LOCK = threading.Lock()
 
 
-def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
-    """Add ``metrics``' counter increments since the last call for the same ``Metrics`` (any caller in this
-    process) and its current gauge values to ``into``."""
-    with _ENGINE_LOCK:
-        baseline = _ENGINE_BASELINES.setdefault(metrics, _Baseline())
+Readings = tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]
+"""(counter totals, gauge values), each keyed by (payload name, tier)."""
+
+# payload name -> (tiercache.metrics.Metrics attribute, what to read: "value", "sum" or "count")
+_ENGINE_SOURCES: dict[str, tuple[str, str]] = {
+    "hits": ("hits", "value"),
+    "misses": ("misses", "value"),
+    "read_bytes": ("bytes_read", "value"),
+    "written_bytes": ("bytes_written", "value"),
+    "stores": ("stores", "value"),
+    "stores_dropped": ("stores_dropped", "value"),
+    "frames_rejected": ("frames_rejected", "value"),
+    "tier_errors": ("errors", "value"),
+    "prefetched": ("prefetched", "value"),
+    "call_seconds": ("latency", "sum"),
+    "calls": ("latency", "count"),
+}
+_GAUGE_SOURCES: dict[str, str] = {"circuit_open": "circuit_open", "store_queue_depth": "store_queue_depth"}
+
+
+def read_engine_metrics_slow(metrics: Metrics) -> Readings:
+    """Totals and gauges through the public ``registry.collect()`` (about 0.5 ms: the reference reading)."""
     totals: dict[tuple[str, str], float] = {}
     gauges: dict[tuple[str, str], float] = {}
     for family in metrics.registry.collect():
@@ -196,6 +215,44 @@ def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
                 totals[key] = totals.get(key, 0.0) + sample.value
             elif sample.name in _SAMPLE_TO_GAUGE:
                 gauges[(_SAMPLE_TO_GAUGE[sample.name], tier)] = sample.value
+    return totals, gauges
+
+
+def read_engine_metrics(metrics: Metrics) -> Readings:
+    """The same readings as ``read_engine_metrics_slow`` from the metric children's values directly (tens of
+    microseconds: it runs every engine step); falls back to the slow path if prometheus_client changed."""
+    try:
+        totals: dict[tuple[str, str], float] = {}
+        for name, (attr, part) in _ENGINE_SOURCES.items():
+            wrapper = getattr(metrics, attr)
+            at = list(wrapper._labelnames).index("tier")
+            for labels, child in list(wrapper._metrics.items()):
+                if part == "value":
+                    value = child._value.get()
+                elif part == "sum":
+                    value = child._sum.get()
+                else:
+                    value = sum(bucket.get() for bucket in child._buckets)
+                key = (name, str(labels[at]))
+                totals[key] = totals.get(key, 0.0) + value
+        gauges: dict[tuple[str, str], float] = {}
+        for name, attr in _GAUGE_SOURCES.items():
+            wrapper = getattr(metrics, attr)
+            at = list(wrapper._labelnames).index("tier")
+            for labels, child in list(wrapper._metrics.items()):
+                (sample,) = child._child_samples()  # one sample; also reads set_function gauges
+                gauges[(name, str(labels[at]))] = float(sample.value)
+        return totals, gauges
+    except (AttributeError, ValueError, TypeError):
+        return read_engine_metrics_slow(metrics)
+
+
+def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
+    """Add ``metrics``' counter increments since the last call for the same ``Metrics`` (any caller in this
+    process) and its current gauge values to ``into``."""
+    with _ENGINE_LOCK:
+        baseline = _ENGINE_BASELINES.setdefault(metrics, _Baseline())
+    totals, gauges = read_engine_metrics(metrics)
     with baseline.lock:
         for (name, tier), total in totals.items():
             into.add(name, tier, baseline.increment(name, tier, total))
