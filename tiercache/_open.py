@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tiercache.registry import get_registry
+from tiercache.errors import PluginError
+from tiercache.registry import get_registry, missing_dependency_message
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter
@@ -17,6 +18,13 @@ async def open_adapter(url: str, *, adapter: str | None = None, **options: objec
     registry = get_registry()
     if adapter is not None:
         cls = registry.adapter_class("", target=adapter)
+        extra, dist = None, "tiercache"
     else:
-        cls = registry.adapter_class(registry.resolve_scheme(url))
-    return await cls.open(url, **options)
+        reg = registry.adapter_registration(registry.resolve_scheme(url))
+        cls = registry.adapter_class(reg.name)
+        extra, dist = reg.extra, reg.distribution
+    try:
+        return await cls.open(url, **options)
+    except ModuleNotFoundError as exc:  # an adapter importing its client library lazily, in open()
+        what = f"the {cls.scheme!r} adapter"
+        raise PluginError(missing_dependency_message(what, exc, extra, dist)) from exc

@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: demo, plugins, check, inspect, conformance (bench joins later).
+"""The ``tiercache`` command: demo, bench, plugins, check, inspect, conformance.
 
 Every failure is one clear line on stderr and a non-zero exit, never a traceback.
 """
@@ -270,6 +270,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.config, json_path=args.json, show_metrics=args.metrics)
 
 
+# ----- bench -----------------------------------------------------------------------------------------------
+def _sizes_arg(text: str) -> tuple[int, ...]:
+    from tiercache.adapters._options import parse_size
+
+    try:
+        return tuple(parse_size(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from tiercache.bench import SUITES, run_bench
+
+    suites = args.suites or list(SUITES)
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as workdir:
+        if args.config:
+            from tiercache.config import load_config
+
+            config, label = load_config(args.config), str(args.config)
+        else:
+            from tiercache.demo import demo_config
+
+            config, label = demo_config(Path(workdir)), "embedded default (L1 + a POSIX tier in a temp dir)"
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
+        run_bench(
+            config,
+            suites,
+            Path(args.out),
+            quick=args.quick,
+            repeat=args.repeat,
+            sizes=args.sizes,
+            tokens=tokens,
+            config_label=label,
+        )
+    return 0
+
+
 # ----- main ------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache store for LLM inference.")
@@ -282,6 +321,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--metrics", action="store_true", help="print the decode process's Prometheus metrics")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "bench", help="benchmark suites against a config: progress bars, a summary, DIR/<suite>.json and .png"
+    )
+    p.add_argument(
+        "suites", nargs="*", metavar="SUITE", help="keys, engine, tiers, codecs, gpu (default: all)"
+    )
+    p.add_argument("--config", help="config file (default: L1 + a POSIX tier in a temp dir)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under a minute)")
+    p.add_argument(
+        "--out", default="bench-results", metavar="DIR", help="output folder (default bench-results)"
+    )
+    p.add_argument("--repeat", type=int, help="timed repeats per case (default 3 with --quick, else 7)")
+    p.add_argument(
+        "--sizes", type=_sizes_arg, help="object sizes instead of the suites' own, e.g. 64KiB,4MiB"
+    )
+    p.add_argument("--tokens", help="request sizes in tokens instead of the suites' own, e.g. 512,4096")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("plugins", help="list the adapters and codecs known, and their distributions")
     p.add_argument("--json", action="store_true", help="print JSON")

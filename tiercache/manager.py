@@ -95,6 +95,7 @@ class StorageManager:
                 asyncio.Queue(self.policy.store_queue_size),
             )
             self.tiers.append(tier)
+            self.metrics.store_queue_depth.labels(name).set_function(tier.queue.qsize)
         self._prefetching: dict[str, asyncio.Future[bool]] = {}
         self._closed = False
 

@@ -10,7 +10,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class Metrics:
-    """Hits, misses, bytes, latencies, dropped stores, rejected frames and circuits, per tier."""
+    """Hits, misses, bytes, latencies, store queues, dropped stores, rejected frames, circuits per tier."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -41,6 +41,12 @@ class Metrics:
         self.errors = Counter(
             "tiercache_tier_errors", "Failed or timed-out tier calls", ["tier", "op"], registry=r
         )
+        self.store_queue_depth = Gauge(
+            "tiercache_store_queue_depth",
+            "Objects waiting in a tier's background store queue",
+            ["tier"],
+            registry=r,
+        )
         self.circuit_open = Gauge(
             "tiercache_circuit_open", "1 while a tier's circuit is open", ["tier"], registry=r
         )
@@ -55,6 +61,16 @@ class Metrics:
             "tiercache_prefetched", "Chunks loaded from L2 into L1", ["tier"], registry=r
         )
         self.l1_alloc_failures = Counter("tiercache_l1_alloc_failures", "L1 allocations refused", registry=r)
+
+    def sample_names(self) -> set[str]:
+        """Every sample name this registry can export (``_total`` counters, ``_sum``/``_count``/``_bucket``
+        histograms), whether or not a labelled child exists yet (dashboards and tests check against it)."""
+        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+        return {
+            f"{family.name}{suffix}"
+            for family in self.registry.collect()
+            for suffix in suffixes.get(family.type, ("",))
+        }
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""

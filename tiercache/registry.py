@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from tiercache.adapters import Adapter
     from tiercache.serde import Codec
 
-__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "Registration", "Registry", "get_registry", "load_target"]
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "Registration",
+    "Registry",
+    "get_registry",
+    "load_target",
+    "missing_dependency_message",
+]
 
 ENTRY_POINT_GROUP = "tiercache"
 BUILTIN_PLUGINS = ("tiercache.adapters._builtin", "tiercache.serde._builtin")
@@ -44,7 +52,20 @@ class Registration:
     alias_of: str | None = None  # for adapter aliases: the primary scheme
 
 
-def load_target(target: str, extra: str | None = None) -> Any:
+def missing_dependency_message(
+    what: str, exc: ImportError, extra: str | None = None, distribution: str = _BUILTIN_DIST
+) -> str:
+    """One line saying which dependency of ``what`` is missing and the pip command that installs it."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        line = f"{what} needs the Python package {exc.name.partition('.')[0]!r}, which is not installed"
+    else:  # the package is there but failed to load: typically a shared library of the system is missing
+        line = f"{what} could not be loaded: {exc} (a system library it needs may be missing)"
+    if extra:
+        return f"{line}; install it with: pip install '{distribution}[{extra}]'"
+    return line
+
+
+def load_target(target: str, extra: str | None = None, distribution: str = _BUILTIN_DIST) -> Any:
     """Import ``"module:Class"``; an ImportError becomes a PluginError with the install hint."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -52,8 +73,7 @@ def load_target(target: str, extra: str | None = None) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f"; install it with: pip install 'tiercache[{extra}]'" if extra else ""
-        raise PluginError(f"cannot import {module_name!r} for {target!r}: {exc}{hint}") from exc
+        raise PluginError(missing_dependency_message(repr(target), exc, extra, distribution)) from exc
     try:
         return getattr(module, attr)
     except AttributeError as exc:
@@ -154,6 +174,11 @@ class Registry:
         """The adapter class for ``scheme``; ``target`` ("module:Class") overrides and settles duplicates."""
         if target is not None:
             return self._load(("adapter", target), target, None)  # type: ignore[no-any-return]
+        reg = self.adapter_registration(scheme)
+        return self._load(("adapter", reg.target), reg.target, reg.extra, reg.distribution)  # type: ignore[no-any-return]
+
+    def adapter_registration(self, scheme: str) -> Registration:
+        """The one registration of ``scheme`` (PluginError if none or several claim it)."""
         regs = self._adapters.get(scheme.lower())
         if not regs:
             known = ", ".join(sorted(self._adapters))
@@ -164,7 +189,7 @@ class Registry:
                 f"scheme {scheme!r} is claimed by several plugins: {claims}; "
                 f'name the class with `adapter = "module:Class"` in the tier\'s config'
             )
-        return self._load(("adapter", regs[0].target), regs[0].target, regs[0].extra)  # type: ignore[no-any-return]
+        return regs[0]
 
     def codec_class(self, codec_id: str) -> type[Codec]:
         """The codec class registered as ``codec_id``."""
@@ -174,16 +199,19 @@ class Registry:
         if len(regs) > 1:
             claims = ", ".join(sorted(f"{r.target} (from {r.distribution})" for r in regs))
             raise PluginError(f"codec id {codec_id!r} is claimed by several plugins: {claims}")
-        return self._load(("codec", regs[0].target), regs[0].target, regs[0].extra)  # type: ignore[no-any-return]
+        reg = regs[0]
+        return self._load(("codec", reg.target), reg.target, reg.extra, reg.distribution)  # type: ignore[no-any-return]
 
     def codec_ids(self) -> list[str]:
         """All registered codec ids."""
         return sorted(self._codecs)
 
-    def _load(self, cache_key: tuple[str, str], target: str, extra: str | None) -> Any:
+    def _load(
+        self, cache_key: tuple[str, str], target: str, extra: str | None, distribution: str = _BUILTIN_DIST
+    ) -> Any:
         cls = self._classes.get(cache_key)
         if cls is None:
-            cls = load_target(target, extra)
+            cls = load_target(target, extra, distribution)
             self._classes[cache_key] = cls
         return cls
 

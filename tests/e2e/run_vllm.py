@@ -5,7 +5,8 @@ Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompt
 ``{"role", "extra"}``), ``multiprocess`` (default engine: scheduler and worker in separate processes),
 ``kill_before_generate`` (a PID to SIGKILL after start-up), ``ttft`` (also time each prompt alone with
 max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
-not ``kv_connector_module_path``).
+not ``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
+``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
     )
     if not multiprocess:
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("log_stats"):
+        kwargs["disable_log_stats"] = False
     conn = spec.get("connector")
     if conn:
         ktc: dict[str, object] = {
@@ -85,6 +88,15 @@ def main() -> None:
         }
         for o in outs
     ]
+    if spec.get("log_stats"):
+        from prometheus_client import REGISTRY
+
+        result["prom"] = {
+            f"{s.name}|{s.labels.get('tier', '')}": s.value
+            for family in REGISTRY.collect()
+            for s in family.samples
+            if s.name.startswith("vllm:tiercache_")
+        }
     if conn:
         from tiercache_vllm.connector import drain_all, snapshot
 

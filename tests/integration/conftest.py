@@ -284,14 +284,13 @@ def _mooncake_env() -> dict[str, str]:
     return {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
-def start_mooncake(segment: str = "1GB") -> MooncakeCluster:
-    """Start a master on 127.0.0.1 (RPC, HTTP metadata and metrics on free ports) and a store client."""
-    master_bin, client_bin = _mooncake_bin("mooncake_master"), _mooncake_bin("mooncake_client")
-    if master_bin is None or client_bin is None:
-        missing_server("mooncake_master/mooncake_client not found (pip install -e '.[mooncake]')")
+def start_mooncake_master() -> tuple[ServerProcess, int, int]:
+    """Start a master alone on 127.0.0.1 (RPC, HTTP metadata, metrics on free ports): (process, rpc, http)."""
+    master_bin = _mooncake_bin("mooncake_master")
+    if master_bin is None:
+        missing_server("mooncake_master not found (pip install -e '.[mooncake]')")
     assert master_bin is not None
-    assert client_bin is not None
-    rpc, http, metrics, client_port = free_port(), free_port(), free_port(), free_port()
+    rpc, http, metrics = free_port(), free_port(), free_port()
     master_argv = [
         master_bin,
         "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
@@ -303,6 +302,17 @@ def start_mooncake(segment: str = "1GB") -> MooncakeCluster:
     master = start_process(
         master_argv, ready=lambda: _port_open(rpc) and _port_open(http), env=_mooncake_env()
     )
+    return master, rpc, http
+
+
+def start_mooncake(segment: str = "1GB") -> MooncakeCluster:
+    """Start a master (``start_mooncake_master``) and a store client lending a ``segment`` of memory."""
+    client_bin = _mooncake_bin("mooncake_client")
+    if client_bin is None:
+        missing_server("mooncake_client not found (pip install -e '.[mooncake]')")
+    assert client_bin is not None
+    master, rpc, http = start_mooncake_master()
+    client_port = free_port()
     client_argv = [
         client_bin,
         "--host=127.0.0.1", f"--port={client_port}",
@@ -324,6 +334,14 @@ def mooncake_cluster() -> Iterator[MooncakeCluster]:
     cluster = start_mooncake()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def mooncake_master_alone() -> Iterator[tuple[int, int]]:
+    """A master with no store client, so no segment memory: (rpc port, http metadata port)."""
+    master, rpc, http = start_mooncake_master()
+    yield rpc, http
+    master.stop()
 
 
 @pytest.fixture

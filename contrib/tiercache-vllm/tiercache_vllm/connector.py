@@ -30,6 +30,12 @@ from tiercache_vllm.worker import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -204,3 +210,31 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
+
+    # ----- stats: tiercache's numbers in vLLM's log line and /metrics (tiercache_vllm.stats) ------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Increments since the last call: hits per tier, bytes moved, load errors, store drops ..."""
+        from tiercache_vllm.stats import SideCounters, collect_stats
+
+        sides = self.__dict__.setdefault("_stats_sides", SideCounters())
+        return collect_stats(self._worker, self._scheduler, sides)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """Rebuild the stats vLLM shipped between processes (``TierCacheStats.to_dict()``)."""
+        from tiercache_vllm.stats import TierCacheStats
+
+        return TierCacheStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """``vllm:tiercache_*`` counters (per engine and tier) in vLLM's Prometheus registry."""
+        from tiercache_vllm.stats import TierCachePromMetrics
+
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

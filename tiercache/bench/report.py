@@ -1,0 +1,120 @@
+"""Write a suite's JSON and PNG (matplotlib, Agg) and build the terminal summary table (rich)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["summary_table", "write_json", "write_png"]
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    """``doc`` as indented JSON at ``path``."""
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _size_label(n: float, unit: str) -> str:
+    if unit != "bytes":
+        return f"{n:g} {unit}"
+    for suffix in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or suffix == "GiB":
+            return f"{n:g} {suffix}"
+        n /= 1024
+    return f"{n:g} B"
+
+
+def write_png(doc: dict[str, Any], path: Path) -> None:
+    """Three panels: rate vs size per case, ratio to the raw baseline vs size, latency percentiles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows: list[dict[str, Any]] = doc["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    fig.suptitle(f"tiercache bench: {doc['suite']} ({doc['description']}), config: {doc['config']}")
+    if not rows:
+        for ax in axes:
+            ax.axis("off")
+        axes[1].text(0.5, 0.5, f"skipped: {doc.get('skipped') or 'no rows'}", ha="center", va="center")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        return
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    size_unit = rows[0]["size_unit"]
+    rate, ratio_ax, lat = axes
+    for case in cases:
+        mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["size"])
+        xs = [r["size"] for r in mine]
+        line = rate.plot(xs, [r["value"] for r in mine], marker="o", label=f"{case} [{mine[0]['unit']}]")[0]
+        if any(r["raw"] is not None for r in mine):
+            raw = [r["raw"] if r["raw"] is not None else float("nan") for r in mine]
+            rate.plot(xs, raw, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{case}: raw")
+            ratio_ax.plot(
+                xs,
+                [r["ratio"] if r["ratio"] is not None else float("nan") for r in mine],
+                marker="o",
+                label=case,
+            )
+    for ax in (rate, ratio_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"size ({size_unit})")
+        ax.grid(True, alpha=0.3)
+    rate.set_ylabel("rate (solid: tiercache, dashed: raw baseline)")
+    rate.set_title("throughput vs size")
+    rate.legend(fontsize=7)
+    ratio_ax.axhline(1.0, color="grey", linewidth=1)
+    ratio_ax.set_ylabel("ratio to raw (value / raw)")
+    ratio_ax.set_title("ratio to the raw baseline")
+    if ratio_ax.lines[1:]:
+        ratio_ax.legend(fontsize=7)
+    largest = max(r["size"] for r in rows)
+    at_largest = [r for r in rows if r["size"] == largest and r["latency_s"]]
+    width = 0.8 / 3
+    for i, pct in enumerate(("p50", "p90", "p99")):
+        xs = [j + (i - 1) * width for j in range(len(at_largest))]
+        lat.bar(xs, [r["latency_s"].get(pct, 0.0) * 1e3 for r in at_largest], width, label=pct)
+    lat.set_xticks(range(len(at_largest)))
+    lat.set_xticklabels([r["case"] for r in at_largest], rotation=30, ha="right", fontsize=7)
+    lat.set_yscale("log")
+    lat.set_ylabel("latency (ms)")
+    lat.set_title(f"latency percentiles at {_size_label(largest, size_unit)}")
+    lat.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def summary_table(docs: Sequence[dict[str, Any]]) -> Table:
+    """One line per suite and case at its largest size: rate, raw rate, ratio, p50 and p99 latency."""
+    from rich.table import Table
+
+    table = Table(title="tiercache bench summary (largest size per case)")
+    for col in ("suite", "case", "size", "rate", "raw", "ratio", "p50 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col in ("suite", "case") else "right")
+    for doc in docs:
+        if doc["skipped"]:
+            table.add_row(doc["suite"], f"skipped: {doc['skipped']}", "", "", "", "", "", "")
+            continue
+        largest: dict[str, dict[str, Any]] = {}
+        for r in doc["rows"]:
+            if r["case"] not in largest or r["size"] > largest[r["case"]]["size"]:
+                largest[r["case"]] = r
+        for r in largest.values():
+            lat = r["latency_s"]
+            table.add_row(
+                doc["suite"],
+                r["case"],
+                _size_label(r["size"], r["size_unit"]),
+                f"{r['value']:.3g} {r['unit']}",
+                "" if r["raw"] is None else f"{r['raw']:.3g}",
+                "" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                f"{lat['p50'] * 1e3:.3g}" if "p50" in lat else "",
+                f"{lat['p99'] * 1e3:.3g}" if "p99" in lat else "",
+            )
+    return table
