@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
-from tiercache.keys import ChunkSpan, KeySpace, TokenDatabase, contiguous_prefix
+from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
 from tiercache.manager import L1_TIER, StorageManager
 from tiercache.spec import KVFormat
 
@@ -93,8 +93,13 @@ class CacheEngine:
         rank: int | str = 0,
         layerwise: bool = False,
         metrics: Metrics | None = None,
+        key_source: str = "",
     ) -> CacheEngine:
-        """Build the keyspace from the layout, open L1 and every configured tier, and return the engine."""
+        """Build the keyspace from the layout, open L1 and every configured tier, and return the engine.
+
+        The process-wide salt (``config.cache_salt_env``) goes into the keyspace; a request's own identity
+        is passed per call (``identity=``). ``key_source`` names a non-token key source (vLLM block hashes).
+        """
         salt = os.environ.get(config.cache_salt_env, "") if config.cache_salt_env else ""
         keyspace = KeySpace(
             model=model,
@@ -108,6 +113,7 @@ class CacheEngine:
             rank=rank,  # type: ignore[arg-type]
             cache_salt=salt,
             layout_tag=layout.fingerprint if layout.block_aligned else "",
+            key_source=key_source,
         )
         slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
         manager = await StorageManager.open(config, slot, metrics=metrics)
@@ -157,13 +163,24 @@ class CacheEngine:
 
     # ----- store --------------------------------------------------------------------------------------------
     async def store(
-        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> int:
         """Gather the KV of every keyed chunk of ``tokens`` (after the mask's False prefix) into L1, queue it
-        for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped)."""
+        for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped).
+
+        ``identity``: the request's salt, LoRA adapter and non-token inputs (None: the tokens alone);
+        ``block_hashes``: vLLM's stable block hashes of the same request. Every call of a request must pass
+        the same ones, or its keys differ (a miss, never wrong KV)."""
         from tiercache.gpu import dispatch
 
-        spans = self.token_db.process_tokens(tokens, mask)
+        spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
         if not spans:
             return 0
         if self.layerwise:
@@ -219,20 +236,35 @@ class CacheEngine:
         return [o is not None for o in objects]
 
     async def store_layers(
-        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> AsyncIterator[int]:
         """Layerwise store, one layer per step (yields the layer index after it is in L1 and queued)."""
         if not self.layerwise:
             raise ValueError("store_layers needs an engine built with layerwise=True")
-        spans = self.token_db.process_tokens(tokens, mask)
+        spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
         for layer in range(self.layout.num_layers):
             await self._store_layer(layer, spans, kv_caches, slot_mapping)
             yield layer
 
     # ----- lookup -------------------------------------------------------------------------------------------
-    async def lookup_hit(self, tokens: object, *, prefetch: bool = True) -> LookupResult:
-        """Cached prefix of ``tokens`` across L1 and L2, with the tier of each chunk; starts prefetching."""
-        spans = self.token_db.process_tokens(tokens)
+    async def lookup_hit(
+        self,
+        tokens: object,
+        *,
+        prefetch: bool = True,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
+    ) -> LookupResult:
+        """Cached prefix of ``tokens`` (under ``identity``) across L1 and L2, with the tier of each chunk;
+        starts prefetching."""
+        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
         if not spans:
             return LookupResult(0, 0, ())
         keys, specs = self._object_keys(spans)
@@ -241,13 +273,25 @@ class CacheEngine:
         chunks, tiers = hit.chunks, hit.tiers
         return LookupResult(spans[chunks - 1].end if chunks else 0, chunks, tiers)
 
-    async def lookup(self, tokens: object) -> int:
+    async def lookup(
+        self,
+        tokens: object,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
+    ) -> int:
         """Tokens of the longest contiguous cached prefix of ``tokens`` (and prefetch of its L2 part)."""
-        return (await self.lookup_hit(tokens)).tokens
+        return (await self.lookup_hit(tokens, identity=identity, block_hashes=block_hashes)).tokens
 
     # ----- retrieve -----------------------------------------------------------------------------------------
     async def prepare_retrieve(
-        self, tokens: object, mask: object | None = None, *, skip_tokens: int = 0
+        self,
+        tokens: object,
+        mask: object | None = None,
+        *,
+        skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> PreparedRetrieve:
         """Lease the cached prefix of ``tokens`` beyond what the engine holds, ready to be scattered.
 
@@ -255,12 +299,12 @@ class CacheEngine:
         that are not read, the chunk containing it is read whole and only its tail will be written. L2
         chunks are loaded into L1 first (contiguous prefix only). Always ``finish()`` the result.
         """
-        spans = self.token_db.process_tokens(tokens)
+        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
         num_tokens = len(tokens)  # type: ignore[arg-type]
         local = skip_tokens
         if mask is not None:
-            masked = self.token_db.process_tokens(tokens, mask)
-            local = max(local, masked[0].start if masked else num_tokens)
+            false_count = self.token_db.mask_start(mask, num_tokens)
+            local = max(local, false_count if false_count < len(spans) * self.chunk_size else num_tokens)
         wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
         layers = self.layout.num_layers if self.layerwise else 1
         leases: list[L1Lease | None] = []
@@ -287,10 +331,14 @@ class CacheEngine:
         mask: object | None = None,
         *,
         skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> RetrieveResult:
         """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV
         (``prepare_retrieve``, then every layer at once, then ``finish``)."""
-        prepared = await self.prepare_retrieve(tokens, mask, skip_tokens=skip_tokens)
+        prepared = await self.prepare_retrieve(
+            tokens, mask, skip_tokens=skip_tokens, identity=identity, block_hashes=block_hashes
+        )
         try:
             prepared.scatter(kv_caches, slot_mapping)
         finally:
@@ -305,9 +353,19 @@ class CacheEngine:
         mask: object | None = None,
         *,
         skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> torch.Tensor:
         """Like ``retrieve_result``; returns the boolean ret_mask (True for tokens written from the cache)."""
-        result = await self.retrieve_result(tokens, kv_caches, slot_mapping, mask, skip_tokens=skip_tokens)
+        result = await self.retrieve_result(
+            tokens,
+            kv_caches,
+            slot_mapping,
+            mask,
+            skip_tokens=skip_tokens,
+            identity=identity,
+            block_hashes=block_hashes,
+        )
         return result.ret_mask
 
     @property

@@ -460,6 +460,10 @@ class TokenDatabase:
             for start, h in zip(range(first * chunk, len(hashes) * chunk, chunk), hashes[first:], strict=True)
         ]
 
+    def mask_start(self, mask: object, num_tokens: int) -> int:
+        """The False count of a valid FFF...TTT mask over ``num_tokens`` tokens (ValueError otherwise)."""
+        return _mask_prefix(mask, num_tokens, self.chunk_size)
+
     def keys(
         self,
         tokens: Sequence[int] | object,

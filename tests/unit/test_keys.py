@@ -277,7 +277,7 @@ def naive_identity_hashes(
         items: list[list[object]] = []
         if identity.lora_name:
             items.append(["lora", identity.lora_name, identity.lora_path])
-        for span in sorted(identity.inputs, key=lambda s: (s.start, s.end)):
+        for span in sorted(identity.inputs, key=lambda s: (s.start, s.end, s.kind, s.digest)):
             if span.start < end and span.end > start:
                 items.append([span.kind, span.digest, span.start - start, span.end - start])
         if start == 0 and identity.cache_salt:
