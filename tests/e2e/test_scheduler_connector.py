@@ -26,6 +26,7 @@ from tiercache_vllm._common import (
     open_engine,
     slot_mapping,
 )
+from tiercache_vllm._identity import key_args
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -126,8 +127,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-def fill_cache(scheduler: Scheduler, prompts: list[list[int]], *, register: bool = False) -> Any:
-    """Store ``prompts`` (fake KV) through an engine with the connector's identity; drained to L2."""
+def fill_cache(scheduler: Scheduler, prompts: list[list[int] | Request], *, register: bool = False) -> Any:
+    """Store ``prompts`` (fake KV) through an engine with the connector's identity, each keyed as the
+    connector keys its request (a plain token list: an unsalted request); drained to L2."""
     connector: Any = scheduler.connector
     side = connector.scheduler_side
     vc = scheduler.vllm_config
@@ -138,9 +140,13 @@ def fill_cache(scheduler: Scheduler, prompts: list[list[int]], *, register: bool
     kv = {name: torch.randn(nb, 2, BS, 64) for name in LAYERS}
 
     async def store() -> None:
-        for prompt in prompts:
+        for i, item in enumerate(prompts):
+            request = item if isinstance(item, Request) else make_request(f"fill-{i}", item)
+            prompt = list(request.prompt_token_ids or ())
+            keys = key_args(request, side.chunk_size, side._hash_block_size)
             blocks = list(range(1, 1 + -(-len(prompt) // BS)))
-            await engine.store(prompt, kv, slot_mapping(blocks, len(prompt), BS))
+            slots = slot_mapping(blocks, len(prompt), BS)
+            await engine.store(prompt, kv, slots, identity=keys.identity, block_hashes=keys.block_hashes)
         await engine.drain()
 
     _loop.call(store(), 60)
