@@ -131,7 +131,6 @@ def key_args(request: Request, chunk_size: int, block_size: int | None) -> KeyAr
 def request_identity(request: Request, chunk_size: int) -> RequestIdentity:
     """Salt, LoRA (name and path), multimodal identifiers and per-chunk prompt-embedding digests of
     ``request``; :class:`UnkeyableRequest` when one of them cannot be named stably."""
-    _check_extra_keys(request)
     lora_name = lora_path = ""
     lora = request.lora_request
     if lora is not None:
@@ -148,6 +147,7 @@ def request_identity(request: Request, chunk_size: int) -> RequestIdentity:
     embeds = request.prompt_embeds
     if embeds is not None:
         spans.extend(_embeds_spans(embeds, chunk_size))
+    _check_extra_keys(request)
     try:
         return RequestIdentity(
             cache_salt=str(request.cache_salt or ""),
@@ -179,7 +179,10 @@ def _check_extra_keys(request: Request) -> None:
     except ImportError:  # pragma: no cover - other vLLM versions
         return
     end = max(1, int(request.num_prompt_tokens))
-    extra, _ = generate_block_hash_extra_keys(request, 0, end, 0)
+    try:
+        extra, _ = generate_block_hash_extra_keys(request, 0, end, 0)
+    except Exception as exc:  # vLLM could not key it either
+        raise UnkeyableRequest(f"vLLM cannot derive its extra keys ({exc!r})") from None
     unknown = {
         str(key[0]) for key in extra or () if not (isinstance(key, tuple) and key[0] in _KNOWN_EXTRA_TAGS)
     }
