@@ -136,15 +136,29 @@ class CacheEngine:
 
     # ----- keys and specs -----------------------------------------------------------------------------------
     def _spec(self, span: ChunkSpan, layer: int | None = None) -> KVSpec:
-        """The object spec of a span (cached: specs are immutable and almost all chunks are full)."""
-        cache_key = (span.end - span.start, layer)
+        """The object spec of a span."""
+        return self._spec_of(span.end - span.start, layer)
+
+    def _spec_of(self, num_tokens: int, layer: int | None = None) -> KVSpec:
+        """The object spec of a chunk of ``num_tokens`` tokens (cached: specs are immutable and almost all
+        chunks are full)."""
+        cache_key = (num_tokens, layer)
         spec = self._specs.get(cache_key)
         if spec is None:
-            spec = object_spec(self.layout, span.end - span.start)
+            spec = object_spec(self.layout, num_tokens)
             if layer is not None:
                 spec = spec.with_layers(layer, layer + 1)
             self._specs[cache_key] = spec
         return spec
+
+    def _chunk_specs(self, num_chunks: int, num_tokens: int) -> list[KVSpec]:
+        """Specs of the first ``num_chunks`` chunks of a ``num_tokens`` prompt (whole objects)."""
+        if not num_chunks:
+            return []
+        chunk = self.chunk_size
+        full = self._spec_of(chunk)
+        last = self._spec_of(min(num_chunks * chunk, num_tokens) - (num_chunks - 1) * chunk)
+        return [full] * (num_chunks - 1) + [last]
 
     def _layer_keys(self, span: ChunkSpan) -> list[str]:
         return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
@@ -264,14 +278,22 @@ class CacheEngine:
     ) -> LookupResult:
         """Cached prefix of ``tokens`` (under ``identity``) across L1 and L2, with the tier of each chunk;
         starts prefetching."""
-        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
-        if not spans:
+        if self.layerwise:
+            spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
+            keys, specs = self._object_keys(spans)
+            group = self.layout.num_layers
+        else:  # the hot path (the scheduler's lookup): key strings straight from the hashes, no spans
+            hashes = self.token_db.prefix_hashes(tokens, identity=identity, block_hashes=block_hashes)
+            prefix = self.token_db.key_prefix
+            keys = [prefix + h.hex() for h in hashes]
+            specs = self._chunk_specs(len(keys), len(tokens))  # type: ignore[arg-type]
+            group = 1
+        if not keys:
             return LookupResult(0, 0, ())
-        keys, specs = self._object_keys(spans)
-        group = self.layout.num_layers if self.layerwise else 1
         hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch, group=group)
         chunks, tiers = hit.chunks, hit.tiers
-        return LookupResult(spans[chunks - 1].end if chunks else 0, chunks, tiers)
+        end = min(chunks * self.chunk_size, len(tokens))  # type: ignore[arg-type]
+        return LookupResult(end, chunks, tiers)
 
     async def lookup(
         self,

@@ -10,6 +10,7 @@ prefix and the same identity), a chunk's key is derived from the hash of its las
 from __future__ import annotations
 
 import array
+import bisect
 import hashlib
 import json
 import re
@@ -206,6 +207,9 @@ class RequestIdentity:
     lora_name: str = ""
     lora_path: str = ""
     inputs: tuple[InputSpan, ...] = ()
+    _starts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _longest: int = field(default=0, init=False, repr=False, compare=False)
+    _plain_extras: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.lora_path and not self.lora_name:
@@ -218,9 +222,12 @@ class RequestIdentity:
                 raise ValueError(f"input span needs a non-empty kind and digest: {span!r}")
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
                 raise ValueError(f"input span must cover [start, end) with 0 <= start < end: {span!r}")
-        object.__setattr__(
-            self, "inputs", tuple(sorted(spans, key=lambda sp: (sp.start, sp.end, sp.kind, sp.digest)))
-        )
+        ordered = tuple(sorted(spans, key=lambda sp: (sp.start, sp.end, sp.kind, sp.digest)))
+        object.__setattr__(self, "inputs", ordered)
+        object.__setattr__(self, "_starts", tuple(span.start for span in ordered))
+        object.__setattr__(self, "_longest", max((span.end - span.start for span in ordered), default=0))
+        plain: list[list[object]] = [["lora", self.lora_name, self.lora_path]] if self.lora_name else []
+        object.__setattr__(self, "_plain_extras", _canonical(plain))
 
     @property
     def is_empty(self) -> bool:
@@ -229,19 +236,25 @@ class RequestIdentity:
 
     def chunk_extras(self, start: int, end: int) -> bytes:
         """Canonical bytes of the identity parts that apply to tokens ``[start, end)``; empty if none."""
+        # spans that can overlap [start, end): those starting in (start - longest, end)
+        first = bisect.bisect_right(self._starts, start - self._longest) if self._starts else 0
+        last = bisect.bisect_left(self._starts, end, first)
+        overlapping = [span for span in self.inputs[first:last] if span.end > start]
+        if not overlapping and (start or not self.cache_salt):
+            return self._plain_extras  # the common case: the same bytes for every chunk
         items: list[list[object]] = []
         if self.lora_name:
             items.append(["lora", self.lora_name, self.lora_path])
-        for span in self.inputs:
-            if span.start >= end:
-                break
-            if span.end > start:
-                items.append([span.kind, span.digest, span.start - start, span.end - start])
+        for span in overlapping:
+            items.append([span.kind, span.digest, span.start - start, span.end - start])
         if start == 0 and self.cache_salt:
             items.append(["salt", self.cache_salt])
-        if not items:
-            return b""
-        return json.dumps(items, ensure_ascii=True, separators=(",", ":")).encode()
+        return _canonical(items)
+
+
+def _canonical(items: list[list[object]]) -> bytes:
+    """Unambiguous bytes of identity items (compact ASCII JSON); empty for no items."""
+    return json.dumps(items, ensure_ascii=True, separators=(",", ":")).encode() if items else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,12 +355,13 @@ class TokenDatabase:
         self.keyspace = keyspace
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
-        self._block_head = _BLOCK_TAG + keyspace.digest
+        self._block_hasher = hashlib.sha256(_BLOCK_TAG + keyspace.digest)
+        self._key_prefix = f"tc{keyspace.key_format_version}.{keyspace.digest_hex}."
 
     @property
     def key_prefix(self) -> str:
         """Key string up to the chunk hash: ``str(key) == key_prefix + key.chunk_hash.hex()``."""
-        return f"tc{self.keyspace.key_format_version}.{self.keyspace.digest_hex}."
+        return self._key_prefix
 
     def prefix_hashes(
         self,
@@ -357,17 +371,26 @@ class TokenDatabase:
         block_hashes: BlockHashes | None = None,
     ) -> list[bytes]:
         """Chained 32-byte hashes of every keyed chunk of ``tokens``, in order."""
-        data, num_tokens = _token_bytes(tokens)
         chunk = self.chunk_size
-        keyed = num_tokens // chunk
-        if num_tokens % chunk and self.save_unfull_chunk:
-            keyed += 1
         if identity is not None and identity.is_empty:
             identity = None
+        if block_hashes is None and identity is None:
+            data, num_tokens = _token_bytes(tokens)
+            return self._token_chain(data, num_tokens, self._keyed(num_tokens))
+        num_tokens = len(tokens)  # type: ignore[arg-type]
+        keyed = self._keyed(num_tokens)
         derived = self._derivable(block_hashes, num_tokens, keyed)
-        if identity is None and not derived:
-            return self._token_chain(data, num_tokens, keyed)
+        # Only the chunks not derived from block hashes need their tokens (no pass over the rest).
+        rest = tokens[derived * chunk :] if derived else tokens  # type: ignore[index]
+        data, _ = _token_bytes(rest)
         return self._mixed_chain(data, num_tokens, keyed, identity, block_hashes, derived)
+
+    def _keyed(self, num_tokens: int) -> int:
+        """Number of chunks of ``num_tokens`` tokens that get a key."""
+        keyed = num_tokens // self.chunk_size
+        if num_tokens % self.chunk_size and self.save_unfull_chunk:
+            keyed += 1
+        return keyed
 
     def _token_chain(self, data: memoryview, num_tokens: int, keyed: int) -> list[bytes]:
         """The plain chain (no identity, no block hashes): one SHA-256 per chunk over the token bytes."""
@@ -410,7 +433,8 @@ class TokenDatabase:
         block_hashes: BlockHashes | None,
         derived: int,
     ) -> list[bytes]:
-        """Chunks derived from block hashes first, then the token chain with the identity's extras."""
+        """Chunks derived from block hashes first, then the token chain with the identity's extras
+        (``data``: the tokens from the first chunk not derived)."""
         chunk = self.chunk_size
         digest = self.keyspace.digest
         sha256 = hashlib.sha256
@@ -418,12 +442,26 @@ class TokenDatabase:
         if derived:
             assert block_hashes is not None
             hashes, block = block_hashes.hashes, block_hashes.block_size
-            head, pack = self._block_head, _SPAN_BOUNDS.pack
-            for index in range(derived):
-                start = index * chunk
-                end = min(start + chunk, num_tokens)
-                out.append(sha256(head + pack(start, end) + bytes(hashes[end // block - 1])).digest())
+            pack, base_hasher = _SPAN_BOUNDS.pack, self._block_hasher
+            append = out.append
+            full = min(derived, num_tokens // chunk)
+            # the hash of each full chunk's last block: every (chunk // block)-th, from the first chunk's end
+            per = chunk // block
+            for start, block_hash in zip(
+                range(0, full * chunk, chunk), hashes[per - 1 : full * per : per], strict=True
+            ):
+                hasher = base_hasher.copy()
+                hasher.update(pack(start, start + chunk))
+                hasher.update(block_hash)
+                append(hasher.digest())
+            if derived > full:  # a tail chunk ending on a block boundary
+                start = full * chunk
+                hasher = base_hasher.copy()
+                hasher.update(pack(start, num_tokens))
+                hasher.update(hashes[num_tokens // block - 1])
+                append(hasher.digest())
         prev = out[-1] if out else bytes(_HASH_BYTES)
+        base = derived * chunk  # ``data`` starts at this token
         for index in range(derived, keyed):
             start = index * chunk
             end = min(start + chunk, num_tokens)
@@ -432,7 +470,7 @@ class TokenDatabase:
                 prev = sha256(_EXTRAS_TAG + prev + extras).digest()
             hasher = sha256(prev)
             hasher.update(digest)
-            hasher.update(data[start * _TOKEN_BYTES : end * _TOKEN_BYTES])
+            hasher.update(data[(start - base) * _TOKEN_BYTES : (end - base) * _TOKEN_BYTES])
             prev = hasher.digest()
             out.append(prev)
         return out

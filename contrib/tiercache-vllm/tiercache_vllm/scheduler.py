@@ -185,7 +185,7 @@ class SchedulerSide:
             self.stats.lookups += 1
             try:
                 hit = _loop.call(
-                    self._lookup(engines, list(request.prompt_token_ids or ()), keys),
+                    self._lookup(engines, request.prompt_token_ids or [], keys),
                     self.settings.lookup_timeout_s,
                 )
             except Exception as exc:
