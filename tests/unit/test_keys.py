@@ -241,9 +241,13 @@ def test_contiguous_prefix_stops_at_the_first_miss() -> None:
 
 _CHILD = """
 import json, sys
-from tiercache.keys import KeySpace, TokenDatabase
+from tiercache.keys import InputSpan, KeySpace, RequestIdentity, TokenDatabase
 ks = KeySpace(model="m/odel@x", kv_dtype="float16", num_layers=4, num_kv_heads=2, head_dim=64, cache_salt="s")
-print(json.dumps([str(k) for k in TokenDatabase(ks, chunk_size=16).keys(list(range(1000, 1100)))]))
+db = TokenDatabase(ks, chunk_size=16)
+spans = (InputSpan("mm", "img", 20, 40), InputSpan("embeds", "ab", 0, 16))
+ident = RequestIdentity("tenant", "lora", "/p", spans)
+keys = db.keys(list(range(1000, 1100))) + db.keys(list(range(1000, 1100)), identity=ident)
+print(json.dumps([str(k) for k in keys]))
 """
 
 
@@ -256,7 +260,8 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds() -> None
         )
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1] == outputs[2]
-    assert len(outputs[0]) == 7
+    assert len(outputs[0]) == 14
+    assert set(outputs[0][:7]).isdisjoint(outputs[0][7:])  # the identity changed every key
 
 
 def test_key_prefix_plus_hash_is_the_canonical_string() -> None:

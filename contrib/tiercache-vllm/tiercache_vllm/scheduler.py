@@ -99,6 +99,7 @@ class SchedulerSide:
         self._hash_block_size = hash_block_size(vllm_config, self._idents[0].key_source)
         self._requests: dict[str, Request] = {}
         self._key_args: dict[str, KeyArgs | None] = {}
+        self._unkeyable_reasons: set[str] = set()
         self._engines: list[CacheEngine] | None = None
         self._own_engine: CacheEngine | None = None
         self._shared = False
@@ -161,7 +162,9 @@ class SchedulerSide:
             found = key_args(request, self.chunk_size, self._hash_block_size)
         except UnkeyableRequest as exc:
             self.stats.unkeyable_requests += 1
-            logger.warning("tiercache: request %s is not cached: %s", req_id, exc)
+            if str(exc) not in self._unkeyable_reasons:  # one line per reason; the count says how many
+                self._unkeyable_reasons.add(str(exc))
+                logger.warning("tiercache: request %s and others like it are not cached: %s", req_id, exc)
             found = None
         self._key_args[req_id] = found
         return found
