@@ -222,6 +222,11 @@ def test_token_inputs_of_every_kind_give_the_same_keys() -> None:
     assert db.keys(np.array(tokens, dtype=np.uint32)) == expected
     assert db.keys(torch.tensor(tokens, dtype=torch.int64)) == expected
     assert db.keys(tuple(tokens)) == expected
+    ident = RequestIdentity(cache_salt="t", inputs=(InputSpan("mm", "x", 1, 3),))
+    with_identity = db.keys(tokens, identity=ident)
+    assert db.keys(np.array(tokens, dtype=np.int64), identity=ident) == with_identity
+    assert db.keys(torch.tensor(tokens, dtype=torch.int64), identity=ident) == with_identity
+    assert with_identity != expected
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**32], [[1, 2]], [1.5]])
