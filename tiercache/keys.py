@@ -444,13 +444,11 @@ class TokenDatabase:
         block = block_hashes.block_size
         if self.chunk_size % block:
             return 0  # chunks would not end on block boundaries: the token chain keys them
-        per_chunk = self.chunk_size // block
-        count = min(keyed, len(block_hashes.hashes) // per_chunk, num_tokens // self.chunk_size)
-        if count < keyed and keyed * self.chunk_size > num_tokens:  # the tail chunk may end on a block
-            tail_end = num_tokens
-            if count == keyed - 1 and tail_end % block == 0 and tail_end // block <= len(block_hashes.hashes):
-                count = keyed
-        return count
+        full = min(num_tokens // self.chunk_size, len(block_hashes.hashes) * block // self.chunk_size)
+        tail_ends_on_a_block = num_tokens % block == 0 and num_tokens // block <= len(block_hashes.hashes)
+        if full == num_tokens // self.chunk_size and keyed > full and tail_ends_on_a_block:
+            return keyed  # every full chunk and the tail chunk
+        return full
 
     def _mixed_chain(
         self,

@@ -488,3 +488,48 @@ def test_key_source_changes_the_digest_only_when_set() -> None:
     base = make_keyspace()
     assert replace(base, key_source="").digest == base.digest
     assert replace(base, key_source="vllm-block:sha256:bs32:seed=ab").digest != base.digest
+
+
+def literal_mixed(
+    keyspace: KeySpace, tokens: list[int], chunk: int, blocks: list[bytes], block: int, ident: RequestIdentity
+) -> list[bytes]:
+    """Reference: derive a chunk from the hash of its last block while every earlier chunk was derived and
+    that block is covered; otherwise chain from the previous chunk with the identity's extras."""
+    out: list[bytes] = []
+    deriving = chunk % block == 0
+    prev = bytes(32)
+    for start in range(0, len(tokens), chunk):
+        end = min(start + chunk, len(tokens))
+        if deriving and end % block == 0 and end // block <= len(blocks):
+            bounds = start.to_bytes(8, "little") + end.to_bytes(8, "little")
+            prev = hashlib.sha256(
+                b"tiercache.vllm-block.v1\x00" + keyspace.digest + bounds + blocks[end // block - 1]
+            ).digest()
+        else:
+            deriving = False
+            extras = ident.chunk_extras(start, end)
+            if extras:
+                prev = hashlib.sha256(b"tiercache.extras.v1\x00" + prev + extras).digest()
+            data = b"".join(t.to_bytes(4, "little") for t in tokens[start:end])
+            prev = hashlib.sha256(prev + keyspace.digest + data).digest()
+        out.append(prev)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 200),
+    block=st.sampled_from([1, 2, 4, 8]),
+    chunk=st.integers(1, 24),
+    covered=st.integers(0, 60),
+    ident=identities,
+)
+def test_block_and_token_keys_combine_as_specified(
+    n: int, block: int, chunk: int, covered: int, ident: RequestIdentity
+) -> None:
+    keyspace = make_keyspace()
+    tokens = [(i * 31) % 500 for i in range(n)]
+    blocks = chained_blocks(tokens, block)[:covered]
+    db = TokenDatabase(keyspace, chunk_size=chunk)
+    got = db.prefix_hashes(tokens, identity=ident, block_hashes=BlockHashes(blocks, block))
+    assert got == literal_mixed(keyspace, tokens, chunk, blocks, block, ident)
