@@ -268,3 +268,14 @@ def test_keys_agree_across_processes_or_the_mismatch_shows(tiny_model: Path, pos
     assert seeded[0]["source"] != seeded[1]["source"]
     digests = [{k.split(".")[1] for k in r["keys"]} for r in seeded]
     assert digests[0].isdisjoint(digests[1])  # mismatched configs: different keyspaces, never mixed keys
+
+
+def test_key_source_setting_is_validated() -> None:
+    from tiercache_vllm._common import ConnectorSettings
+
+    assert ConnectorSettings.from_extra({}).key_source == "auto"
+    assert ConnectorSettings.from_extra({"key_source": "tokens"}).key_source == "tokens"
+    with pytest.raises(ValueError, match="key_source"):
+        ConnectorSettings.from_extra({"key_source": "blocks"})
+    with pytest.raises(ValueError, match="key_source"):
+        ConnectorSettings.from_extra({"key_source": 1})
