@@ -100,8 +100,40 @@ class CacheEngine:
         The process-wide salt (``config.cache_salt_env``) goes into the keyspace; a request's own identity
         is passed per call (``identity=``). ``key_source`` names a non-token key source (vLLM block hashes).
         """
+        keyspace = cls.keyspace_for(
+            config,
+            layout,
+            model=model,
+            revision=revision,
+            world_size=world_size,
+            rank=rank,
+            key_source=key_source,
+        )
+        slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
+        manager = await StorageManager.open(config, slot, metrics=metrics)
+        return cls(
+            manager,
+            layout,
+            keyspace,
+            chunk_size=config.chunk_size,
+            save_unfull_chunk=config.save_unfull_chunk,
+            layerwise=layerwise,
+        )
+
+    @staticmethod
+    def keyspace_for(
+        config: Config,
+        layout: PagedLayout,
+        *,
+        model: str,
+        revision: str = "",
+        world_size: int = 1,
+        rank: int | str = 0,
+        key_source: str = "",
+    ) -> KeySpace:
+        """The keyspace ``open`` gives an engine (the process salt read from ``config.cache_salt_env``)."""
         salt = os.environ.get(config.cache_salt_env, "") if config.cache_salt_env else ""
-        keyspace = KeySpace(
+        return KeySpace(
             model=model,
             kv_dtype=layout.dtype,
             num_layers=layout.num_layers,
@@ -114,16 +146,6 @@ class CacheEngine:
             cache_salt=salt,
             layout_tag=layout.fingerprint if layout.block_aligned else "",
             key_source=key_source,
-        )
-        slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
-        manager = await StorageManager.open(config, slot, metrics=metrics)
-        return cls(
-            manager,
-            layout,
-            keyspace,
-            chunk_size=config.chunk_size,
-            save_unfull_chunk=config.save_unfull_chunk,
-            layerwise=layerwise,
         )
 
     async def aclose(self) -> None:

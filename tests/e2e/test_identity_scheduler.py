@@ -279,3 +279,35 @@ def test_key_source_setting_is_validated() -> None:
         ConnectorSettings.from_extra({"key_source": "blocks"})
     with pytest.raises(ValueError, match="key_source"):
         ConnectorSettings.from_extra({"key_source": 1})
+
+
+def test_consumer_reports_a_producer_with_another_keyspace(
+    tiny_model: Path, posix_config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tiercache_vllm.scheduler import KEYSPACE_PARAM
+
+    producer = harness.make_scheduler(tiny_model, posix_config, role="kv_producer")
+    req = request("p", PROMPT)
+    producer.add_request(req)
+    assert harness.meta_of(producer.schedule()).saves
+    delay, params = producer.connector.scheduler_side.request_finished(req, [])  # type: ignore[union-attr]
+    assert delay
+    assert params is not None
+    assert params[KEYSPACE_PARAM]["key_source"].startswith("vllm-block:sha256:bs32:")
+
+    def forwarded(rid: str) -> Request:  # what a P/D proxy sends the decode instance
+        sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+        init_none_hash(sha256)
+        return Request(rid, PROMPT, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
+
+    same = harness.make_scheduler(tiny_model, posix_config, role="kv_consumer")
+    same_side = same.connector.scheduler_side  # type: ignore[union-attr]
+    same_side.get_num_new_matched_tokens(forwarded("c1"), 0)
+    assert same_side.stats.keyspace_mismatches == 0
+    other = make_tokens_scheduler(tiny_model, posix_config)
+    other_side = other.connector.scheduler_side  # type: ignore[union-attr]
+    with caplog.at_level("WARNING", logger="tiercache_vllm"):
+        other_side.get_num_new_matched_tokens(forwarded("c2"), 0)
+        other_side.get_num_new_matched_tokens(forwarded("c3"), 0)
+    assert other_side.stats.keyspace_mismatches == 2
+    assert sum("another keyspace" in r.getMessage() for r in caplog.records) == 1  # one line per kind

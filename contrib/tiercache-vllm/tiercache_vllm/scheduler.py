@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache_vllm import _loop
 from tiercache_vllm._common import (
     ConnectorSettings,
+    EngineIdentity,
     LoadOp,
     SaveOp,
     TierCacheMetadata,
@@ -36,7 +37,12 @@ if TYPE_CHECKING:
     from tiercache.config import Config
     from tiercache.engine import CacheEngine
 
-__all__ = ["SchedulerSide"]
+__all__ = ["KEYSPACE_PARAM", "SchedulerSide"]
+
+KEYSPACE_PARAM = "tiercache_keyspace"
+"""Key of the ``kv_transfer_params`` entry a producer returns for a request it saved: its keyspace digest and
+key source. A consumer given it (a P/D proxy forwards these params) compares it with its own and reports a
+mismatch, which would otherwise be an unexplained miss on every request."""
 
 logger = logging.getLogger("tiercache_vllm")
 
@@ -69,6 +75,8 @@ class _Stats:
     saves: int = 0
     unkeyable_requests: int = 0
     """Requests whose identity has no stable key (never looked up nor stored)."""
+    keyspace_mismatches: int = 0
+    """Requests whose producer keyed them under another keyspace or key source (they cannot hit)."""
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -100,6 +108,8 @@ class SchedulerSide:
         self._requests: dict[str, Request] = {}
         self._key_args: dict[str, KeyArgs | None] = {}
         self._unkeyable_reasons: set[str] = set()
+        self._stamp = _keyspace_stamp(config, self._idents[0])
+        self._mismatches_seen: set[str] = set()
         self._engines: list[CacheEngine] | None = None
         self._own_engine: CacheEngine | None = None
         self._shared = False
@@ -157,6 +167,7 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id in self._key_args:
             return self._key_args[req_id]
+        self._check_producer_stamp(request)
         found: KeyArgs | None
         try:
             found = key_args(request, self.chunk_size, self._hash_block_size)
@@ -168,6 +179,25 @@ class SchedulerSide:
             found = None
         self._key_args[req_id] = found
         return found
+
+    def _check_producer_stamp(self, request: Request) -> None:
+        """Count and log (once per kind) a producer whose keyspace differs from this instance's."""
+        params = request.kv_transfer_params
+        stamp = params.get(KEYSPACE_PARAM) if isinstance(params, dict) else None
+        if stamp is None or stamp == self._stamp:
+            return
+        self.stats.keyspace_mismatches += 1
+        text = f"{stamp} != {self._stamp}"
+        if text not in self._mismatches_seen:
+            self._mismatches_seen.add(text)
+            logger.warning(
+                "tiercache: request %s was stored by a producer with another keyspace (producer %s, this "
+                "instance %s): it cannot hit; align prefix_caching_hash_algo, block size, PYTHONHASHSEED, "
+                "key_source and the model settings of both instances",
+                request.request_id,
+                stamp,
+                self._stamp,
+            )
 
     def _keys_of(self, req_id: str) -> KeyArgs | None:
         """Keying of a request the scheduler announced (None: unknown or unkeyable, so never stored)."""
@@ -310,9 +340,10 @@ class SchedulerSide:
         self._trackers.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._key_args.pop(req_id, None)
-        delay = req_id in self._save_issued or req_id in self._async_loading
+        saved = req_id in self._save_issued
+        delay = saved or req_id in self._async_loading
         self._save_issued.discard(req_id)
-        return delay, None
+        return delay, ({KEYSPACE_PARAM: dict(self._stamp)} if saved else None)
 
     def shutdown(self) -> None:
         """Close the lookup-only engine (a shared one belongs to the worker)."""
@@ -322,3 +353,19 @@ class SchedulerSide:
                 _loop.call(engine.aclose(), self.settings.save_timeout_s)
             except Exception:
                 logger.exception("tiercache: closing the scheduler's engine failed")
+
+
+def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
+    """This instance's keyspace digest and key source, as a producer reports them in kv_transfer_params."""
+    from tiercache.engine import CacheEngine
+
+    keyspace = CacheEngine.keyspace_for(
+        config,
+        ident.layout,
+        model=ident.model,
+        revision=ident.revision,
+        world_size=ident.world_size,
+        rank=ident.rank,
+        key_source=ident.key_source,
+    )
+    return {"keyspace": keyspace.digest_hex, "key_source": keyspace.key_source or "tokens"}
