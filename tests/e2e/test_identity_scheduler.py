@@ -107,14 +107,9 @@ def test_identity_decides_the_external_hit(
     tiny_model: Path, tmp_path: Path, write_config: Any, key_source: str
 ) -> None:
     config = write_config(tmp_path / "tc.toml", [("disk", f"file://{tmp_path}/l2")], chunk_size=CHUNK)
-    s = harness.make_scheduler(tiny_model, config)
+    s = harness.make_scheduler(tiny_model, config, extra_config={"key_source": key_source})
     side = s.connector.scheduler_side  # type: ignore[union-attr]
-    if key_source == "tokens":  # same scheduler, token-chain keys: rebuild the side's key settings
-        s = make_tokens_scheduler(tiny_model, config)
-        side = s.connector.scheduler_side  # type: ignore[union-attr]
-        assert side._hash_block_size is None
-    else:
-        assert side._hash_block_size == BS
+    assert side._hash_block_size == (BS if key_source == "auto" else None)  # block hashes vs the tokens
     # one prompt per case (same length), so no case can hit what another stored
     prompts = {name: harness.tokens(100 + i, len(PROMPT)) for i, name in enumerate(CASES)}
     stored = [request(f"store-{name}", prompts[name], **ident) for name, (ident, _, _) in CASES.items()]
@@ -130,17 +125,7 @@ def test_identity_decides_the_external_hit(
 
 def make_tokens_scheduler(model: Path, config: Path) -> Any:
     """The harness scheduler with ``key_source = "tokens"`` in the connector's extra config."""
-    original = harness.KVTransferConfig
-
-    def with_tokens(**kwargs: Any) -> Any:
-        kwargs["kv_connector_extra_config"] = {**kwargs["kv_connector_extra_config"], "key_source": "tokens"}
-        return original(**kwargs)
-
-    harness.KVTransferConfig = with_tokens
-    try:
-        return harness.make_scheduler(model, config)
-    finally:
-        harness.KVTransferConfig = original
+    return harness.make_scheduler(model, config, extra_config={"key_source": "tokens"})
 
 
 def test_unkeyable_identity_is_neither_looked_up_nor_stored(tiny_model: Path, posix_config: Path) -> None:

@@ -56,6 +56,7 @@ def make_scheduler(
     num_blocks: int = 200,
     batched: int = 1024,
     load_async: bool = False,
+    extra_config: dict[str, Any] | None = None,
 ) -> Scheduler:
     mc = ModelConfig(model=str(model), dtype="float32", seed=0)
     sc = SchedulerConfig(
@@ -63,7 +64,7 @@ def make_scheduler(
     )
     cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
     cc.kv_cache_layout = "LBHNC"
-    extra: dict[str, Any] = {"config": str(config), "load_async": load_async}
+    extra: dict[str, Any] = {"config": str(config), "load_async": load_async, **(extra_config or {})}
     ktc = KVTransferConfig(
         kv_connector="TierCacheConnector",
         kv_connector_module_path="tiercache_vllm",
