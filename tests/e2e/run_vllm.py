@@ -6,8 +6,8 @@ Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompt
 ``kill_before_generate`` (a PID to SIGKILL after start-up), ``ttft`` (also time each prompt alone with
 max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
 not ``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
-``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt`` or None per prompt), ``loras`` (a PEFT
-adapter directory or None per prompt; enables LoRA serving with rank 8).
+``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt``
+or None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8).
 """
 
 from __future__ import annotations
