@@ -90,6 +90,9 @@ class SchedulerSide:
         self.save_unfull_chunk = config.save_unfull_chunk
         self.block_size = int(vllm_config.cache_config.block_size)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        # MLA restores whole blocks only, as vLLM's prefix cache does: a restore leaving a one-token first
+        # step runs MLA's absorbed decode path, whose tokens differ from a cold prefill even with exact KV.
+        self.whole_blocks = self.layout.object_format.name == "KV_MLA"
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
         self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
@@ -160,11 +163,14 @@ class SchedulerSide:
 
     # ----- vLLM scheduler API --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens loadable beyond ``num_computed_tokens`` (never the whole request), and whether async."""
+        """Tokens loadable beyond ``num_computed_tokens`` (never the whole request; MLA: up to a block
+        boundary), and whether async."""
         if not self.can_load:
             return 0, False
         hit = self._hit_tokens(request)
         end = min(hit, request.num_tokens - 1)
+        if self.whole_blocks:
+            end = end // self.block_size * self.block_size
         count = max(0, end - num_computed_tokens)
         cached = self._lookups[request.request_id]
         cached.local, cached.count = num_computed_tokens, count
