@@ -5,8 +5,8 @@
   consumer restoring 999 tokens (after the frames are repaired) still produces the cold run's tokens.
 - vLLM's default ``kv_load_failure_policy="fail"`` is refused at start with one clear line.
 - A worker whose engine cannot open (an L1 no host can allocate): sync requests (in-process engine) and
-  async ones (multi-process engine, where the scheduler only learns of it from the worker's output) finish
-  with the cold run's tokens.
+  async ones (the worker in its own process, where the scheduler only learns of it from the worker's
+  output) finish with the cold run's tokens.
 """
 
 from __future__ import annotations
@@ -95,18 +95,21 @@ def test_default_failure_policy_refused_at_start(stack: dict[str, Any], vllm_run
     assert 'set kv_load_failure_policy="recompute"' in failed["stderr"]
 
 
-@pytest.mark.parametrize(("load_async", "multiprocess"), [(False, False), (True, True)])
+@pytest.mark.parametrize(("load_async", "executor"), [(False, "uni"), (True, "mp")])
 def test_disabled_worker_requests_finish_cold(
-    stack: dict[str, Any], vllm_run: Any, write_config: Any, load_async: bool, multiprocess: bool
+    stack: dict[str, Any], vllm_run: Any, write_config: Any, load_async: bool, executor: str
 ) -> None:
     work = stack["work"]
     huge = write_config(work / "huge.toml", [("disk", f"file://{stack['disk']}")], chunk_size=CHUNK)
     huge.write_text(huge.read_text().replace('capacity = "64MiB"', 'capacity = "1000TiB"'))
     consumer = {"role": "kv_consumer", "extra": {"config": str(huge), "load_async": load_async}}
-    spec = _spec(stack["model"], consumer, multiprocess=multiprocess)
-    result = vllm_run(work, f"disabled_{load_async}", spec, timeout=240)
+    spec = _spec(stack["model"], consumer, multiprocess=executor == "mp", executor=executor)
+    result = vllm_run(work, f"disabled_{executor}", spec, timeout=240)
     only = _only(result)
     assert (only["tokens"], only["finish_reason"]) == (stack["cold"], "length")
-    if not multiprocess:  # the scheduler shares the process: it fails closed from the start
+    if executor == "uni":  # the scheduler shares the worker's process: it fails closed from the start
         assert only["num_cached_tokens"] == 0
         assert result["connector"]["scheduler"][0]["worker_disabled"]
+    else:  # the scheduler (EngineCore) reported a hit; the worker's own process told it otherwise
+        log = (work / f"disabled_{executor}.log").read_text()
+        assert "a worker runs without an engine; the connector is disabled" in log

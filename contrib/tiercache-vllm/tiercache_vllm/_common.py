@@ -280,10 +280,29 @@ def model_fingerprint(vllm_config: VllmConfig) -> str:
     digest.update(json.dumps(head, sort_keys=True, default=str).encode())
     root = Path(str(model_config.model))
     if root.is_dir():
-        for path in sorted(p for p in root.iterdir() if _is_weight_file(p)):
-            digest.update(f"|{path.name}:{path.stat().st_size}:".encode())
-            digest.update(_ends_digest(path))
+        digest.update(_weights_digest(root))
     return digest.hexdigest()[:16]
+
+
+_WEIGHTS_SEEN: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
+
+
+def _weights_digest(root: Path) -> bytes:
+    """Digest of a model directory's weight files (names, sizes, first and last MiB); cached per process
+    while no file's size or mtime changes (mtimes only key the cache, they are not hashed)."""
+    import hashlib
+
+    files = sorted(p for p in root.iterdir() if _is_weight_file(p))
+    stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = (str(root.resolve()), stats)
+    found = _WEIGHTS_SEEN.get(key)
+    if found is None:
+        digest = hashlib.sha256()
+        for path, (name, size, _) in zip(files, stats, strict=True):
+            digest.update(f"|{name}:{size}:".encode())
+            digest.update(_ends_digest(path))
+        found = _WEIGHTS_SEEN[key] = digest.digest()
+    return found
 
 
 _WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf"})

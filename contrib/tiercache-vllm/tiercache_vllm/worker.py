@@ -313,6 +313,8 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are done, requests whose async load is done)."""
         self._finishing |= finished_req_ids & self._saving.keys()
+        for req_id in finished_req_ids - self._saving.keys():
+            self._short.pop(req_id, None)
         sending = set()
         for req_id in list(self._finishing):
             jobs = self._saving.get(req_id, [])
