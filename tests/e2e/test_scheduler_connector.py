@@ -605,3 +605,36 @@ def test_timed_out_async_load_is_cancelled_and_reported_once_stopped(
     assert stopped.is_set()
     assert worker.get_block_ids_with_load_errors() == {1, 2}
     worker.shutdown()
+
+
+def test_timed_out_save_of_a_preempted_request_is_waited_for(tiny_model: Path, posix_config: Path) -> None:
+    import threading
+
+    from tiercache_vllm._common import SaveOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config, save_timeout_s=0.05)
+    entered, release = threading.Event(), threading.Event()
+    read: list[bool] = []
+    real = worker.engine.store
+
+    async def blocking_store(tokens: Any, kv: Any, slots: Any, mask: Any = None) -> int:
+        entered.set()
+        release.wait()  # a long synchronous gather from the blocks
+        read.append(True)
+        return int(await real(tokens, kv, slots, mask))
+
+    worker.engine.store = blocking_store
+    prompt = tokens(28, 64)
+    worker.wait_for_save(TierCacheMetadata(saves=[SaveOp("p", prompt, [1, 2], 0)]))
+    assert entered.wait(30)
+    step = threading.Thread(target=worker.handle_preemptions, args=(TierCacheMetadata(preempted=["p"]),))
+    step.start()
+    step.join(1.0)
+    assert step.is_alive(), "vLLM could reuse the preempted blocks while the save still reads them"
+    release.set()
+    step.join(30)
+    assert not step.is_alive()
+    assert read == [True]
+    assert worker.stats.copies_stopped == 1
+    worker.shutdown()

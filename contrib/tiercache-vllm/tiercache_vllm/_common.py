@@ -75,9 +75,9 @@ class ConnectorSettings:
     lookup_timeout_s: float = 2.0
     """How long the scheduler waits for a lookup before treating it as a miss, seconds."""
     load_timeout_s: float = 10.0
-    """How long a synchronous load may take before its blocks are recomputed, seconds."""
+    """How long a load (sync or async) may take before it is cancelled and its blocks recomputed, seconds."""
     save_timeout_s: float = 30.0
-    """How long shutdown and preemption wait for pending saves, seconds."""
+    """How long shutdown and preemption wait for pending saves before cancelling them, seconds."""
     open_timeout_s: float = 60.0
     """How long opening the tiers may take before the connector runs disabled (all misses), seconds."""
 
