@@ -9,7 +9,8 @@ not ``kv_connector_module_path``), ``dtype`` (default float32), ``block_size`` (
 forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunked prefill, default True),
 ``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
-environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``).
+environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     )
     if not multiprocess:
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("executor"):  # e.g. "mp": the worker in its own process even at world size 1
         kwargs["distributed_executor_backend"] = spec["executor"]
     if spec.get("attention_backend"):

@@ -113,3 +113,20 @@ def test_disabled_worker_requests_finish_cold(
     else:  # the scheduler (EngineCore) reported a hit; the worker's own process told it otherwise
         log = (work / f"disabled_{executor}.log").read_text()
         assert "a worker runs without an engine; the connector is disabled" in log
+
+
+def test_fp8_variants_do_not_share_kv(
+    tiny_model: Path, vllm_run: Any, write_config: Any, tmp_path: Path
+) -> None:
+    """Every fp8 KV cache is a uint8 tensor: only the cache dtype's name in the keyspace keeps them apart."""
+    config = write_config(tmp_path / "tc.toml", [("disk", f"file://{tmp_path}/l2")], chunk_size=64)
+    prompt = PROMPT[:300]
+
+    def run(name: str, role: str, dtype: str) -> dict[str, Any]:
+        spec = _spec(tiny_model, {"role": role, "extra": {"config": str(config)}}, kv_cache_dtype=dtype)
+        return _only(vllm_run(tmp_path, name, {**spec, "prompts": [prompt], "batched": 1024}))
+
+    produced = run("e4m3_producer", "kv_producer", "fp8_e4m3")
+    assert run("e5m2_consumer", "kv_consumer", "fp8_e5m2")["num_cached_tokens"] == 0
+    same = run("e4m3_consumer", "kv_consumer", "fp8_e4m3")
+    assert (same["num_cached_tokens"], same["tokens"]) == (299, produced["tokens"])
