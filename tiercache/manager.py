@@ -79,6 +79,7 @@ class StorageManager:
         *,
         metrics: Metrics | None = None,
         store_batch: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.l1 = l1
         self.policy = policy or ManagerConfig()
@@ -91,7 +92,7 @@ class StorageManager:
                 name,
                 adapter,
                 pipeline,
-                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s),
+                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s, clock),
                 asyncio.Queue(self.policy.store_queue_size),
             )
             self.tiers.append(tier)
@@ -125,10 +126,13 @@ class StorageManager:
         """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss)."""
         if not tier.breaker.allow():
             return None
+        probe = tier.breaker.probing  # this call holds the half-open probe: it must resolve it
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(call(), deadline_s)
         except asyncio.CancelledError:
+            if tier.breaker.abandon(probe):
+                self.metrics.circuit_open.labels(tier.name).set(1)
             raise
         except Exception:
             self.metrics.errors.labels(tier.name, op).inc()

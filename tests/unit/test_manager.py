@@ -235,3 +235,47 @@ async def test_open_from_config(tmp_path: Path) -> None:
         await manager.aclose()
         await manager.aclose()
     assert (tmp_path / "d").is_dir()
+
+
+class FakeClock:
+    """A monotonic clock the test advances by hand (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> None:
+    """Issue 11 #1: a probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
+    raw = build_pipeline(["raw"])
+    inner = InMemoryAdapter()
+    await inner.batched_put(["k0000"], [raw.encode(payload("k0000"), SPEC, "k0000")])
+    tier = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"contains"}))
+    clock = FakeClock()
+    policy = ManagerConfig(
+        l2_deadline_s=60, lookup_deadline_s=60, store_queue_size=8, circuit_failures=1, circuit_cooldown_s=5
+    )
+    async with StorageManager(make_l1(), [("t", tier, raw)], policy, clock=clock) as manager:
+        assert await manager.batched_contains(["k0000"]) == [None]  # the failure opens the circuit
+        assert manager.metrics.value("tiercache_circuit_open", tier="t") == 1
+        clock.now += 6  # cool-down over: the next call is the probe; it hangs and its caller gives up
+        tier.fail_rate, tier.hang = 0.0, True
+        probe = asyncio.ensure_future(manager.batched_contains(["k0000"]))
+        for _ in range(100):
+            if tier.faults["hang"]:
+                break
+            await asyncio.sleep(0)
+        assert tier.faults["hang"] == 1
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        tier.hang = False  # the tier is healthy again
+        calls = tier.calls["contains"]
+        clock.now += 6
+        hits = await manager.batched_contains(["k0000"])
+        assert tier.calls["contains"] == calls + 1, "no probe reached the healthy tier"
+        assert [h.tier if h else None for h in hits] == ["t"]
+        assert manager.metrics.value("tiercache_circuit_open", tier="t") == 0
+        assert [h.tier if h else None for h in await manager.batched_contains(["k0000"])] == ["t"]
