@@ -40,6 +40,7 @@ from urllib.parse import unquote, urlsplit
 import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
 from tiercache.errors import AdapterUnavailable, ConfigError
 
@@ -201,6 +202,8 @@ class PosixAdapter(Adapter):
 
     scheme: ClassVar[str] = "file"
     capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=True, shared=True)
+    close_timeout_s: ClassVar[float] = 60.0
+    """How long ``aclose`` waits for puts still writing (their caller may have been cancelled)."""
 
     def __init__(
         self,
@@ -230,6 +233,7 @@ class PosixAdapter(Adapter):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._used = 0
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
+        self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
         self._closed = False
 
     @classmethod
@@ -410,6 +414,11 @@ class PosixAdapter(Adapter):
         check_lengths(keys, values)
         for k in keys:
             check_key(k)
+        # A write handed to a thread cannot be stopped: a cancelled caller leaves the batch to finish and
+        # account for what lands (capacity follows the medium), tracked until it ends.
+        return await self._detached.run(self._put_batch(list(keys), list(values)))
+
+    async def _put_batch(self, keys: list[str], values: list[Buffer]) -> list[bool]:
         if len(keys) == 1:
             return [await self._put_one(keys[0], values[0])]
         return list(await asyncio.gather(*(self._put_one(k, v) for k, v in zip(keys, values, strict=True))))
@@ -461,5 +470,6 @@ class PosixAdapter(Adapter):
         if self._closed:
             return
         self._closed = True
+        await self._detached.wait(self.close_timeout_s)
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         self._helpers.shutdown(wait=True)  # idle by now: every read waits for its helpers

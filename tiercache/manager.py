@@ -15,7 +15,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercache.circuit import CircuitBreaker
 from tiercache.config import ManagerConfig
@@ -66,6 +67,19 @@ class L2Tier:
     breaker: CircuitBreaker
     queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
     worker: asyncio.Task[None] | None = None
+    late: set[asyncio.Future[Any]] = field(default_factory=set)
+    """Puts that outlived their deadline and are still landing (counted when they end)."""
+
+
+class _Late:
+    """Marks a call still running past its deadline (its outcome is delivered later)."""
+
+
+def _late_done(
+    pending: set[asyncio.Future[Any]], late: Callable[[T | None], None], task: asyncio.Future[T]
+) -> None:
+    pending.discard(task)
+    late(None if task.cancelled() or task.exception() is not None else task.result())
 
 
 class StorageManager:
@@ -121,29 +135,66 @@ class StorageManager:
 
     # ----- L2 calls: deadline, circuit, metrics ------------------------------------------------------------
     async def _call(
-        self, tier: L2Tier, op: str, call: Callable[[], Awaitable[T]], deadline_s: float
+        self,
+        tier: L2Tier,
+        op: str,
+        call: Callable[[], Awaitable[T]],
+        deadline_s: float,
+        late: Callable[[T | None], None] | None = None,
     ) -> T | None:
-        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss)."""
+        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss).
+
+        With ``late``, the call's outcome (its result, or None where it failed) is also handed to ``late``,
+        and a call still running at the deadline is not cancelled (a write may be landing): it counts as a
+        timeout now and ``late`` gets its outcome when it ends."""
+        outcome = await self._attempt(tier, op, call, deadline_s, late)
+        if late is not None and not isinstance(outcome, _Late):
+            late(outcome)
+        return None if isinstance(outcome, _Late) else outcome
+
+    async def _attempt(
+        self,
+        tier: L2Tier,
+        op: str,
+        call: Callable[[], Awaitable[T]],
+        deadline_s: float,
+        late: Callable[[T | None], None] | None,
+    ) -> T | _Late | None:
         if not tier.breaker.allow():
             return None
         probe = tier.breaker.probing  # this call holds the half-open probe: it must resolve it
         started = time.perf_counter()
+        task = asyncio.ensure_future(call())
         try:
-            result = await asyncio.wait_for(call(), deadline_s)
+            done, _ = await asyncio.wait({task}, timeout=deadline_s)
         except asyncio.CancelledError:
+            task.cancel()
             if tier.breaker.abandon(probe):
                 self.metrics.circuit_open.labels(tier.name).set(1)
             raise
-        except Exception:
-            self.metrics.errors.labels(tier.name, op).inc()
-            if tier.breaker.record_failure():
-                self.metrics.circuit_open.labels(tier.name).set(1)
-            return None
         finally:
             self.metrics.latency.labels(tier.name, op).observe(time.perf_counter() - started)
+        if not done:
+            self._failed(tier, op)
+            if late is None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                return None
+            tier.late.add(task)
+            task.add_done_callback(partial(_late_done, tier.late, late))
+            return _Late()
+        if task.cancelled() or task.exception() is not None:
+            self._failed(tier, op)
+            return None
         tier.breaker.record_success()
         self.metrics.circuit_open.labels(tier.name).set(0)
-        return result
+        return task.result()
+
+    def _failed(self, tier: L2Tier, op: str) -> None:
+        self.metrics.errors.labels(tier.name, op).inc()
+        if tier.breaker.record_failure():
+            self.metrics.circuit_open.labels(tier.name).set(1)
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -205,11 +256,22 @@ class StorageManager:
             return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
-        stored = await self._call(
-            tier, "put", lambda: tier.adapter.batched_put(keys, values), self.policy.l2_deadline_s
+        if tier.late:  # at most one put past its deadline per tier: wait it out (bounded) before the next
+            _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
+            for task in still:
+                task.cancel()
+        await self._call(
+            tier,
+            "put",
+            lambda: tier.adapter.batched_put(keys, values),
+            self.policy.l2_deadline_s,
+            late=partial(self._count_stores, tier, values),
         )
+
+    def _count_stores(self, tier: L2Tier, values: list[bytearray], stored: list[bool] | None) -> None:
+        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
         if stored is None:
-            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(keys))
+            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
             return
         for ok, value in zip(stored, values, strict=True):
             if ok:

@@ -298,3 +298,26 @@ async def test_reads_from_page_cache_and_from_disk_agree(
         assert sorted(pooled) == sorted(values)
     finally:
         await adapter.aclose()
+
+
+def _bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+@pytest.mark.asyncio
+async def test_cancelled_puts_never_exceed_capacity(tmp_path: Path) -> None:
+    """Issue 11 #2: a put cancelled while its thread writes still lands; it is counted, so the tier never
+    holds more than its capacity and ``used_bytes`` follows the files on disk."""
+    capacity = 1 << 20
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=capacity)
+    value = b"x" * (128 << 10)
+    for i in range(40):
+        put = asyncio.ensure_future(adapter.batched_put([f"k{i}"], [value]))
+        await asyncio.sleep(0)  # the write is on the pool now
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert adapter.used_bytes <= capacity
+    await adapter.aclose()  # waits for the writes still landing
+    assert _bytes_on_disk(tmp_path) <= capacity
+    assert adapter.used_bytes == _bytes_on_disk(tmp_path)

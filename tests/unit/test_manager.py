@@ -279,3 +279,37 @@ async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> Non
         assert [h.tier if h else None for h in hits] == ["t"]
         assert manager.metrics.value("tiercache_circuit_open", tier="t") == 0
         assert [h.tier if h else None for h in await manager.batched_contains(["k0000"])] == ["t"]
+
+
+class SlowPuts(InMemoryAdapter):
+    """Puts land only when the test opens the gate, and cannot be stopped once started (like a thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def batched_put(
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        await asyncio.shield(self.gate.wait())
+        return await super().batched_put(keys, values)
+
+
+async def test_store_past_its_deadline_is_counted_when_it_lands() -> None:
+    """Issue 11 #2 (manager): a put that outlives the deadline but lands is counted stored, not failed."""
+    raw = build_pipeline(["raw"])
+    slow = SlowPuts()
+    policy = ManagerConfig(l2_deadline_s=0.01, lookup_deadline_s=1, store_queue_size=8, circuit_failures=5)
+    async with StorageManager(make_l1(), [("slow", slow, raw)], policy) as manager:
+        await put_all(manager, keys_of(2))
+        worker = manager.tiers[0].worker
+        assert worker is not None
+        await worker  # the put timed out at its deadline; it is still pending
+        assert manager.metrics.value("tiercache_stores_total", tier="slow") == 0
+        assert len(manager.tiers[0].late) == 1
+        slow.gate.set()
+        (late,) = manager.tiers[0].late
+        await late
+        assert await slow.batched_contains(keys_of(2)) == [True, True]
+        assert manager.metrics.value("tiercache_stores_total", tier="slow") == 2
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="slow", reason="failed") == 0
