@@ -245,11 +245,31 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # ----- conformance -----------------------------------------------------------------------------------------
+def _refuse_destructive_url(url: str) -> None:
+    """The kit writes to a live store: never let its URL ask for a reformat (``format=true``)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from tiercache.adapters._options import parse_bool
+
+    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if name == "format":
+            try:
+                destructive = parse_bool(value)
+            except ValueError:
+                destructive = True
+            if destructive:
+                raise TiercacheError(
+                    "conformance never reformats a store: drop 'format=...' from the URL "
+                    "(format it once, outside the kit, if that is what you want)"
+                )
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     try:
         import pytest
     except ImportError:
         raise TiercacheError("the conformance kit needs pytest: pip install 'tiercache[testing]'") from None
+    _refuse_destructive_url(args.url)
     pytest_args = [
         "-q",
         "-p",

@@ -125,3 +125,35 @@ def test_conformance_runs_the_kit_against_a_url(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert bad.returncode != 0
+
+
+def test_conformance_never_reformats_a_live_slab(tmp_path: Path) -> None:
+    """Issue 11 (suspected): ``conformance`` refuses a URL asking for a reformat; the slab's objects stay."""
+    import asyncio
+
+    from tiercache.adapters.nvme_slab import SlabAdapter
+
+    url = f"nvme+slab://{tmp_path}/live.slab?capacity=64MiB&max_object=1MiB&extent_size=8MiB"
+
+    async def put_then_read(put: bool) -> list[bool]:
+        slab = await SlabAdapter.open(url, preallocate=False)
+        try:
+            if put:
+                await slab.batched_put(["live"], [b"precious"])
+            return await slab.batched_contains(["live"])
+        finally:
+            await slab.aclose()
+
+    assert asyncio.run(put_then_read(True)) == [True]
+    for value in ("true", "1", "yes"):
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "tiercache", "conformance", f"{url}&format={value}", "-x"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "never reformats" in proc.stderr
+    assert asyncio.run(put_then_read(False)) == [True]
