@@ -529,6 +529,11 @@ class SlabAdapter(Adapter):
         )
 
     @property
+    def capacity(self) -> int:
+        """Bytes of slot space (every extent's data area); ``used_bytes`` never exceeds it."""
+        return self._geo.n_extents * self._geo.extent_bytes
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the values stored."""
         return sum(e.length for e in self._index.values())

@@ -16,6 +16,7 @@ from tiercache.errors import AdapterUnavailable, ConfigError
 from tiercache.testing.adapters import AdapterConformance
 
 if TYPE_CHECKING:
+    from tiercache.adapters import Adapter
     from tiercache.testing.adapters import AdapterFactory
 
 
@@ -25,6 +26,14 @@ class TestPosixConformance(AdapterConformance):
     @pytest.fixture
     def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
         return lambda: PosixAdapter.open(f"file://{tmp_path}/store")
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        self.root = tmp_path / "bounded"
+        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB")
+
+    async def stored_bytes(self, adapter: Adapter) -> int | None:
+        return _bytes_on_disk(self.root)
 
 
 class TestPosixConformanceFsyncFlat(AdapterConformance):

@@ -32,6 +32,11 @@ class TestSlabConformance(AdapterConformance):
         url = f"nvme+slab://{tmp_path}/kit.slab?capacity=640MiB&max_object=64MiB&extent_size=64MiB"
         return lambda: SlabAdapter.open(url, preallocate=False)
 
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        url = f"nvme+slab://{tmp_path}/bounded.slab?capacity=6MiB&max_object=1MiB&extent_size=2MiB"
+        return lambda: SlabAdapter.open(url, preallocate=False)
+
 
 class TestSlabConformanceBuffered(AdapterConformance):
     """The kit with buffered I/O and fsync on (smaller objects to stay fast)."""
