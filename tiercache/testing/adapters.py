@@ -25,11 +25,10 @@ override it to open the same kind of store with a small capacity (a few MiB), so
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 import pytest_asyncio
@@ -38,6 +37,8 @@ from tiercache.adapters._base import Adapter, Buffer, Capabilities
 from tiercache.errors import AdapterUnavailable, Unsupported
 
 __all__ = ["AdapterConformance", "AdapterFactory"]
+
+_T = TypeVar("_T")
 
 AdapterFactory = Callable[[], Awaitable[Adapter]]
 """Opens a new adapter on the location under test (the same one on every call)."""
@@ -63,6 +64,21 @@ def _describe(got: Buffer | None, expected: bytes) -> str:
     if got is None:
         return f"None instead of {len(expected)} bytes"
     return f"{len(got)} bytes that differ from the {len(expected)} bytes expected"
+
+
+async def _cancel_randomly(call: Coroutine[Any, Any, _T], rng: random.Random) -> _T | None:
+    """Run ``call`` and cancel it at a random point (0-5 loop iterations in, or part-way through I/O);
+    its result if it finished first, else None."""
+    task = asyncio.ensure_future(call)
+    for _ in range(rng.randrange(6)):
+        await asyncio.sleep(0)
+    if rng.random() < 0.25:
+        await asyncio.sleep(rng.random() * 0.003)
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return None
 
 
 async def _put_patiently(adapter: Adapter, key: str, value: bytes) -> bool:
@@ -323,24 +339,12 @@ class AdapterConformance:
             for i in range(rounds):
                 assert await _put_patiently(adapter, keys[i], old[i]), f"put of key {i} refused: space leaked"
                 op = rng.choice(("put", "put", "get"))
-                call = (
-                    adapter.batched_put([keys[i]], [new[i]])
-                    if op == "put"
-                    else adapter.batched_get([keys[i]])
-                )
-                task = asyncio.ensure_future(call)
-                for _ in range(rng.randrange(6)):  # a random cancel point: 0-5 loop iterations in
-                    await asyncio.sleep(0)
-                if rng.random() < 0.25:  # or part-way through I/O
-                    await asyncio.sleep(rng.random() * 0.003)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    result = await task
-                    if op == "get":
-                        (got,) = result
-                        assert got is None or _same(got, old[i]), (
-                            f"cancelled get {i}: {_describe(got, old[i])}"
-                        )
+                if op == "put":
+                    await _cancel_randomly(adapter.batched_put([keys[i]], [new[i]]), rng)
+                else:
+                    read = await _cancel_randomly(adapter.batched_get([keys[i]]), rng)
+                    got = None if read is None else read[0]
+                    assert got is None or _same(got, old[i]), f"cancelled get {i}: {_describe(got, old[i])}"
                 self._check_capacity(adapter, f"after cancelled {op} {i}")
             await self._check_medium(adapter, "after the cancelled calls")
             for i, got in enumerate(await adapter.batched_get(keys)):
