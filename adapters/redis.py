@@ -188,7 +188,7 @@ def _split_url(
         userinfo, netloc = netloc.rsplit("@", 1)
         if ":" in userinfo:
             raise ConfigError(
-                f"{adapter}: no password in the URL {url.split('@')[0]}...; pass it as option "
+                f"{adapter}: no password in the URL; pass it as option "
                 "'password' (in a config file: password_env = \"VAR\")"
             )
         username = unquote(userinfo) or None

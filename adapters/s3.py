@@ -46,6 +46,7 @@ from tiercache.adapters._options import (
     parse_size,
     parse_str,
 )
+from tiercache.config import redact_url
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache.keys import ChunkKey
 
@@ -214,7 +215,8 @@ class S3Adapter(Adapter):
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._closed = False
-        self._where = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint_url}" if endpoint_url else "")
+        at = f" at {redact_url(endpoint_url)}" if endpoint_url else ""
+        self._where = f"s3://{bucket}/{self.prefix}{at}"  # for messages and logs: never a secret
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:

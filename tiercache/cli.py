@@ -69,12 +69,13 @@ async def _check_tier(tier: TierConfig, deadline_s: float) -> dict[str, Any]:
     import numpy as np
 
     from tiercache._open import open_adapter
+    from tiercache.config import redact_text, redact_url
     from tiercache.serde import build_pipeline
     from tiercache.spec import KVSpec
 
     result: dict[str, Any] = {
         "tier": tier.name,
-        "url": tier.url,
+        "url": redact_url(tier.url),
         "codecs": [_codec_name(c) for c in tier.codecs],
     }
     started = time.perf_counter()
@@ -111,13 +112,14 @@ async def _check_tier(tier: TierConfig, deadline_s: float) -> dict[str, Any]:
             await asyncio.wait_for(adapter.batched_delete([key]), deadline_s)
         result.update(ok=True, frame_bytes=len(frame), raw_bytes=spec.nbytes)
     except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        result.update(ok=False, error=redact_text(error, tier.url))
     finally:
         if adapter is not None:
             try:
                 await adapter.aclose()
             except Exception as exc:  # closing must not hide the verdict
-                result.setdefault("close_error", str(exc))
+                result.setdefault("close_error", redact_text(str(exc), tier.url))
         result["seconds"] = round(time.perf_counter() - started, 4)
     return result
 
@@ -269,6 +271,9 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         import pytest
     except ImportError:
         raise TiercacheError("the conformance kit needs pytest: pip install 'tiercache[testing]'") from None
+    from tiercache.config import check_url_secrets
+
+    check_url_secrets(args.url, "conformance")
     _refuse_destructive_url(args.url)
     pytest_args = [
         "-q",
