@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from tiercache.spec import KVSpec
 
 __all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
+
+log = logging.getLogger(__name__)
 
 L1_TIER = "L1"
 T = TypeVar("T")
@@ -68,6 +71,7 @@ class L2Tier:
     queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
     worker: asyncio.Task[None] | None = None
     late: set[asyncio.Future[Any]] = field(default_factory=set)
+    store_error_logged: bool = False
     """Puts that outlived their deadline and are still landing (counted when they end)."""
 
 
@@ -230,11 +234,23 @@ class StorageManager:
                     tier.worker = asyncio.get_running_loop().create_task(self._store_worker(tier))
 
     async def _store_worker(self, tier: L2Tier) -> None:
-        """Drain a tier's store queue in batches: encode off the loop, then one batched put."""
+        """Drain a tier's store queue in batches: encode off the loop, then one batched put.
+
+        Survives any exception of a codec or adapter: the batch is dropped and counted
+        (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
         while not tier.queue.empty():
             batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
             try:
                 await self._store_batch(tier, batch)
+            except Exception as exc:
+                self.metrics.stores_dropped.labels(tier.name, "error").inc(len(batch))
+                if not tier.store_error_logged:
+                    tier.store_error_logged = True
+                    log.error(
+                        "tier %s: a background store failed (%r); later failures are only counted",
+                        tier.name,
+                        exc,
+                    )
             finally:
                 for _, lease in batch:
                     lease.release()

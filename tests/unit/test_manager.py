@@ -313,3 +313,42 @@ async def test_store_past_its_deadline_is_counted_when_it_lands() -> None:
         assert await slow.batched_contains(keys_of(2)) == [True, True]
         assert manager.metrics.value("tiercache_stores_total", tier="slow") == 2
         assert manager.metrics.value("tiercache_stores_dropped_total", tier="slow", reason="failed") == 0
+
+
+class FailsToEncode:
+    """A codec pipeline that raises for one key (a codec bug) and encodes the others with ``raw``."""
+
+    def __init__(self, *bad_keys: str) -> None:
+        self.raw = build_pipeline(["raw"])
+        self.bad_keys = set(bad_keys)
+
+    def encode(self, data: object, spec: KVSpec, key: str) -> bytearray:
+        if key in self.bad_keys:
+            raise RuntimeError("codec bug")
+        return self.raw.encode(data, spec, key)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.raw, name)
+
+
+async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 11 (suspected): a codec exception no longer kills the store worker or strands leases."""
+    inner = InMemoryAdapter()
+    pipeline = FailsToEncode("k0000", "k0002")
+    async with StorageManager(
+        make_l1(),
+        [("t", inner, pipeline)],
+        POLICY,
+        store_batch=1,  # type: ignore[list-item]
+    ) as manager:
+        await put_all(manager, keys_of(4))
+        await manager.drain()
+        assert await inner.batched_contains(keys_of(4)) == [False, True, False, True]
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="t", reason="error") == 2
+        assert manager.metrics.value("tiercache_stores_total", tier="t") == 2
+        for key in keys_of(4):  # every lease was released
+            assert not manager.l1._objects[key]._leases, f"{key} still leased"
+        await put_all(manager, ["k0009"])
+        await manager.drain()
+        assert await inner.batched_contains(["k0009"]) == [True]
+    assert sum("codec bug" in r.getMessage() for r in caplog.records) == 1  # logged once, then counted
