@@ -506,6 +506,11 @@ class StorageManager:
             while not tier.queue.empty():
                 _, lease = tier.queue.get_nowait()
                 lease.release()
+            if tier.late:  # puts past their deadline: let them land (bounded), then stop waiting
+                _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
+                for task in still:
+                    task.cancel()
+                await asyncio.gather(*still, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await tier.adapter.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
