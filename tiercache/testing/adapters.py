@@ -354,7 +354,7 @@ class AdapterConformance:
             self._check_capacity(adapter, "after reading every key back")
             # No leaked reservation: fresh puts of twice the capacity (or of every cancelled value) succeed.
             capacity = getattr(adapter, "capacity", None)
-            total = 2 * capacity if isinstance(capacity, int) and capacity < (256 << 20) else rounds * size
+            total = 2 * capacity if isinstance(capacity, int) and capacity <= (64 << 20) else rounds * size
             fresh = _keys(max(1, total // size), tag="f")
             for n, key in enumerate(fresh):
                 stored = await _put_patiently(adapter, key, old[n % rounds])
