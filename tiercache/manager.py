@@ -272,10 +272,9 @@ class StorageManager:
             return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
-        if tier.late:  # at most one put past its deadline per tier: wait it out (bounded) before the next
-            _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
-            for task in still:
-                task.cancel()
+        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
+            # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
+            await asyncio.wait(set(tier.late))
         await self._call(
             tier,
             "put",
@@ -506,13 +505,13 @@ class StorageManager:
             while not tier.queue.empty():
                 _, lease = tier.queue.get_nowait()
                 lease.release()
-            if tier.late:  # puts past their deadline: let them land (bounded), then stop waiting
+            with contextlib.suppress(Exception):
+                await tier.adapter.aclose()  # waits for writes the adapter cannot stop
+            if tier.late:  # puts past their deadline: counted as they end (bounded), then stop waiting
                 _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
                 for task in still:
                     task.cancel()
                 await asyncio.gather(*still, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await tier.adapter.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> StorageManager:

@@ -352,3 +352,23 @@ async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCapture
         await manager.drain()
         assert await inner.batched_contains(["k0009"]) == [True]
     assert sum("codec bug" in r.getMessage() for r in caplog.records) == 1  # logged once, then counted
+
+
+async def test_posix_stores_past_the_deadline_stay_within_capacity_and_are_counted(tmp_path: Path) -> None:
+    """Issue 11 #2 (through the manager): stores cut off by the deadline land on a POSIX tier; the tier stays
+    within its capacity and the manager counts as stored at least every object that is on disk."""
+    capacity = 8 * SPEC.nbytes
+    tier = await PosixAdapter.open(f"file://{tmp_path}/l2", capacity=capacity, fsync=True)  # slow writes
+    policy = ManagerConfig(
+        l2_deadline_s=1e-3, lookup_deadline_s=1, store_queue_size=64, circuit_failures=10**6
+    )
+    manager = StorageManager(make_l1(64), [("disk", tier, build_pipeline(["raw"]))], policy, store_batch=1)
+    for start in range(0, 40, 8):
+        await put_all(manager, keys_of(40)[start : start + 8])
+        await manager.drain()
+    await manager.aclose()
+    files = [p for p in (tmp_path / "l2").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert sum(p.stat().st_size for p in files) <= capacity
+    stored = manager.metrics.value("tiercache_stores_total", tier="disk")
+    failed = manager.metrics.value("tiercache_stores_dropped_total", tier="disk", reason="failed")
+    assert stored >= len(files) > 0, f"{len(files)} objects on disk, {stored} counted stored, {failed} failed"
