@@ -9,7 +9,7 @@ Modes:
 
 - ``pass``: forward both ways.
 - ``stall``: accept, read and drop what the client sends, answer nothing (a hung server or network); open
-  connections stop forwarding.
+  connections stop forwarding. When the stall ends, the stalled connections are closed.
 - ``reset``: close every connection with a TCP RST (``SO_LINGER`` 0), new ones as soon as they arrive.
 - ``truncate``: forward the client's request, then only ``truncate_after`` bytes of the server's answer on
   that connection, then close it (FIN). With ``strip_content_length`` (HTTP/1.1 servers) the answer's
@@ -109,9 +109,14 @@ class FaultProxy:
         writer.transport.abort()
 
     async def _hold(self, reader: asyncio.StreamReader) -> None:
-        """Stall: swallow whatever arrives until the peer goes away or the proxy stops."""
-        while await reader.read(_CHUNK):
-            pass
+        """Stall: swallow whatever arrives while the mode is ``stall``; the connection is closed once the peer
+        goes away or the stall ends (what was swallowed is lost, so it cannot carry on)."""
+        while self.mode == "stall":
+            try:
+                if not await asyncio.wait_for(reader.read(_CHUNK), 0.05):
+                    return
+            except TimeoutError:
+                continue
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
