@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiercache.gpu.launch import Ptr, launch
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
@@ -397,6 +398,14 @@ def _alias(t: torch.Tensor, dtype: torch.dtype, byte_offset: int = 0) -> torch.T
     return out
 
 
+def _ptr(t: torch.Tensor, dtype: torch.dtype) -> Ptr | torch.Tensor:
+    """``t``'s first element as a ``dtype`` pointer argument (the typed alias is only built when Triton's
+    own launch needs it)."""
+    if t.dtype == dtype:
+        return t
+    return Ptr(t.data_ptr(), dtype, lambda: _alias(t, dtype))
+
+
 def _align_of(ptrs: Sequence[int]) -> int:
     """The largest power of two <= 16 dividing every pointer (what the word and vector choice depends on)."""
     a = 16
@@ -406,18 +415,52 @@ def _align_of(ptrs: Sequence[int]) -> int:
 
 
 _GEO_CACHE: dict[tuple[Any, ...], _GeoInts] = {}
+_GEO_OBJS: dict[tuple[Any, ...], _Geometry] = {}
+
+
+@dataclass
+class _Registered:
+    """KV caches seen before: the object itself, its first layer and that layer's address (what a repeated
+    call re-checks) and the geometry key computed once for them."""
+
+    kv_caches: Any
+    first: torch.Tensor
+    first_ptr: int
+    count: int
+    key: tuple[Any, ...]
+
+
+_REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
+
+
+def _first_layer(kv_caches: KVCaches) -> torch.Tensor | None:
+    if isinstance(kv_caches, Mapping):
+        return next(iter(kv_caches.values()), None)
+    return kv_caches[0] if len(kv_caches) else None
 
 
 def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
     """What the geometry depends on besides alignment: layout, layers and the layers' pointers, shapes and
-    strides (one pass over the layer list; a move computes it once for all its launches)."""
+    strides. Computed once per KV caches object (engines register theirs once and keep it: a later call with
+    the same object, first layer and length reuses the key; replace the object to change its tensors)."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
+    rkey = (id(kv_caches), layout, layers.start, layers.stop)
+    reg = _REGISTERED.get(rkey)
+    first = _first_layer(kv_caches)
+    if (
+        reg is not None
+        and reg.kv_caches is kv_caches
+        and reg.first is first
+        and reg.count == len(kv_caches)
+        and reg.first_ptr == first.data_ptr()
+    ):
+        return reg.key
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
         raise ValueError(f"{len(kv)} KV cache tensors for a layout of {layout.num_layers} layers")
     first = kv[0]
-    return (
+    key = (
         layout,
         layers.start,
         layers.stop,
@@ -425,6 +468,10 @@ def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tu
         first.dtype,
         tuple((t.data_ptr(), t.shape, t.stride()) for t in kv),
     )
+    if len(_REGISTERED) > 16:
+        _REGISTERED.clear()
+    _REGISTERED[rkey] = _Registered(kv_caches, first, first.data_ptr(), len(kv), key)
+    return key
 
 
 def _geometry(
@@ -434,14 +481,17 @@ def _geometry(
     extra_ptrs: Sequence[int],
     key: tuple[Any, ...] | None = None,
 ) -> _Geometry:
-    """The launch geometry; the integer part is cached by ``_geometry_key`` (engines keep their KV tensors)
-    and the alignment of ``extra_ptrs``."""
+    """The launch geometry; cached by ``_geometry_key`` (engines keep their KV tensors) and the alignment of
+    ``extra_ptrs`` (the cached object holds the layer-0 alias and the device layer offsets)."""
     if key is None:
         key = _geometry_key(kv_caches, layout, layers)
-    kv = layer_tensors(kv_caches)
-    first = kv[0]
     align = _align_of(extra_ptrs)
     key = (*key, align)
+    geo = _GEO_OBJS.get(key)
+    if geo is not None:
+        return geo
+    kv = layer_tensors(kv_caches)
+    first = kv[0]
     g = _GEO_CACHE.get(key)
     if g is None:
         if len({t.device for t in kv}) != 1 or len({t.dtype for t in kv}) != 1:
@@ -450,7 +500,7 @@ def _geometry(
         if len(_GEO_CACHE) > 64:
             _GEO_CACHE.clear()
         _GEO_CACHE[key] = g
-    return _Geometry(
+    geo = _Geometry(
         word=g.word,
         vec=g.vec,
         kv_base=_alias(first, _WORDS[g.word]),
@@ -463,6 +513,10 @@ def _geometry(
         device=first.device,
         es=g.es,
     )
+    if len(_GEO_OBJS) > 16:
+        _GEO_OBJS.clear()
+    _GEO_OBJS[key] = geo
+    return geo
 
 
 def _geometry_ints(kv: list[torch.Tensor], layout: PagedLayout, layers: range, align: int) -> _GeoInts:
@@ -663,8 +717,11 @@ class SlotCheck:
         self.ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
         self.on_host = check and host is not None
         self.status: torch.Tensor | None = None
-        if flags or (check and host is None):
+        self.flags = flags
+        if flags:  # word 3 is summed into by the fp8 kernel: zeroed
             self.status = torch.zeros((len(span_list), 4), dtype=torch.int64, device=slots.device)
+        elif check and host is None:  # the check kernel writes words 0-2 of every row; word 3 is not read
+            self.status = torch.empty((len(span_list), 4), dtype=torch.int64, device=slots.device)
         self._run_kernel = check and host is None
         self._host_values: tuple[int, int, int] | None = None
         self._queued = False
@@ -685,8 +742,12 @@ class SlotCheck:
             dev = self.device_slots.device
             rows = [(s, e - s, k, 0) for (s, e), k in zip(self.span_list, self.skips, strict=True)]
             with _on(dev):
-                _kernels().check[(len(rows),)](
-                    self.device_slots, _device_ints(rows, dev), self.status, self.n_slots, BLOCK=CHECK_BLOCK
+                launch(
+                    _kernels().check,
+                    (len(rows), 1, 1),
+                    (self.device_slots, _device_ints(rows, dev), self.status, self.n_slots),
+                    {"BLOCK": CHECK_BLOCK},
+                    dev,
                 )
         self.seal()
 
@@ -727,6 +788,9 @@ class SlotCheck:
                 self._rows = self._pinned.tolist()
             else:
                 self._rows = st.tolist()
+            if not self.flags:  # word 3 of an unflagged status was never written
+                for row in self._rows:
+                    row[3] = 0
         return self._rows
 
     def result(self) -> tuple[int, int, int, int]:
@@ -780,7 +844,7 @@ class MovePlan:
     ``finish`` reads them; a pipeline group's plan has none (its move is checked once, by the pipeline)."""
 
     geo: _Geometry
-    obj_base: torch.Tensor
+    obj_base: torch.Tensor | Ptr
     span_table: torch.Tensor
     slots: torch.Tensor
     tiles_per_span: int
@@ -805,31 +869,39 @@ class MovePlan:
         block_d, ndc, hb, block_t = _tiles(self.dw, self.geo.word, self.heads, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
-        with _on(self.geo.device):
-            k.move[grid](
-                self.geo.kv_base,
-                self.obj_base,
-                _layer_offsets(self.geo),
-                self.span_table,
-                self.slots,
-                tiles,
-                self.geo.s_plane,
-                self.geo.s_blk,
-                self.geo.s_off,
-                self.geo.s_head,
-                self.layers,
-                self.geo.n_slots,
-                H=self.heads,
-                BS=self.block_size,
-                P=self.planes,
-                DW=self.dw,
-                BLOCK_T=block_t,
-                HB=hb,
-                BLOCK_D=block_d,
-                NDC=ndc,
-                VEC=self.geo.vec if block_d % self.geo.vec == 0 else 1,
-                SCATTER=self.scatter,
-                num_warps=cfg.num_warps,
+        geo = self.geo
+        with _on(geo.device):
+            launch(
+                k.move,
+                grid,
+                (
+                    geo.kv_base,
+                    self.obj_base,
+                    _layer_offsets(geo),
+                    self.span_table,
+                    self.slots,
+                    tiles,
+                    geo.s_plane,
+                    geo.s_blk,
+                    geo.s_off,
+                    geo.s_head,
+                    self.layers,
+                    geo.n_slots,
+                ),
+                {
+                    "H": self.heads,
+                    "BS": self.block_size,
+                    "P": self.planes,
+                    "DW": self.dw,
+                    "BLOCK_T": block_t,
+                    "HB": hb,
+                    "BLOCK_D": block_d,
+                    "NDC": ndc,
+                    "VEC": geo.vec if block_d % geo.vec == 0 else 1,
+                    "SCATTER": self.scatter,
+                    "num_warps": cfg.num_warps,
+                },
+                geo.device,
             )
         if self.move is not None:
             self.move.queue_checks()  # after the kernel: its host work overlaps the move
@@ -896,7 +968,7 @@ class MoveCheck:
         lay = self.layout
         return MovePlan(
             geo=geo,
-            obj_base=_alias(objs[0], _WORDS[word]) if objs else geo.kv_base,
+            obj_base=_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base,
             span_table=_device_ints(rows or [(0, 0, 0, 0)], geo.device),
             slots=self.slots,
             tiles_per_span=max_tokens,
@@ -1186,7 +1258,7 @@ def plan_fp8(
     if ch_fast:
         grid = (grid[2], grid[1], grid[0])
     args = (
-        _alias(kv0, kv0.dtype),
+        _ptr(kv0, kv0.dtype),
         out[0],
         _layer_offsets(geo, scale),
         table,
@@ -1217,11 +1289,11 @@ def plan_fp8(
     }
     device = geo.device
 
-    def launch() -> None:
+    def run() -> None:
         with _on(device):
-            k.fp8[grid](*args, **meta)
+            launch(k.fp8, grid, args, meta, device)
 
-    return Fp8Plan(launch, checks)
+    return Fp8Plan(run, checks)
 
 
 def gather_fp8(
