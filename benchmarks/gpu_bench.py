@@ -276,7 +276,7 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             "call_wall_GBps": nbytes / statistics.median(st) / GB,
             "vs_ceiling_median": d2h / statistics.median(st),
             "vs_ceiling_worst_of_5": d2h / max(st),
-            "bit_exact": all(torch.equal(bits(x.cpu()), bits(y)) for x, y in zip(houts, want, strict=True)),
+            "bit_exact": all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(houts, want, strict=True)),
         }
         row["from_pinned"] = {
             "ceiling_GBps": nbytes / h2d / GB,

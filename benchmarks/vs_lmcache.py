@@ -132,6 +132,10 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
         }
         row: dict[str, Any] = {"bytes": nbytes}
         for path, fns in contenders.items():
+            for c, fn in fns.items():  # one untimed call each: compiles, and a crash names its path
+                gb.log(f"first call: {n} tokens {path} {c}")
+                fn()
+                torch.cuda.synchronize()
             times: dict[str, dict[str, list[float]]] = {c: {"device": [], "wall": []} for c in fns}
             order = list(fns)
             for r in range(args.rounds):
@@ -184,6 +188,9 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="part", required=True)
     g = sub.add_parser("gpu", help="GPU kernels, device time and whole calls (needs CUDA)")

@@ -43,6 +43,7 @@ on the CPU through Triton's interpreter).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -420,41 +421,35 @@ _GEO_OBJS: dict[tuple[Any, ...], _Geometry] = {}
 
 @dataclass
 class _Registered:
-    """KV caches seen before: the object itself, its first layer and that layer's address (what a repeated
-    call re-checks) and the geometry key computed once for them."""
+    """KV caches seen before: the object itself, its layer tensors (what a repeated call re-checks, by
+    identity), the first layer's address and the geometry key computed once for them."""
 
     kv_caches: Any
-    first: torch.Tensor
+    layers: tuple[torch.Tensor, ...]
     first_ptr: int
-    count: int
     key: tuple[Any, ...]
 
 
 _REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
 
 
-def _first_layer(kv_caches: KVCaches) -> torch.Tensor | None:
-    if isinstance(kv_caches, Mapping):
-        return next(iter(kv_caches.values()), None)
-    return kv_caches[0] if len(kv_caches) else None
+def _same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
+    """True when ``kv_caches`` still holds exactly the registered tensors (identity, not values)."""
+    layers = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
+    if len(layers) != len(reg.layers):
+        return False
+    return all(map(operator.is_, layers, reg.layers)) and reg.layers[0].data_ptr() == reg.first_ptr
 
 
 def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
     """What the geometry depends on besides alignment: layout, layers and the layers' pointers, shapes and
-    strides. Computed once per KV caches object (engines register theirs once and keep it: a later call with
-    the same object, first layer and length reuses the key; replace the object to change its tensors)."""
+    strides. Computed once per KV caches object: a later call with the same object holding the same tensor
+    objects reuses it (an identity check per layer instead of reading every pointer, shape and stride)."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
     rkey = (id(kv_caches), layout, layers.start, layers.stop)
     reg = _REGISTERED.get(rkey)
-    first = _first_layer(kv_caches)
-    if (
-        reg is not None
-        and reg.kv_caches is kv_caches
-        and reg.first is first
-        and reg.count == len(kv_caches)
-        and reg.first_ptr == first.data_ptr()
-    ):
+    if reg is not None and reg.kv_caches is kv_caches and _same_layers(reg, kv_caches):
         return reg.key
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
@@ -470,7 +465,7 @@ def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tu
     )
     if len(_REGISTERED) > 16:
         _REGISTERED.clear()
-    _REGISTERED[rkey] = _Registered(kv_caches, first, first.data_ptr(), len(kv), key)
+    _REGISTERED[rkey] = _Registered(kv_caches, tuple(kv), first.data_ptr(), key)
     return key
 
 
