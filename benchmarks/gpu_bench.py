@@ -210,9 +210,8 @@ def _host_profile(fn: Callable[[], object], calls: int = 300) -> list[str]:
 
 def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
     """Whole public calls against the kernel's device time and the pinned ceiling, at each of ``SIZES``."""
-    import os
-
     from tiercache.gpu import dispatch
+    from tiercache.gpu import launch as prebound
     from tiercache.l1 import L1Cache
 
     _, kv2, slots2, _ = make_engine(
@@ -239,11 +238,11 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             for o in objs if name == "gather" else []:
                 bits(o).fill_(-1)
             t_pre = wall_time(calls[name], reps=101, warmup=5)
-            os.environ["TIERCACHE_PREBOUND"] = "0"
+            prebound.ENABLED = False
             try:
                 t_run = wall_time(calls[name], reps=101, warmup=5)
             finally:
-                os.environ.pop("TIERCACHE_PREBOUND")
+                prebound.ENABLED = True
             row[name] = {
                 "kernel_device_GBps": nbytes / t_kernel / GB,
                 "call_wall_GBps": nbytes / t_pre / GB,
@@ -294,7 +293,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
     out["note"] = (
         "call: wall time of the public tiercache.gpu.dispatch call from a synchronized device (slot checks "
         "included); kernel: device time of the same launch; host_cost_us = call - kernel; triton_run: the "
-        "same call with TIERCACHE_PREBOUND=0; pinned: wall time of the call vs device time of one pinned copy"
+        "same call through Triton's own run (launch.ENABLED off); pinned: wall time of the call vs device "
+        "time of one pinned copy"
     )
     return out
 

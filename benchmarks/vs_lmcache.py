@@ -34,9 +34,11 @@ _BINDING = r"""
 #include "mem_kernels.cuh"
 
 void transfer(torch::Tensor key_value, const torch::Tensor& ptrs, const torch::Tensor& slots,
-              int64_t page_buffer_size, int64_t direction, int64_t fmt) {
+              int64_t page_buffer_size, int64_t direction, int64_t fmt, int64_t block_size,
+              int64_t head_size) {
   multi_layer_kv_transfer(key_value, ptrs, slots, ptrs.device(), (int)page_buffer_size,
-                          static_cast<TransferDirection>(direction), static_cast<EngineKVFormat>(fmt));
+                          static_cast<TransferDirection>(direction), static_cast<EngineKVFormat>(fmt),
+                          (int)block_size, (int)head_size);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("multi_layer_kv_transfer", &transfer); }
@@ -78,7 +80,7 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     lmc = build_lmcache_kernels(Path(args.lmcache_src))
     gb.log("LMCache mem_kernels built")
-    L, H, D, CH = gb.L, gb.H, gb.D, gb.CHUNK
+    L, H, D, CH, BS = gb.L, gb.H, gb.D, gb.CHUNK, gb.BS
     layout, kv, slots, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=11)
     _, kv_t, slots_b, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=12)
     _, kv_l, _, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=13)
@@ -111,19 +113,19 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
         contenders = {
             "gather": {
                 "tiercache": lambda: dispatch.gather(kv, layout, sl, sp, objs),  # noqa: B023
-                "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1),  # noqa: B023
+                "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1, BS, D),  # noqa: B023
             },
             "scatter": {
                 "tiercache": lambda: dispatch.scatter(objs, kv_t, layout, slb, sp),  # noqa: B023
-                "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1),  # noqa: B023
+                "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1, BS, D),  # noqa: B023
             },
             "to_pinned": {
                 "tiercache": lambda: dispatch.gather(kv, layout, sl, sp, houts),  # noqa: B023
-                "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1),  # noqa: B023
+                "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1, BS, D),  # noqa: B023
             },
             "from_pinned": {
                 "tiercache": lambda: dispatch.scatter(houts, kv_t, layout, slb, sp),  # noqa: B023
-                "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_l, slb, n_slots, H2D, 1),  # noqa: B023
+                "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_l, slb, n_slots, H2D, 1, BS, D),  # noqa: B023
             },
         }
         ceilings = {
@@ -166,18 +168,18 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
         # bit-exact: tiercache's chunk objects == LMCache's object; both scatters leave the same KV
         want = torch.empty((2, L, n, H * D), dtype=torch.bfloat16, device=gb.DEV)
         dispatch.gather(kv, layout, sl, sp, objs)
-        lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1)
+        lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1, BS, D)
         torch.cuda.synchronize()
         torch.cat(objs, dim=2, out=want)
         ok_g = torch.equal(bits(want), bits(lobj))
         dispatch.gather(kv, layout, sl, sp, houts)
-        lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1)
+        lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1, BS, D)
         torch.cuda.synchronize()
         ok_p = torch.equal(bits(torch.cat([h.cpu() for h in houts], dim=2)), bits(lhost))
         a = [torch.empty_like(o) for o in objs]
         b = [torch.empty_like(o) for o in objs]
         reference.gather(kv_t, layout, slb, sp, a)
-        lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1)
+        lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1, BS, D)
         torch.cuda.synchronize()
         reference.gather(kv_l, layout, slb, sp, b)
         ok_s = all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))

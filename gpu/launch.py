@@ -5,10 +5,10 @@ kernel's own launcher with the arguments in order (pointers as plain ints).
 Triton's Python ``JITFunction.run`` binds the arguments, hashes a specialization key and checks each pointer
 on every call (30-80 µs of host time); ``launch`` computes the same specialization itself (per int: equal to
 1, divisible by 16, fits in 32 bits; per pointer: dtype and 16-byte alignment; every constexpr) and keeps the
-compiled kernel under it, so a repeated launch costs a dict lookup and one C call. The first launch of a
-specialization, the interpreter (``TRITON_INTERPRET=1``) and ``TIERCACHE_PREBOUND=0`` go through Triton's
-own ``kernel[grid](...)``; a Triton whose compiled kernels lack the launcher attributes falls back the same
-way, for good.
+compiled kernel under it, so a repeated launch costs a dict lookup and one C call. A specialization's first
+launch, the interpreter (``TRITON_INTERPRET=1``) and ``TIERCACHE_PREBOUND=0`` (both read at import) go
+through Triton's own ``kernel[grid](...)``; so does, for good, a Triton whose compiled kernels lack the
+launcher attributes.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ _ARG_NAMES: dict[int, tuple[str, ...]] = {}
 _INT32 = (-(2**31), 2**31)
 
 
+ENABLED = os.environ.get("TIERCACHE_PREBOUND", "1") != "0"  # read once; benchmarks flip it for an A/B
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def prebound_enabled() -> bool:
-    """False under the Triton interpreter or with ``TIERCACHE_PREBOUND=0`` (every launch goes through
-    Triton's ``run``)."""
-    return os.environ.get("TIERCACHE_PREBOUND", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") in (
-        "",
-        "0",
-    )
+    """False under the Triton interpreter or with ``TIERCACHE_PREBOUND=0`` at import (every launch goes
+    through Triton's ``run``)."""
+    return ENABLED and not _INTERPRETED
 
 
 def _spec(v: Any) -> Any:

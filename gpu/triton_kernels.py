@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache.gpu.launch import Ptr, launch
+from tiercache.gpu.launch import Ptr, launch, prebound_enabled
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
@@ -416,7 +416,6 @@ def _align_of(ptrs: Sequence[int]) -> int:
 
 
 _GEO_CACHE: dict[tuple[Any, ...], _GeoInts] = {}
-_GEO_OBJS: dict[tuple[Any, ...], _Geometry] = {}
 
 
 @dataclass
@@ -428,6 +427,7 @@ class _Registered:
     layers: tuple[torch.Tensor, ...]
     first_ptr: int
     key: tuple[Any, ...]
+    geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of the objects
 
 
 _REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
@@ -441,16 +441,17 @@ def _same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
     return all(map(operator.is_, layers, reg.layers)) and reg.layers[0].data_ptr() == reg.first_ptr
 
 
-def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
-    """What the geometry depends on besides alignment: layout, layers and the layers' pointers, shapes and
-    strides. Computed once per KV caches object: a later call with the same object holding the same tensor
-    objects reuses it (an identity check per layer instead of reading every pointer, shape and stride)."""
+def _register(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> _Registered:
+    """The registration of these KV caches: what the geometry depends on besides alignment (layout, layers
+    and the layers' pointers, shapes and strides) and the geometries, computed once per KV caches object. A
+    later call with the same object holding the same tensor objects reuses it (an identity check per layer
+    instead of reading and hashing every pointer, shape and stride)."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
     rkey = (id(kv_caches), layout, layers.start, layers.stop)
     reg = _REGISTERED.get(rkey)
     if reg is not None and reg.kv_caches is kv_caches and _same_layers(reg, kv_caches):
-        return reg.key
+        return reg
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
         raise ValueError(f"{len(kv)} KV cache tensors for a layout of {layout.num_layers} layers")
@@ -465,8 +466,13 @@ def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tu
     )
     if len(_REGISTERED) > 16:
         _REGISTERED.clear()
-    _REGISTERED[rkey] = _Registered(kv_caches, tuple(kv), first.data_ptr(), key)
-    return key
+    reg = _REGISTERED[rkey] = _Registered(kv_caches, tuple(kv), first.data_ptr(), key)
+    return reg
+
+
+def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
+    """The registration's key (see ``_register``)."""
+    return _register(kv_caches, layout, layers).key
 
 
 def _geometry(
@@ -476,26 +482,26 @@ def _geometry(
     extra_ptrs: Sequence[int],
     key: tuple[Any, ...] | None = None,
 ) -> _Geometry:
-    """The launch geometry; cached by ``_geometry_key`` (engines keep their KV tensors) and the alignment of
-    ``extra_ptrs`` (the cached object holds the layer-0 alias and the device layer offsets)."""
-    if key is None:
-        key = _geometry_key(kv_caches, layout, layers)
+    """The launch geometry, kept by the KV caches' registration per alignment of ``extra_ptrs`` (it holds
+    the layer-0 alias and the device layer offsets); the integer part is also cached by key across
+    registrations of the same tensors. ``key``: unused, kept for callers that computed it."""
+    reg = _register(kv_caches, layout, layers)
     align = _align_of(extra_ptrs)
-    key = (*key, align)
-    geo = _GEO_OBJS.get(key)
+    geo = reg.geos.get(align)
     if geo is not None:
         return geo
     kv = layer_tensors(kv_caches)
     first = kv[0]
-    g = _GEO_CACHE.get(key)
+    gkey = (*reg.key, align)
+    g = _GEO_CACHE.get(gkey)
     if g is None:
         if len({t.device for t in kv}) != 1 or len({t.dtype for t in kv}) != 1:
             raise Unsupported("layers differ in device or dtype")
         g = _geometry_ints(kv, layout, layers, align)
         if len(_GEO_CACHE) > 64:
             _GEO_CACHE.clear()
-        _GEO_CACHE[key] = g
-    geo = _Geometry(
+        _GEO_CACHE[gkey] = g
+    geo = reg.geos[align] = _Geometry(
         word=g.word,
         vec=g.vec,
         kv_base=_alias(first, _WORDS[g.word]),
@@ -508,9 +514,6 @@ def _geometry(
         device=first.device,
         es=g.es,
     )
-    if len(_GEO_OBJS) > 16:
-        _GEO_OBJS.clear()
-    _GEO_OBJS[key] = geo
     return geo
 
 
@@ -681,6 +684,18 @@ def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> 
     return host_slots
 
 
+_STATUS_POOL: list[torch.Tensor] = []  # pinned int64 [rows, 4] buffers the check kernel writes in place
+_ZERO_COPY = [True]  # cleared for good if a launch refuses pinned host memory
+
+
+def _take_status(rows: int) -> torch.Tensor:
+    """A pinned status buffer of at least ``rows`` rows (from the pool, else new); give it back once read."""
+    for i, buf in enumerate(_STATUS_POOL):
+        if buf.shape[0] >= rows:
+            return _STATUS_POOL.pop(i)
+    return torch.empty((max(rows, 64), 4), dtype=torch.int64, pin_memory=True)
+
+
 class SlotCheck:
     """The slot checks of one move, queued without a sync; ``check()`` reads them.
 
@@ -688,7 +703,9 @@ class SlotCheck:
     safe and the host work overlaps the move). A CPU slot mapping (or the caller's CPU copy of a device one,
     ``host``) is checked on the host (min, max, count). A device one by one launch of the check kernel, which
     writes per span ``[slots < 0, slots >= n_slots, slots in range]`` (past the span's skip) into words 0-2
-    of a zeroed device status row; word 3 is where the fused fp8 kernel counts non-finite input (``flags``:
+    of a status row (pinned host memory the kernel writes in place when launches are pre-bound, else a
+    device row copied to pinned memory); word 3 is where the fused fp8 kernel counts non-finite input
+    (``flags``:
     a status even when the slots are checked on the host, or not at all with ``check=False``). ``seal()``
     queues the status's copy to pinned host memory behind an event; ``result()`` waits for that event only.
     """
@@ -713,14 +730,21 @@ class SlotCheck:
         self.on_host = check and host is not None
         self.status: torch.Tensor | None = None
         self.flags = flags
+        self._pool_buf: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None
         if flags:  # word 3 is summed into by the fp8 kernel: zeroed
             self.status = torch.zeros((len(span_list), 4), dtype=torch.int64, device=slots.device)
         elif check and host is None:  # the check kernel writes words 0-2 of every row; word 3 is not read
-            self.status = torch.empty((len(span_list), 4), dtype=torch.int64, device=slots.device)
+            if _ZERO_COPY[0] and slots.device.type == "cuda" and prebound_enabled():
+                # written in place in pinned host memory: no device status, no copy, no allocation
+                self._pool_buf = _take_status(len(span_list))
+                self.status = self._pool_buf[: len(span_list)]
+                self._pinned = self.status
+            else:
+                self.status = torch.empty((len(span_list), 4), dtype=torch.int64, device=slots.device)
         self._run_kernel = check and host is None
         self._host_values: tuple[int, int, int] | None = None
         self._queued = False
-        self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._values: tuple[int, int, int, int] | None = None
         self._rows: list[list[int]] | None = None
@@ -737,13 +761,29 @@ class SlotCheck:
             dev = self.device_slots.device
             rows = [(s, e - s, k, 0) for (s, e), k in zip(self.span_list, self.skips, strict=True)]
             with _on(dev):
-                launch(
-                    _kernels().check,
-                    (len(rows), 1, 1),
-                    (self.device_slots, _device_ints(rows, dev), self.status, self.n_slots),
-                    {"BLOCK": CHECK_BLOCK},
-                    dev,
-                )
+                table = _device_ints(rows, dev)
+                try:
+                    launch(
+                        _kernels().check,
+                        (len(rows), 1, 1),
+                        (self.device_slots, table, self.status, self.n_slots),
+                        {"BLOCK": CHECK_BLOCK},
+                        dev,
+                    )
+                except Exception:
+                    if self.status.device.type != "cpu":
+                        raise
+                    # this Triton does not take pinned host memory: device status and a copy, from now on
+                    _ZERO_COPY[0] = False
+                    self._pinned = self._pool_buf = None
+                    self.status = torch.empty((len(rows), 4), dtype=torch.int64, device=dev)
+                    launch(
+                        _kernels().check,
+                        (len(rows), 1, 1),
+                        (self.device_slots, table, self.status, self.n_slots),
+                        {"BLOCK": CHECK_BLOCK},
+                        dev,
+                    )
         self.seal()
 
     def _check_on_host(self, host: torch.Tensor) -> tuple[int, int, int]:
@@ -761,6 +801,10 @@ class SlotCheck:
     def seal(self) -> None:
         """Queue the status's read (after every kernel that writes it); ``result()`` waits for this."""
         st = self.status
+        if st is not None and st is self._pinned:  # written in place: only the event
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+            return
         if st is None or st.device.type != "cuda":
             return
         if self._pinned is None:
@@ -781,6 +825,9 @@ class SlotCheck:
                 assert self._event is not None
                 self._event.synchronize()
                 self._rows = self._pinned.tolist()
+                if self._pool_buf is not None:
+                    _STATUS_POOL.append(self._pool_buf)
+                    self._pool_buf = None
             else:
                 self._rows = st.tolist()
             if not self.flags:  # word 3 of an unflagged status was never written
