@@ -5,10 +5,11 @@ kernel's own launcher with the arguments in order (pointers as plain ints).
 Triton's Python ``JITFunction.run`` binds the arguments, hashes a specialization key and checks each pointer
 on every call (30-80 µs of host time); ``launch`` computes the same specialization itself (per int: equal to
 1, divisible by 16, fits in 32 bits; per pointer: dtype and 16-byte alignment; every constexpr) and keeps the
-compiled kernel under it, so a repeated launch costs a dict lookup and one C call. A specialization's first
-launch, the interpreter (``TRITON_INTERPRET=1``) and ``TIERCACHE_PREBOUND=0`` (both read at import) go
-through Triton's own ``kernel[grid](...)``; so does, for good, a Triton whose compiled kernels lack the
-launcher attributes.
+compiled kernel under it, so a repeated launch costs a dict lookup and one C call. A specialization is
+compiled without a launch (``warmup``: a pointer only lends its dtype and alignment, so a ``Ptr`` to pinned
+host memory compiles through a device stand-in). The interpreter (``TRITON_INTERPRET=1``) and
+``TIERCACHE_PREBOUND=0`` (both read at import) go through Triton's own ``kernel[grid](...)``; so does, for
+good, a Triton whose compiled kernels lack the launcher attributes.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ def _typed(args: Sequence[Any]) -> list[Any]:
     return [a.make() if isinstance(a, Ptr) else a for a in args]
 
 
+def _compile(kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], meta: dict[str, Any]) -> Any:
+    """Compile (no launch) for this specialization; (launcher, function, packed metadata), or None when this
+    Triton's compiled kernels do not expose them."""
+    names = _ARG_NAMES.get(id(kernel))
+    if names is None:
+        names = _ARG_NAMES[id(kernel)] = tuple(kernel.arg_names)
+    compiled = kernel.warmup(*_typed(args), grid=grid, **meta)
+    try:
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        return (compiled.run, compiled.function, compiled.packed_metadata)
+    except AttributeError:  # pragma: no cover - depends on the Triton version
+        return None
+
+
 def launch(
     kernel: Any,
     grid: tuple[int, int, int],
@@ -83,19 +100,11 @@ def launch(
     key = (id(kernel), index, *(_spec(a) for a in args), *meta.items())
     bound = _BOUND.get(key, _UNSEEN)
     if bound is _UNSEEN:
-        compiled = kernel[grid](*_typed(args), **meta)
-        names = _ARG_NAMES.get(id(kernel))
-        if names is None:
-            names = _ARG_NAMES[id(kernel)] = tuple(kernel.arg_names)
-        try:
-            bound = (compiled.run, compiled.function, compiled.packed_metadata)
-        except AttributeError:  # pragma: no cover - a Triton without these: always its own run
-            bound = None
+        bound = _compile(kernel, grid, args, meta)
         if len(_BOUND) > 1024:
             _BOUND.clear()
         _BOUND[key] = bound
-        return
-    if bound is None:  # pragma: no cover - see above
+    if bound is None:  # pragma: no cover - a Triton without the launcher attributes
         kernel[grid](*_typed(args), **meta)
         return
     run, function, packed = bound

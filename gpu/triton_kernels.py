@@ -64,6 +64,7 @@ __all__ = [
     "gather_fp8",
     "plan_fp8",
     "scatter",
+    "scatter_fp8",
 ]
 
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -329,9 +330,82 @@ def _build() -> Any:
                     q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
                 tl.store(q_base + (t[:, None] * hd + chan[None, :]), q, mask=m)
 
+    @triton.jit
+    def _fp8_scatter_kernel(
+        kv_ptr,
+        in_ptr,
+        layer_off_ptr,
+        span_ptr,
+        slot_ptr,
+        s_plane,
+        s_blk,
+        s_off,
+        s_head,
+        num_layers,
+        heads,
+        n_slots,
+        BS: tl.constexpr,
+        P: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        NDC: tl.constexpr,
+        SOFT_CVT: tl.constexpr,
+        VEC: tl.constexpr,
+        CH_FAST: tl.constexpr,
+    ):
+        # the inverse of _fp8_kernel: one (span, layer, plane, channel block) per program; e4m3 bytes times
+        # the channel's float32 scale, rounded once to the KV dtype (the codec's decode, bit for bit)
+        if CH_FAST:
+            pid2 = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            span = tl.program_id(2)
+        else:
+            span = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            pid2 = tl.program_id(2)
+        row = span_ptr + span * 4
+        s_start = tl.load(row)
+        n_tok = tl.load(row + 1)
+        first = tl.load(row + 2)
+        i_off = tl.load(row + 3)  # byte offset of the span's payload from in_ptr
+        layer = pid1 // P
+        plane = pid1 % P
+        head = (pid2 // NDC).to(tl.int64)
+        d = (pid2 % NDC) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        l_off = tl.load(layer_off_ptr + layer)
+        base = l_off + plane * s_plane + head * s_head
+        group = plane * num_layers + layer
+        hd = heads * D
+        chan = head * D + d
+        scale_ptr = (in_ptr + i_off).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr + group * hd + chan, mask=dmask, other=0.0)
+        q_base = in_ptr + i_off + 4 * P * num_layers * hd + group * n_tok * hd
+        for t0 in range(0, n_tok, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            tmask = (t < n_tok) & (t >= first)
+            slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
+            tmask = tmask & (slot >= 0) & (slot < n_slots)  # slots < 0 skipped; past the KV: reported
+            m = tmask[:, None] & dmask[None, :]
+            q = tl.load(q_base + (t[:, None] * hd + chan[None, :]), mask=m, other=0)
+            if SOFT_CVT:  # e4m3fn decoded with integer ops (the interpreter's float8 emulation is unreliable)
+                qi = q.to(tl.int32)
+                e = (qi >> 3) & 15
+                mnt = (qi & 7).to(tl.float32)
+                mag = tl.where(e == 0, mnt * 0.001953125, (mnt + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+                x = tl.where((qi & 128) != 0, -mag, mag)
+            else:
+                x = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            y = x * scale[None, :]
+            blk = slot // BS
+            dst = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
+            tl.store(kv_ptr + (dst[:, None] + d[None, :]), y.to(kv_ptr.dtype.element_ty), mask=m)
+
     class K:
         move = _move_kernel
         fp8 = _fp8_kernel
+        fp8_scatter = _fp8_scatter_kernel
         check = _check_kernel
 
     return K
@@ -766,7 +840,7 @@ class SlotCheck:
                     launch(
                         _kernels().check,
                         (len(rows), 1, 1),
-                        (self.device_slots, table, self.status, self.n_slots),
+                        (self.device_slots, table, _payload_ptr(self.status), self.n_slots),
                         {"BLOCK": CHECK_BLOCK},
                         dev,
                     )
@@ -1264,8 +1338,8 @@ def plan_fp8(
         if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
             raise ValueError(f"out[{i}] must be a contiguous uint8 tensor of {n} bytes")
     geo = _geometry(kv_caches, layout, layers, [])
-    if any(o.device != geo.device for o in out):
-        raise Unsupported("outputs are not on the KV device")
+    if any(o.device != geo.device and not _pinned_host(o) for o in out):
+        raise Unsupported("outputs are neither on the KV device nor in pinned host memory")
     base_ptr = out[0].data_ptr() if out else 0
     rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
     max_tok = max((r[1] for r in rows), default=0)
@@ -1301,7 +1375,7 @@ def plan_fp8(
         grid = (grid[2], grid[1], grid[0])
     args = (
         _ptr(kv0, kv0.dtype),
-        out[0],
+        _payload_ptr(out[0]),
         _layer_offsets(geo, scale),
         table,
         slots,
@@ -1381,3 +1455,157 @@ def gather_fp8(
     )
     plan.launch()
     plan.finish()
+
+
+def _pinned_host(t: torch.Tensor) -> bool:
+    """A CPU tensor in pinned (page-locked, device-mapped) memory: the fp8 kernels read / write it in place
+    when launches are pre-bound."""
+    return t.device.type == "cpu" and prebound_enabled() and t.is_pinned()
+
+
+def _payload_ptr(t: torch.Tensor) -> torch.Tensor | Ptr:
+    """A payload pointer argument: the tensor itself on the device; a pinned host tensor by its address
+    (the kernel reads / writes it over the bus; only compiling sees an aligned device stand-in of the same
+    dtype, the pre-bound launch passes the host address)."""
+    if t.device.type != "cpu" or not prebound_enabled():  # the interpreter runs on CPU tensors as they are
+        return t
+    if t.data_ptr() % 16:
+        raise Unsupported("pinned host payloads must be 16-byte aligned")
+    return Ptr(t.data_ptr(), t.dtype, lambda: torch.empty(16, dtype=t.dtype, device="cuda"))
+
+
+def plan_fp8_scatter(
+    payloads: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+    *,
+    block_t: int = 32,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    soft_convert: bool | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+    channels_fast: bool = FP8_CHANNELS_FAST,
+) -> tuple[Fp8Plan, MoveCheck]:
+    """Validate a fused dequantize + scatter of fp8 payloads (``gather_fp8``'s bytes, on the KV device or in
+    pinned host memory) and return its launch and the move (``finish()``: slot checks, tokens written)."""
+    if layout.dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"fp8 scatter decodes into bfloat16, float16 or float32 KV, not {layout.dtype}")
+    layers = range(layout.num_layers)
+    span_list = check_spans(spans, slot_mapping.shape[0], len(payloads))
+    skips = span_skips(skip_prefix, span_list)
+    sizes: dict[int, int] = {}
+    for i, ((s, e), o) in enumerate(zip(span_list, payloads, strict=True)):
+        n = sizes.get(e - s, -1)
+        if n < 0:
+            n = sizes[e - s] = fp8_payload_nbytes(layout, e - s)
+        if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
+            raise ValueError(f"payloads[{i}] must be a contiguous uint8 tensor of {n} bytes")
+    key = _geometry_key(kv_caches, layout, layers)
+    geo = _geometry(kv_caches, layout, layers, [], key)
+    host = [_pinned_host(o) for o in payloads]
+    if any(o.device != geo.device and not h for o, h in zip(payloads, host, strict=True)):
+        raise Unsupported("payloads are neither on the KV device nor in pinned host memory")
+    if any(host) and not all(host):
+        raise Unsupported("payloads are partly on the device, partly in host memory")
+    slots = _device_slots(slot_mapping, geo.device)
+    if host_slots is not None:
+        _host_slots(slot_mapping, host_slots)
+    args_check = None if trusted else (slot_mapping, host_slots)
+    mv = MoveCheck(kv_caches, layout, layers, span_list, skips, slots, geo.n_slots, True, key, args_check)
+    base_ptr = payloads[0].data_ptr() if payloads else 0
+    rows = [
+        (s, e - s, k, o.data_ptr() - base_ptr)
+        for (s, e), k, o in zip(span_list, skips, payloads, strict=True)
+    ]
+    max_tok = max((r[1] for r in rows), default=0)
+    if max_tok == 0:
+        return Fp8Plan(lambda: None, None), mv
+    table = _device_ints(rows, geo.device)
+    scale = geo.word // geo.es
+    d = layout.head_dim
+    bd = min(block_d, triton_next_pow2(d))
+    ndc = -(-d // bd)
+    bt = max(1, min(block_t, triton_next_pow2(max_tok)))
+    vec = max(1, geo.vec * geo.word // geo.es)
+    k = _kernels()
+    kv0 = layer_tensors(kv_caches)[0]
+    ch_fast = channels_fast and len(rows) < 65536
+    grid = (len(rows), len(layers) * layout.planes, layout.num_kv_heads * ndc)
+    if ch_fast:
+        grid = (grid[2], grid[1], grid[0])
+    args = (
+        _ptr(kv0, kv0.dtype),
+        _payload_ptr(payloads[0]),
+        _layer_offsets(geo, scale),
+        table,
+        slots,
+        geo.s_plane * scale,
+        geo.s_blk * scale,
+        geo.s_off * scale,
+        geo.s_head * scale,
+        len(layers),
+        layout.num_kv_heads,
+        geo.n_slots,
+    )
+    meta = {
+        "BS": layout.block_size,
+        "P": layout.planes,
+        "D": d,
+        "BLOCK_T": bt,
+        "BLOCK_D": bd,
+        "NDC": ndc,
+        "SOFT_CVT": _interpret() if soft_convert is None else soft_convert,
+        "VEC": vec if d % vec == 0 and bd % vec == 0 else 1,
+        "CH_FAST": ch_fast,
+        "num_warps": num_warps,
+    }
+    device = geo.device
+
+    def run() -> None:
+        with _on(device):
+            launch(k.fp8_scatter, grid, args, meta, device)
+        mv.queue_checks()
+
+    return Fp8Plan(run, None), mv
+
+
+def scatter_fp8(
+    payloads: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+    *,
+    block_t: int = 32,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    soft_convert: bool | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+) -> int:
+    """Fused dequantize + scatter: span i's ``Fp8Codec("channel")`` payload ``payloads[i]`` (uint8,
+    ``fp8_payload_nbytes`` bytes; on the KV device, or pinned host memory read in place) is decoded as the
+    codec decodes it (bit for bit) and written into the paged KV like ``reference.scatter`` (skips, slots
+    < 0 skipped, ``ValueError`` for slots past the KV unless ``trusted``); returns tokens written per layer.
+    """
+    plan, mv = plan_fp8_scatter(
+        payloads,
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        skip_prefix,
+        block_t=block_t,
+        block_d=block_d,
+        num_warps=num_warps,
+        soft_convert=soft_convert,
+        trusted=trusted,
+        host_slots=host_slots,
+    )
+    plan.launch()
+    return mv.finish()
