@@ -351,6 +351,7 @@ def _build() -> Any:
         BLOCK_D: tl.constexpr,
         NDC: tl.constexpr,
         SOFT_CVT: tl.constexpr,
+        SOFT_BF16: tl.constexpr,
         VEC: tl.constexpr,
         CH_FAST: tl.constexpr,
     ):
@@ -398,6 +399,10 @@ def _build() -> Any:
             else:
                 x = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             y = x * scale[None, :]
+            if SOFT_BF16:  # round to nearest even by hand: the interpreter's float32 -> bfloat16 truncates
+                yb = y.to(tl.int32, bitcast=True)
+                yb = (yb + 0x7FFF + ((yb >> 16) & 1)) & -65536
+                y = yb.to(tl.float32, bitcast=True)
             blk = slot // BS
             dst = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
             tl.store(kv_ptr + (dst[:, None] + d[None, :]), y.to(kv_ptr.dtype.element_ty), mask=m)
@@ -760,6 +765,7 @@ def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> 
 
 _STATUS_POOL: list[torch.Tensor] = []  # pinned int64 [rows, 4] buffers the check kernel writes in place
 _ZERO_COPY = [True]  # cleared for good if a launch refuses pinned host memory
+_EVENT_POOL: list[torch.cuda.Event] = []  # events of read zero-copy statuses, recorded again by the next
 
 
 def _take_status(rows: int) -> torch.Tensor:
@@ -875,8 +881,8 @@ class SlotCheck:
     def seal(self) -> None:
         """Queue the status's read (after every kernel that writes it); ``result()`` waits for this."""
         st = self.status
-        if st is not None and st is self._pinned:  # written in place: only the event
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        if st is not None and st is self._pinned:  # written in place: only the event (pooled)
+            self._event = _EVENT_POOL.pop() if _EVENT_POOL else torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record()
             return
         if st is None or st.device.type != "cuda":
@@ -899,8 +905,9 @@ class SlotCheck:
                 assert self._event is not None
                 self._event.synchronize()
                 self._rows = self._pinned.tolist()
-                if self._pool_buf is not None:
+                if self._pool_buf is not None:  # read: the buffer and its event go back to the pools
                     _STATUS_POOL.append(self._pool_buf)
+                    _EVENT_POOL.append(self._event)
                     self._pool_buf = None
             else:
                 self._rows = st.tolist()
@@ -1531,6 +1538,7 @@ def plan_fp8_scatter(
     ndc = -(-d // bd)
     bt = max(1, min(block_t, triton_next_pow2(max_tok)))
     vec = max(1, geo.vec * geo.word // geo.es)
+    soft = _interpret() if soft_convert is None else soft_convert
     k = _kernels()
     kv0 = layer_tensors(kv_caches)[0]
     ch_fast = channels_fast and len(rows) < 65536
@@ -1558,7 +1566,8 @@ def plan_fp8_scatter(
         "BLOCK_T": bt,
         "BLOCK_D": bd,
         "NDC": ndc,
-        "SOFT_CVT": _interpret() if soft_convert is None else soft_convert,
+        "SOFT_CVT": soft,
+        "SOFT_BF16": soft and layout.dtype == "bfloat16",
         "VEC": vec if d % vec == 0 and bd % vec == 0 else 1,
         "CH_FAST": ch_fast,
         "num_warps": num_warps,
