@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
-from tiercache.keys import ChunkSpan, KeySpace, TokenDatabase, contiguous_prefix
+from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
 from tiercache.manager import L1_TIER, StorageManager
 from tiercache.spec import KVFormat
 
@@ -93,21 +93,21 @@ class CacheEngine:
         rank: int | str = 0,
         layerwise: bool = False,
         metrics: Metrics | None = None,
+        key_source: str = "",
     ) -> CacheEngine:
-        """Build the keyspace from the layout, open L1 and every configured tier, and return the engine."""
-        salt = os.environ.get(config.cache_salt_env, "") if config.cache_salt_env else ""
-        keyspace = KeySpace(
+        """Build the keyspace from the layout, open L1 and every configured tier, and return the engine.
+
+        The process-wide salt (``config.cache_salt_env``) goes into the keyspace; a request's own identity
+        is passed per call (``identity=``). ``key_source`` names a non-token key source (vLLM block hashes).
+        """
+        keyspace = cls.keyspace_for(
+            config,
+            layout,
             model=model,
-            kv_dtype=layout.dtype,
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            kv_format=layout.object_format,
             revision=revision,
             world_size=world_size,
-            rank=rank,  # type: ignore[arg-type]
-            cache_salt=salt,
-            layout_tag=layout.fingerprint if layout.block_aligned else "",
+            rank=rank,
+            key_source=key_source,
         )
         slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
         manager = await StorageManager.open(config, slot, metrics=metrics)
@@ -120,6 +120,34 @@ class CacheEngine:
             layerwise=layerwise,
         )
 
+    @staticmethod
+    def keyspace_for(
+        config: Config,
+        layout: PagedLayout,
+        *,
+        model: str,
+        revision: str = "",
+        world_size: int = 1,
+        rank: int | str = 0,
+        key_source: str = "",
+    ) -> KeySpace:
+        """The keyspace ``open`` gives an engine (the process salt read from ``config.cache_salt_env``)."""
+        salt = os.environ.get(config.cache_salt_env, "") if config.cache_salt_env else ""
+        return KeySpace(
+            model=model,
+            kv_dtype=layout.dtype,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            kv_format=layout.object_format,
+            revision=revision,
+            world_size=world_size,
+            rank=rank,  # type: ignore[arg-type]
+            cache_salt=salt,
+            layout_tag=layout.fingerprint if layout.block_aligned else "",
+            key_source=key_source,
+        )
+
     async def aclose(self) -> None:
         """Close the manager (background stores are cancelled; call ``drain`` first to finish them)."""
         await self.manager.aclose()
@@ -130,15 +158,29 @@ class CacheEngine:
 
     # ----- keys and specs -----------------------------------------------------------------------------------
     def _spec(self, span: ChunkSpan, layer: int | None = None) -> KVSpec:
-        """The object spec of a span (cached: specs are immutable and almost all chunks are full)."""
-        cache_key = (span.end - span.start, layer)
+        """The object spec of a span."""
+        return self._spec_of(span.end - span.start, layer)
+
+    def _spec_of(self, num_tokens: int, layer: int | None = None) -> KVSpec:
+        """The object spec of a chunk of ``num_tokens`` tokens (cached: specs are immutable and almost all
+        chunks are full)."""
+        cache_key = (num_tokens, layer)
         spec = self._specs.get(cache_key)
         if spec is None:
-            spec = object_spec(self.layout, span.end - span.start)
+            spec = object_spec(self.layout, num_tokens)
             if layer is not None:
                 spec = spec.with_layers(layer, layer + 1)
             self._specs[cache_key] = spec
         return spec
+
+    def _chunk_specs(self, num_chunks: int, num_tokens: int) -> list[KVSpec]:
+        """Specs of the first ``num_chunks`` chunks of a ``num_tokens`` prompt (whole objects)."""
+        if not num_chunks:
+            return []
+        chunk = self.chunk_size
+        full = self._spec_of(chunk)
+        last = self._spec_of(min(num_chunks * chunk, num_tokens) - (num_chunks - 1) * chunk)
+        return [full] * (num_chunks - 1) + [last]
 
     def _layer_keys(self, span: ChunkSpan) -> list[str]:
         return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
@@ -157,13 +199,24 @@ class CacheEngine:
 
     # ----- store --------------------------------------------------------------------------------------------
     async def store(
-        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> int:
         """Gather the KV of every keyed chunk of ``tokens`` (after the mask's False prefix) into L1, queue it
-        for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped)."""
+        for the L2 tiers; returns the tokens newly stored (chunks already cached are skipped).
+
+        ``identity``: the request's salt, LoRA adapter and non-token inputs (None: the tokens alone);
+        ``block_hashes``: vLLM's stable block hashes of the same request. Every call of a request must pass
+        the same ones, or its keys differ (a miss, never wrong KV)."""
         from tiercache.gpu import dispatch
 
-        spans = self.token_db.process_tokens(tokens, mask)
+        spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
         if not spans:
             return 0
         if self.layerwise:
@@ -219,35 +272,70 @@ class CacheEngine:
         return [o is not None for o in objects]
 
     async def store_layers(
-        self, tokens: object, kv_caches: KVCaches, slot_mapping: torch.Tensor, mask: object | None = None
+        self,
+        tokens: object,
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        mask: object | None = None,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> AsyncIterator[int]:
         """Layerwise store, one layer per step (yields the layer index after it is in L1 and queued)."""
         if not self.layerwise:
             raise ValueError("store_layers needs an engine built with layerwise=True")
-        spans = self.token_db.process_tokens(tokens, mask)
+        spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
         for layer in range(self.layout.num_layers):
             await self._store_layer(layer, spans, kv_caches, slot_mapping)
             yield layer
 
     # ----- lookup -------------------------------------------------------------------------------------------
-    async def lookup_hit(self, tokens: object, *, prefetch: bool = True) -> LookupResult:
-        """Cached prefix of ``tokens`` across L1 and L2, with the tier of each chunk; starts prefetching."""
-        spans = self.token_db.process_tokens(tokens)
-        if not spans:
+    async def lookup_hit(
+        self,
+        tokens: object,
+        *,
+        prefetch: bool = True,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
+    ) -> LookupResult:
+        """Cached prefix of ``tokens`` (under ``identity``) across L1 and L2, with the tier of each chunk;
+        starts prefetching."""
+        if self.layerwise:
+            spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
+            keys, specs = self._object_keys(spans)
+            group = self.layout.num_layers
+        else:  # the hot path (the scheduler's lookup): key strings straight from the hashes, no spans
+            hashes = self.token_db.prefix_hashes(tokens, identity=identity, block_hashes=block_hashes)
+            prefix = self.token_db.key_prefix
+            keys = [prefix + h.hex() for h in hashes]
+            specs = self._chunk_specs(len(keys), len(tokens))  # type: ignore[arg-type]
+            group = 1
+        if not keys:
             return LookupResult(0, 0, ())
-        keys, specs = self._object_keys(spans)
-        group = self.layout.num_layers if self.layerwise else 1
         hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch, group=group)
         chunks, tiers = hit.chunks, hit.tiers
-        return LookupResult(spans[chunks - 1].end if chunks else 0, chunks, tiers)
+        end = min(chunks * self.chunk_size, len(tokens))  # type: ignore[arg-type]
+        return LookupResult(end, chunks, tiers)
 
-    async def lookup(self, tokens: object) -> int:
+    async def lookup(
+        self,
+        tokens: object,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
+    ) -> int:
         """Tokens of the longest contiguous cached prefix of ``tokens`` (and prefetch of its L2 part)."""
-        return (await self.lookup_hit(tokens)).tokens
+        return (await self.lookup_hit(tokens, identity=identity, block_hashes=block_hashes)).tokens
 
     # ----- retrieve -----------------------------------------------------------------------------------------
     async def prepare_retrieve(
-        self, tokens: object, mask: object | None = None, *, skip_tokens: int = 0
+        self,
+        tokens: object,
+        mask: object | None = None,
+        *,
+        skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> PreparedRetrieve:
         """Lease the cached prefix of ``tokens`` beyond what the engine holds, ready to be scattered.
 
@@ -255,12 +343,12 @@ class CacheEngine:
         that are not read, the chunk containing it is read whole and only its tail will be written. L2
         chunks are loaded into L1 first (contiguous prefix only). Always ``finish()`` the result.
         """
-        spans = self.token_db.process_tokens(tokens)
+        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
         num_tokens = len(tokens)  # type: ignore[arg-type]
         local = skip_tokens
         if mask is not None:
-            masked = self.token_db.process_tokens(tokens, mask)
-            local = max(local, masked[0].start if masked else num_tokens)
+            false_count = self.token_db.mask_start(mask, num_tokens)
+            local = max(local, false_count if false_count < len(spans) * self.chunk_size else num_tokens)
         wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
         layers = self.layout.num_layers if self.layerwise else 1
         leases: list[L1Lease | None] = []
@@ -287,10 +375,14 @@ class CacheEngine:
         mask: object | None = None,
         *,
         skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> RetrieveResult:
         """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV
         (``prepare_retrieve``, then every layer at once, then ``finish``)."""
-        prepared = await self.prepare_retrieve(tokens, mask, skip_tokens=skip_tokens)
+        prepared = await self.prepare_retrieve(
+            tokens, mask, skip_tokens=skip_tokens, identity=identity, block_hashes=block_hashes
+        )
         try:
             prepared.scatter(kv_caches, slot_mapping)
         finally:
@@ -305,9 +397,19 @@ class CacheEngine:
         mask: object | None = None,
         *,
         skip_tokens: int = 0,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> torch.Tensor:
         """Like ``retrieve_result``; returns the boolean ret_mask (True for tokens written from the cache)."""
-        result = await self.retrieve_result(tokens, kv_caches, slot_mapping, mask, skip_tokens=skip_tokens)
+        result = await self.retrieve_result(
+            tokens,
+            kv_caches,
+            slot_mapping,
+            mask,
+            skip_tokens=skip_tokens,
+            identity=identity,
+            block_hashes=block_hashes,
+        )
         return result.ret_mask
 
     @property

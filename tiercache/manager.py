@@ -229,9 +229,10 @@ class StorageManager:
         wanted = None if tiers is None else set(tiers)
         hits: list[TierHit | None] = [None] * len(keys)
         if wanted is None or L1_TIER in wanted:
+            l1_hit = TierHit(L1_TIER, 0)
             for i, present in enumerate(self.l1.batched_contains(keys)):
                 if present:
-                    hits[i] = TierHit(L1_TIER, 0)
+                    hits[i] = l1_hit
         for level, tier in enumerate(self.tiers, start=1):
             if wanted is not None and tier.name not in wanted:
                 continue
@@ -267,8 +268,8 @@ class StorageManager:
         if group < 1 or len(keys) % group:
             raise ValueError(f"{len(keys)} keys do not split into groups of {group}")
         hits = await self.batched_contains(keys)
-        per_chunk: list[TierHit | None] = []
-        for start in range(0, len(keys), group):
+        per_chunk: list[TierHit | None] = hits if group == 1 else []
+        for start in range(0, len(keys), group) if group > 1 else ():
             members = hits[start : start + group]
             found = [h for h in members if h is not None]
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)

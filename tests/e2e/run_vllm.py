@@ -6,7 +6,8 @@ Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompt
 ``kill_before_generate`` (a PID to SIGKILL after start-up), ``ttft`` (also time each prompt alone with
 max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
 not ``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
-``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``).
+``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt``
+or None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -46,6 +48,9 @@ def main() -> None:
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("log_stats"):
         kwargs["disable_log_stats"] = False
+    loras = spec.get("loras") or [None] * len(spec["prompts"])
+    if any(loras):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     conn = spec.get("connector")
     if conn:
         ktc: dict[str, object] = {
@@ -64,7 +69,17 @@ def main() -> None:
 
         os.kill(int(spec["kill_before_generate"]), signal.SIGKILL)
         time.sleep(0.2)
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    salts = spec.get("salts") or [None] * len(spec["prompts"])
+    prompts = [
+        {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}
+        for p, salt in zip(spec["prompts"], salts, strict=True)
+    ]
+    lora_requests = None
+    if any(loras):
+        from vllm.lora.request import LoRARequest
+
+        ids = {path: i + 1 for i, path in enumerate(sorted({p for p in loras if p}))}
+        lora_requests = [LoRARequest(Path(p).name, ids[p], p) if p else None for p in loras]
     result: dict[str, object] = {"init_s": t1 - t0}
     if spec.get("warmup"):  # one unrelated request first, so timings exclude first-step overheads
         llm.generate([{"prompt_token_ids": spec["warmup"]}], SamplingParams(max_tokens=2), use_tqdm=False)  # type: ignore[list-item]
@@ -78,7 +93,7 @@ def main() -> None:
         result["ttft"] = ttft
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     t2 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)  # type: ignore[arg-type]
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora_requests)  # type: ignore[arg-type]
     result["gen_s"] = time.perf_counter() - t2
     result["results"] = [
         {

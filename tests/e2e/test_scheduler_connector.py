@@ -26,6 +26,7 @@ from tiercache_vllm._common import (
     open_engine,
     slot_mapping,
 )
+from tiercache_vllm._identity import key_args
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -55,6 +56,7 @@ def make_scheduler(
     num_blocks: int = 200,
     batched: int = 1024,
     load_async: bool = False,
+    extra_config: dict[str, Any] | None = None,
 ) -> Scheduler:
     mc = ModelConfig(model=str(model), dtype="float32", seed=0)
     sc = SchedulerConfig(
@@ -62,7 +64,7 @@ def make_scheduler(
     )
     cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
     cc.kv_cache_layout = "LBHNC"
-    extra: dict[str, Any] = {"config": str(config), "load_async": load_async}
+    extra: dict[str, Any] = {"config": str(config), "load_async": load_async, **(extra_config or {})}
     ktc = KVTransferConfig(
         kv_connector="TierCacheConnector",
         kv_connector_module_path="tiercache_vllm",
@@ -126,8 +128,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-def fill_cache(scheduler: Scheduler, prompts: list[list[int]], *, register: bool = False) -> Any:
-    """Store ``prompts`` (fake KV) through an engine with the connector's identity; drained to L2."""
+def fill_cache(scheduler: Scheduler, prompts: list[list[int] | Request], *, register: bool = False) -> Any:
+    """Store ``prompts`` (fake KV) through an engine with the connector's identity, each keyed as the
+    connector keys its request (a plain token list: an unsalted request); drained to L2."""
     connector: Any = scheduler.connector
     side = connector.scheduler_side
     vc = scheduler.vllm_config
@@ -138,9 +141,13 @@ def fill_cache(scheduler: Scheduler, prompts: list[list[int]], *, register: bool
     kv = {name: torch.randn(nb, 2, BS, 64) for name in LAYERS}
 
     async def store() -> None:
-        for prompt in prompts:
+        for i, item in enumerate(prompts):
+            request = item if isinstance(item, Request) else make_request(f"fill-{i}", item)
+            prompt = list(request.prompt_token_ids or ())
+            keys = key_args(request, side.chunk_size, side._hash_block_size)
             blocks = list(range(1, 1 + -(-len(prompt) // BS)))
-            await engine.store(prompt, kv, slot_mapping(blocks, len(prompt), BS))
+            slots = slot_mapping(blocks, len(prompt), BS)
+            await engine.store(prompt, kv, slots, identity=keys.identity, block_hashes=keys.block_hashes)
         await engine.drain()
 
     _loop.call(store(), 60)

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercache.adapters.posix import PosixAdapter
-from tiercache.config import ManagerConfig
+from tiercache.config import Config, L1Config, ManagerConfig
 from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
-from tiercache.keys import KeySpace
+from tiercache.keys import InputSpan, KeySpace, RequestIdentity
 from tiercache.l1 import L1Cache
 from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
@@ -326,3 +326,78 @@ async def test_prepare_retrieve_with_nothing_cached_is_empty() -> None:
         assert dst.read(0, 300).isnan().all()
     finally:
         await engine.aclose()
+
+
+# ----- request identity (salt, LoRA, input spans) -----------------------------------------------------
+TENANT_A = RequestIdentity(cache_salt="tenant-a")
+OTHERS = [
+    None,
+    RequestIdentity(cache_salt="tenant-b"),
+    RequestIdentity(cache_salt="tenant-a", lora_name="adapter-b", lora_path="/a/b"),
+    RequestIdentity(cache_salt="tenant-a", inputs=(InputSpan("mm", "image-2", 300, 400),)),
+]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_a_prompt_stored_for_one_identity_serves_only_that_identity(
+    tmp_path: Path, layerwise: bool
+) -> None:
+    layout = layout_of()
+    tokens = list(range(2000, 2600))
+    kv = expected_kv(layout, len(tokens))
+    prefill = Engine(layout, num_blocks=64, seed=1)
+    prefill.write(kv, 0, len(tokens))
+    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
+    try:
+        assert await engine.store(tokens, prefill.kv, prefill.slots(600), identity=TENANT_A) == 600
+        assert await engine.lookup(tokens, identity=TENANT_A) == 600
+        assert await engine.lookup(tokens, identity=RequestIdentity(cache_salt="tenant-a")) == 600
+        # the image covers tokens 300..400 (chunk 1): chunk 0 is shared, nothing from chunk 1 on
+        expected = [0, 0, 0, CHUNK]
+        assert [await engine.lookup(tokens, identity=other) for other in OTHERS] == expected
+        decode = Engine(layout, num_blocks=64, seed=2)
+        result = await engine.retrieve_result(tokens, decode.kv, decode.slots(600), identity=OTHERS[1])
+        assert result.tokens_written == 0
+        assert decode.read(0, 600).isnan().all()
+        result = await engine.retrieve_result(tokens, decode.kv, decode.slots(600), identity=TENANT_A)
+        assert result.tokens_written == 600
+        assert same_bits(decode.read(0, 600), kv)
+    finally:
+        await engine.aclose()
+
+
+async def test_masked_store_under_an_identity_extends_the_same_chain(tmp_path: Path) -> None:
+    layout = layout_of()
+    tokens = list(range(3000, 3512))
+    kv = expected_kv(layout, 512)
+    src = Engine(layout, num_blocks=64, seed=3)
+    src.write(kv, 0, 512)
+    lora = RequestIdentity(lora_name="sql", lora_path="/adapters/sql")
+    engine = await open_engine(layout, tmp_path)
+    try:
+        await engine.store(tokens[:256], src.kv, src.slots(256), identity=lora)
+        mask = [False] * 256 + [True] * 256
+        assert await engine.store(tokens, src.kv, src.slots(512), mask, identity=lora) == 256
+        assert await engine.lookup(tokens, identity=lora) == 512
+        assert await engine.lookup(tokens) == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_process_salt_from_the_environment_still_isolates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = layout_of()
+    config = Config(l1=L1Config(capacity=1 << 24, pinned=False), cache_salt_env="TC_TEST_SALT")
+    monkeypatch.setenv("TC_TEST_SALT", "process-1")
+    one = await CacheEngine.open(config, layout, model="m")
+    monkeypatch.setenv("TC_TEST_SALT", "process-2")
+    two = await CacheEngine.open(config, layout, model="m")
+    try:
+        tokens = list(range(CHUNK))
+        ident = RequestIdentity(cache_salt="tenant-a")
+        assert one.token_db.keys(tokens, identity=ident) != two.token_db.keys(tokens, identity=ident)
+        assert one.keyspace.cache_salt == "process-1"
+    finally:
+        await one.aclose()
+        await two.aclose()

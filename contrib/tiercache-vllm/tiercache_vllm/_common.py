@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from tiercache_vllm import _loop
+from tiercache_vllm._identity import KEY_SOURCES, KeyArgs, vllm_key_source
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,7 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "load_timeout_s": (int, float),
     "save_timeout_s": (int, float),
     "open_timeout_s": (int, float),
+    "key_source": (str,),
 }
 
 
@@ -74,6 +76,10 @@ class ConnectorSettings:
     """How long shutdown and preemption wait for pending saves, seconds."""
     open_timeout_s: float = 60.0
     """How long opening the tiers may take before the connector runs disabled (all misses), seconds."""
+    key_source: str = "auto"
+    """``auto``: chunk keys from vLLM's block hashes when they are stable across processes (SHA-256 family
+    ``prefix_caching_hash_algo``), else from the tokens; ``tokens``: always from the tokens. Both processes
+    of a prefill/decode pair must resolve to the same source (each logs its own once)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -88,6 +94,8 @@ class ConnectorSettings:
             if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be {kinds[0].__name__}: {value!r}")
             values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
+        if values.get("key_source", "auto") not in KEY_SOURCES:
+            raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
         return cls(**values)
 
     def load_config(self) -> Config:
@@ -117,6 +125,8 @@ class LoadOp:
     skip_tokens: int
     load_end: int
     is_async: bool = False
+    key_args: KeyArgs | None = None
+    """The request's identity and block hashes, as the scheduler keyed its lookup (None: tokens alone)."""
 
 
 @dataclass(slots=True)
@@ -127,6 +137,8 @@ class SaveOp:
     token_ids: list[int]
     block_ids: list[int]
     skip_tokens: int
+    key_args: KeyArgs | None = None
+    """The request's identity and block hashes (None: tokens alone)."""
 
 
 @dataclass
@@ -197,6 +209,7 @@ class EngineIdentity:
     world_size: int
     rank: int | str
     layerwise: bool
+    key_source: str = ""
 
 
 def identity(
@@ -215,6 +228,7 @@ def identity(
         world_size=int(parallel.tensor_parallel_size),
         rank=rank,
         layerwise=settings.layerwise,
+        key_source=vllm_key_source(vllm_config, settings.key_source),
     )
 
 
@@ -261,6 +275,7 @@ def open_engine(
             world_size=ident.world_size,
             rank=ident.rank,
             layerwise=ident.layerwise,
+            key_source=ident.key_source,
         )
 
     try:

@@ -205,6 +205,9 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.on_new_request(request)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_connector_output(connector_output)
 

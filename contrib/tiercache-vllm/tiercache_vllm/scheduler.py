@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache_vllm import _loop
 from tiercache_vllm._common import (
     ConnectorSettings,
+    EngineIdentity,
     LoadOp,
     SaveOp,
     TierCacheMetadata,
@@ -23,6 +24,7 @@ from tiercache_vllm._common import (
     open_engine,
     shared_engine,
 )
+from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,7 +37,12 @@ if TYPE_CHECKING:
     from tiercache.config import Config
     from tiercache.engine import CacheEngine
 
-__all__ = ["SchedulerSide"]
+__all__ = ["KEYSPACE_PARAM", "SchedulerSide"]
+
+KEYSPACE_PARAM = "tiercache_keyspace"
+"""Key of the ``kv_transfer_params`` entry a producer returns for a request it saved: its keyspace digest and
+key source. A consumer given it (a P/D proxy forwards these params) compares it with its own and reports a
+mismatch, which would otherwise be an unexplained miss on every request."""
 
 logger = logging.getLogger("tiercache_vllm")
 
@@ -66,6 +73,10 @@ class _Stats:
     hit_tokens: int = 0
     loads: int = 0
     saves: int = 0
+    unkeyable_requests: int = 0
+    """Requests whose identity has no stable key (never looked up nor stored)."""
+    keyspace_mismatches: int = 0
+    """Requests whose producer keyed them under another keyspace or key source (they cannot hit)."""
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -93,6 +104,12 @@ class SchedulerSide:
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
         self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
+        self._hash_block_size = hash_block_size(vllm_config, self._idents[0].key_source)
+        self._requests: dict[str, Request] = {}
+        self._key_args: dict[str, KeyArgs | None] = {}
+        self._unkeyable_reasons: set[str] = set()
+        self._stamp = _keyspace_stamp(config, self._idents[0])
+        self._mismatches_seen: set[str] = set()
         self._engines: list[CacheEngine] | None = None
         self._own_engine: CacheEngine | None = None
         self._shared = False
@@ -131,22 +148,77 @@ class SchedulerSide:
         """True when lookups go to the worker's engine in this process (they then see its L1)."""
         return self._shared
 
-    async def _lookup(self, engines: list[CacheEngine], tokens: list[int]) -> int:
-        hits = [await e.lookup_hit(tokens, prefetch=self._shared) for e in engines]
+    async def _lookup(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> int:
+        hits = [
+            await e.lookup_hit(
+                tokens, prefetch=self._shared, identity=keys.identity, block_hashes=keys.block_hashes
+            )
+            for e in engines
+        ]
         return min(h.tokens for h in hits)
+
+    # ----- request identity ----------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """Remember the request: its identity keys its lookups and every save planned for it."""
+        self._requests[request.request_id] = request
+
+    def request_keys(self, request: Request) -> KeyArgs | None:
+        """The request's identity and block hashes for keying (cached); None when it cannot be keyed."""
+        req_id = request.request_id
+        if req_id in self._key_args:
+            return self._key_args[req_id]
+        self._check_producer_stamp(request)
+        found: KeyArgs | None
+        try:
+            found = key_args(request, self.chunk_size, self._hash_block_size)
+        except UnkeyableRequest as exc:
+            self.stats.unkeyable_requests += 1
+            if str(exc) not in self._unkeyable_reasons:  # one line per reason; the count says how many
+                self._unkeyable_reasons.add(str(exc))
+                logger.warning("tiercache: request %s and others like it are not cached: %s", req_id, exc)
+            found = None
+        self._key_args[req_id] = found
+        return found
+
+    def _check_producer_stamp(self, request: Request) -> None:
+        """Count and log (once per kind) a producer whose keyspace differs from this instance's."""
+        params = request.kv_transfer_params
+        stamp = params.get(KEYSPACE_PARAM) if isinstance(params, dict) else None
+        if stamp is None or stamp == self._stamp:
+            return
+        self.stats.keyspace_mismatches += 1
+        text = f"{stamp} != {self._stamp}"
+        if text not in self._mismatches_seen:
+            self._mismatches_seen.add(text)
+            logger.warning(
+                "tiercache: request %s was stored by a producer with another keyspace (producer %s, this "
+                "instance %s): it cannot hit; align prefix_caching_hash_algo, block size, PYTHONHASHSEED, "
+                "key_source and the model settings of both instances",
+                request.request_id,
+                stamp,
+                self._stamp,
+            )
+
+    def _keys_of(self, req_id: str) -> KeyArgs | None:
+        """Keying of a request the scheduler announced (None: unknown or unkeyable, so never stored)."""
+        if req_id in self._key_args:
+            return self._key_args[req_id]
+        request = self._requests.get(req_id)
+        return None if request is None else self.request_keys(request)
 
     def _hit_tokens(self, request: Request) -> int:
         """The stored prefix of the request's prompt, in tokens (cached per request)."""
         cached = self._lookups.get(request.request_id)
         if cached is not None:
             return cached.hit
-        engines = self._get_engines()
+        keys = self.request_keys(request)
+        engines = self._get_engines() if keys is not None else None
         hit = 0
-        if engines:
+        if engines and keys is not None:
             self.stats.lookups += 1
             try:
                 hit = _loop.call(
-                    self._lookup(engines, list(request.prompt_token_ids or ())),
+                    self._lookup(engines, request.prompt_token_ids or [], keys),
                     self.settings.lookup_timeout_s,
                 )
             except Exception as exc:
@@ -190,6 +262,8 @@ class SchedulerSide:
             load_end=load_end,
             is_async=self.settings.load_async,
         )
+        keys = self.request_keys(request)
+        op.key_args = None if keys is None else keys.up_to(read_end)
         self._pending_loads[request.request_id] = op
         if op.is_async:
             self._async_loading.add(request.request_id)
@@ -244,7 +318,10 @@ class SchedulerSide:
         blocks = -(-end // self.block_size)
         if len(tracker.block_ids) < blocks:
             return None  # cannot happen for computed tokens; never save from blocks we do not know
-        op = SaveOp(req_id, tracker.prompt[:end], tracker.block_ids[:blocks], tracker.saved)
+        keys = self._keys_of(req_id)
+        if keys is None:
+            return None  # unknown or unkeyable identity: never keyed on its tokens alone
+        op = SaveOp(req_id, tracker.prompt[:end], tracker.block_ids[:blocks], tracker.saved, keys.up_to(end))
         tracker.saved = end
         self._save_issued.add(req_id)
         self.stats.saves += 1
@@ -261,9 +338,12 @@ class SchedulerSide:
         self._lookups.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._trackers.pop(req_id, None)
-        delay = req_id in self._save_issued or req_id in self._async_loading
+        self._requests.pop(req_id, None)
+        self._key_args.pop(req_id, None)
+        saved = req_id in self._save_issued
+        delay = saved or req_id in self._async_loading
         self._save_issued.discard(req_id)
-        return delay, None
+        return delay, ({KEYSPACE_PARAM: dict(self._stamp)} if saved else None)
 
     def shutdown(self) -> None:
         """Close the lookup-only engine (a shared one belongs to the worker)."""
@@ -273,3 +353,19 @@ class SchedulerSide:
                 _loop.call(engine.aclose(), self.settings.save_timeout_s)
             except Exception:
                 logger.exception("tiercache: closing the scheduler's engine failed")
+
+
+def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
+    """This instance's keyspace digest and key source, as a producer reports them in kv_transfer_params."""
+    from tiercache.engine import CacheEngine
+
+    keyspace = CacheEngine.keyspace_for(
+        config,
+        ident.layout,
+        model=ident.model,
+        revision=ident.revision,
+        world_size=ident.world_size,
+        rank=ident.rank,
+        key_source=ident.key_source,
+    )
+    return {"keyspace": keyspace.digest_hex, "key_source": keyspace.key_source or "tokens"}

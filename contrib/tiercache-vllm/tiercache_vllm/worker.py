@@ -145,8 +145,16 @@ class WorkerSide:
                 self._record(op, slots, None)
                 continue
             self.stats.loads += 1
+            keys = op.key_args
             future = _loop.submit(
-                self.engine.retrieve_result(op.token_ids, self.kv_caches, slots, skip_tokens=op.skip_tokens)
+                self.engine.retrieve_result(
+                    op.token_ids,
+                    self.kv_caches,
+                    slots,
+                    skip_tokens=op.skip_tokens,
+                    identity=None if keys is None else keys.identity,
+                    block_hashes=None if keys is None else keys.block_hashes,
+                )
             )
             pending = _PendingLoad(op, slots, future)
             if op.is_async:
@@ -217,7 +225,15 @@ class WorkerSide:
         self._layer_saves = []
         for op in meta.saves:
             slots, mask = self._save_args(op)
-            agen = self.engine.store_layers(op.token_ids, self.kv_caches, slots, mask)
+            keys = op.key_args
+            agen = self.engine.store_layers(
+                op.token_ids,
+                self.kv_caches,
+                slots,
+                mask,
+                identity=None if keys is None else keys.identity,
+                block_hashes=None if keys is None else keys.block_hashes,
+            )
             self._layer_saves.append((op.req_id, agen, []))
             self._saving.setdefault(op.req_id, [])
             self.stats.saves += 1
@@ -238,7 +254,16 @@ class WorkerSide:
             if self.engine is None:
                 continue
             slots, mask = self._save_args(op)
-            self._track(op.req_id, _loop.submit(self.engine.store(op.token_ids, self.kv_caches, slots, mask)))
+            keys = op.key_args
+            store = self.engine.store(
+                op.token_ids,
+                self.kv_caches,
+                slots,
+                mask,
+                identity=None if keys is None else keys.identity,
+                block_hashes=None if keys is None else keys.block_hashes,
+            )
+            self._track(op.req_id, _loop.submit(store))
             self.stats.saves += 1
             self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
 
