@@ -134,6 +134,7 @@ def _build() -> Any:
         s_head,
         num_layers,
         n_slots,
+        status_ptr,
         H: tl.constexpr,
         BS: tl.constexpr,
         P: tl.constexpr,
@@ -144,6 +145,7 @@ def _build() -> Any:
         NDC: tl.constexpr,
         VEC: tl.constexpr,
         SCATTER: tl.constexpr,
+        CHECK: tl.constexpr,
     ):
         # one program: BLOCK_T tokens x HB heads x BLOCK_D words of one layer, every plane (K and V read from
         # the same paged rows back to back, so a token's whole page row is fetched together)
@@ -162,6 +164,13 @@ def _build() -> Any:
         t = first + tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         tmask = t < n_tok
         slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
+        if CHECK:  # flag the span (word 0: a slot < 0, word 1: a slot past the KV); the host counts exactly
+            live = tmask
+            neg = tl.sum((live & (slot < 0)).to(tl.int32), axis=0)
+            high = tl.sum((live & (slot >= n_slots)).to(tl.int32), axis=0)
+            lead = (layer == 0) & (pid2 == 0)
+            tl.store(status_ptr + span * 4, 1, mask=lead & (neg > 0))
+            tl.store(status_ptr + span * 4 + 1, 1, mask=lead & (high > 0))
         tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots are reported by the checks, never moved
         blk = slot // BS
         paged_t = tl.load(layer_off_ptr + layer) + blk * s_blk + (slot - blk * BS) * s_off
@@ -993,6 +1002,7 @@ class MovePlan:
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
         geo = self.geo
+        status = self.move.fused_status() if self.move is not None else None
         with _on(geo.device):
             launch(
                 k.move,
@@ -1010,6 +1020,7 @@ class MovePlan:
                     geo.s_head,
                     self.layers,
                     geo.n_slots,
+                    self.slots if status is None else _payload_ptr(status),
                 ),
                 {
                     "H": self.heads,
@@ -1022,12 +1033,16 @@ class MovePlan:
                     "NDC": ndc,
                     "VEC": geo.vec if block_d % geo.vec == 0 else 1,
                     "SCATTER": self.scatter,
+                    "CHECK": status is not None,
                     "num_warps": cfg.num_warps,
                 },
                 geo.device,
             )
         if self.move is not None:
-            self.move.queue_checks()  # after the kernel: its host work overlaps the move
+            if status is not None:
+                self.move.fused_launched()
+            else:
+                self.move.queue_checks()  # after the kernel: its host work overlaps the move
 
 
 @dataclass
@@ -1049,10 +1064,47 @@ class MoveCheck:
     check_args: tuple[torch.Tensor, torch.Tensor | None] | None  # (slot_mapping, host_slots); None: trusted
     checks: SlotCheck | None = None
     geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of a group's views
+    fused: torch.Tensor | None = None  # pinned flags the move kernel sets for spans with bad slots
+    fused_event: torch.cuda.Event | None = None
+
+    def fused_status(self) -> torch.Tensor | None:
+        """Zeroed pinned flags for the move kernel to check its own slots (one launch, no check kernel, no
+        copy), when the slots are checked on the device and launches are pre-bound; else None."""
+        if self.check_args is None or self.checks is not None or not (_ZERO_COPY[0] and prebound_enabled()):
+            return None
+        mapping, host_slots = self.check_args
+        if self.slots.device.type != "cuda" or _host_slots(mapping, host_slots) is not None:
+            return None
+        buf = _take_status(len(self.span_list))
+        buf[: len(self.span_list)].zero_()
+        self.fused = buf
+        return buf
+
+    def fused_launched(self) -> None:
+        """The fused move is queued: an event (pooled) marks when its flags can be read."""
+        self.fused_event = _EVENT_POOL.pop() if _EVENT_POOL else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.fused_event.record()
+
+    def _finish_fused(self, buf: torch.Tensor) -> int:
+        assert self.fused_event is not None
+        self.fused_event.synchronize()
+        flags = buf[: len(self.span_list), :2].any().item()
+        _STATUS_POOL.append(buf)
+        _EVENT_POOL.append(self.fused_event)
+        self.fused = self.fused_event = None
+        if flags:  # a bad slot somewhere: count exactly on the host (the same errors and counts)
+            mapping, _ = self.check_args or (self.slots, None)
+            self.check_args = (mapping, mapping.cpu())
+            self.queue_checks()
+            assert self.checks is not None
+            return self.checks.check(scatter=self.scatter)
+        return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
 
     def finish(self) -> int:
         """``ValueError`` on bad slots, else the tokens written (waits for the checks only); a trusted move
         (no checks) counts every token of its spans past the skips."""
+        if self.fused is not None:
+            return self._finish_fused(self.fused)
         self.queue_checks()
         if self.checks is None:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
