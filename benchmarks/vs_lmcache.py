@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,181 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _lmcache_engine(cpu_gib: float, src: Any, dst: Any) -> Any:
+    """LMCache 0.5.6's engine without vLLM or a GPU: the standalone starter with a connector that copies
+    between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (one torch copy per chunk; LMCache
+    has no paged CPU copy routine, so its side copies contiguous token ranges)."""
+    import torch
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.standalone import __main__ as standalone
+
+    class CopyConnector(MockGPUConnector):  # type: ignore[misc]
+        def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for m, a, b in zip(memory_objs, starts, ends, strict=True):
+                m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM).copy_(src[:, :, a:b])
+
+        def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for m, a, b in zip(memory_objs, starts, ends, strict=True):
+                if m is not None:
+                    dst[:, :, a:b].copy_(m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM))
+
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            self.batched_from_gpu([memory_obj], [start], [end])
+
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            self.batched_to_gpu([memory_obj], [start], [end])
+
+    standalone.CreateGPUConnector = lambda config, metadata, engine_type: CopyConnector(metadata.kv_shape)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=cpu_gib, internal_api_server_enabled=False
+    )
+    meta = LMCacheMetadata(
+        model_name="bench/llama-8b-shape",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM),
+        role="worker",
+    )
+    groups = [standalone.LayerGroupSpec(LAYERS, (2, 1, 16, HEADS, HEAD_DIM), torch.bfloat16)]
+    starter = standalone.LMCacheStandaloneStarter(config, meta, groups, device="cpu")
+    return starter.start()
+
+
+LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
+
+
+def cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """L1 store / retrieve of the same KV, tiercache (paged FLASH KV, CPU reference copies) beside LMCache
+    (contiguous KV), interleaved and bit-exact; a bare copy of the same bytes; lookup of a long prompt."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from tiercache.config import ManagerConfig
+    from tiercache.engine import CacheEngine
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+    from tiercache.keys import KeySpace
+    from tiercache.l1 import L1Cache
+    from tiercache.manager import StorageManager
+
+    torch.manual_seed(0)
+    tokens_n = args.tokens
+    nb = tokens_n // BLOCK + 8
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, LAYERS, HEADS, HEAD_DIM, BLOCK, "bfloat16")
+    raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+    kv = [r.permute(0, 2, 1, 3) for r in raw]  # vLLM's NHD allocation seen as [NB, H, BS, 2D]
+    kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
+    table = torch.randperm(nb - 1)[: tokens_n // BLOCK] + 1
+    pos = torch.arange(tokens_n)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    # LMCache's side: the same KV as one contiguous [2, L, T, H*D] tensor
+    src = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    from tiercache.gpu import reference
+
+    reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    gib = 2 * nbytes / 2**30 + 1
+    lmc = _lmcache_engine(gib, src, dst)
+    rng = np.random.default_rng(1)
+
+    def prompt() -> list[int]:
+        return [int(x) for x in rng.integers(0, 128_000, tokens_n)]
+
+    keyspace = KeySpace("bench/llama-8b-shape", "bfloat16", LAYERS, HEADS, HEAD_DIM)
+    chunk_bytes = object_spec(layout, CHUNK).nbytes
+    l1 = L1Cache(nbytes + 2 * chunk_bytes, chunk_bytes)
+    engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
+    loop = asyncio.new_event_loop()
+
+    def t_store() -> float:
+        toks = prompt()
+        t0 = time.perf_counter()
+        loop.run_until_complete(engine.store(toks, kv, slots))
+        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        loop.run_until_complete(engine.retrieve(toks, kv_back, slots))
+        t_ret.append(time.perf_counter() - t1)
+        return dt  # the next round's prompt evicts this one (L1 holds one request)
+
+    t_ret: list[float] = []
+    lmc_ret: list[float] = []
+
+    def l_store() -> float:
+        toks = torch.tensor(prompt())
+        t0 = time.perf_counter()
+        lmc.store(toks)
+        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        lmc.retrieve(toks)
+        lmc_ret.append(time.perf_counter() - t1)
+        lmc.clear()  # the next round stores afresh
+        return dt
+
+    bare_dst = torch.empty_like(src)
+    times: dict[str, list[float]] = {"tiercache": [], "lmcache": [], "bare_copy": []}
+    fns = {"tiercache": t_store, "lmcache": l_store}
+    for r in range(args.rounds):
+        for c in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            times[c].append(fns[c]())
+        t0 = time.perf_counter()
+        bare_dst.copy_(src)
+        times["bare_copy"].append(time.perf_counter() - t0)
+    ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    back = torch.empty_like(src)
+    reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
+    ok_tc = torch.equal(back.view(torch.int16), src.view(torch.int16))
+
+    def gbps(ts: list[float]) -> float:
+        return nbytes / statistics.median(ts) / 1e9
+
+    res: dict[str, Any] = {
+        "workload": f"{tokens_n} tokens, Llama-8B shape, bf16, {CHUNK}-token chunks, {nbytes} bytes",
+        "rounds": args.rounds,
+        "bare_copy_GBps": gbps(times["bare_copy"]),
+        "tiercache": {
+            "store_GBps": gbps(times["tiercache"]),
+            "retrieve_GBps": gbps(t_ret),
+            "bit_exact": ok_tc,
+        },
+        "lmcache": {
+            "store_GBps": gbps(times["lmcache"]),
+            "retrieve_GBps": gbps(lmc_ret),
+            "bit_exact": ok_lmc,
+        },
+        "note": "tiercache gathers from / scatters to paged FLASH KV; LMCache copies contiguous token ranges",
+    }
+    res["store_tiercache_vs_lmcache"] = res["tiercache"]["store_GBps"] / res["lmcache"]["store_GBps"]
+    res["retrieve_tiercache_vs_lmcache"] = res["tiercache"]["retrieve_GBps"] / res["lmcache"]["retrieve_GBps"]
+    res["store_tiercache_vs_bare_copy"] = res["tiercache"]["store_GBps"] / res["bare_copy_GBps"]
+    res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
+    # lookup of a long prompt given as a Python list (nothing stored: both hash every chunk)
+    long_prompt = [int(x) for x in rng.integers(0, 128_000, args.lookup_tokens)]
+    lk: dict[str, list[float]] = {"tiercache": [], "lmcache": []}
+    for r in range(args.rounds * 4):
+        order = ["tiercache", "lmcache"] if r % 2 == 0 else ["lmcache", "tiercache"]
+        for c in order:
+            t0 = time.perf_counter()
+            if c == "tiercache":
+                loop.run_until_complete(engine.lookup_hit(long_prompt, prefetch=False))
+            else:
+                lmc.lookup(tokens=long_prompt)
+            lk[c].append(time.perf_counter() - t0)
+    res["lookup"] = {
+        "tokens": args.lookup_tokens,
+        "tiercache_ms": statistics.median(lk["tiercache"]) * 1e3,
+        "lmcache_ms": statistics.median(lk["lmcache"]) * 1e3,
+    }
+    res["lookup"]["tiercache_vs_lmcache_speed"] = res["lookup"]["lmcache_ms"] / res["lookup"]["tiercache_ms"]
+    return res
+
+
 def main() -> None:
     import faulthandler
 
@@ -198,9 +374,24 @@ def main() -> None:
     g = sub.add_parser("gpu", help="GPU kernels, device time and whole calls (needs CUDA)")
     g.add_argument("--lmcache-src", required=True, help="unpacked LMCache 0.5.6 source (has csrc/cuda)")
     g.add_argument("--rounds", type=int, default=5)
+    c = sub.add_parser(
+        "cpu", help="L1 store/retrieve and lookup beside LMCache (its venv: the vs-lmcache extra)"
+    )
+    c.add_argument("--tokens", type=int, default=4096)
+    c.add_argument("--lookup-tokens", type=int, default=131072)
+    c.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    if args.part == "cpu" and os.environ.get("PYTHONHASHSEED") != "0":  # LMCache hashes with hash()
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.part == "gpu":
         print(json.dumps(gpu(args), indent=2))
+    else:
+        res = cpu(args)
+        print(json.dumps(res, indent=2))
+        sys.stdout.flush()
+        os._exit(0)  # LMCache's shutdown can wait for its threads
 
 
 if __name__ == "__main__":
