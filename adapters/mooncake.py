@@ -71,7 +71,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
-from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
@@ -283,6 +283,10 @@ class MooncakeAdapter(Adapter):
             return await asyncio.wait_for(future, self.timeout)
         except TimeoutError:
             raise AdapterTimeout(f"{self.name}: no answer within {self.timeout} s") from None
+        except AdapterError:
+            raise
+        except Exception as exc:  # whatever the Mooncake binding raises is a transport failure here
+            raise AdapterUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
 
     def _fail(self, rc: int, op: str) -> AdapterUnavailable:
         return AdapterUnavailable(f"{self.name}: {op} failed with Mooncake code {rc} (master unreachable?)")

@@ -30,8 +30,13 @@ With ``fsync=true`` each put batch calls ``fdatasync`` before committing its rec
 One process owns a slab (``flock``); a second open raises ``AdapterUnavailable``. Options: ``capacity``
 (required for a new regular file; a block device defaults to its size), ``max_object``, ``extent_size``,
 ``direct`` (auto/true/false), ``fsync``, ``threads``, ``io_threads``, ``preallocate`` (posix_fallocate a new
-file, default true), ``format`` (reformat a file that is not a slab; default false), ``read_buffers``
-(bytes of recycled read buffers, default 1 GiB).
+file, default true), ``format`` (reformat the file, dropping every object, or use one that is not a slab;
+default false), ``read_buffers`` (bytes of recycled read buffers, default 1 GiB).
+
+Nothing is destroyed silently: an existing slab is opened with the geometry in its superblock (capacity,
+extent size, largest class; options that differ are logged at warning level), and is reformatted only with
+``format=true``. A batch whose caller is cancelled runs to its end detached (slots written are committed,
+the others released), and ``aclose`` waits for it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import numpy as np
 import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
 from tiercache.adapters._slab_layout import (
     HEADER_BYTES,
@@ -206,6 +212,8 @@ class SlabAdapter(Adapter):
     capabilities: ClassVar[Capabilities] = Capabilities(
         persistent=True, shared=False, delete=True, max_value_bytes=DEFAULT_MAX_OBJECT
     )
+    close_timeout_s: ClassVar[float] = 60.0
+    """How long ``aclose`` waits for batches still running (their caller may have been cancelled)."""
 
     def __init__(
         self,
@@ -256,6 +264,7 @@ class SlabAdapter(Adapter):
         self.align = 0  # 0: buffered data I/O
         self.geometry: Geometry | None = None
         self._format_id = 0
+        self._detached = DetachedWork(f"nvme+slab {path}")  # batches whose caller was cancelled
         self._closed = False
         self.stats: dict[str, int] = {
             "rejected_too_big": 0,
@@ -338,12 +347,17 @@ class SlabAdapter(Adapter):
         size = os.lseek(mfd, 0, os.SEEK_END) if block else st.st_size
         head = os.pread(mfd, HEADER_BYTES, 0)
         found = unpack_superblock(head)
+        if found is not None and not self._format:  # never reformat a slab unless asked to
+            geo = self._adopt(found[0], size)
+            self._format_id = found[1]
+            self.geometry = geo
+            self._extents = [_Extent(i) for i in range(geo.n_extents)]
+            self._open_data(block)
+            return self._scan(geo)
         capacity = self._want_capacity
         if capacity is None:
             if block:
                 capacity = size
-            elif found is not None:
-                capacity = found[0].capacity
             else:
                 raise ConfigError(f"nvme+slab: capacity is required to create {self.path!r}")
         if block and capacity > size:
@@ -354,26 +368,55 @@ class SlabAdapter(Adapter):
             raise ConfigError(f"nvme+slab: {exc}") from exc
         self.geometry = geo
         self._extents = [_Extent(i) for i in range(geo.n_extents)]
-        if found is not None and found[0] == geo and not self._format:
-            self._format_id = found[1]
-        else:
-            if found is None and not self._format and any(head) and size > 0:
-                raise AdapterUnavailable(
-                    f"nvme+slab: {self.path!r} is not empty and not a tiercache slab; "
-                    "pass format=true to use it"
-                )
-            if found is not None:
-                log.warning("nvme+slab: %s: geometry changed or format requested: reformatting", self.path)
-            self._format_id = secrets.randbits(63) or 1
-            if not block and size < geo.used_bytes:
-                os.ftruncate(mfd, geo.used_bytes)
-                if self._preallocate:
-                    with contextlib.suppress(OSError):  # not supported everywhere; sparse is fine
-                        os.posix_fallocate(mfd, 0, geo.used_bytes)
-            os.pwrite(mfd, pack_superblock(geo, self._format_id), 0)
-            os.fdatasync(mfd)
+        if found is None and not self._format and any(head) and size > 0:
+            raise AdapterUnavailable(
+                f"nvme+slab: {self.path!r} is not empty and not a tiercache slab; pass format=true to use it"
+            )
+        if found is not None:
+            log.warning("nvme+slab: %s: format=true: reformatting (every object is dropped)", self.path)
+        self._format_id = secrets.randbits(63) or 1
+        if not block and size < geo.used_bytes:
+            os.ftruncate(mfd, geo.used_bytes)
+            if self._preallocate:
+                with contextlib.suppress(OSError):  # not supported everywhere; sparse is fine
+                    os.posix_fallocate(mfd, 0, geo.used_bytes)
+        os.pwrite(mfd, pack_superblock(geo, self._format_id), 0)
+        os.fdatasync(mfd)
         self._open_data(block)
         return self._scan(geo)
+
+    def _adopt(self, found: Geometry, size: int) -> Geometry:
+        """Use an existing slab's geometry (its capacity, extent size and largest class win over the options,
+        which would otherwise need a reformat); refuse one that no longer fits its file or device."""
+        if size < found.used_bytes:
+            raise AdapterUnavailable(
+                f"nvme+slab: {self.path!r} is smaller ({size} bytes) than its slab layout "
+                f"({found.used_bytes} bytes): it was truncated; pass format=true to reformat it"
+            )
+        wanted = {
+            "capacity": self._want_capacity,
+            "max_class": self._sizes[-1],
+            "extent_size": None if self._extent_size is None else align_up(self._extent_size, 1 << 20),
+        }
+        have = {"capacity": found.capacity, "max_class": found.max_class, "extent_size": found.extent_bytes}
+        differ = [
+            f"{k}={have[k]} (options: {v})" for k, v in wanted.items() if v is not None and v != have[k]
+        ]
+        if differ:
+            log.warning(
+                "nvme+slab: %s was formatted with %s: opened with the slab's geometry and its objects; "
+                "pass format=true to reformat it (drops every object)",
+                self.path,
+                ", ".join(differ),
+            )
+        if found.max_class != self._sizes[-1]:
+            self._sizes = class_sizes(found.max_class)
+            self._classes = [_Class(sz) for sz in self._sizes]
+            self.max_object = min(self.max_object, found.max_class - 8192)
+            self.__dict__["capabilities"] = Capabilities(
+                persistent=True, shared=False, delete=True, max_value_bytes=self.max_object
+            )
+        return found
 
     def _open_data(self, block: bool) -> None:
         """Open the data descriptor: O_DIRECT with the smallest alignment that works, else buffered."""
@@ -484,6 +527,11 @@ class SlabAdapter(Adapter):
             f"slots 64 KiB..{self._sizes[-1] >> 20} MiB, "
             f"{len(self._index)} objects"
         )
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of slot space (every extent's data area); ``used_bytes`` never exceeds it."""
+        return self._geo.n_extents * self._geo.extent_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -764,6 +812,11 @@ class SlabAdapter(Adapter):
         self._check_open()
         for k in keys:
             check_key(k)
+        # Reads pin their slots until the threads reading them are done: a cancelled caller leaves the batch
+        # to unpin (and free retired slots) on its own.
+        return await self._detached.run(self._get_batch(list(keys)))
+
+    async def _get_batch(self, keys: list[str]) -> list[Buffer | None]:
         entries: list[_Entry | None] = []
         jobs: list[asyncio.Future[Buffer | None]] = []
         geo = self._geo
@@ -823,6 +876,11 @@ class SlabAdapter(Adapter):
             check_key(k)
         if not keys:
             return []
+        # Reserved slots are written by threads that cannot be stopped: a cancelled caller leaves the batch to
+        # commit what was written (or release the slots) on its own, tracked until it ends.
+        return await self._detached.run(self._put_batch(list(keys), list(values)))
+
+    async def _put_batch(self, keys: list[str], values: list[Buffer]) -> list[bool]:
         reserved: list[_Reserved | None] = []
         jobs: list[asyncio.Future[int]] = []
         views: list[tuple[memoryview, int]] = []
@@ -918,6 +976,7 @@ class SlabAdapter(Adapter):
         if self._closed:
             return
         self._closed = True
+        await self._detached.wait(self.close_timeout_s)
 
         def finish() -> None:
             self._executor.shutdown(wait=True)

@@ -39,7 +39,9 @@ the server, so an unreachable server or a wrong password fails at ``open`` with 
 ``aclose`` every call raises ``AdapterUnavailable``. A ``SET`` refused for memory (``maxmemory`` with the
 ``noeviction`` policy) is a failed put (``False``), not an error.
 
-Cluster (``RedisClusterAdapter``): ``redis.asyncio.cluster.RedisCluster``; batches are cluster pipelines,
+Cluster (``RedisClusterAdapter``): ``redis.asyncio.cluster.RedisCluster`` with its own retries off (it would
+retry timeouts); its exceptions (``RedisClusterException``, ``SlotNotCoveredError``, ``ClusterDownError``...)
+raise ``AdapterUnavailable``, timeouts ``AdapterTimeout``; batches are cluster pipelines,
 which redis-py splits per node (one round trip per node per batch) after hashing each key to its slot.
 The key space is spread over the slots (no hash tags). ``pool_size`` bounds the batches in flight (and so
 the connections per node).
@@ -125,7 +127,13 @@ def _translate(exc: BaseException, where: str) -> AdapterError:
     return AdapterUnavailable(f"{where}: {type(exc).__name__}: {exc}")
 
 
-_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (rexc.RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException (and its SlotNotCoveredError, ...) does not derive from RedisError.
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    rexc.RedisError,
+    rexc.RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
 class _Common:
@@ -188,7 +196,7 @@ def _split_url(
         userinfo, netloc = netloc.rsplit("@", 1)
         if ":" in userinfo:
             raise ConfigError(
-                f"{adapter}: no password in the URL {url.split('@')[0]}...; pass it as option "
+                f"{adapter}: no password in the URL; pass it as option "
                 "'password' (in a config file: password_env = \"VAR\")"
             )
         username = unquote(userinfo) or None
@@ -423,6 +431,9 @@ class RedisClusterAdapter(RedisAdapter):
         opts = merge_options("redis+cluster", query, options, _PARSERS)
         common = _Common(scheme, opts)
         kwargs = common.connection_kwargs(opts, username)
+        # The cluster client retries every error of RedisCluster.ERRORS_ALLOW_RETRY, timeouts included, as
+        # often as its Retry allows (a paused master cost 3x the socket timeout): no retries at that level.
+        kwargs["retry"] = Retry(NoBackoff(), 0)
         if common.tls:
             kwargs["ssl"] = True
         client = RedisCluster(

@@ -20,9 +20,18 @@ ignored) the adapter falls back to HEAD-then-PUT, which is racy between writers 
 
 Credentials come from the standard AWS chain (environment, shared files, instance metadata), never from the
 URL; ``access_key_id``/``secret_access_key``/``session_token`` options exist for values a config resolved
-from ``*_env`` variables. Errors: connection refused/reset -> ``AdapterUnavailable``; connect or read
-timeouts (after ``max_attempts`` total attempts, botocore's standard retry mode) -> ``AdapterTimeout``;
-a missing bucket at open -> ``AdapterUnavailable`` (or created with ``create_bucket=true``, for tests/dev).
+from ``*_env`` variables. Errors: connection refused/reset and every other client-library error ->
+``AdapterUnavailable``; connect or read timeouts (after ``max_attempts`` total attempts, botocore's standard
+retry mode) -> ``AdapterTimeout``; a missing bucket at open -> ``AdapterUnavailable`` (or created with
+``create_bucket=true``, for tests/dev). Every request is bounded as a whole by ``request_bound_s`` =
+``(connect_timeout + read_timeout) * max_attempts`` (this covers waits botocore's timeouts miss, such as a
+PUT's ``Expect: 100-continue``), with or without the storage manager.
+
+Every object carries its length (``x-amz-meta-tc-length``); a GET whose body is shorter or longer (a
+truncated response without ``Content-Length``, a connection ending inside the body) is a miss, counted in
+``stats["short_bodies"]``. Cancellation: a multipart upload's id is never lost (the create runs as a tracked
+task that aborts the upload if its caller was cancelled meanwhile) and aborts run detached from the
+cancelled call, tracked until they end; ``aclose`` waits for them at most ``request_bound_s``.
 ``capacity`` is accepted (config passes it) but not enforced: bound a bucket with a lifecycle rule.
 """
 
@@ -38,6 +47,7 @@ from urllib.parse import unquote, urlsplit
 import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._options import (
     merge_options,
     parse_bool,
@@ -46,6 +56,7 @@ from tiercache.adapters._options import (
     parse_size,
     parse_str,
 )
+from tiercache.config import redact_url
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache.keys import ChunkKey
 
@@ -63,6 +74,7 @@ _MISS_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _NOT_IMPLEMENTED = frozenset({"501", "NotImplemented"})
 _PRECONDITION = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
 _ADDRESSING = ("auto", "path", "virtual")
+_LENGTH_META = "tc-length"  # x-amz-meta-tc-length: the object's length, checked against every body read
 
 
 def _seconds(value: object) -> float:
@@ -210,11 +222,18 @@ class S3Adapter(Adapter):
         self.capacity = capacity
         self._credentials = (access_key_id, secret_access_key, session_token)
         self._conditional: bool | None = None  # If-None-Match honoured? None: not probed
+        self.stats: dict[str, int] = {"short_bodies": 0}
+        """``short_bodies``: GET bodies shorter (or longer) than their object, served as misses."""
         self._sem = asyncio.Semaphore(max_concurrency)
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._closed = False
-        self._where = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint_url}" if endpoint_url else "")
+        at = f" at {redact_url(endpoint_url)}" if endpoint_url else ""
+        self._where = f"s3://{bucket}/{self.prefix}{at}"  # for messages and logs: never a secret
+        self._cleanup = DetachedWork(f"s3 {self._where}")  # multipart aborts, detached from their caller
+        self.request_bound_s = (connect_timeout + read_timeout) * max_attempts
+        """Longest one request may take, every attempt and wait included (the ``Expect: 100-continue``
+        wait of a PUT too): ``(connect_timeout + read_timeout) * max_attempts``; then AdapterTimeout."""
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -304,10 +323,12 @@ class S3Adapter(Adapter):
                 await self._call(lambda c: c.delete_object(Bucket=self.bucket, Key=name))
 
     async def aclose(self) -> None:
-        """Close the client (its connection pool); idempotent. Later calls raise AdapterUnavailable."""
+        """Wait (at most ``request_bound_s``) for clean-up still running (multipart aborts), then close the
+        client (its connection pool); idempotent. Later calls raise AdapterUnavailable."""
         if self._closed:
             return
         self._closed = True
+        await self._cleanup.wait(self.request_bound_s)
         await self._stack.aclose()
         self._client = None
 
@@ -342,23 +363,27 @@ class S3Adapter(Adapter):
             return AdapterUnavailable(f"s3: {self._where} answered {code or status}: {exc}")
         return AdapterUnavailable(f"s3: cannot reach {self._where}: {exc}")
 
-    async def _call(self, fn: Callable[[Any], Awaitable[_T]]) -> _T:
-        """``fn(client)`` under a concurrency slot; transport failures become AdapterError."""
+    async def _call(self, fn: Callable[[Any], Awaitable[_T]], *, cleanup: bool = False) -> _T:
+        """``fn(client)`` under a concurrency slot, bounded by ``request_bound_s``; every exception of the
+        client libraries becomes AdapterTimeout or AdapterUnavailable. ``cleanup`` calls (multipart aborts)
+        still run while ``aclose`` waits for them."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        self._check_open()
+        if not cleanup:
+            self._check_open()
         async with self._sem:
             client = self._client
             if client is None:
                 raise AdapterUnavailable(f"s3 adapter on {self._where} is closed")
             try:
-                return await fn(client)
+                async with asyncio.timeout(self.request_bound_s):
+                    return await fn(client)
             except (TimeoutError, BotoCoreError, ClientError, OSError) as exc:
                 raise self._translate(exc) from exc
-            except Exception as exc:  # aiohttp errors that escaped botocore's wrapping
+            except Exception as exc:  # aiohttp and other errors that escaped botocore's wrapping
                 import aiohttp
 
-                if isinstance(exc, aiohttp.ClientError):
+                if isinstance(exc, aiohttp.ClientError | ValueError | RuntimeError | EOFError):
                     raise self._translate(exc) from exc
                 raise
 
@@ -387,10 +412,22 @@ class S3Adapter(Adapter):
         return list(await asyncio.gather(*(self._head(n) for n in names)))
 
     async def _get(self, name: str) -> Buffer | None:
-        async def get(client: Any) -> bytes:
+        """The object's bytes, or None if it is missing or its body is not as long as the object (a
+        truncated response: the length we stored in its metadata, else its Content-Length)."""
+        from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+        async def get(client: Any) -> bytes | None:
             response = await client.get_object(Bucket=self.bucket, Key=name)
             async with response["Body"] as body:
                 data: bytes = await body.read()
+            expected = (response.get("Metadata") or {}).get(_LENGTH_META, response.get("ContentLength"))
+            try:
+                wanted = None if expected is None else int(expected)
+            except ValueError:
+                wanted = None
+            if wanted is not None and wanted != len(data):
+                self.stats["short_bodies"] += 1
+                return None
             return data
 
         try:
@@ -398,6 +435,9 @@ class S3Adapter(Adapter):
         except AdapterUnavailable as exc:
             if self._is(exc, _MISS_CODES):
                 return None
+            if isinstance(exc.__cause__, IncompleteReadError | ResponseStreamingError):
+                self.stats["short_bodies"] += 1
+                return None  # the connection ended inside the body: a miss, never a part of the object
             raise
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
@@ -408,7 +448,12 @@ class S3Adapter(Adapter):
 
     async def _put_single(self, name: str, body: memoryview, *, conditional: bool) -> bool:
         """PutObject; False if a conditional put found an object. ``_Unsupported`` on HTTP 501."""
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "Body": _body(body)}
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": name,
+            "Body": _body(body),
+            "Metadata": {_LENGTH_META: str(len(body))},
+        }
         if conditional:
             kwargs["IfNoneMatch"] = "*"
         try:
@@ -422,12 +467,27 @@ class S3Adapter(Adapter):
         return True
 
     async def _put_multipart(self, name: str, body: memoryview, *, conditional: bool) -> bool:
-        """Multipart upload, aborted on any failure; False if a conditional complete found an object."""
+        """Multipart upload, aborted on any failure; False if a conditional complete found an object.
+
+        The upload id is never lost: the create runs as a tracked task, and a caller cancelled while it is
+        in flight leaves that task to abort the upload once the id arrives. Aborts run detached from the
+        cancelled call (tracked; ``aclose`` waits for them a bounded time)."""
         size = len(body)
         part = max(self.part_size, -(-size // _MAX_PARTS))
-        created = await self._call(lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=name))
+        create = self._cleanup.start(
+            self._call(
+                lambda c: c.create_multipart_upload(
+                    Bucket=self.bucket, Key=name, Metadata={_LENGTH_META: str(size)}
+                )
+            )
+        )
+        try:
+            created = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            self._cleanup.start(self._abort_once_created(name, create))
+            raise
         upload_id = created["UploadId"]
-        done = False
+        done = cancelled = False
         try:
 
             async def upload(number: int, start: int) -> dict[str, Any]:
@@ -467,14 +527,28 @@ class S3Adapter(Adapter):
                 raise
             done = True
             return True
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if not done:
-                await asyncio.shield(self._abort(name, upload_id))
+                abort = self._cleanup.start(self._abort(name, upload_id))
+                if not cancelled:  # a cancelled caller never waits for the clean-up
+                    await asyncio.shield(abort)
+
+    async def _abort_once_created(self, name: str, create: asyncio.Task[Any]) -> None:
+        """Abort the upload ``create`` starts, once its id arrives (its caller was cancelled)."""
+        try:
+            created = await create
+        except Exception:
+            return  # no upload was created (or we cannot know its id: the server lists it for clean-up)
+        await self._abort(name, created["UploadId"])
 
     async def _abort(self, name: str, upload_id: str) -> None:
         with contextlib.suppress(AdapterError):
             await self._call(
-                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id),
+                cleanup=True,
             )
 
     async def _put_one(self, name: str, value: Buffer) -> bool:

@@ -14,7 +14,13 @@ __all__ = ["open_adapter"]
 
 
 async def open_adapter(url: str, *, adapter: str | None = None, **options: object) -> Adapter:
-    """Open the L2 store at ``url``: its scheme picks the adapter (``adapter="module:Class"`` overrides)."""
+    """Open the L2 store at ``url``: its scheme picks the adapter (``adapter="module:Class"`` overrides).
+
+    A URL carrying a credential (a password in its user info, a secret-named query parameter) is refused
+    with a ``ConfigError`` that names the ``*_env`` option to use instead and does not echo the secret."""
+    from tiercache.config import check_url_secrets
+
+    check_url_secrets(url, "open_adapter")
     registry = get_registry()
     if adapter is not None:
         cls = registry.adapter_class("", target=adapter)

@@ -1,4 +1,9 @@
-"""Per-tier circuit breaker: consecutive failures open it; after a cool-down one probe call may close it."""
+"""Per-tier circuit breaker: consecutive failures open it; after a cool-down one probe call may close it.
+
+A probe is always resolved: the caller records success or failure, and a probe that ends any other way
+(cancelled by its caller, an unexpected exception) is recorded as a failure by ``abandon``, so the circuit
+probes again after the next cool-down instead of staying "probing" for good.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +39,19 @@ class CircuitBreaker:
             return False
         self._probing = True
         return True
+
+    @property
+    def probing(self) -> bool:
+        """True while the single half-open probe call is out."""
+        return self._probing
+
+    def abandon(self, probe: bool) -> bool:
+        """A call that ``allow`` admitted ended without a result (cancelled): a probe counts as a failure
+        (the circuit re-opens and probes again after the cool-down); any other call changes nothing.
+        Returns True if this re-opened the circuit."""
+        if probe and self._probing:
+            return self.record_failure()
+        return False
 
     def record_success(self) -> None:
         """A call succeeded: close the circuit."""

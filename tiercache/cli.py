@@ -69,12 +69,13 @@ async def _check_tier(tier: TierConfig, deadline_s: float) -> dict[str, Any]:
     import numpy as np
 
     from tiercache._open import open_adapter
+    from tiercache.config import redact_text, redact_url
     from tiercache.serde import build_pipeline
     from tiercache.spec import KVSpec
 
     result: dict[str, Any] = {
         "tier": tier.name,
-        "url": tier.url,
+        "url": redact_url(tier.url),
         "codecs": [_codec_name(c) for c in tier.codecs],
     }
     started = time.perf_counter()
@@ -111,13 +112,14 @@ async def _check_tier(tier: TierConfig, deadline_s: float) -> dict[str, Any]:
             await asyncio.wait_for(adapter.batched_delete([key]), deadline_s)
         result.update(ok=True, frame_bytes=len(frame), raw_bytes=spec.nbytes)
     except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        result.update(ok=False, error=redact_text(error, tier.url))
     finally:
         if adapter is not None:
             try:
                 await adapter.aclose()
             except Exception as exc:  # closing must not hide the verdict
-                result.setdefault("close_error", str(exc))
+                result.setdefault("close_error", redact_text(str(exc), tier.url))
         result["seconds"] = round(time.perf_counter() - started, 4)
     return result
 
@@ -245,11 +247,34 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # ----- conformance -----------------------------------------------------------------------------------------
+def _refuse_destructive_url(url: str) -> None:
+    """The kit writes to a live store: never let its URL ask for a reformat (``format=true``)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from tiercache.adapters._options import parse_bool
+
+    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if name == "format":
+            try:
+                destructive = parse_bool(value)
+            except ValueError:
+                destructive = True
+            if destructive:
+                raise TiercacheError(
+                    "conformance never reformats a store: drop 'format=...' from the URL "
+                    "(format it once, outside the kit, if that is what you want)"
+                )
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     try:
         import pytest
     except ImportError:
         raise TiercacheError("the conformance kit needs pytest: pip install 'tiercache[testing]'") from None
+    from tiercache.config import check_url_secrets
+
+    check_url_secrets(args.url, "conformance")
+    _refuse_destructive_url(args.url)
     pytest_args = [
         "-q",
         "-p",

@@ -22,8 +22,11 @@ __all__ = [
     "L1Config",
     "ManagerConfig",
     "TierConfig",
+    "check_url_secrets",
     "config_from_dict",
     "load_config",
+    "redact_text",
+    "redact_url",
     "resolve_secrets",
 ]
 
@@ -46,7 +49,102 @@ _SECRET_NAMES = frozenset(
         "session_token",
     }
 )
+# Query parameters that carry a secret: these names, and any name containing one of the _SECRET_PARTS.
+_SECRET_PARAMS = _SECRET_NAMES | {"pass", "passwd", "pwd", "auth", "sig", "signature", "sas", "credential"}
+_SECRET_PARTS = ("password", "passwd", "secret", "token", "credential", "signature", "private")
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_HOST_PORT_RE = re.compile(r"^[^:]*(:\d*)?$")
+REDACTED = "***"
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _secret_param(name: str) -> bool:
+    low = name.strip().lower().replace("-", "_")
+    if low.endswith("_env"):
+        return False
+    return low in _SECRET_PARAMS or low.endswith("_key") or any(part in low for part in _SECRET_PARTS)
+
+
+def _userinfo_span(url: str) -> tuple[int, int] | None:
+    """Where the userinfo of ``url`` sits (start, end before the ``@``), also when the password holds
+    ``/``, ``?`` or ``#`` (which end the authority for a strict parser); None if there is none."""
+    m = _SCHEME_RE.match(url)
+    if m is None:
+        return None
+    rest = url[m.end() :]
+    at = rest.rfind("@")
+    if at <= 0 or rest.startswith("/"):
+        return None
+    candidate = rest[:at]
+    end = re.search(r"[/?#]", candidate)
+    if end is not None:
+        head = candidate[: end.start()]
+        if _HOST_PORT_RE.match(head):  # "host:port/path@..." or "bucket/a@b": the "@" is in the path
+            return None
+    return m.end(), m.end() + at
+
+
+def _query_secrets(url: str) -> list[tuple[str, str]]:
+    """(name, value) of the query parameters of ``url`` (and of URLs nested in their values) named like
+    secrets, or whose value is a URL carrying one."""
+    from urllib.parse import parse_qsl
+
+    start = url.find("?")
+    if start < 0:
+        return []
+    out: list[tuple[str, str]] = []
+    for name, value in parse_qsl(url[start + 1 :].split("#", 1)[0], keep_blank_values=True):
+        if _secret_param(name) and value:
+            out.append((name, value))
+        elif _SCHEME_RE.match(value) and (value != url):
+            out.extend(_query_secrets(value))
+            span = _userinfo_span(value)
+            if span is not None and ":" in value[span[0] : span[1]]:
+                out.append((name, value[span[0] : span[1]]))
+    return out
+
+
+def check_url_secrets(url: str, where: str) -> None:
+    """ConfigError if ``url`` carries a credential: a password in its userinfo (of any shape) or a query
+    parameter named like a secret. The message names the ``*_env`` option and never echoes the secret."""
+    span = _userinfo_span(url)
+    if span is not None and ":" in url[span[0] : span[1]]:
+        raise ConfigError(
+            f"{where}: the URL must not carry a password (found one in its user info, {redact_url(url)}); "
+            "put it in the environment and name the variable with the option password_env"
+        )
+    for name, _ in _query_secrets(url):
+        raise ConfigError(
+            f"{where}: the URL must not carry a secret (query parameter {name!r}, {redact_url(url)}); "
+            f"put it in the environment and name the variable with the option {name}_env"
+        )
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print or log: the user info and the values of secret-named query parameters (also in
+    URLs nested in parameter values) replaced by ``***``."""
+    span = _userinfo_span(url)
+    if span is not None:
+        url = url[: span[0]] + REDACTED + url[span[1] :]
+    for _, value in sorted(_query_secrets(url), key=lambda nv: -len(nv[1])):
+        url = url.replace(value, REDACTED)
+    return url
+
+
+def redact_text(text: str, url: str) -> str:
+    """``text`` (an error message, a log line) with every secret part of ``url`` replaced by ``***``."""
+    secrets: list[str] = []
+    span = _userinfo_span(url)
+    if span is not None:
+        userinfo = url[span[0] : span[1]]
+        secrets.append(userinfo)
+        _, _, password = userinfo.partition(":")
+        secrets.extend(p for p in (password, *password.split("/")) if len(p) >= 2)
+    secrets.extend(value for _, value in _query_secrets(url))
+    text = text.replace(url, redact_url(url))
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 def _parse_size(value: object, where: str) -> int:
@@ -206,9 +304,9 @@ def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
     if not url:
         raise ConfigError(f"{source}: tiers[{index}] ({name!r}).url is required")
     where = f"{source}: tier {name!r}"
+    check_url_secrets(url, where)  # before expanding: a ${VAR} in a secret place is refused too
     url = _expand(url, where)
-    if re.match(r"^[a-z0-9+.-]+://[^/@]*:[^/@]*@", url, re.IGNORECASE):
-        raise ConfigError(f"{where}: url must not carry a password; use options.password_env")
+    check_url_secrets(url, where)
     capacity_raw = r.take("capacity", (str, int), None)
     capacity = None if capacity_raw is None else _parse_size(capacity_raw, f"{where}: capacity")
     codecs_raw = r.take("codecs", (list,), ["raw"])

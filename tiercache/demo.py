@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiercache.config import redact_url
 from tiercache.errors import TiercacheError
 
 if TYPE_CHECKING:
@@ -352,7 +353,7 @@ def check_shared(config: Config) -> None:
             cls = registry.adapter_class(registry.resolve_scheme(tier.url))
         if cls.capabilities.shared:
             return
-    names = ", ".join(f"{t.name} ({t.url})" for t in config.tiers) or "none"
+    names = ", ".join(f"{t.name} ({redact_url(t.url)})" for t in config.tiers) or "none"
     raise TiercacheError(
         f"the demo needs an L2 tier shared between processes (e.g. file://); tiers of "
         f"{config.source or 'the config'}: {names}"
@@ -425,7 +426,7 @@ def run_demo(
     try:
         config = load_config(config_file) if config_file else demo_config(workdir)
         check_shared(config)
-        tiers = ", ".join(f"{t.name}={t.url}" for t in config.tiers)
+        tiers = ", ".join(f"{t.name}={redact_url(t.url)}" for t in config.tiers)
         source = config.source or "embedded default"
         print(f"tiercache demo: {source}: L1 + {tiers}; chunk_size={config.chunk_size}", file=sys.stderr)
         started = time.perf_counter()

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercache.circuit import CircuitBreaker
 from tiercache.config import ManagerConfig
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     from tiercache.spec import KVSpec
 
 __all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
+
+log = logging.getLogger(__name__)
 
 L1_TIER = "L1"
 T = TypeVar("T")
@@ -66,6 +70,20 @@ class L2Tier:
     breaker: CircuitBreaker
     queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
     worker: asyncio.Task[None] | None = None
+    late: set[asyncio.Future[Any]] = field(default_factory=set)
+    store_error_logged: bool = False
+    """Puts that outlived their deadline and are still landing (counted when they end)."""
+
+
+class _Late:
+    """Marks a call still running past its deadline (its outcome is delivered later)."""
+
+
+def _late_done(
+    pending: set[asyncio.Future[Any]], late: Callable[[T | None], None], task: asyncio.Future[T]
+) -> None:
+    pending.discard(task)
+    late(None if task.cancelled() or task.exception() is not None else task.result())
 
 
 class StorageManager:
@@ -79,6 +97,7 @@ class StorageManager:
         *,
         metrics: Metrics | None = None,
         store_batch: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.l1 = l1
         self.policy = policy or ManagerConfig()
@@ -91,7 +110,7 @@ class StorageManager:
                 name,
                 adapter,
                 pipeline,
-                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s),
+                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s, clock),
                 asyncio.Queue(self.policy.store_queue_size),
             )
             self.tiers.append(tier)
@@ -121,26 +140,66 @@ class StorageManager:
 
     # ----- L2 calls: deadline, circuit, metrics ------------------------------------------------------------
     async def _call(
-        self, tier: L2Tier, op: str, call: Callable[[], Awaitable[T]], deadline_s: float
+        self,
+        tier: L2Tier,
+        op: str,
+        call: Callable[[], Awaitable[T]],
+        deadline_s: float,
+        late: Callable[[T | None], None] | None = None,
     ) -> T | None:
-        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss)."""
+        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss).
+
+        With ``late``, the call's outcome (its result, or None where it failed) is also handed to ``late``,
+        and a call still running at the deadline is not cancelled (a write may be landing): it counts as a
+        timeout now and ``late`` gets its outcome when it ends."""
+        outcome = await self._attempt(tier, op, call, deadline_s, late)
+        if late is not None and not isinstance(outcome, _Late):
+            late(outcome)
+        return None if isinstance(outcome, _Late) else outcome
+
+    async def _attempt(
+        self,
+        tier: L2Tier,
+        op: str,
+        call: Callable[[], Awaitable[T]],
+        deadline_s: float,
+        late: Callable[[T | None], None] | None,
+    ) -> T | _Late | None:
         if not tier.breaker.allow():
             return None
+        probe = tier.breaker.probing  # this call holds the half-open probe: it must resolve it
         started = time.perf_counter()
+        task = asyncio.ensure_future(call())
         try:
-            result = await asyncio.wait_for(call(), deadline_s)
+            done, _ = await asyncio.wait({task}, timeout=deadline_s)
         except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.metrics.errors.labels(tier.name, op).inc()
-            if tier.breaker.record_failure():
+            task.cancel()
+            if tier.breaker.abandon(probe):
                 self.metrics.circuit_open.labels(tier.name).set(1)
-            return None
+            raise
         finally:
             self.metrics.latency.labels(tier.name, op).observe(time.perf_counter() - started)
+        if not done:
+            self._failed(tier, op)
+            if late is None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                return None
+            tier.late.add(task)
+            task.add_done_callback(partial(_late_done, tier.late, late))
+            return _Late()
+        if task.cancelled() or task.exception() is not None:
+            self._failed(tier, op)
+            return None
         tier.breaker.record_success()
         self.metrics.circuit_open.labels(tier.name).set(0)
-        return result
+        return task.result()
+
+    def _failed(self, tier: L2Tier, op: str) -> None:
+        self.metrics.errors.labels(tier.name, op).inc()
+        if tier.breaker.record_failure():
+            self.metrics.circuit_open.labels(tier.name).set(1)
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -176,11 +235,23 @@ class StorageManager:
                     tier.worker = asyncio.get_running_loop().create_task(self._store_worker(tier))
 
     async def _store_worker(self, tier: L2Tier) -> None:
-        """Drain a tier's store queue in batches: encode off the loop, then one batched put."""
+        """Drain a tier's store queue in batches: encode off the loop, then one batched put.
+
+        Survives any exception of a codec or adapter: the batch is dropped and counted
+        (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
         while not tier.queue.empty():
             batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
             try:
                 await self._store_batch(tier, batch)
+            except Exception as exc:
+                self.metrics.stores_dropped.labels(tier.name, "error").inc(len(batch))
+                if not tier.store_error_logged:
+                    tier.store_error_logged = True
+                    log.error(
+                        "tier %s: a background store failed (%r); later failures are only counted",
+                        tier.name,
+                        exc,
+                    )
             finally:
                 for _, lease in batch:
                     lease.release()
@@ -202,11 +273,21 @@ class StorageManager:
             return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
-        stored = await self._call(
-            tier, "put", lambda: tier.adapter.batched_put(keys, values), self.policy.l2_deadline_s
+        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
+            # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
+            await asyncio.wait(set(tier.late))
+        await self._call(
+            tier,
+            "put",
+            lambda: tier.adapter.batched_put(keys, values),
+            self.policy.l2_deadline_s,
+            late=partial(self._count_stores, tier, values),
         )
+
+    def _count_stores(self, tier: L2Tier, values: list[bytearray], stored: list[bool] | None) -> None:
+        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
         if stored is None:
-            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(keys))
+            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
             return
         for ok, value in zip(stored, values, strict=True):
             if ok:
@@ -427,7 +508,12 @@ class StorageManager:
                 _, lease = tier.queue.get_nowait()
                 lease.release()
             with contextlib.suppress(Exception):
-                await tier.adapter.aclose()
+                await tier.adapter.aclose()  # waits for writes the adapter cannot stop
+            if tier.late:  # puts past their deadline: counted as they end (bounded), then stop waiting
+                _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
+                for task in still:
+                    task.cancel()
+                await asyncio.gather(*still, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> StorageManager:

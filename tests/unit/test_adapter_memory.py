@@ -22,6 +22,10 @@ class TestMemoryConformance(AdapterConformance):
     def adapter_factory(self) -> AdapterFactory:
         return lambda: MemoryAdapter.open("memory://kit?capacity=256MiB")
 
+    @pytest.fixture
+    def bounded_adapter_factory(self) -> AdapterFactory:
+        return lambda: MemoryAdapter.open("memory://bounded?capacity=2MiB")
+
 
 @pytest.mark.asyncio
 async def test_lru_evicts_least_recently_used() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from tiercache.errors import AdapterUnavailable, ConfigError
 from tiercache.testing.adapters import AdapterConformance
 
 if TYPE_CHECKING:
+    from tiercache.adapters import Adapter
     from tiercache.testing.adapters import AdapterFactory
 
 
@@ -25,6 +28,14 @@ class TestPosixConformance(AdapterConformance):
     @pytest.fixture
     def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
         return lambda: PosixAdapter.open(f"file://{tmp_path}/store")
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        self.root = tmp_path / "bounded"
+        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB")
+
+    async def stored_bytes(self, adapter: Adapter) -> int | None:
+        return _bytes_on_disk(self.root)
 
 
 class TestPosixConformanceFsyncFlat(AdapterConformance):
@@ -128,21 +139,96 @@ async def test_restart_rebuilds_index_and_respects_capacity(tmp_path: Path) -> N
     await third.aclose()
 
 
+def _exited_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
 @pytest.mark.asyncio
-async def test_stale_temp_files_removed_on_open(tmp_path: Path) -> None:
-    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+async def test_temp_files_of_dead_writers_removed_live_ones_kept_and_counted(tmp_path: Path) -> None:
+    """Issue 11 #5: cleanup removes only dead writers' temp files (pid + start time), counts the others."""
+    from tiercache.adapters import _tempfiles
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
     assert await adapter.batched_put(["obj"], [b"data"]) == [True]
-    shard = os.path.dirname(adapter._path("obj"))
+    shard = Path(os.path.dirname(adapter._path("obj")))
     await adapter.aclose()
-    leftovers = [os.path.join(shard, ".obj.abc123.tmp"), os.path.join(tmp_path, "ab", "cd", ".x.1.tmp")]
-    os.makedirs(os.path.dirname(leftovers[1]), exist_ok=True)
-    for p in leftovers:
-        Path(p).write_bytes(b"partial")  # noqa: ASYNC240
-    reopened = await PosixAdapter.open(f"file://{tmp_path}")
-    assert not any(Path(p).exists() for p in leftovers)  # noqa: ASYNC240
-    assert await reopened.batched_get(["obj"]) == [b"data"]
-    assert reopened.used_bytes == 4
-    await reopened.aclose()
+    host = _tempfiles._host()
+    exited = _exited_pid()
+    live = _sleeper()
+    try:
+        live_start = _tempfiles._start_ticks(live.pid)
+        me = _tempfiles.owner_tag()
+        mine_start = int(me.rsplit("_", 1)[1])
+        files = {
+            "dead_writer": shard / f".obj.{host}_{exited}_1.abc.tmp",
+            "recycled_pid": shard / f".obj.{host}_{os.getpid()}_{mine_start + 1}.abc.tmp",
+            "legacy_old": shard / ".obj.abc123.tmp",
+            "live_writer": shard / f".obj.{host}_{live.pid}_{live_start}.abc.tmp",
+            "this_process": shard / f".obj.{me}.abc.tmp",
+            "other_host_fresh": shard / ".obj.0badc0de_1_1.abc.tmp",
+            "legacy_fresh": shard / ".obj.def456.tmp",
+        }
+        for path in files.values():
+            path.write_bytes(b"partial")
+        os.utime(files["legacy_old"], (1, 1))
+        reopened = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
+        try:
+            present = {name: path.exists() for name, path in files.items()}
+            assert present == {
+                "dead_writer": False,
+                "recycled_pid": False,
+                "legacy_old": False,
+                "live_writer": True,
+                "this_process": True,
+                "other_host_fresh": True,
+                "legacy_fresh": True,
+            }
+            assert reopened.stats["temp_files"] == 4
+            assert reopened.stats["temp_bytes"] == 4 * len(b"partial")
+            assert reopened.stats["temp_files_removed"] == 3
+            assert await reopened.batched_get(["obj"]) == [b"data"]
+            assert reopened.used_bytes == 4
+            _stop(live)
+            assert await reopened.sweep_temp_files() == 1  # its writer died: now it goes
+            assert not files["live_writer"].exists()
+            assert reopened.stats["temp_files"] == 3
+        finally:
+            await reopened.aclose()
+    finally:
+        _stop(live)
+
+
+@pytest.mark.asyncio
+async def test_temp_files_are_swept_periodically(tmp_path: Path) -> None:
+    """Issue 11 #5: an open adapter removes a crashed writer's temp file without being reopened."""
+    from tiercache.adapters import _tempfiles
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0.02)
+    try:
+        assert await adapter.batched_put(["obj"], [b"data"]) == [True]
+        exited = _exited_pid()
+        leftover = Path(os.path.dirname(adapter._path("obj"))) / f".obj.{_tempfiles._host()}_{exited}_1.x.tmp"
+        leftover.write_bytes(b"partial")
+        for _ in range(500):  # bounded poll: the sweep runs every 20 ms
+            if not leftover.exists():
+                break
+            await asyncio.sleep(0.01)
+        assert not leftover.exists()
+        assert adapter.stats["temp_files_removed"] == 1
+    finally:
+        await adapter.aclose()
 
 
 @pytest.mark.asyncio
@@ -298,3 +384,26 @@ async def test_reads_from_page_cache_and_from_disk_agree(
         assert sorted(pooled) == sorted(values)
     finally:
         await adapter.aclose()
+
+
+def _bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+@pytest.mark.asyncio
+async def test_cancelled_puts_never_exceed_capacity(tmp_path: Path) -> None:
+    """Issue 11 #2: a put cancelled while its thread writes still lands; it is counted, so the tier never
+    holds more than its capacity and ``used_bytes`` follows the files on disk."""
+    capacity = 1 << 20
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=capacity)
+    value = b"x" * (128 << 10)
+    for i in range(40):
+        put = asyncio.ensure_future(adapter.batched_put([f"k{i}"], [value]))
+        await asyncio.sleep(0)  # the write is on the pool now
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert adapter.used_bytes <= capacity
+    await adapter.aclose()  # waits for the writes still landing
+    assert _bytes_on_disk(tmp_path) <= capacity
+    assert adapter.used_bytes == _bytes_on_disk(tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import subprocess
@@ -29,6 +30,11 @@ class TestSlabConformance(AdapterConformance):
     @pytest.fixture
     def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
         url = f"nvme+slab://{tmp_path}/kit.slab?capacity=640MiB&max_object=64MiB&extent_size=64MiB"
+        return lambda: SlabAdapter.open(url, preallocate=False)
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        url = f"nvme+slab://{tmp_path}/bounded.slab?capacity=6MiB&max_object=1MiB&extent_size=2MiB"
         return lambda: SlabAdapter.open(url, preallocate=False)
 
 
@@ -182,15 +188,67 @@ async def test_corrupt_slot_is_a_miss(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_geometry_change_reformats(tmp_path: Path) -> None:
+async def test_changed_options_open_the_slab_with_its_own_geometry(tmp_path: Path) -> None:
+    """Issue 11 (suspected): other max_object/extent_size/capacity never reformat: the slab's objects stay."""
+    a = await _open(tmp_path)
+    geometry = a.geometry
+    assert await a.batched_put(["x"], [b"x" * 5000]) == [True]
+    await a.aclose()
+    b = await _open(tmp_path, capacity="200MiB", max_object="4MiB", extent_size="32MiB")
+    try:
+        assert b.geometry == geometry
+        assert await b.batched_get(["x"]) == [b"x" * 5000]
+        assert b.capabilities.max_value_bytes == 4 * MiB  # the smaller of the options and the slab
+        assert await b.batched_put(["y"], [b"y" * (3 * MiB)]) == [True]
+    finally:
+        await b.aclose()
+    c = await _open(tmp_path, max_object="64MiB", extent_size="64MiB", capacity="640MiB")
+    try:
+        assert c.geometry == geometry
+        assert geometry is not None
+        assert c.max_object == geometry.max_class - 8192  # what the slab's largest class holds
+        assert await c.batched_put(["z"], [os.urandom(c.max_object)]) == [True]
+        assert await c.batched_get(["x"]) == [b"x" * 5000]
+    finally:
+        await c.aclose()
+
+
+@pytest.mark.asyncio
+async def test_reformat_only_with_format_option(tmp_path: Path) -> None:
     a = await _open(tmp_path)
     assert await a.batched_put(["x"], [b"x"]) == [True]
     await a.aclose()
-    b = await _open(tmp_path, capacity="200MiB")
+    b = await _open(tmp_path, capacity="200MiB", format=True)
     try:
         assert await b.batched_contains(["x"]) == [False]
+        assert b.geometry is not None
+        assert b.geometry.capacity == 200 * MiB
     finally:
         await b.aclose()
+
+
+@pytest.mark.asyncio
+async def test_cancelled_puts_release_their_slots(tmp_path: Path) -> None:
+    """Issue 11 #3: puts cancelled after reserving a slot never leak it; the slab keeps accepting puts."""
+    a = await _open(tmp_path, capacity="80MiB", max_object="4MiB", extent_size="16MiB")
+    value = os.urandom(2 * MiB)
+    try:
+        for i in range(60):
+            put = asyncio.ensure_future(a.batched_put([f"c{i}"], [value]))
+            await asyncio.sleep(0)  # the slot is reserved and its write is on a thread
+            put.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await put  # (a put refused at once returns before the cancel lands)
+        detached = getattr(a, "_detached", None)
+        if detached is not None:
+            await detached.wait(60)  # the cancelled batches finish writing (they cannot be stopped)
+        refused = a.stats["rejected_full"]
+        for i in range(40):  # far more than the slab holds at once: LRU eviction must find slots
+            assert await a.batched_put([f"n{i}"], [value]) == [True], f"put {i} refused: slots leaked"
+        assert a.stats["rejected_full"] == refused
+        assert await a.batched_get(["n39"]) == [value]
+    finally:
+        await a.aclose()
 
 
 @pytest.mark.asyncio

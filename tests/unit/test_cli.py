@@ -125,3 +125,92 @@ def test_conformance_runs_the_kit_against_a_url(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert bad.returncode != 0
+
+
+def test_conformance_never_reformats_a_live_slab(tmp_path: Path) -> None:
+    """Issue 11 (suspected): ``conformance`` refuses a URL asking for a reformat; the slab's objects stay."""
+    import asyncio
+
+    from tiercache.adapters.nvme_slab import SlabAdapter
+
+    url = f"nvme+slab://{tmp_path}/live.slab?capacity=64MiB&max_object=1MiB&extent_size=8MiB"
+
+    async def put_then_read(put: bool) -> list[bool]:
+        slab = await SlabAdapter.open(url, preallocate=False)
+        try:
+            if put:
+                await slab.batched_put(["live"], [b"precious"])
+            return await slab.batched_contains(["live"])
+        finally:
+            await slab.aclose()
+
+    assert asyncio.run(put_then_read(True)) == [True]
+    for value in ("true", "1", "yes"):
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "tiercache", "conformance", f"{url}&format={value}", "-x"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "never reformats" in proc.stderr
+    assert asyncio.run(put_then_read(False)) == [True]
+
+
+def test_a_planted_password_is_never_printed_or_logged(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 11 #4: a password planted in every place a config or URL can hold one never reaches stdout,
+    stderr or the logs of ``check`` (text and JSON) and ``conformance``; the refusals name ``*_env``."""
+    import logging
+
+    from tiercache.cli import main
+
+    planted = "Pw7Secret/xyz"
+    monkeypatch.setenv("TC_PLANTED_SECRET", planted)
+    urls = [
+        f"redis://default:{planted}@127.0.0.1:1/0",
+        f"rediss://user:{planted}?x#y@127.0.0.1:1/0",
+        f"redis+cluster://u:{planted}@127.0.0.1:1,127.0.0.1:2",
+        "redis://127.0.0.1:1/0?password=${TC_PLANTED_SECRET}",
+        "redis://default:${TC_PLANTED_SECRET}@127.0.0.1:1/0",
+        f"redis://127.0.0.1:1/0?pass={planted}",
+        f"s3://bucket/prefix?aws_secret_access_key={planted}",
+        f"s3://bucket/prefix?endpoint_url=http://ak:{planted}@127.0.0.1:1",
+        f"mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata&token={planted}",
+    ]
+    tiers = [f'[[tiers]]\nname = "t"\nurl = "{url}"\n' for url in urls]
+    tiers += [
+        f'[[tiers]]\nname = "t"\nurl = "redis://127.0.0.1:1/0"\noptions = {{ password = "{planted}" }}\n',
+        f'[[tiers]]\nname = "t"\nurl = "file:///tmp/x"\ncodecs = [{{ id = "aesgcm", key = "{planted}" }}]\n',
+        # accepted (the secret comes from the environment); the tier is unreachable: the error is printed
+        '[[tiers]]\nname = "t"\nurl = "redis://127.0.0.1:1/0"\n'
+        'options = { password_env = "TC_PLANTED_SECRET", socket_timeout = 0.5 }\n',
+    ]
+    caplog.set_level(logging.DEBUG)
+    outputs = []
+    for i, tier in enumerate(tiers):
+        path = tmp_path / f"c{i}.toml"
+        path.write_text(tier)
+        for args in (["check", str(path)], ["check", str(path), "--json"]):
+            code = main(args)
+            out, err = capsys.readouterr()
+            outputs.append(out + err)
+            if i < len(tiers) - 1:
+                assert code == 2, out + err
+                assert "_env" in err, err
+            else:
+                assert code == 1, out + err
+    for url in urls[:3]:
+        assert main(["conformance", url]) == 2
+        out, err = capsys.readouterr()
+        assert "password_env" in err
+        outputs.append(out + err)
+    everything = "\n".join(outputs) + "\n".join(r.getMessage() for r in caplog.records)
+    for piece in (planted, *planted.split("/")):
+        assert piece not in everything

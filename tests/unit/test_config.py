@@ -141,3 +141,65 @@ def test_yaml_and_toml_examples_agree() -> None:
 def test_every_example_config_loads() -> None:
     for path in sorted(EXAMPLES.glob("*.toml")):
         assert load_config(path).tiers, path
+
+
+# -- secrets in URLs (issue 11 #4) ---------------------------------------------------------------------
+
+PLANTED = "Pw7Secret/xyz"  # contains "/", which ends the authority for a strict URL parser
+
+SECRET_URLS = [
+    f"redis://default:{PLANTED}@127.0.0.1:1/0",
+    f"redis://:{PLANTED}@127.0.0.1:1",
+    f"rediss://user:{PLANTED}?x#y@127.0.0.1:1/0",
+    f"redis+cluster://u:{PLANTED}@127.0.0.1:1,127.0.0.1:2",
+    f"redis://127.0.0.1:1/0?password={PLANTED}",
+    f"redis://127.0.0.1:1/0?pass={PLANTED}",
+    f"s3://bucket/prefix?aws_secret_access_key={PLANTED}",
+    f"s3://bucket/prefix?access_key={PLANTED}",
+    f"s3://bucket/prefix?session_token={PLANTED}",
+    f"s3://bucket/prefix?endpoint_url=http://ak:{PLANTED}@127.0.0.1:1",
+    f"mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata&token={PLANTED}",
+    f"file:///tmp/x?api-key={PLANTED}",
+]
+
+
+@pytest.mark.parametrize("url", SECRET_URLS)
+def test_url_with_a_secret_is_refused_without_echoing_it(url: str) -> None:
+    from tiercache.config import check_url_secrets, redact_url
+
+    with pytest.raises(ConfigError, match="_env") as info:
+        check_url_secrets(url, "tier 'a'")
+    assert PLANTED not in str(info.value)
+    for piece in PLANTED.split("/"):
+        assert piece not in str(info.value)
+        assert piece not in redact_url(url)
+    assert "***" in redact_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        "redis://alice@127.0.0.1:6379/0?password_env=REDIS_PASSWORD",
+        "s3://bucket/prefix@v2/x",
+        "s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&key_prefix=a",
+        "file:///data/a@b?capacity=1GiB",
+        "nvme+slab:///mnt/nvme/x.slab?capacity=500GiB&max_object=64MiB",
+        "redis://h:6379/0?ssl_keyfile=/etc/k.pem&ssl_certfile=/etc/c.pem",
+    ],
+)
+def test_urls_without_secrets_pass_and_print_unchanged(url: str) -> None:
+    from tiercache.config import check_url_secrets, redact_url
+
+    check_url_secrets(url, "tier 'a'")
+    expected = url.replace("alice@", "***@")
+    assert redact_url(url) == expected
+
+
+def test_secret_in_an_expanded_variable_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``?password=${VAR}`` used to pass validation (the value appears only after expansion)."""
+    monkeypatch.setenv("TC_PLANTED", PLANTED)
+    for url in ("redis://h:1/0?password=${TC_PLANTED}", "redis://default:${TC_PLANTED}@h:1/0"):
+        with pytest.raises(ConfigError, match="password_env") as info:
+            load_config(write(tmp_path, f'[[tiers]]\nname = "a"\nurl = "{url}"'))
+        assert PLANTED not in str(info.value)

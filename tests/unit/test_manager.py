@@ -235,3 +235,140 @@ async def test_open_from_config(tmp_path: Path) -> None:
         await manager.aclose()
         await manager.aclose()
     assert (tmp_path / "d").is_dir()
+
+
+class FakeClock:
+    """A monotonic clock the test advances by hand (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> None:
+    """Issue 11 #1: a probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
+    raw = build_pipeline(["raw"])
+    inner = InMemoryAdapter()
+    await inner.batched_put(["k0000"], [raw.encode(payload("k0000"), SPEC, "k0000")])
+    tier = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"contains"}))
+    clock = FakeClock()
+    policy = ManagerConfig(
+        l2_deadline_s=60, lookup_deadline_s=60, store_queue_size=8, circuit_failures=1, circuit_cooldown_s=5
+    )
+    async with StorageManager(make_l1(), [("t", tier, raw)], policy, clock=clock) as manager:
+        assert await manager.batched_contains(["k0000"]) == [None]  # the failure opens the circuit
+        assert manager.metrics.value("tiercache_circuit_open", tier="t") == 1
+        clock.now += 6  # cool-down over: the next call is the probe; it hangs and its caller gives up
+        tier.fail_rate, tier.hang = 0.0, True
+        probe = asyncio.ensure_future(manager.batched_contains(["k0000"]))
+        for _ in range(100):
+            if tier.faults["hang"]:
+                break
+            await asyncio.sleep(0)
+        assert tier.faults["hang"] == 1
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        tier.hang = False  # the tier is healthy again
+        calls = tier.calls["contains"]
+        clock.now += 6
+        hits = await manager.batched_contains(["k0000"])
+        assert tier.calls["contains"] == calls + 1, "no probe reached the healthy tier"
+        assert [h.tier if h else None for h in hits] == ["t"]
+        assert manager.metrics.value("tiercache_circuit_open", tier="t") == 0
+        assert [h.tier if h else None for h in await manager.batched_contains(["k0000"])] == ["t"]
+
+
+class SlowPuts(InMemoryAdapter):
+    """Puts land only when the test opens the gate, and cannot be stopped once started (like a thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def batched_put(
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        await asyncio.shield(self.gate.wait())
+        return await super().batched_put(keys, values)
+
+
+async def test_store_past_its_deadline_is_counted_when_it_lands() -> None:
+    """Issue 11 #2 (manager): a put that outlives the deadline but lands is counted stored, not failed."""
+    raw = build_pipeline(["raw"])
+    slow = SlowPuts()
+    policy = ManagerConfig(l2_deadline_s=0.01, lookup_deadline_s=1, store_queue_size=8, circuit_failures=5)
+    async with StorageManager(make_l1(), [("slow", slow, raw)], policy) as manager:
+        await put_all(manager, keys_of(2))
+        worker = manager.tiers[0].worker
+        assert worker is not None
+        await worker  # the put timed out at its deadline; it is still pending
+        assert manager.metrics.value("tiercache_stores_total", tier="slow") == 0
+        assert len(manager.tiers[0].late) == 1
+        slow.gate.set()
+        (late,) = manager.tiers[0].late
+        await late
+        assert await slow.batched_contains(keys_of(2)) == [True, True]
+        assert manager.metrics.value("tiercache_stores_total", tier="slow") == 2
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="slow", reason="failed") == 0
+
+
+class FailsToEncode:
+    """A codec pipeline that raises for one key (a codec bug) and encodes the others with ``raw``."""
+
+    def __init__(self, *bad_keys: str) -> None:
+        self.raw = build_pipeline(["raw"])
+        self.bad_keys = set(bad_keys)
+
+    def encode(self, data: object, spec: KVSpec, key: str) -> bytearray:
+        if key in self.bad_keys:
+            raise RuntimeError("codec bug")
+        return self.raw.encode(data, spec, key)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.raw, name)
+
+
+async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 11 (suspected): a codec exception no longer kills the store worker or strands leases."""
+    inner = InMemoryAdapter()
+    pipeline = FailsToEncode("k0000", "k0002")
+    async with StorageManager(
+        make_l1(),
+        [("t", inner, pipeline)],
+        POLICY,
+        store_batch=1,  # type: ignore[list-item]
+    ) as manager:
+        await put_all(manager, keys_of(4))
+        await manager.drain()
+        assert await inner.batched_contains(keys_of(4)) == [False, True, False, True]
+        assert manager.metrics.value("tiercache_stores_dropped_total", tier="t", reason="error") == 2
+        assert manager.metrics.value("tiercache_stores_total", tier="t") == 2
+        for key in keys_of(4):  # every lease was released
+            assert not manager.l1._objects[key]._leases, f"{key} still leased"
+        await put_all(manager, ["k0009"])
+        await manager.drain()
+        assert await inner.batched_contains(["k0009"]) == [True]
+    assert sum("codec bug" in r.getMessage() for r in caplog.records) == 1  # logged once, then counted
+
+
+async def test_posix_stores_past_the_deadline_stay_within_capacity_and_are_counted(tmp_path: Path) -> None:
+    """Issue 11 #2 (through the manager): stores cut off by the deadline land on a POSIX tier; the tier stays
+    within its capacity and the manager counts as stored at least every object that is on disk."""
+    capacity = 8 * SPEC.nbytes
+    tier = await PosixAdapter.open(f"file://{tmp_path}/l2", capacity=capacity, fsync=True)  # slow writes
+    policy = ManagerConfig(
+        l2_deadline_s=1e-3, lookup_deadline_s=1, store_queue_size=64, circuit_failures=10**6
+    )
+    manager = StorageManager(make_l1(64), [("disk", tier, build_pipeline(["raw"]))], policy, store_batch=1)
+    for start in range(0, 40, 8):
+        await put_all(manager, keys_of(40)[start : start + 8])
+        await manager.drain()
+    await manager.aclose()
+    files = [p for p in (tmp_path / "l2").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert sum(p.stat().st_size for p in files) <= capacity
+    stored = manager.metrics.value("tiercache_stores_total", tier="disk")
+    failed = manager.metrics.value("tiercache_stores_dropped_total", tier="disk", reason="failed")
+    assert stored >= len(files) > 0, f"{len(files)} objects on disk, {stored} counted stored, {failed} failed"

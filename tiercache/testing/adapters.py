@@ -12,6 +12,14 @@ tested)::
 Optional class attributes: ``max_object_bytes`` (largest value tested, default 64 MiB) and
 ``supports_concurrent_overwrite`` (default True; False skips the overwrite-while-reading check). Tests use
 fresh random keys, so the location need not be empty. Works under pytest-asyncio strict and auto modes.
+
+Cancellation is a normal path (the manager's deadlines, callers giving up), so the kit cancels puts and gets
+at random points (``test_cancelled_calls_leave_the_adapter_consistent``): afterwards every key must hold its
+old value, the new value or nothing; the adapter must stay within its capacity (``used_bytes`` against
+``capacity`` where the adapter has them, and the hook ``stored_bytes`` where a subclass can measure the
+medium itself); and no reservation may leak (fresh puts of twice the capacity's worth still succeed). It
+opens its adapter through the optional fixture ``bounded_adapter_factory`` (default: ``adapter_factory``);
+override it to open the same kind of store with a small capacity (a few MiB), so leaks show quickly.
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 import pytest_asyncio
@@ -29,6 +37,8 @@ from tiercache.adapters._base import Adapter, Buffer, Capabilities
 from tiercache.errors import AdapterUnavailable, Unsupported
 
 __all__ = ["AdapterConformance", "AdapterFactory"]
+
+_T = TypeVar("_T")
 
 AdapterFactory = Callable[[], Awaitable[Adapter]]
 """Opens a new adapter on the location under test (the same one on every call)."""
@@ -56,6 +66,31 @@ def _describe(got: Buffer | None, expected: bytes) -> str:
     return f"{len(got)} bytes that differ from the {len(expected)} bytes expected"
 
 
+async def _cancel_randomly(call: Coroutine[Any, Any, _T], rng: random.Random) -> _T | None:
+    """Run ``call`` and cancel it at a random point (0-5 loop iterations in, or part-way through I/O);
+    its result if it finished first, else None."""
+    task = asyncio.ensure_future(call)
+    for _ in range(rng.randrange(6)):
+        await asyncio.sleep(0)
+    if rng.random() < 0.25:
+        await asyncio.sleep(rng.random() * 0.003)
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return None
+
+
+async def _put_patiently(adapter: Adapter, key: str, value: bytes) -> bool:
+    """Put ``value``; a refusal is retried for about a second (a cancelled put may still be landing and
+    hold its space: busy, not leaked). True once stored."""
+    for _ in range(100):
+        if await adapter.batched_put([key], [value]) == [True]:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 class AdapterConformance:
     """Conformance tests for one ``Adapter``; subclasses provide the ``adapter_factory`` fixture."""
 
@@ -70,6 +105,16 @@ class AdapterConformance:
     def adapter_factory(self) -> AdapterFactory:
         """Override in the subclass: return an async callable opening an adapter on one fixed location."""
         pytest.fail(f"{type(self).__name__} must define the 'adapter_factory' fixture")
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, adapter_factory: AdapterFactory) -> AdapterFactory:
+        """Override to open the store with a small capacity for the cancellation test (default: as usual)."""
+        return adapter_factory
+
+    async def stored_bytes(self, adapter: Adapter) -> int | None:
+        """Override where the medium can be measured directly (e.g. files on disk): bytes it holds now,
+        checked against the adapter's ``capacity`` after the cancellation test. Default: not measured."""
+        return None
 
     @pytest_asyncio.fixture
     async def adapter(self, adapter_factory: AdapterFactory) -> AsyncIterator[Adapter]:
@@ -271,6 +316,81 @@ class AdapterConformance:
             await self._race(adapter, key, (a, b), write)
         (got,) = await adapter.batched_get([key])
         assert _same(got, b), _describe(got, b)
+
+    # -- cancellation ---------------------------------------------------------------------------------
+
+    cancel_rounds: ClassVar[int] = 32
+    """Puts and gets cancelled by the cancellation test."""
+    cancel_value_bytes: ClassVar[int] = 256 << 10
+    """Size of the values the cancellation test writes."""
+
+    async def test_cancelled_calls_leave_the_adapter_consistent(
+        self, bounded_adapter_factory: AdapterFactory
+    ) -> None:
+        """Puts and gets cancelled at random points leave every key with its old value, the new value or
+        nothing; the adapter within its capacity; no reservation leaked (later puts still succeed)."""
+        rng = random.Random(20261201)
+        rounds, size = self.cancel_rounds, self.cancel_value_bytes
+        keys = _keys(rounds, tag="x")
+        old = [_value(size, seed=1000 + i) for i in range(rounds)]
+        new = [_value(size - 1 - i, seed=2000 + i) for i in range(rounds)]
+        adapter = await bounded_adapter_factory()
+        try:
+            for i in range(rounds):
+                assert await _put_patiently(adapter, keys[i], old[i]), f"put of key {i} refused: space leaked"
+                op = rng.choice(("put", "put", "get"))
+                if op == "put":
+                    await _cancel_randomly(adapter.batched_put([keys[i]], [new[i]]), rng)
+                else:
+                    read = await _cancel_randomly(adapter.batched_get([keys[i]]), rng)
+                    got = None if read is None else read[0]
+                    assert got is None or _same(got, old[i]), f"cancelled get {i}: {_describe(got, old[i])}"
+                self._check_capacity(adapter, f"after cancelled {op} {i}")
+            await self._check_medium(adapter, "after the cancelled calls")
+            for i, got in enumerate(await adapter.batched_get(keys)):
+                assert got is None or _same(got, old[i]) or _same(got, new[i]), (
+                    f"after a cancelled call, key {i} holds {len(got)} bytes: neither the old nor the new one"
+                )
+            self._check_capacity(adapter, "after reading every key back")
+            # No leaked reservation: fresh puts of twice the capacity (or of every cancelled value) succeed.
+            capacity = getattr(adapter, "capacity", None)
+            total = 2 * capacity if isinstance(capacity, int) and capacity <= (64 << 20) else rounds * size
+            fresh = _keys(max(1, total // size), tag="f")
+            for n, key in enumerate(fresh):
+                stored = await _put_patiently(adapter, key, old[n % rounds])
+                assert stored, f"fresh put {n} of {len(fresh)} refused: a cancelled call leaked space"
+                self._check_capacity(adapter, f"after fresh put {n}")
+            (got,) = await adapter.batched_get([fresh[-1]])
+            assert _same(got, old[(len(fresh) - 1) % rounds]), _describe(got, old[(len(fresh) - 1) % rounds])
+        finally:
+            await adapter.aclose()  # waits for work the cancelled calls left running
+        self._check_capacity(adapter, "after aclose")
+        await self._check_medium(adapter, "after aclose")
+        if not adapter.capabilities.persistent:
+            return
+        reopened = await bounded_adapter_factory()
+        try:
+            got_all = await reopened.batched_get(keys)
+            for i, got in enumerate(got_all):
+                assert got is None or _same(got, old[i]) or _same(got, new[i]), (
+                    f"after reopening, key {i} holds {len(got)} bytes: neither the old nor the new value"
+                )
+        finally:
+            await reopened.aclose()
+
+    async def _check_medium(self, adapter: Adapter, when: str) -> None:
+        measured = await self.stored_bytes(adapter)
+        capacity = getattr(adapter, "capacity", None)
+        if measured is not None and isinstance(capacity, int):
+            assert measured <= capacity, (
+                f"{when}: the medium holds {measured} bytes, over the capacity {capacity}"
+            )
+
+    @staticmethod
+    def _check_capacity(adapter: Adapter, when: str) -> None:
+        used, capacity = getattr(adapter, "used_bytes", None), getattr(adapter, "capacity", None)
+        if isinstance(used, int) and isinstance(capacity, int):
+            assert used <= capacity, f"{when}: {used} bytes used, over the capacity of {capacity}"
 
     # -- lifecycle ------------------------------------------------------------------------------------
 

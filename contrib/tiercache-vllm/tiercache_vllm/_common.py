@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from tiercache_vllm import _loop
 from tiercache_vllm._identity import KEY_SOURCES, KeyArgs, vllm_key_source
@@ -35,7 +38,10 @@ __all__ = [
     "LoadOp",
     "SaveOp",
     "TierCacheMetadata",
+    "WorkerState",
+    "check_failure_policy",
     "layout_from_vllm",
+    "model_fingerprint",
     "open_engine",
     "shared_engine",
     "slot_mapping",
@@ -71,9 +77,9 @@ class ConnectorSettings:
     lookup_timeout_s: float = 2.0
     """How long the scheduler waits for a lookup before treating it as a miss, seconds."""
     load_timeout_s: float = 10.0
-    """How long a synchronous load may take before its blocks are recomputed, seconds."""
+    """How long a load (sync or async) may take before it is cancelled and its blocks recomputed, seconds."""
     save_timeout_s: float = 30.0
-    """How long shutdown and preemption wait for pending saves, seconds."""
+    """How long shutdown and preemption wait for pending saves before cancelling them, seconds."""
     open_timeout_s: float = 60.0
     """How long opening the tiers may take before the connector runs disabled (all misses), seconds."""
     key_source: str = "auto"
@@ -127,11 +133,17 @@ class LoadOp:
     is_async: bool = False
     key_args: KeyArgs | None = None
     """The request's identity and block hashes, as the scheduler keyed its lookup (None: tokens alone)."""
+    epoch: int = 0
+    """The request's save epoch when the load was planned (see ``SaveOp.epoch``)."""
 
 
 @dataclass(slots=True)
 class SaveOp:
-    """Store the chunks of ``token_ids`` after the first ``skip_tokens`` (a multiple of the chunk size)."""
+    """Store the chunks of ``token_ids`` after the first ``skip_tokens`` (a multiple of the chunk size).
+
+    ``epoch`` counts the short loads of the request the scheduler has seen: a worker whose load of the request
+    fell short at epoch ``e`` drops every save of it with ``epoch <= e`` (KV computed on failed blocks).
+    """
 
     req_id: str
     token_ids: list[int]
@@ -139,6 +151,7 @@ class SaveOp:
     skip_tokens: int
     key_args: KeyArgs | None = None
     """The request's identity and block hashes (None: tokens alone)."""
+    epoch: int = 0
 
 
 @dataclass
@@ -148,6 +161,32 @@ class TierCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerState(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, each step: ``disabled`` when a worker has no engine (its loads are misses)."""
+
+    disabled: bool = False
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerState:
+        """Disabled when any worker is (one rank without KV makes every load of the step a miss)."""
+        return WorkerState(self.disabled or bool(getattr(other, "disabled", False)))
+
+
+def check_failure_policy(vllm_config: VllmConfig, can_load: bool) -> None:
+    """``ValueError`` unless a loading connector runs with ``kv_load_failure_policy="recompute"``.
+
+    A load that falls short is reported as invalid blocks; vLLM's default policy ``"fail"`` would turn that
+    cache miss into a failed request, which the connector cannot undo.
+    """
+    transfer = vllm_config.kv_transfer_config
+    policy = str(getattr(transfer, "kv_load_failure_policy", "recompute"))
+    if can_load and policy != "recompute":
+        raise ValueError(
+            f'tiercache: kv_load_failure_policy="{policy}" would fail a request on any cache read error; '
+            'set kv_load_failure_policy="recompute" in --kv-transfer-config (or use kv_role="kv_producer")'
+        )
 
 
 def slot_mapping(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -182,6 +221,7 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
             f"tiercache supports one KV cache group (full attention); this model has {len(groups)}"
         )
     spec: Any = groups[0].kv_cache_spec
+    _check_attention(vllm_config, spec)
     use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
     if use_mla:
         kind, heads = LayoutKind.VLLM_MLA, 1
@@ -196,6 +236,109 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
         block_size=int(spec.block_size),
         dtype=str(spec.dtype).removeprefix("torch."),
     )
+
+
+def _check_attention(vllm_config: VllmConfig, spec: Any) -> None:
+    """``NotImplementedError`` naming the reason unless the KV cache is plain full attention (or MLA) with
+    one page format for every layer: sliding windows, chunked-local attention, inline quantization scales
+    and per-layer dtype exceptions change what a page holds, so their KV is refused at start."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    kind = type(spec).__name__
+    problem = ""
+    if getattr(spec, "sliding_window", None) is not None:
+        problem = f"it uses sliding-window attention (window {spec.sliding_window}, {kind})"
+    elif type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        problem = f"its KV cache spec is {kind}"
+    elif getattr(spec, "attention_chunk_size", None) is not None:
+        problem = f"it uses chunked local attention ({spec.attention_chunk_size} tokens)"
+    elif getattr(spec, "state_content_bytes", None) is not None:
+        problem = "its KV pages carry inline quantization scales"
+    elif getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
+        problem = "kv_cache_dtype_skip_layers gives its layers different KV dtypes"
+    elif getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+        problem = "calculate_kv_scales makes each process compute its own k/v scales"
+    if problem:
+        raise NotImplementedError(
+            f"tiercache: cannot cache this model's KV: {problem}; "
+            "only full attention (or MLA) with one KV format for all layers is supported"
+        )
+
+
+def model_fingerprint(vllm_config: VllmConfig) -> str:
+    """16 hex digits identifying what the model's KV depends on beyond its name and revision.
+
+    Covers: the KV cache dtype as vLLM names it (``auto``, ``bfloat16``, ``fp8_e4m3``, ``fp8_e5m2`` ...), the
+    model dtype, the HF config after ``hf_overrides`` (rope settings, quantization and checkpoint k/v scale
+    settings included), and, for a local model directory, each weight file's (and weight index's) name and
+    size plus a SHA-256 of its first and last MiB (a safetensors header, every tensor's name, dtype, shape
+    and offset, sits at the start). Stable across hosts (no paths or mtimes); a hub model id relies on its
+    revision instead.
+    """
+    import hashlib
+    import json
+
+    model_config = vllm_config.model_config
+    digest = hashlib.sha256()
+    hf_config: Any = getattr(model_config, "hf_config", None)
+    config = hf_config.to_dict() if hf_config is not None else {}
+    for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "name_or_path"):
+        config.pop(volatile, None)
+    head = {
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "dtype": str(getattr(model_config, "dtype", "")),
+        "hf_config": config,
+    }
+    digest.update(json.dumps(head, sort_keys=True, default=str).encode())
+    root = Path(str(model_config.model))
+    if root.is_dir():
+        digest.update(_weights_digest(root))
+    return digest.hexdigest()[:16]
+
+
+_WEIGHTS_SEEN: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
+
+
+def _weights_digest(root: Path) -> bytes:
+    """Digest of a model directory's weight files (names, sizes, first and last MiB); cached per process
+    while no file's size or mtime changes (mtimes only key the cache, they are not hashed)."""
+    import hashlib
+
+    files = sorted(p for p in root.iterdir() if _is_weight_file(p))
+    stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = (str(root.resolve()), stats)
+    found = _WEIGHTS_SEEN.get(key)
+    if found is None:
+        digest = hashlib.sha256()
+        for path, (name, size, _) in zip(files, stats, strict=True):
+            digest.update(f"|{name}:{size}:".encode())
+            digest.update(_ends_digest(path))
+        found = _WEIGHTS_SEEN[key] = digest.digest()
+    return found
+
+
+_WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf"})
+_END_BYTES = 1 << 20
+
+
+def _is_weight_file(path: Path) -> bool:
+    """Weight files and weight indexes (``*.index.json``) of a model directory."""
+    weights = path.suffix in _WEIGHT_SUFFIXES or path.name.endswith(".index.json")
+    return weights and path.is_file()
+
+
+def _ends_digest(path: Path) -> bytes:
+    """SHA-256 of a file's first and last MiB (the whole file when smaller than 2 MiB)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        digest.update(f.read(_END_BYTES))
+        if size > _END_BYTES:
+            f.seek(max(_END_BYTES, size - _END_BYTES))
+            digest.update(f.read(_END_BYTES))
+    return digest.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,15 +358,20 @@ class EngineIdentity:
 def identity(
     vllm_config: VllmConfig, settings: ConnectorSettings, layout: PagedLayout, rank: int | str
 ) -> EngineIdentity:
-    """The engine identity for ``rank`` (``"shared"`` for MLA) of this vLLM config."""
+    """The engine identity for ``rank`` (``"shared"`` for MLA) of this vLLM config.
+
+    The keyspace's revision holds the model revision and ``model_fingerprint`` (``"REV+kv-FINGERPRINT"``), so
+    a different KV cache dtype, config override or weight file is a different keyspace (all misses).
+    """
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
         raise NotImplementedError("tiercache does not support pipeline parallelism yet")
+    revision = str(getattr(model_config, "revision", None) or "")
     return EngineIdentity(
         config_id=settings.config_id,
         model=settings.model_id or str(model_config.model),
-        revision=str(getattr(model_config, "revision", None) or ""),
+        revision=f"{revision}+kv-{model_fingerprint(vllm_config)}",
         layout=layout,
         world_size=int(parallel.tensor_parallel_size),
         rank=rank,
@@ -237,6 +385,21 @@ UNAVAILABLE_TIERS: set[str] = set()
 
 _registry_lock = threading.Lock()
 _ENGINES: dict[EngineIdentity, CacheEngine] = {}
+
+
+_DISABLED: set[EngineIdentity] = set()
+
+
+def mark_disabled(ident: EngineIdentity) -> None:
+    """Record that this process's worker for ``ident`` runs without an engine (its scheduler fails closed)."""
+    with _registry_lock:
+        _DISABLED.add(ident)
+
+
+def worker_disabled(ident: EngineIdentity) -> bool:
+    """True when a worker of this process could not open its engine for ``ident``."""
+    with _registry_lock:
+        return ident in _DISABLED
 
 
 def shared_engine(ident: EngineIdentity) -> CacheEngine | None:

@@ -21,9 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata
+from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata, check_failure_policy
 from tiercache_vllm.scheduler import SchedulerSide
 from tiercache_vllm.worker import WorkerSide
 
@@ -113,6 +114,7 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         role_name = str(transfer.kv_role)
         can_load = role_name in ("kv_consumer", "kv_both")
         can_save = role_name in ("kv_producer", "kv_both")
+        check_failure_policy(vllm_config, can_load)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -178,6 +180,9 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.build_connector_worker_meta()
 
     def shutdown(self) -> None:
         if self._closed:

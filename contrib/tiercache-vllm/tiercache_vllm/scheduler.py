@@ -23,6 +23,7 @@ from tiercache_vllm._common import (
     layout_from_vllm,
     open_engine,
     shared_engine,
+    worker_disabled,
 )
 from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
 
@@ -55,6 +56,8 @@ class _Tracker:
     block_ids: list[int]
     computed: int = 0
     saved: int = 0
+    epoch: int = 0
+    """Short loads of the request seen so far (``SaveOp.epoch``)."""
 
 
 @dataclass(slots=True)
@@ -77,6 +80,9 @@ class _Stats:
     """Requests whose identity has no stable key (never looked up nor stored)."""
     keyspace_mismatches: int = 0
     """Requests whose producer keyed them under another keyspace or key source (they cannot hit)."""
+    short_loads: int = 0
+    """Requests whose load a worker reported short (their saves are re-planned from the valid prefix)."""
+    worker_disabled: bool = False
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,6 +107,9 @@ class SchedulerSide:
         self.save_unfull_chunk = config.save_unfull_chunk
         self.block_size = int(vllm_config.cache_config.block_size)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        # MLA restores whole blocks only, as vLLM's prefix cache does: a restore leaving a one-token first
+        # step runs MLA's absorbed decode path, whose tokens differ from a cold prefill even with exact KV.
+        self.whole_blocks = self.layout.object_format.name == "KV_MLA"
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
         self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
@@ -118,6 +127,8 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadOp] = {}
         self._async_loading: set[str] = set()
         self._trackers: dict[str, _Tracker] = {}
+        self._epochs: dict[str, int] = {}
+        self._load_blocks: dict[str, set[int]] = {}
         self._save_issued: set[str] = set()
         self.stats = _Stats()
 
@@ -126,6 +137,9 @@ class SchedulerSide:
         """The engines to look up in (one per TP rank): the worker's when it lives in this process."""
         if self._engines is not None or self._disabled:
             return self._engines
+        if any(worker_disabled(ident) for ident in self._idents):
+            self._disable("the worker in this process could not open its engine")
+            return None
         shared = [shared_engine(ident) for ident in self._idents]
         if all(e is not None for e in shared):
             self._engines = [e for e in shared if e is not None]
@@ -142,6 +156,14 @@ class SchedulerSide:
         self._own_engine = base
         self._engines = [base] + [engine_for_rank(base, ident.rank) for ident in self._idents[1:]]
         return self._engines
+
+    def _disable(self, why: str) -> None:
+        """Fail closed: every later lookup is a miss and nothing is saved."""
+        if not self._disabled:
+            logger.warning("tiercache: %s; the connector is disabled (all misses)", why)
+        self._disabled = True
+        self._engines = None
+        self.stats.worker_disabled = True
 
     @property
     def shares_worker_engine(self) -> bool:
@@ -232,11 +254,14 @@ class SchedulerSide:
 
     # ----- vLLM scheduler API --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens loadable beyond ``num_computed_tokens`` (never the whole request), and whether async."""
-        if not self.can_load:
+        """Tokens loadable beyond ``num_computed_tokens`` (never the whole request; MLA: up to a block
+        boundary), and whether async."""
+        if not self.can_load or self._disabled:
             return 0, False
         hit = self._hit_tokens(request)
         end = min(hit, request.num_tokens - 1)
+        if self.whole_blocks:
+            end = end // self.block_size * self.block_size
         count = max(0, end - num_computed_tokens)
         cached = self._lookups[request.request_id]
         cached.local, cached.count = num_computed_tokens, count
@@ -261,10 +286,13 @@ class SchedulerSide:
             skip_tokens=local,
             load_end=load_end,
             is_async=self.settings.load_async,
+            epoch=self._epochs.get(request.request_id, 0),
         )
         keys = self.request_keys(request)
         op.key_args = None if keys is None else keys.up_to(read_end)
         self._pending_loads[request.request_id] = op
+        first, last = local // self.block_size, -(-load_end // self.block_size)
+        self._load_blocks[request.request_id] = set(op.block_ids[first:last])
         if op.is_async:
             self._async_loading.add(request.request_id)
         self.stats.loads += 1
@@ -283,6 +311,7 @@ class SchedulerSide:
                 block_ids=list(new.block_ids[0]) if new.block_ids else [],
                 computed=new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
                 saved=new.num_computed_tokens // self.chunk_size * self.chunk_size,
+                epoch=self._epochs.get(new.req_id, 0),
             )
             self._trackers[new.req_id] = tracker
             touched.append((new.req_id, tracker))
@@ -299,7 +328,7 @@ class SchedulerSide:
                 found.block_ids.extend(new_blocks[0])
             found.computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             touched.append((req_id, found))
-        if self.can_save:
+        if self.can_save and not self._disabled:
             for req_id, tracker in touched:
                 op = self._plan_save(req_id, tracker)
                 if op is not None:
@@ -321,16 +350,44 @@ class SchedulerSide:
         keys = self._keys_of(req_id)
         if keys is None:
             return None  # unknown or unkeyable identity: never keyed on its tokens alone
-        op = SaveOp(req_id, tracker.prompt[:end], tracker.block_ids[:blocks], tracker.saved, keys.up_to(end))
+        op = SaveOp(
+            req_id,
+            tracker.prompt[:end],
+            tracker.block_ids[:blocks],
+            tracker.saved,
+            key_args=keys.up_to(end),
+            epoch=tracker.epoch,
+        )
         tracker.saved = end
         self._save_issued.add(req_id)
         self.stats.saves += 1
         return op
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Forget async loads the workers finished."""
+        """Forget finished async loads; learn of short loads (re-plan saves) and of a disabled worker."""
         for req_id in connector_output.finished_recving or ():
             self._async_loading.discard(req_id)
+        if getattr(connector_output.kv_connector_worker_meta, "disabled", False):
+            self._disable("a worker runs without an engine")
+        invalid = set(connector_output.invalid_block_ids or ())
+        if invalid:
+            for req_id, blocks in list(self._load_blocks.items()):
+                if blocks & invalid:
+                    self._short_load(req_id, invalid)
+
+    def _short_load(self, req_id: str, invalid: set[int]) -> None:
+        """A load of ``req_id`` fell short: bump its save epoch (the worker drops older saves) and save again
+        from the chunk holding the first failed block once vLLM has recomputed it."""
+        self.stats.short_loads += 1
+        del self._load_blocks[req_id]
+        self._epochs[req_id] = self._epochs.get(req_id, 0) + 1
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            return  # an async load: its tracker starts from the recomputed prefix vLLM rewound to
+        tracker.epoch = self._epochs[req_id]
+        bad = [i for i, block in enumerate(tracker.block_ids) if block in invalid]
+        first_bad = (bad[0] if bad else 0) * self.block_size
+        tracker.saved = min(tracker.saved, first_bad // self.chunk_size * self.chunk_size)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the block free while a save may still read the blocks or an async load write them."""
@@ -340,6 +397,8 @@ class SchedulerSide:
         self._trackers.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._key_args.pop(req_id, None)
+        self._epochs.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
         saved = req_id in self._save_issued
         delay = saved or req_id in self._async_loading
         self._save_issued.discard(req_id)

@@ -3,18 +3,23 @@
 Runs in each vLLM worker. All tiercache work runs on the process's background loop; the sync vLLM hooks
 submit it and (for synchronous loads) wait with a deadline. A load that fails, times out or returns fewer
 tokens than planned reports the affected blocks through ``get_block_ids_with_load_errors`` so vLLM
-recomputes them (``kv_load_failure_policy="recompute"``); garbage is never used. Saves are asynchronous:
+recomputes them (``kv_load_failure_policy="recompute"``); garbage is never used, and nothing the request
+computes on top of a short load is stored (its saves are dropped until the scheduler re-plans them after
+the recompute, see ``SaveOp.epoch``). A load or save that times out is cancelled and waited for until its
+coroutine no longer runs before its blocks are reported invalid or given back. Saves are asynchronous:
 the scheduler delays a finished request's block free until ``get_finished`` reports its saves done, and
-preempted requests' saves are flushed in ``handle_preemptions`` before their blocks can be reused.
+preempted requests' saves are flushed in ``handle_preemptions`` before their blocks can be reused. A worker
+without an engine reports every load as a miss (async ones finished at once) and tells the scheduler
+(``WorkerState``) so that it stops reporting hits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +29,11 @@ from tiercache_vllm._common import (
     LoadOp,
     SaveOp,
     TierCacheMetadata,
+    WorkerState,
     forget_engine,
     identity,
     layout_from_vllm,
+    mark_disabled,
     open_engine,
     slot_mapping,
 )
@@ -49,7 +56,8 @@ logger = logging.getLogger("tiercache_vllm")
 class _PendingLoad:
     op: LoadOp
     slots: torch.Tensor
-    future: concurrent.futures.Future[RetrieveResult]
+    job: _loop.Job[RetrieveResult] | None  # None: nothing to run (a miss)
+    deadline: float = float("inf")
 
 
 @dataclass(slots=True)
@@ -61,6 +69,10 @@ class _WorkerStats:
     saves: int = 0
     save_failures: int = 0
     tokens_saved: int = 0
+    saves_skipped_short_load: int = 0
+    """Saves dropped because the request's load fell short (their KV was computed on failed blocks)."""
+    copies_stopped: int = 0
+    """Timed-out loads and saves cancelled and waited for before their blocks were given back."""
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -90,11 +102,14 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._sync_loads: list[_PendingLoad] = []
         self._async_loads: dict[str, _PendingLoad] = {}
-        self._abandoned: list[concurrent.futures.Future[Any]] = []
-        self._saving: dict[str, list[concurrent.futures.Future[Any]]] = {}
+        self._saving: dict[str, list[_loop.Job[Any]]] = {}
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
-        self._layer_saves: list[tuple[str, AsyncIterator[int], list[concurrent.futures.Future[Any]]]] = []
+        self._short: dict[str, int] = {}
+        self._layer_saves: list[tuple[str, AsyncIterator[int], list[_loop.Job[Any]]]] = []
+        self.disabled = False
+        self.clock: Callable[[], float] = time.monotonic
+        """Clock for async load deadlines (tests inject one)."""
         self.stats = _WorkerStats()
 
     # ----- setup ---------------------------------------------------------------------------------
@@ -115,39 +130,33 @@ class WorkerSide:
             )
         except ValueError:
             logger.exception("tiercache: unexpected KV cache tensors; the connector is disabled")
-            return
-        if layout != expected:
+            layout = None
+        if layout is not None and layout != expected:
             logger.error("tiercache: detected layout %s != configured %s; disabled", layout, expected)
-            return
+            layout = None
         self.layout = layout
-        rank: int | str = "shared" if layout.object_format.name == "KV_MLA" else _tp_rank()
-        ident = identity(self.vllm_config, self.settings, layout, rank)
-        try:
-            self.engine = open_engine(ident, self.config, self.settings.open_timeout_s, register=True)
-        except Exception:
-            logger.exception("tiercache: opening the tiers failed; the connector is disabled (all misses)")
-            self.engine = None
+        rank: int | str = "shared" if expected.object_format.name == "KV_MLA" else _tp_rank()
+        ident = identity(self.vllm_config, self.settings, expected, rank)
+        if layout is not None:
+            try:
+                self.engine = open_engine(ident, self.config, self.settings.open_timeout_s, register=True)
+            except Exception:
+                logger.exception("tiercache: opening the tiers failed; connector disabled (all misses)")
+                self.engine = None
+        if self.engine is None:
+            self.disabled = True
+            mark_disabled(ident)
 
     # ----- loads ---------------------------------------------------------------------------------
-    def _settle_abandoned(self) -> None:
-        """Wait for timed-out loads still running, so none writes into blocks after vLLM reuses them."""
-        for future in self._abandoned:
-            with contextlib.suppress(BaseException):  # cancelled or failed: either way it has stopped
-                future.result(self.settings.load_timeout_s)
-        self._abandoned.clear()
-
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         """Start this step's loads; synchronous ones finish here (or, layerwise, before the first layer)."""
-        self._settle_abandoned()
         for op in meta.loads:
             slots = slot_mapping(op.block_ids, len(op.token_ids), self.block_size)
-            if self.engine is None or not self.can_load:
-                self._record(op, slots, None)
-                continue
-            self.stats.loads += 1
-            keys = op.key_args
-            future = _loop.submit(
-                self.engine.retrieve_result(
+            job = None
+            if self.engine is not None and self.can_load:
+                self.stats.loads += 1
+                keys = op.key_args
+                retrieve = self.engine.retrieve_result(
                     op.token_ids,
                     self.kv_caches,
                     slots,
@@ -155,10 +164,10 @@ class WorkerSide:
                     identity=None if keys is None else keys.identity,
                     block_hashes=None if keys is None else keys.block_hashes,
                 )
-            )
-            pending = _PendingLoad(op, slots, future)
+                job = _loop.start(retrieve)
+            pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s)
             if op.is_async:
-                self._async_loads[op.req_id] = pending
+                self._async_loads[op.req_id] = pending  # a miss is reported finished by get_finished
             else:
                 self._sync_loads.append(pending)
         if not self.settings.layerwise:
@@ -171,21 +180,33 @@ class WorkerSide:
     def _finish_sync_loads(self) -> None:
         loads, self._sync_loads = self._sync_loads, []
         for pending in loads:
-            result: RetrieveResult | None
-            try:
-                result = pending.future.result(self.settings.load_timeout_s)
-            except concurrent.futures.TimeoutError:
-                pending.future.cancel()
-                self._abandoned.append(pending.future)
-                logger.warning("tiercache: load of %s timed out; recomputing", pending.op.req_id)
-                result = None
-            except Exception:
-                logger.exception("tiercache: load of %s failed; recomputing", pending.op.req_id)
-                result = None
+            result: RetrieveResult | None = None
+            job = pending.job
+            if job is not None:
+                try:
+                    result = job.future.result(self.settings.load_timeout_s)
+                except concurrent.futures.TimeoutError:
+                    logger.warning("tiercache: load of %s timed out; recomputing", pending.op.req_id)
+                    self._stop(job, "load", pending.op.req_id)
+                except Exception:
+                    logger.exception("tiercache: load of %s failed; recomputing", pending.op.req_id)
             self._record(pending.op, pending.slots, result)
 
+    def _stop(self, job: _loop.Job[Any], what: str, req_id: str) -> None:
+        """Cancel ``job`` and wait until it no longer runs: only then may its blocks be given back to vLLM.
+
+        Bounded by ``load_timeout_s`` per round; a copy that still runs after that keeps the step waiting
+        (its blocks are never handed back while it may write or read them).
+        """
+        self.stats.copies_stopped += 1
+        while not job.stop(self.settings.load_timeout_s):
+            logger.error("tiercache: cancelled %s of %s is still running; waiting for it", what, req_id)
+
     def _record(self, op: LoadOp, slots: torch.Tensor, result: RetrieveResult | None) -> None:
-        """Turn a load's outcome into invalid blocks: every block of [good_end, load_end) is recomputed."""
+        """Turn a load's outcome into invalid blocks: every block of [good_end, load_end) is recomputed.
+
+        A short load also stops the request's saves until the scheduler re-plans them (``SaveOp.epoch``).
+        """
         good_end = op.skip_tokens
         if result is not None and result.tokens_written > 0:
             good_end = op.skip_tokens + result.tokens_written
@@ -194,6 +215,7 @@ class WorkerSide:
             return
         self.stats.load_failures += 1
         self.stats.tokens_loaded += max(0, good_end - op.skip_tokens)
+        self._short[op.req_id] = max(op.epoch, self._short.get(op.req_id, op.epoch))
         bad = slots[good_end : op.load_end]
         bad = bad[bad >= 0] // self.block_size
         blocks = {int(b) for b in bad.tolist()}
@@ -211,19 +233,36 @@ class WorkerSide:
             mask[: op.skip_tokens] = False
         return slots, mask
 
+    def _may_save(self, op: SaveOp) -> bool:
+        """False for a save planned before the scheduler saw this request's short load (counted)."""
+        short = self._short.get(op.req_id)
+        if short is None:
+            return True
+        if op.epoch > short:
+            del self._short[op.req_id]  # re-planned after the recompute
+            return True
+        self.stats.saves_skipped_short_load += 1
+        logger.info("tiercache: not saving %s: computed after a short load", op.req_id)
+        return False
+
     def save_kv_layer(self, meta: TierCacheMetadata, layer_name: str) -> None:
         """Layerwise mode: store this layer of every chunk saved this step (after its attention ran)."""
         if not self.settings.layerwise or self.engine is None or not self.can_save:
             return
         if self._layer_index.get(layer_name) == 0:
             self._start_layer_saves(meta)
-        for _, agen, futures in self._layer_saves:
-            futures.append(_loop.submit(_advance(agen, futures[-1] if futures else None)))
+        for req_id, agen, jobs in self._layer_saves:
+            job = _loop.start(_advance(agen, jobs[-1].future if jobs else None))
+            jobs.append(job)
+            self._saving[req_id].append(job)
 
     def _start_layer_saves(self, meta: TierCacheMetadata) -> None:
         assert self.engine is not None
         self._layer_saves = []
         for op in meta.saves:
+            self._saving.setdefault(op.req_id, [])
+            if not self._may_save(op):
+                continue
             slots, mask = self._save_args(op)
             keys = op.key_args
             agen = self.engine.store_layers(
@@ -235,7 +274,6 @@ class WorkerSide:
                 block_hashes=None if keys is None else keys.block_hashes,
             )
             self._layer_saves.append((op.req_id, agen, []))
-            self._saving.setdefault(op.req_id, [])
             self.stats.saves += 1
             self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
 
@@ -244,14 +282,14 @@ class WorkerSide:
         if not self.can_save:
             return
         if self.settings.layerwise:
-            for req_id, agen, futures in self._layer_saves:
-                last = futures[-1] if futures else None
-                self._track(req_id, _loop.submit(_finish(agen, last)))
+            for req_id, agen, jobs in self._layer_saves:
+                last = jobs[-1].future if jobs else None
+                self._track(req_id, _loop.start(_finish(agen, last)))
             self._layer_saves = []
             return
         for op in meta.saves:
             self._saving.setdefault(op.req_id, [])
-            if self.engine is None:
+            if self.engine is None or not self._may_save(op):
                 continue
             slots, mask = self._save_args(op)
             keys = op.key_args
@@ -263,27 +301,30 @@ class WorkerSide:
                 identity=None if keys is None else keys.identity,
                 block_hashes=None if keys is None else keys.block_hashes,
             )
-            self._track(op.req_id, _loop.submit(store))
+            self._track(op.req_id, _loop.start(store))
             self.stats.saves += 1
             self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
 
-    def _track(self, req_id: str, future: concurrent.futures.Future[Any]) -> None:
-        self._saving.setdefault(req_id, []).append(future)
+    def _track(self, req_id: str, job: _loop.Job[Any]) -> None:
+        self._saving.setdefault(req_id, []).append(job)
 
         def done(f: concurrent.futures.Future[Any]) -> None:
             if not f.cancelled() and f.exception() is not None:
                 self.stats.save_failures += 1
                 logger.warning("tiercache: save of %s failed: %s", req_id, f.exception())
 
-        future.add_done_callback(done)
+        job.future.add_done_callback(done)
 
     def _wait_saves(self, req_ids: set[str] | None = None) -> None:
-        for req_id, futures in list(self._saving.items()):
+        """Wait for the saves of ``req_ids`` (all: None); one still running after ``save_timeout_s`` is
+        cancelled and waited for until it no longer reads the blocks."""
+        for req_id, jobs in list(self._saving.items()):
             if req_ids is not None and req_id not in req_ids:
                 continue
-            for future in futures:
-                with contextlib.suppress(BaseException):  # failures are logged by the done callback
-                    future.result(self.settings.save_timeout_s)
+            for job in jobs:
+                if not job.stopped.wait(self.settings.save_timeout_s) and not job.finished():
+                    logger.warning("tiercache: save of %s timed out; cancelling it", req_id)
+                    self._stop(job, "save", req_id)
 
     def handle_preemptions(self, meta: TierCacheMetadata) -> None:
         """Finish saves of preempted requests before vLLM reuses their blocks."""
@@ -294,28 +335,56 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are done, requests whose async load is done)."""
         self._finishing |= finished_req_ids & self._saving.keys()
+        for req_id in finished_req_ids - self._saving.keys():
+            self._short.pop(req_id, None)
         sending = set()
         for req_id in list(self._finishing):
-            futures = self._saving.get(req_id, [])
-            if all(f.done() for f in futures):
+            jobs = self._saving.get(req_id, [])
+            if all(job.finished() for job in jobs):
                 sending.add(req_id)
                 self._finishing.discard(req_id)
                 self._saving.pop(req_id, None)
-        for futures in self._saving.values():
-            futures[:] = [f for f in futures if not f.done()]
+                self._short.pop(req_id, None)
+        for jobs in self._saving.values():
+            jobs[:] = [job for job in jobs if not job.finished()]
         recving = set()
         for req_id, pending in list(self._async_loads.items()):
-            if not pending.future.done():
+            done, result = self._async_result(pending)
+            if not done:
                 continue
             del self._async_loads[req_id]
-            result: RetrieveResult | None = None
-            try:
-                result = pending.future.result()
-            except BaseException:
-                logger.exception("tiercache: async load of %s failed; recomputing", req_id)
             self._record(pending.op, pending.slots, result)
             recving.add(req_id)
         return sending or None, recving or None
+
+    def _async_result(self, pending: _PendingLoad) -> tuple[bool, RetrieveResult | None]:
+        """(True, result or None for a miss) once an async load's copy no longer runs, else (False, None).
+
+        Past its deadline the load is cancelled; it is reported only when the cancelled copy has stopped.
+        """
+        job = pending.job
+        if job is None:
+            return True, None
+        if not job.finished():
+            if self.clock() < pending.deadline:
+                return False, None
+            if not job.future.cancelled():
+                logger.warning("tiercache: async load of %s timed out; recomputing", pending.op.req_id)
+                self.stats.copies_stopped += 1
+            job.cancel()
+            if not job.finished():
+                return False, None
+        if job.future.cancelled():
+            return True, None
+        try:
+            return True, job.future.result()
+        except BaseException:
+            logger.exception("tiercache: async load of %s failed; recomputing", pending.op.req_id)
+            return True, None
+
+    def build_connector_worker_meta(self) -> WorkerState | None:
+        """Tell the scheduler that this worker has no engine (None while it has one)."""
+        return WorkerState(disabled=True) if self.disabled else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -324,7 +393,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Finish pending saves, drain the L2 store queues, close the engine."""
-        self._settle_abandoned()
+        for pending in [*self._sync_loads, *self._async_loads.values()]:
+            if pending.job is not None and not pending.job.finished():
+                self._stop(pending.job, "load", pending.op.req_id)
         self._wait_saves()
         engine, self.engine = self.engine, None
         if engine is None:

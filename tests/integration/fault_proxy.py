@@ -1,0 +1,195 @@
+"""A fault-injecting TCP proxy for the integration tests: put it between a client and a real server.
+
+    proxy = FaultProxy("127.0.0.1", server_port).start()   # listens on 127.0.0.1:proxy.port
+    proxy.mode = "stall"        # or "pass", "reset", "truncate"; takes effect at once, open connections too
+    ...
+    proxy.stop()
+
+Modes:
+
+- ``pass``: forward both ways.
+- ``stall``: accept, read and drop what the client sends, answer nothing (a hung server or network); open
+  connections stop forwarding. When the stall ends, the stalled connections are closed.
+- ``reset``: close every connection with a TCP RST (``SO_LINGER`` 0), new ones as soon as they arrive.
+- ``truncate``: forward the client's request, then only ``truncate_after`` bytes of the server's answer on
+  that connection, then close it (FIN). With ``strip_content_length`` (HTTP/1.1 servers) the answer's
+  ``Content-Length`` header is removed first and ``truncate_after`` counts body bytes: a valid response whose
+  body ends early, which a client can only catch by knowing the object's length.
+
+The proxy runs its own event loop on a daemon thread, so it serves sync and async clients, and clients whose
+blocking calls run in threads. Self-contained (standard library only), loadable by path like ``s3_servers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+
+__all__ = ["FaultProxy"]
+
+_CHUNK = 64 << 10
+
+
+class FaultProxy:
+    """A TCP proxy from ``127.0.0.1:port`` to ``target_host:target_port`` with switchable faults."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.mode = "pass"
+        self.truncate_after = 0
+        self.strip_content_length = False
+        self.connections = 0
+        """Connections accepted so far."""
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> FaultProxy:
+        """Listen on a free 127.0.0.1 port (``self.port``) and serve on a daemon thread."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+
+            async def serve() -> None:
+                self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+                self.port = self._server.sockets[0].getsockname()[1]
+                ready.set()
+
+            loop.run_until_complete(serve())
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="fault-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fault proxy did not start")
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every connection, stop the thread."""
+        loop = self._loop
+        if loop is None:
+            return
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        self._loop = None
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- forwarding ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _reset(writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    async def _hold(self, reader: asyncio.StreamReader) -> None:
+        """Stall: swallow whatever arrives while the mode is ``stall``; the connection is closed once the peer
+        goes away or the stall ends (what was swallowed is lost, so it cannot carry on)."""
+        while self.mode == "stall":
+            try:
+                if not await asyncio.wait_for(reader.read(_CHUNK), 0.05):
+                    return
+            except TimeoutError:
+                continue
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.add(client_w)
+        upstream_w: asyncio.StreamWriter | None = None
+        try:
+            if self.mode == "reset":
+                self._reset(client_w)
+                return
+            if self.mode == "stall":
+                await self._hold(client_r)
+                return
+            upstream_r, upstream_w = await asyncio.open_connection(*self.target)
+            self._writers.add(upstream_w)
+            up = asyncio.ensure_future(self._pump(client_r, upstream_w, client_w, upstream=True))
+            down = asyncio.ensure_future(self._pump(upstream_r, client_w, client_w, upstream=False))
+            _, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for writer in (client_w, upstream_w):
+                if writer is None:
+                    continue
+                self._writers.discard(writer)
+                if self.mode == "reset":
+                    writer.transport.abort()
+                else:
+                    writer.close()
+
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client_w: asyncio.StreamWriter,
+        *,
+        upstream: bool,
+    ) -> None:
+        """Copy ``reader`` to ``writer`` while the mode allows it."""
+        head: bytes | None = b"" if self.strip_content_length else None  # HTTP head not yet rewritten
+        sent = 0
+        while True:
+            data = await reader.read(_CHUNK)
+            if not data:
+                return
+            mode = self.mode
+            if mode == "stall":
+                await self._hold(reader)
+                return
+            if mode == "reset":
+                self._reset(client_w)
+                return
+            if mode == "truncate" and not upstream:
+                if head is not None:
+                    head += data
+                    end = head.find(b"\r\n\r\n")
+                    if end < 0:
+                        continue
+                    lines = head[:end].split(b"\r\n")
+                    drop = (b"content-length:", b"connection:")
+                    kept = [ln for ln in lines if not ln.lower().startswith(drop)]
+                    writer.write(b"\r\n".join([*kept, b"Connection: close"]) + b"\r\n\r\n")
+                    data, head = head[end + 4 :], None
+                room = self.truncate_after - sent
+                writer.write(data[: max(room, 0)])
+                sent += min(len(data), max(room, 0))
+                if sent >= self.truncate_after:
+                    await writer.drain()
+                    writer.close()
+                    return
+                await writer.drain()
+                continue
+            writer.write(data)
+            await writer.drain()

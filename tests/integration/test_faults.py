@@ -1,0 +1,196 @@
+"""Network adapters behind a fault-injecting proxy (stall, reset, truncate): every failure is an
+``AdapterTimeout`` or ``AdapterUnavailable`` (or a miss), never a raw client-library exception, never wrong
+bytes, and every call ends within the adapter's own timeouts, with or without the storage manager."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiercache.adapters import Adapter
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable
+
+pytestmark = pytest.mark.asyncio
+
+SAFETY_NET_S = 60
+"""Only there so that a broken adapter fails the test instead of hanging it; never reached when correct."""
+
+
+def _load(name: str) -> Any:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+s3_servers = _load("s3_servers")
+BUCKET = "tc-faults"
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("aioboto3")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_servers.TEST_ENV.items():
+            mp.setenv(k, v)
+        server = s3_servers.MotoServer(log=tmp_path_factory.mktemp("moto") / "moto.log").start()
+        try:
+            server.boto3_client().create_bucket(Bucket=BUCKET)
+            yield server
+        finally:
+            server.stop()
+
+
+async def _outcome(call: Awaitable[Any]) -> Any:
+    """The call's result, or the AdapterError it raised; any other exception fails the test."""
+    try:
+        return await asyncio.wait_for(call, SAFETY_NET_S)
+    except AdapterError as exc:
+        return exc
+
+
+Op = Callable[[Adapter], Awaitable[Any]]
+SMALL = os.urandom(1000)
+BIG = os.urandom(3 << 20)  # a PUT with a body large enough for "Expect: 100-continue"
+OPS: dict[str, Op] = {
+    "contains": lambda a: a.batched_contains(["a", "b"]),
+    "get": lambda a: a.batched_get(["a"]),
+    "put": lambda a: a.batched_put(["c"], [SMALL]),
+    "put_big": lambda a: a.batched_put(["d"], [BIG]),
+}
+
+
+# -- S3 (moto) -------------------------------------------------------------------------------------------
+
+
+async def _s3(moto: Any, proxy: Any, **options: Any) -> Adapter:
+    from tiercache.adapters.s3 import S3Adapter
+
+    options.setdefault("connect_timeout", 0.5)
+    options.setdefault("read_timeout", 0.5)
+    options.setdefault("max_attempts", 2)
+    url = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
+    return await S3Adapter.open(url, endpoint_url=f"http://127.0.0.1:{proxy.port}", **options)
+
+
+@pytest.mark.parametrize("op", sorted([*OPS, "put_multipart"]))
+@pytest.mark.parametrize(("mode", "error"), [("stall", AdapterTimeout), ("reset", AdapterUnavailable)])
+async def test_s3_stalled_or_reset_server(
+    moto: Any, fault_proxy: Any, mode: str, error: type[AdapterError], op: str
+) -> None:
+    """Issue 11 #6/#8: every S3 call, PUT included, ends with AdapterTimeout/AdapterUnavailable."""
+    proxy = fault_proxy(moto.port)
+    adapter = await _s3(moto, proxy, multipart_threshold="5MiB", part_size="5MiB")
+    try:
+        assert await adapter.batched_put(["a"], [SMALL]) == [True]
+        proxy.mode = mode
+        call = (
+            adapter.batched_put(["m"], [os.urandom(11 << 20)]) if op == "put_multipart" else OPS[op](adapter)
+        )
+        result = await _outcome(call)
+        assert isinstance(result, error), f"{op} under {mode}: {result!r}"
+        proxy.mode = "pass"
+        assert await adapter.batched_get(["a"]) == [SMALL]
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
+
+
+async def test_s3_truncated_body_without_length_is_a_miss(moto: Any, fault_proxy: Any) -> None:
+    """Issue 11 #9: half a body, no Content-Length, connection closed (valid HTTP/1.1): a miss, counted."""
+    proxy = fault_proxy(moto.port)
+    adapter = await _s3(moto, proxy)
+    value = os.urandom(100_000)
+    try:
+        assert await adapter.batched_put(["a"], [value]) == [True]
+        proxy.mode, proxy.strip_content_length, proxy.truncate_after = "truncate", True, 50_000
+        result = await _outcome(adapter.batched_get(["a"]))
+        assert result == [None], f"a truncated body was served: {result!r}"
+        assert adapter.stats["short_bodies"] == 1
+        proxy.mode = "pass"
+        assert await adapter.batched_get(["a"]) == [value]
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+async def test_s3_truncated_answers(moto: Any, fault_proxy: Any, op: str) -> None:
+    """Answers cut off after their first bytes: a miss or AdapterUnavailable, never wrong bytes."""
+    proxy = fault_proxy(moto.port)
+    adapter = await _s3(moto, proxy)
+    try:
+        assert await adapter.batched_put(["a"], [SMALL]) == [True]
+        proxy.mode, proxy.truncate_after = "truncate", 40
+        result = await _outcome(OPS[op](adapter))
+        ok = isinstance(result, AdapterUnavailable | AdapterTimeout) or result in ([None], [False, False])
+        assert ok, f"{op} with a truncated answer: {result!r}"
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
+
+
+# -- Redis ------------------------------------------------------------------------------------------------
+
+
+async def _redis(proxy: Any) -> Adapter:
+    from tiercache.adapters.redis import RedisAdapter
+
+    prefix = f"t{uuid.uuid4().hex[:12]}:"
+    return await RedisAdapter.open(f"redis://127.0.0.1:{proxy.port}/0", prefix=prefix, socket_timeout=0.5)
+
+
+CORRECT: dict[str, object] = {"contains": [True, False], "get": [BIG], "put": [True], "put_big": [True]}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize(("mode", "error"), [("stall", AdapterTimeout), ("reset", AdapterUnavailable)])
+async def test_redis_stalled_or_reset_server(
+    redis_server: Any, fault_proxy: Any, mode: str, error: type[AdapterError], op: str
+) -> None:
+    proxy = fault_proxy(redis_server.port)
+    adapter = await _redis(proxy)
+    try:
+        assert await adapter.batched_put(["a"], [BIG]) == [True]
+        proxy.mode = mode
+        result = await _outcome(OPS[op](adapter))
+        assert isinstance(result, error), f"{op} under {mode}: {result!r}"
+        proxy.mode = "pass"
+        assert await adapter.batched_get(["a"]) == [BIG]
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+async def test_redis_truncating_server(redis_server: Any, fault_proxy: Any, op: str) -> None:
+    """Replies cut after 1000 bytes: the right answer (short replies fit) or an AdapterError, never a part."""
+    proxy = fault_proxy(redis_server.port)
+    adapter = await _redis(proxy)
+    try:
+        assert await adapter.batched_put(["a"], [BIG]) == [True]
+        proxy.mode, proxy.truncate_after = "truncate", 1000
+        result = await _outcome(OPS[op](adapter))
+        assert isinstance(result, AdapterUnavailable | AdapterTimeout) or result == CORRECT[op], (
+            f"{op} with truncated replies: {str(result)[:200]}"
+        )
+        if op == "get":
+            assert isinstance(result, AdapterError), "3 MiB cannot arrive in 1000 bytes"
+        proxy.mode = "pass"
+        assert await adapter.batched_get(["a"]) == [BIG]
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
