@@ -168,17 +168,25 @@ class L1Server:
             if not self._allowed(uid, gid):
                 self.counters["refused_peers"] += 1
                 log.warning("refused peer pid %d uid %d gid %d", pid, uid, gid)
-                with contextlib.suppress(OSError):
-                    sock.send(
-                        encode(
-                            Op.ERR, self.epoch, 0, {"code": "forbidden", "message": f"uid {uid} not allowed"}
-                        )
-                    )
-                sock.close()
+                self._spawn(self._refuse(sock, uid))
                 continue
             self.counters["connections"] += 1
             self._conns[conn.cid] = conn
             self._spawn(self._serve(conn))
+
+    async def _refuse(self, sock: socket.socket, uid: int) -> None:
+        """Answer the peer's first message (within 5 s) with a 'forbidden' error, then close.
+
+        Closing with its HELLO unread would reset the connection and lose the error for the peer.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            with contextlib.suppress(TimeoutError, OSError):
+                await asyncio.wait_for(loop.sock_recv(sock, MAX_MESSAGE + 1), 5.0)
+                err = {"code": "forbidden", "message": f"uid {uid} is not allowed on this server"}
+                sock.send(encode(Op.ERR, self.epoch, 0, err))
+        finally:
+            sock.close()
 
     def _allowed(self, uid: int, gid: int) -> bool:
         allowed = self.options.allowed_uids or frozenset({os.getuid()})
