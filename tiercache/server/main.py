@@ -14,9 +14,14 @@ from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOption
 __all__ = ["main", "run_server"]
 
 
-async def _run(options: ServerOptions) -> None:
+async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
     server = L1Server(options)
     await server.start()
+    if metrics is not None:
+        from tiercache.server.metrics import serve_metrics
+
+        port = serve_metrics(server, *metrics)
+        print(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
@@ -27,10 +32,11 @@ async def _run(options: ServerOptions) -> None:
         await server.stop()
 
 
-def run_server(options: ServerOptions) -> int:
-    """Serve until a stop signal; 0 on a clean stop, 2 when another server holds the socket path."""
+def run_server(options: ServerOptions, *, metrics: tuple[str, int] | None = None) -> int:
+    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``); 0 on a clean stop, 2 when
+    another server holds the socket path. Prints the metrics line first, then the ready line."""
     try:
-        asyncio.run(_run(options))
+        asyncio.run(_run(options, metrics))
     except ServerAlreadyRunning as exc:
         print(f"tiercache serve: {exc}", file=sys.stderr)
         return 2
