@@ -104,7 +104,8 @@ class SlotTable:
 
     # ------------------------------------------------------------------ requests
     def lookup(self, conn: int, keys: list[str], *, pin: bool, prefix: bool) -> list[Hit | None]:
-        """Per key its published slot or None; ``prefix`` stops at the first miss; ``pin`` leases hits."""
+        """Per key its published slot or None; ``prefix`` stops at the first miss; ``pin`` leases hits (and
+        makes them most recently used; an unpinned lookup leaves the LRU order alone)."""
         out: list[Hit | None] = []
         for key in keys:
             slot = self._index.get(key)
@@ -114,9 +115,9 @@ class SlotTable:
                     break
                 out.append(None)
                 continue
-            self._lru[self.seg.class_of[slot]].move_to_end(slot)
             lease = 0
-            if pin:
+            if pin:  # a pinned hit is about to be read: most recently used (a presence check is not)
+                self._lru[self.seg.class_of[slot]].move_to_end(slot)
                 lease = next(self._lease_ids)
                 s.leases.add(lease)
                 self._leases[lease] = (conn, slot)
