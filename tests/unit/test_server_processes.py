@@ -347,3 +347,30 @@ def test_client_of_disallowed_uid_is_refused(sock_dir: Path) -> None:
         assert stats["refused_peers"] == 1
     finally:
         srv.stop()
+
+
+def test_random_garbage_never_takes_the_server_down(server: Server) -> None:
+    import random
+
+    from tiercache.server.protocol import PROTOCOL_VERSION
+
+    rng = random.Random(13)
+    import msgpack
+
+    payloads = [rng.randbytes(rng.randrange(1, 200)) for _ in range(30)]
+    payloads += [
+        msgpack.packb([PROTOCOL_VERSION, 0, op, 1, {"keys": [rng.random()], "slots": [[-1, 2**64 - 1]]}])
+        for op in [*range(7), 9, 64, 65]  # each one invalid: no valid STATS/END slips in
+    ]
+    for data in payloads:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.settimeout(60)
+        raw.connect(server.path)
+        raw.send(data)
+        reply = raw.recv(65536)
+        raw.close()
+        assert decode(reply, request=False).op is Op.ERR
+    stats = SharedL1(server.path).server_stats()
+    assert stats is not None
+    assert stats["protocol_errors"] == len(payloads)
+    assert server.proc.poll() is None
