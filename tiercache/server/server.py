@@ -269,11 +269,7 @@ class L1Server:
         out: dict[str, Any]
         if msg.op is Op.LOOKUP:
             hits = t.lookup(cid, body["keys"], pin=body["pin"], prefix=body["prefix"])
-            out = {
-                "hits": [
-                    None if h is None else [h.slot, h.generation, h.nbytes, h.meta, h.lease] for h in hits
-                ]
-            }
+            out = {"hits": hits}  # a Hit is a tuple: [slot, generation, nbytes, meta, lease] on the wire
         elif msg.op is Op.ALLOC:
             out = {"slots": t.alloc(cid, body["keys"], body["nbytes"], body["meta"])}
         elif msg.op is Op.COMMIT:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment
 
@@ -24,9 +25,8 @@ class _Slot:
     leases: set[int] = field(default_factory=set)
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A published slot found by lookup; ``lease`` is 0 when not pinned."""
+class Hit(NamedTuple):
+    """A published slot found by lookup; ``lease`` is 0 when not pinned (a tuple: sent on the wire as is)."""
 
     slot: int
     generation: int
@@ -42,6 +42,7 @@ class SlotTable:
         """All slots FREE at generation 0."""
         self.seg = segment
         self._slots = [_Slot() for _ in range(segment.num_slots)]
+        self._gens = [int(g) for g in segment.table[:, 0]]  # mirror of the header's generations (fast reads)
         self._free: list[list[int]] = [[] for _ in segment.classes]
         for s in range(segment.num_slots - 1, -1, -1):
             self._free[segment.class_of[s]].append(s)
@@ -71,7 +72,8 @@ class SlotTable:
             conn, _ = self._leases.pop(lid)
             self._conn_leases.get(conn, set()).discard(lid)
         self._slots[slot] = _Slot()
-        self.seg.table[slot, 0] += 1  # generation first, then state: a reader never sees FREE at the old gen
+        self._gens[slot] += 1
+        self.seg.table[slot, 0] = self._gens[slot]  # generation first, then state: never FREE at the old gen
         self._set_state(slot, FREE)
         self._free[self.seg.class_of[slot]].append(slot)
 
@@ -96,11 +98,7 @@ class SlotTable:
         if slot >= len(self._slots):
             return False
         s = self._slots[slot]
-        return (
-            s.state == state
-            and int(self.seg.table[slot, 0]) == gen
-            and (state != RESERVED or s.owner == conn)
-        )
+        return s.state == state and self._gens[slot] == gen and (state != RESERVED or s.owner == conn)
 
     # ------------------------------------------------------------------ requests
     def lookup(self, conn: int, keys: list[str], *, pin: bool, prefix: bool) -> list[Hit | None]:
@@ -122,7 +120,7 @@ class SlotTable:
                 s.leases.add(lease)
                 self._leases[lease] = (conn, slot)
                 self._conn_leases.setdefault(conn, set()).add(lease)
-            out.append(Hit(slot, int(self.seg.table[slot, 0]), s.nbytes, s.meta, lease))
+            out.append(Hit(slot, self._gens[slot], s.nbytes, s.meta, lease))
         return out
 
     def alloc(self, conn: int, keys: list[str], nbytes: list[int], metas: list[bytes]) -> list[object]:
@@ -142,7 +140,7 @@ class SlotTable:
             self._set_state(slot, RESERVED)
             self._index[key] = slot
             self._conn_reserved.setdefault(conn, set()).add(slot)
-            out.append([slot, int(self.seg.table[slot, 0])])
+            out.append([slot, self._gens[slot]])
         return out
 
     def commit(self, conn: int, refs: list[tuple[int, int]]) -> list[bool]:
