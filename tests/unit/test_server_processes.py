@@ -374,3 +374,19 @@ def test_random_garbage_never_takes_the_server_down(server: Server) -> None:
     assert stats is not None
     assert stats["protocol_errors"] == len(payloads)
     assert server.proc.poll() is None
+
+
+def test_lookups_of_many_keys_are_batched(server: Server) -> None:
+
+    l1 = SharedL1(server.path)
+    obj = l1.reserve_write("k0", SPEC)
+    assert obj is not None
+    l1.finish_write(obj)
+    keys = [f"k{i}" + "x" * 500 for i in range(1, 400)]
+    keys.insert(300, "k0")  # in the third batch of 128
+    found = l1.batched_contains(keys)
+    assert found == [k == "k0" for k in keys]
+    leases = l1.batched_acquire(keys)
+    assert [lease is not None for lease in leases] == found
+    assert l1.server_stats()["leases"] == 1  # type: ignore[index]
+    assert l1.batched_contains([]) == []

@@ -42,6 +42,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+LOOKUP_BATCH = 128  # keys per LOOKUP: 128 keys of MAX_KEY_LEN fit MAX_MESSAGE, and so do their hits
+
 
 class ServerUnavailable(ConnectionError):
     """The server cannot be reached, closed the connection, or sent something malformed."""
@@ -353,11 +355,18 @@ class SharedL1:
 
     # ------------------------------------------------------------------ reads
     def _lookup(self, keys: Sequence[str], pin: bool) -> tuple[ServerConnection, list[Any]] | None:
-        got = self._call(Op.LOOKUP, {"keys": list(keys), "pin": pin, "prefix": False})
-        if got is None:
-            self.offline_misses += len(keys)
-            return None
-        return got[0], got[1]["hits"]
+        """LOOKUP in batches of LOOKUP_BATCH keys (each request and reply fits one message)."""
+        hits: list[Any] = []
+        conn = None
+        for start in range(0, len(keys), LOOKUP_BATCH):
+            batch = list(keys[start : start + LOOKUP_BATCH])
+            got = self._call(Op.LOOKUP, {"keys": batch, "pin": pin, "prefix": False})
+            if got is None or (conn is not None and got[0] is not conn):
+                self.offline_misses += len(keys)
+                return None  # leases of earlier batches went with their connection
+            conn = got[0]
+            hits.extend(got[1]["hits"])
+        return None if conn is None else (conn, hits)  # None for no keys: callers answer [] either way
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Per key whether it is published (False for all when cache-off)."""

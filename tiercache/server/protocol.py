@@ -24,10 +24,10 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE = 256 * 1024  # bytes of one message (SEQPACKET datagrams stay below the socket buffer)
-MAX_KEYS = 4096  # keys/slots/leases in one request
+MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit the default socket buffer)
+MAX_KEYS = 1024  # keys/slots/leases in one request
 MAX_KEY_LEN = 512
-MAX_META_LEN = 1024
+MAX_META_LEN = 256  # a KV spec takes ~30 bytes
 
 
 class ProtocolError(ValueError):

@@ -284,4 +284,8 @@ class L1Server:
             out = {}
         else:  # STATS
             out = {**t.stats(), **self.counters, "clients": len(self._conns), "epoch": self.epoch}
-        return encode(Op.OK, self.epoch, msg.req_id, out), []
+        try:
+            return encode(Op.OK, self.epoch, msg.req_id, out), []
+        except ProtocolError as exc:  # the answer is too large: the request's fault is not a protocol error
+            err = {"code": "too_large", "message": str(exc)}
+            return encode(Op.ERR, self.epoch, msg.req_id, err), []
