@@ -54,5 +54,8 @@ test: system-deps install
 soak: system-deps install
 	nice -n 10 $(PY) benchmarks/soak.py --duration 1800 --out benchmarks/results/soak_cpu.json --plot benchmarks/results/soak_cpu.png
 
+fuzz: install
+	nice -n 10 $(PY) benchmarks/fuzz.py --inputs 1000000 --out benchmarks/results/fuzz_cpu.json
+
 clean:
 	rm -rf build *.egg-info .mypy_cache .ruff_cache .pytest_cache
