@@ -57,5 +57,8 @@ soak: system-deps install
 fuzz: install
 	nice -n 10 $(PY) benchmarks/fuzz.py --inputs 1000000 --out benchmarks/results/fuzz_cpu.json
 
+faults: system-deps install
+	nice -n 5 $(PY) benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json --table benchmarks/results/fault_matrix.md
+
 clean:
 	rm -rf build *.egg-info .mypy_cache .ruff_cache .pytest_cache
