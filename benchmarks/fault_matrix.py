@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,20 +192,23 @@ class Slab(Backend):
             "name": "nvme_slab",
             "url": f"nvme+slab://{self.workdir}/slab.bin",
             "capacity": "64MiB",
-            "options": {"direct": "false"},
+            "options": {"direct": "false", "max_object": "1MiB", "extent_size": "8MiB"},
         }
 
     def corrupt(self, truncate: bool) -> int:
         if truncate:
             raise NotHere("a slab is one preallocated file: objects cannot be truncated one by one")
         path = self.workdir / "slab.bin"
-        rng = random.Random(0)
         size = path.stat().st_size
-        with path.open("r+b") as f:  # flip bytes all over the data area (past the first MiB of tables)
-            for _ in range(4096):
-                f.seek(rng.randrange(1 << 20, size))
-                f.write(bytes([rng.randrange(256)]))
-        return 4096
+        flipped = 0
+        with path.open("r+b") as f:  # one byte in every 4 KiB: every object and every record table is hit
+            for offset in range(2048, size, 4096):
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0x10]))
+                flipped += 1
+        return flipped
 
     def fill(self) -> None:
         raise NotHere("a slab evicts into its preallocated file: it is never full")
@@ -689,6 +693,18 @@ def run_down_at_start(driver: Driver, backend: Backend, filler: list[list[int]])
     return cell.row
 
 
+def _one_cell(driver: Driver, backend: Backend, fault: str, filler: list[list[int]]) -> dict[str, Any]:
+    if fault != "down_at_start":
+        return run_cell(driver, backend, fault, filler)
+    if not backend.process:
+        return {
+            "fault": fault,
+            "outcome": "n/a",
+            "why": "no server: a local directory/file is opened (created) at start",
+        }
+    return run_down_at_start(driver, backend, filler)
+
+
 def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> None:
     """Child process: one backend, one vLLM, every fault as a phase; JSON to ``out_path``."""
     workdir = Path(tempfile.mkdtemp(prefix=f"tiercache-faults-{backend_name}-"))
@@ -706,19 +722,13 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
         result["vllm_start_s"] = round(time.perf_counter() - started, 1)
         filler = driver.prompts(3)
         for fault in faults:
-            if fault == "down_at_start":
-                if not backend.process:
-                    result["cells"].append(
-                        {
-                            "fault": fault,
-                            "outcome": "n/a",
-                            "why": "no server: a local directory/file is opened (created) at start",
-                        }
-                    )
-                    continue
-                result["cells"].append(run_down_at_start(driver, backend, filler))
-            else:
-                result["cells"].append(run_cell(driver, backend, fault, filler))
+            try:
+                result["cells"].append(_one_cell(driver, backend, fault, filler))
+            except Exception as exc:  # a harness or backend problem: the cell fails, the others still run
+                result["cells"].append(
+                    {"fault": fault, "outcome": "FAIL", "problems": [traceback.format_exc(limit=4)]}
+                )
+                print(f"cell {fault}: {exc!r}", file=sys.stderr)
             print(json.dumps(result["cells"][-1]), flush=True)
     except NotHere as exc:
         result["cells"] = [{"fault": f, "outcome": "n/a", "why": str(exc)} for f in faults]
@@ -847,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--table", type=Path, help="also write the markdown table here")
     parser.add_argument("--model", type=Path)
+    parser.add_argument("--update", action="store_true", help="replace these backends' rows in --out")
     parser.add_argument("--worker")
     parser.add_argument("--worker-out", type=Path)
     args = parser.parse_args(argv)
@@ -856,6 +867,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     results = run_matrix(args.backends.split(","), faults, args.model)
+    if args.update and args.out and args.out.exists():
+        fresh = {r["backend"]: r for r in results}
+        old = json.loads(args.out.read_text())["results"]
+        results = [fresh.pop(r["backend"], r) for r in old] + list(fresh.values())
     table = markdown_table(results, faults)
     report = {
         "benchmark": "fault_matrix",

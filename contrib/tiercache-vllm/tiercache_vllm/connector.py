@@ -57,6 +57,7 @@ _METRICS = (
     "tiercache_tier_errors_total",
     "tiercache_frames_rejected_total",
     "tiercache_stores_total",
+    "tiercache_stores_dropped_total",
     "tiercache_prefetched_total",
     "tiercache_tier_down",
 )
