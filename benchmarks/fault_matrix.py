@@ -98,16 +98,16 @@ class Backend:
     def unfill(self) -> None:
         pass
 
-    def flap_start(self, period_s: float = 1.0) -> None:
-        self.kill()  # NotHere before the thread starts
-        self.restart()
+    def flap_start(self, period_s: float = 0.5) -> None:
+        """Down now, then up and down again every ``period_s`` until ``flap_stop``."""
+        self.kill()  # NotHere (before any thread starts) where there is no process
 
         def run() -> None:
             while not self._flap_stop.wait(period_s):
-                self.kill()
+                self.restart()
                 if self._flap_stop.wait(period_s):
                     break
-                self.restart()
+                self.kill()
 
         self._flap_stop.clear()
         self._flapper = threading.Thread(target=run, daemon=True)
