@@ -98,14 +98,15 @@ class Backend:
     def unfill(self) -> None:
         pass
 
-    def flap_start(self, period_s: float = 0.5) -> None:
-        """Down now, then up and down again every ``period_s`` until ``flap_stop``."""
+    def flap_start(self, down_s: float = 2.0, up_s: float = 1.0) -> None:
+        """Down now for ``down_s``, up for ``up_s``, and so on until ``flap_stop`` (down longer than a
+        client's own reconnect retries, so the flaps reach the manager)."""
         self.kill()  # NotHere (before any thread starts) where there is no process
 
         def run() -> None:
-            while not self._flap_stop.wait(period_s):
+            while not self._flap_stop.wait(down_s):
                 self.restart()
-                if self._flap_stop.wait(period_s):
+                if self._flap_stop.wait(up_s):
                     break
                 self.kill()
 

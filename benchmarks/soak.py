@@ -8,7 +8,7 @@ The loop runs as fast as it can (time compressed by rate): ops/s is in the JSON.
 
 Faults, one every ``--fault-every`` seconds in turn: Redis killed (SIGKILL) and restarted on its port after
 ``--fault-len`` seconds (empty: no persistence), Redis paused (SIGSTOP) then resumed, POSIX objects corrupted
-(a byte flipped or the file truncated), then a quiet period.
+(a byte flipped or the file truncated) while Redis is down (so reads reach them), then a quiet period.
 
 Sampled every ``--sample-every`` seconds: process RSS, open file descriptors, threads, L1 used bytes and
 live leases of both engines, store-queue depths, and the counters (ops, hits by tier, errors, rejected
@@ -232,8 +232,11 @@ async def _faults(cfg: SoakConfig, redis: Redis, disk: Path, state: State, stop:
             redis.proc.pause()
             await asyncio.sleep(cfg.fault_len_s)
             redis.proc.resume()
-        elif kind == "posix_corrupt":
-            state.corrupted += await asyncio.to_thread(corrupt_files, disk, rng, 8)
+        elif kind == "posix_corrupt":  # and Redis down meanwhile, so that reads reach the POSIX tier
+            state.corrupted += await asyncio.to_thread(corrupt_files, disk, rng, 32)
+            redis.proc.kill()
+            await asyncio.sleep(cfg.fault_len_s)
+            await asyncio.to_thread(redis.restart)
 
 
 class _suppress_timeout:
