@@ -14,17 +14,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tiercache.adapters import Adapter, Buffer, Lease
-from tiercache.errors import AdapterError, AdapterUnavailable
+from tiercache.errors import AdapterUnavailable, ConfigError, PluginError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["DOWN_AT_OPEN", "ReopeningAdapter"]
+__all__ = ["NOT_DOWN", "ReopeningAdapter", "is_down"]
 
 log = logging.getLogger(__name__)
 
-DOWN_AT_OPEN: tuple[type[BaseException], ...] = (AdapterError, OSError, TimeoutError)
-"""Errors of an adapter's ``open`` that mean "the backend is down now" (anything else is a config error)."""
+NOT_DOWN: tuple[type[Exception], ...] = (ConfigError, PluginError, ValueError, TypeError, ImportError)
+"""Errors of an adapter's ``open`` that are the configuration's fault: they still raise at open."""
+
+
+def is_down(exc: Exception) -> bool:
+    """Whether ``exc`` from an adapter's ``open`` means "the backend cannot be reached now" (any error but a
+    configuration one: adapters should raise AdapterUnavailable, a client library's own error counts too)."""
+    return not isinstance(exc, NOT_DOWN)
 
 
 class ReopeningAdapter(Adapter):
@@ -79,7 +85,10 @@ class ReopeningAdapter(Adapter):
             self.attempts += 1
             try:
                 adapter = await self._opener()
-            except DOWN_AT_OPEN as exc:
+            except Exception as exc:
+                if not is_down(exc):
+                    log.error("tier %s: re-opening failed with a configuration error (%s)", self.name, exc)
+                    return
                 self._reason = type(exc).__name__
                 delay_s = min(delay_s * 2, max_delay_s)
                 continue

@@ -456,12 +456,14 @@ def _is_down(adapter: Adapter) -> float:
 async def _open_or_down(tier: TierConfig, reopen_delay_s: float) -> Adapter:
     """Open one tier; a backend that is down now gives a ``ReopeningAdapter`` that keeps trying."""
     from tiercache._open import open_adapter
-    from tiercache._reopen import DOWN_AT_OPEN, ReopeningAdapter
+    from tiercache._reopen import ReopeningAdapter, is_down
 
     def opener() -> Awaitable[Adapter]:
         return open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
 
     try:
         return await opener()
-    except DOWN_AT_OPEN as exc:
+    except Exception as exc:
+        if not is_down(exc):
+            raise
         return ReopeningAdapter(tier.name, opener, exc, first_delay_s=reopen_delay_s)

@@ -121,3 +121,18 @@ async def test_aclose_stops_reopening_before_the_tier_is_back() -> None:
     await manager.aclose()
     assert adapter.closed
     assert not adapter.up
+
+
+async def test_cluster_down_at_open_is_a_down_tier() -> None:
+    """redis-py's own cluster errors at open (no startup node answers) also make a down tier."""
+    port = free_port()
+    config = config_from_dict({"tiers": [{"name": "cluster", "url": f"redis+cluster://127.0.0.1:{port}"}]})
+    manager = await StorageManager.open(config, 1024, reopen_delay_s=30)
+    try:
+        adapter = manager.tiers[0].adapter
+        assert isinstance(adapter, ReopeningAdapter)
+        assert manager.metrics.value("tiercache_tier_down", tier="cluster") == 1.0
+        assert await manager.batched_contains(["k"]) == [None]
+        assert manager.metrics.value("tiercache_tier_errors_total", tier="cluster", op="contains") == 1
+    finally:
+        await manager.aclose()
