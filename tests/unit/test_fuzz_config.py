@@ -16,7 +16,7 @@ from _fuzz_targets import load
 
 fuzz = load()
 CONFIG = fuzz.ConfigFuzz()
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
 json_values = st.recursive(

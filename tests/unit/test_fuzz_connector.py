@@ -16,7 +16,7 @@ from _fuzz_targets import load
 
 fuzz = load()
 CONNECTOR = fuzz.ConnectorFuzz()
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 values = (
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.lists(st.integers())

@@ -16,7 +16,7 @@ from _fuzz_targets import load
 fuzz = load()
 FRAMES = fuzz.FrameFuzz()
 CASES = len(FRAMES.cases)
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 edits = st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=4)
 
