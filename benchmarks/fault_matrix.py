@@ -446,10 +446,97 @@ class S3(Backend):
 
 
 class Mooncake(Backend):
+    """A mooncake_master and one store client lending a segment (the integration harness's launcher); the
+    faults hit the master (the store client keeps the data)."""
+
     name = "mooncake"
 
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.harness = _integration_conftest()
+        self.master: ServerProcess | None = None
+        self.store: ServerProcess | None = None
+        self.master_argv: list[str] = []
+        self.rpc_port, self.http_port = free_port(), free_port()
+
     def tier(self) -> dict[str, Any]:
-        raise NotHere("not wired into the matrix yet (tests/integration/test_mooncake.py covers master kill)")
+        return {"name": "mooncake", "url": f"mooncake://127.0.0.1:{self.rpc_port}"
+                f"?metadata=http://127.0.0.1:{self.http_port}/metadata&protocol=tcp"}  # fmt: skip
+
+    def start(self) -> None:
+        """The harness's master argv on this backend's fixed ports (the tier URL names them before start)."""
+        if self.master is None:
+            self.master, rpc, http = self.harness.start_mooncake_master()
+            self.master.stop()
+            self.master_argv = [
+                a.replace(f"={rpc}", f"={self.rpc_port}").replace(f"={http}", f"={self.http_port}")
+                for a in self.master.argv
+            ]
+        self.master = start_process(
+            self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
+        )
+        client = self.harness._mooncake_bin("mooncake_client")
+        port = free_port()
+        argv = [
+            client,
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--master_server_address=127.0.0.1:{self.rpc_port}",
+            f"--metadata_server=http://127.0.0.1:{self.http_port}/metadata",
+            "--global_segment_size=256MB",
+            "--protocol=tcp",
+            "--logtostderr",
+        ]
+        self.store = start_process(
+            argv, ready=lambda: port_open("127.0.0.1", port), env=self.harness._mooncake_env()
+        )
+
+    def _master_ready(self) -> bool:
+        return port_open("127.0.0.1", self.rpc_port) and port_open("127.0.0.1", self.http_port)
+
+    def stop(self) -> None:
+        for proc in (self.store, self.master):
+            if proc is not None:
+                proc.stop()
+
+    def kill(self) -> None:
+        assert self.master is not None
+        self.master.kill()
+
+    def restart(self) -> None:
+        assert self.master is not None
+        if not self.master.alive():
+            self.master = start_process(
+                self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
+            )
+
+    def pause(self) -> None:
+        assert self.master is not None
+        self.master.pause()
+
+    def resume(self) -> None:
+        assert self.master is not None
+        self.master.resume()
+
+    def corrupt(self, truncate: bool) -> int:
+        raise NotHere("objects live in the store client's segment memory: no way to reach them from outside")
+
+    def fill(self) -> None:
+        raise NotHere("not wired: a full segment needs a store client of a given size per cell")
+
+
+def _integration_conftest() -> Any:
+    """tests/integration/conftest.py as a plain module (its Mooncake launcher)."""
+    import importlib.util
+
+    path = ROOT / "tests" / "integration" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("tiercache_integration_conftest", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 BACKEND_CLASSES: dict[str, Callable[[Path], Backend]] = {
@@ -558,6 +645,7 @@ class Driver:
 
 
 FAULT_SIGNALS = (
+    "tiercache_misses_total",  # per tier: a call failed, or an object it listed could not be read back
     "tiercache_tier_errors_total",
     "tiercache_frames_rejected_total",
     "tiercache_stores_dropped_total",
