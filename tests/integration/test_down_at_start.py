@@ -18,8 +18,6 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
 from tiercache.manager import StorageManager
 
-pytestmark = pytest.mark.asyncio
-
 LAYOUT = PagedLayout(
     LayoutKind.VLLM_FLASH, num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"
 )
@@ -54,6 +52,7 @@ def _start_redis(binary: str, port: int, directory: Path) -> ServerProcess:
     return start_process(argv, ready=lambda: port_open("127.0.0.1", port), timeout=15)
 
 
+@pytest.mark.asyncio
 async def test_redis_down_at_open_then_up_is_used(redis_binary: str, tmp_path: Path) -> None:
     port = free_port()
     config = _config(port)
@@ -104,6 +103,7 @@ async def test_redis_down_at_open_then_up_is_used(redis_binary: str, tmp_path: P
             server.stop()
 
 
+@pytest.mark.asyncio
 async def test_config_errors_still_raise_at_open() -> None:
     """Only a down backend is tolerated: a bad option is still an error at open."""
     config = config_from_dict(
@@ -113,6 +113,7 @@ async def test_config_errors_still_raise_at_open() -> None:
         await StorageManager.open(config, 1024)
 
 
+@pytest.mark.asyncio
 async def test_aclose_stops_reopening_before_the_tier_is_back() -> None:
     config = _config(free_port())
     manager = await StorageManager.open(config, 1024, reopen_delay_s=0.01)  # type: ignore[arg-type]
@@ -123,6 +124,7 @@ async def test_aclose_stops_reopening_before_the_tier_is_back() -> None:
     assert not adapter.up
 
 
+@pytest.mark.asyncio
 async def test_cluster_down_at_open_is_a_down_tier() -> None:
     """redis-py's own cluster errors at open (no startup node answers) also make a down tier."""
     port = free_port()
@@ -136,3 +138,19 @@ async def test_cluster_down_at_open_is_a_down_tier() -> None:
         assert manager.metrics.value("tiercache_tier_errors_total", tier="cluster", op="contains") == 1
     finally:
         await manager.aclose()
+
+
+def test_demo_runs_with_a_redis_tier_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's reproduction: ``tiercache demo`` with a Redis tier that is down goes on without it."""
+    from tiercache import cli
+
+    config = tmp_path / "demo.toml"
+    config.write_text(
+        f'chunk_size = 256\n[l1]\ncapacity = "256MiB"\npinned = false\n'
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\n'
+        f'[[tiers]]\nname = "redis"\nurl = "redis://127.0.0.1:{free_port()}/0"\n'
+    )
+    assert cli.main(["demo", "--config", str(config)]) == 0
+    out = capsys.readouterr()
+    assert "OK: every restored token is bit-exact" in out.out
+    assert "6/6" in out.out
