@@ -154,3 +154,4 @@ def test_demo_runs_with_a_redis_tier_down(tmp_path: Path, capsys: pytest.Capture
     out = capsys.readouterr()
     assert "OK: every restored token is bit-exact" in out.out
     assert "6/6" in out.out
+    assert "(not encrypted)" in out.err  # the demo's first line shows each tier's encryption
