@@ -280,7 +280,7 @@ def main() -> None:
     log("scatter", json.dumps({k: v for k, v in res["scatter"].items() if k != "sweep"}))
 
     # ---- pinned ceilings and the GPU <-> L1 pipeline
-    from tiercache.l1 import L1Cache
+    from tiercache.store.l1 import L1Cache
 
     host = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(payload, dtype=torch.uint8, device=DEV).random_(1, 255)

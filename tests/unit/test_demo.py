@@ -116,7 +116,9 @@ def test_demo_with_a_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_a_corrupted_l2_object_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    pre = run("tiercache.demo", "prefill", "--workdir", str(work), "--out", str(tmp_path / "prefill.json"))
+    pre = run(
+        "tiercache.cli.demo", "prefill", "--workdir", str(work), "--out", str(tmp_path / "prefill.json")
+    )
     assert pre.returncode == 0, pre.stderr
     objects = sorted(p for p in (work / "l2").rglob("tc1.*") if p.is_file())
     assert objects
@@ -124,7 +126,7 @@ def test_a_corrupted_l2_object_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0x01  # one bit of the payload
     victim.write_bytes(bytes(data))
-    dec = run("tiercache.demo", "decode", "--workdir", str(work), "--out", str(tmp_path / "decode.json"))
+    dec = run("tiercache.cli.demo", "decode", "--workdir", str(work), "--out", str(tmp_path / "decode.json"))
     assert dec.returncode == 0, dec.stderr
     result = json.loads((tmp_path / "decode.json").read_text())
     rows = result["requests"]
@@ -136,7 +138,7 @@ def test_a_corrupted_l2_object_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
 
 def test_expected_kv_is_deterministic_prefix_dependent_and_never_zero() -> None:
     torch = pytest.importorskip("torch")
-    from tiercache.demo import demo_layout, demo_requests, expected_kv
+    from tiercache.cli.demo import demo_layout, demo_requests, expected_kv
 
     layout = demo_layout()
     tokens = demo_requests()[0].tokens[:300]
@@ -158,7 +160,7 @@ def test_cli_import_stays_light() -> None:
             sys.executable,
             "-P",
             "-c",
-            "import sys, tiercache.cli; print('torch' in sys.modules, 'tiercache.demo' in sys.modules)",
+            "import sys, tiercache.cli; print('torch' in sys.modules, 'tiercache.cli.demo' in sys.modules)",
         ],
         capture_output=True,
         text=True,
@@ -188,7 +190,7 @@ def test_demo_through_an_encrypted_compressed_tier(tmp_path: Path) -> None:
     config = ["--config", str(EXAMPLES / "encrypted.toml")]
     step_env = {**env, "TIERCACHE_DIR": str(tmp_path / "second")}
     pre = run(
-        "tiercache.demo",
+        "tiercache.cli.demo",
         "prefill",
         "--workdir",
         str(work),
@@ -199,7 +201,7 @@ def test_demo_through_an_encrypted_compressed_tier(tmp_path: Path) -> None:
     )
     assert pre.returncode == 0, pre.stderr
     dec = run(
-        "tiercache.demo",
+        "tiercache.cli.demo",
         "decode",
         "--workdir",
         str(work),

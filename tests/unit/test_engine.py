@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import Config, L1Config, ManagerConfig
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import InputSpan, KeySpace, RequestIdentity
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
+from tiercache.store.engine import CacheEngine
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 pytestmark = pytest.mark.asyncio
 

@@ -13,10 +13,10 @@ import pytest_asyncio
 from tiercache.adapters import Adapter
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import ManagerConfig
-from tiercache.l1 import L1Cache
-from tiercache.manager import L1_TIER, StorageManager
 from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import L1_TIER, StorageManager
 from tiercache.testing.fakes import FaultInjectingAdapter, InMemoryAdapter
 
 pytestmark = pytest.mark.asyncio

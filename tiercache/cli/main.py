@@ -290,7 +290,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 # ----- demo ------------------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tiercache.demo import run_demo
+    from tiercache.cli.demo import run_demo
 
     return run_demo(args.config, json_path=args.json, show_metrics=args.metrics)
 
@@ -308,7 +308,7 @@ def _sizes_arg(text: str) -> tuple[int, ...]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
-    from tiercache.bench import SUITES, run_bench
+    from tiercache.cli.bench import SUITES, run_bench
 
     suites = args.suites or list(SUITES)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as workdir:
@@ -317,7 +317,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
             config, label = load_config(args.config), str(args.config)
         else:
-            from tiercache.demo import demo_config
+            from tiercache.cli.demo import demo_config
 
             config, label = demo_config(Path(workdir)), "embedded default (L1 + a POSIX tier in a temp dir)"
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None

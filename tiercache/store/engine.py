@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
-from tiercache.manager import L1_TIER, StorageManager
 from tiercache.spec import KVFormat
+from tiercache.store.manager import L1_TIER, StorageManager
 
 if TYPE_CHECKING:
     import torch
 
     from tiercache.config import Config
     from tiercache.gpu.reference import KVCaches
-    from tiercache.l1 import L1Lease
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
+    from tiercache.store.l1 import L1Lease
 
 __all__ = ["CacheEngine", "LookupResult", "PreparedRetrieve", "RetrieveResult"]
 

@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tiercache.circuit import CircuitBreaker
 from tiercache.config import ManagerConfig
 from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
 from tiercache.metrics import Metrics
+from tiercache.store.circuit import CircuitBreaker
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter, Buffer
     from tiercache.config import Config
-    from tiercache.l1 import KVObject, L1Cache, L1Lease
     from tiercache.serde import CodecPipeline
     from tiercache.spec import KVSpec
+    from tiercache.store.l1 import KVObject, L1Cache, L1Lease
 
 __all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
 
@@ -122,8 +122,8 @@ class StorageManager:
     async def open(cls, config: Config, slot_bytes: int, *, metrics: Metrics | None = None) -> StorageManager:
         """Build L1 and open every configured L2 tier (an unreachable tier is an error here, not a miss)."""
         from tiercache._open import open_adapter
-        from tiercache.l1 import L1Cache
         from tiercache.serde import build_pipeline
+        from tiercache.store.l1 import L1Cache
 
         l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned)
         opened: list[tuple[str, Adapter, CodecPipeline]] = []
