@@ -401,3 +401,55 @@ async def test_process_salt_from_the_environment_still_isolates(
     finally:
         await one.aclose()
         await two.aclose()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_retrieve_reuses_its_lookup_no_second_hash_no_second_l2_query(
+    tmp_path: Path, layerwise: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed example through ``prepare_retrieve(lookup=...)``: same bytes, no hashing, one L2 lookup."""
+    layout = layout_of()
+    tokens = list(range(1000, 1600))
+    kv = expected_kv(layout, len(tokens))
+    prefill = Engine(layout, num_blocks=64, seed=1)
+    prefill.write(kv, 0, len(tokens))
+    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
+    try:
+        assert await engine.store(tokens[:512], prefill.kv, prefill.slots(512)) == 512
+        await engine.drain()
+    finally:
+        await engine.aclose()
+
+    decode = Engine(layout, num_blocks=64, seed=2)
+    decode.write(kv, 0, 288)
+    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
+    try:
+        hit = await engine.lookup_hit(tokens, prefetch=False)
+        assert (hit.tokens, hit.tiers) == (512, ("disk", "disk"))
+        adapter = engine.manager.tiers[0].adapter
+        contains_calls = 0
+        real_contains = adapter.batched_contains
+
+        async def counting_contains(keys: list[str]) -> list[bool]:
+            nonlocal contains_calls
+            contains_calls += 1
+            return await real_contains(keys)
+
+        def no_hashing(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the tokens were hashed again")
+
+        monkeypatch.setattr(adapter, "batched_contains", counting_contains)
+        monkeypatch.setattr(engine.token_db, "process_tokens", no_hashing)
+        monkeypatch.setattr(engine.token_db, "prefix_hashes", no_hashing)
+        prepared = await engine.prepare_retrieve(tokens, skip_tokens=288, lookup=hit)
+        assert contains_calls == 0
+        assert prepared.tokens_to_write == 224
+        prepared.scatter(decode.kv, decode.slots(600))
+        result = prepared.finish()
+        assert (result.tokens_read, result.tokens_written, result.skip_prefix) == (256, 224, 32)
+        assert same_bits(decode.read(0, 512), kv[:, :, :512])
+        assert decode.read(512, 600).isnan().all()
+        with pytest.raises(ValueError, match="lookup was of 600 tokens"):
+            await engine.prepare_retrieve(tokens[:300], lookup=hit)
+    finally:
+        await engine.aclose()
