@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, Lease, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._options import (
     merge_options,
     parse_bool,
@@ -16,7 +16,6 @@ __all__ = [
     "Adapter",
     "Buffer",
     "Capabilities",
-    "Lease",
     "check_key",
     "check_lengths",
     "merge_options",
