@@ -166,6 +166,16 @@ class HalfWriteOnCancel(InMemoryAdapter):
         return [True] * len(keys)
 
 
+class TornWriteHiddenBySlowReads(TornWrite):
+    """Torn writes, but each get takes longer than a whole put: no read ever starts during a put, so the
+    watcher sees only before/after states. The kit must fail it (nothing was checked), not pass it."""
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        for _ in range(64):
+            await asyncio.sleep(0)
+        return await super().batched_get(keys)
+
+
 # -- running kit tests programmatically ---------------------------------------------------------------
 
 
@@ -217,6 +227,7 @@ async def test_reference_fake_passes_every_kit_test(test: str) -> None:
         (StaleOverwrite, "test_overwrite", {}),
         (StaleOverwrite, "test_no_partial_object_visible", {}),
         (TornWrite, "test_no_partial_object_visible", {}),
+        (TornWriteHiddenBySlowReads, "test_no_partial_object_visible", {}),
         (WrongOrder, "test_batch_positional_order", {}),
         (DropsLastByte, "test_round_trip", {"size": (1 << 20) + 7}),
         (DropsLastByte, "test_round_trip", {"size": "max"}),
