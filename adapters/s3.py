@@ -1,9 +1,8 @@
 """``s3://bucket/prefix``: objects in an S3 (or S3-compatible) bucket through one shared aioboto3 client.
 
-Layout: ``<prefix>/<keyspace>/<shard>/<key>``. ``<keyspace>`` is the 32-hex keyspace digest when the key is a
-canonical ``ChunkKey`` (``tc1.<keyspace>.<hash>[.lN]``), else ``misc``; ``<shard>`` is two hex characters of
-the chunk hash (of the key's xxh64 digest for other keys), which spreads keys over 256 S3 prefixes for
-request-rate partitioning.
+Layout: ``<prefix>/<shard>/<key>``. Keys are opaque to the adapter (it never parses the key format);
+``<shard>`` is the first two hex characters of the key's xxh64 digest, which spreads keys over 256 S3
+prefixes for request-rate partitioning.
 
 One ``aioboto3.Session`` and one S3 client per adapter, created in ``open`` and closed in ``aclose``. Every
 request holds a slot of a semaphore of ``max_concurrency`` (also the HTTP connection pool size), so a batch
@@ -57,8 +56,7 @@ from tiercache.adapters._options import (
     parse_str,
 )
 from tiercache.config import redact_url
-from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
-from tiercache.keys import ChunkKey
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
 
 if TYPE_CHECKING:
     from typing import Self
@@ -113,13 +111,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
 
 def object_name(prefix: str, key: str) -> str:
     """The S3 object name of ``key`` under ``prefix`` (``""`` or without slashes at either end)."""
-    try:
-        ck = ChunkKey.parse(key)
-    except ValueError:
-        keyspace, shard = "misc", xxhash.xxh64_hexdigest(key.encode())[:2]
-    else:
-        keyspace, shard = ck.keyspace_digest.hex(), ck.chunk_hash.hex()[:2]
-    name = f"{keyspace}/{shard}/{key}"
+    name = f"{xxhash.xxh64_hexdigest(key.encode())[:2]}/{key}"
     return f"{prefix}/{name}" if prefix else name
 
 
@@ -149,10 +141,6 @@ def _error_code(exc: BaseException) -> tuple[str, str]:
     code = str(response.get("Error", {}).get("Code", ""))
     status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
     return code, status
-
-
-class _Unsupported(Exception):
-    """The server does not implement a conditional put (internal signal)."""
 
 
 class S3Adapter(Adapter):
@@ -316,7 +304,7 @@ class S3Adapter(Adapter):
             await self._put_single(name, memoryview(b"1"), conditional=True)
             second = await self._put_single(name, memoryview(b"2"), conditional=True)
             self._conditional = not second  # the second create must be refused
-        except _Unsupported:
+        except Unsupported:
             self._conditional = False
         finally:
             with contextlib.suppress(AdapterError):
@@ -447,7 +435,7 @@ class S3Adapter(Adapter):
         return list(await asyncio.gather(*(self._get(n) for n in names)))
 
     async def _put_single(self, name: str, body: memoryview, *, conditional: bool) -> bool:
-        """PutObject; False if a conditional put found an object. ``_Unsupported`` on HTTP 501."""
+        """PutObject; False if a conditional put found an object. ``Unsupported`` on HTTP 501."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": name,
@@ -462,7 +450,7 @@ class S3Adapter(Adapter):
             if conditional and self._is(exc, _PRECONDITION):
                 return False
             if conditional and self._is(exc, _NOT_IMPLEMENTED):
-                raise _Unsupported from exc
+                raise Unsupported from exc
             raise
         return True
 
@@ -523,7 +511,7 @@ class S3Adapter(Adapter):
                 if conditional and self._is(exc, _PRECONDITION):
                     return False
                 if conditional and self._is(exc, _NOT_IMPLEMENTED):
-                    raise _Unsupported from exc
+                    raise Unsupported from exc
                 raise
             done = True
             return True
@@ -560,7 +548,7 @@ class S3Adapter(Adapter):
             try:
                 await write(name, body, conditional=True)  # False: someone else created it first
                 return True
-            except _Unsupported:
+            except Unsupported:
                 self._conditional = False  # e.g. only multipart completes lack support: fall back
         if await self._head(name):
             return True

@@ -142,7 +142,7 @@ async def _measure(endpoint: str, sizes: Sequence[int], repeats: int | None, rou
             "max_concurrency": adapter.max_concurrency,
         }
         await adapter.batched_delete(keys)
-        assert object_name("bench", keys[0]).startswith("bench/misc/")
+        assert object_name("bench", keys[0]).endswith(f"/{keys[0]}")
     finally:
         await adapter.aclose()
     return results
