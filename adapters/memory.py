@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_size
+from tiercache.adapters.options import merge_options, parse_size
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:

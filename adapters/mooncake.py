@@ -70,7 +70,7 @@ import numpy as np
 from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
+from tiercache.adapters.options import merge_options, parse_float, parse_int, parse_size, parse_str
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:

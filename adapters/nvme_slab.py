@@ -66,7 +66,6 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
 from tiercache.adapters._slab_layout import (
     HEADER_BYTES,
     RECORD_BYTES,
@@ -83,6 +82,7 @@ from tiercache.adapters._slab_layout import (
     unpack_record,
     unpack_superblock,
 )
+from tiercache.adapters.options import merge_options, parse_bool, parse_int, parse_size
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:

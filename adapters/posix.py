@@ -44,8 +44,8 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import merge_options, parse_bool, parse_float, parse_int, parse_size
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
+from tiercache.adapters.options import merge_options, parse_bool, parse_float, parse_int, parse_size
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import (
+from tiercache.adapters.options import (
     merge_options,
     parse_bool,
     parse_float,

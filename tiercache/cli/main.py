@@ -251,7 +251,7 @@ def _refuse_destructive_url(url: str) -> None:
     """The kit writes to a live store: never let its URL ask for a reformat (``format=true``)."""
     from urllib.parse import parse_qsl, urlsplit
 
-    from tiercache.adapters._options import parse_bool
+    from tiercache.adapters.options import parse_bool
 
     for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         if name == "format":
@@ -297,7 +297,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # ----- bench -----------------------------------------------------------------------------------------------
 def _sizes_arg(text: str) -> tuple[int, ...]:
-    from tiercache.adapters._options import parse_size
+    from tiercache.adapters.options import parse_size
 
     try:
         return tuple(parse_size(part) for part in text.split(",") if part.strip())
