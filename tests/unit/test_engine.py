@@ -85,6 +85,23 @@ async def open_engine(
     return CacheEngine(manager, layout, keyspace_of(layout), chunk_size=CHUNK, layerwise=layerwise)
 
 
+async def prefill_seed_example(
+    layout: PagedLayout, l2_dir: Path, layerwise: bool
+) -> tuple[list[int], torch.Tensor]:
+    """Seed §5's prefill: 600 tokens (chunks 0, 1 and a tail of 88) whose first 512 are stored to L2."""
+    tokens = list(range(1000, 1600))
+    kv = expected_kv(layout, len(tokens))
+    prefill = Engine(layout, num_blocks=64, seed=1)
+    prefill.write(kv, 0, len(tokens))
+    engine = await open_engine(layout, l2_dir, layerwise=layerwise)
+    try:
+        assert await engine.store(tokens[:512], prefill.kv, prefill.slots(512)) == 512
+        await engine.drain()
+    finally:
+        await engine.aclose()
+    return tokens, kv
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -93,17 +110,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 async def test_seed_example_local_288_hit_512(tmp_path: Path, layerwise: bool) -> None:
     """Decode holds 288 tokens; the hit ends at 512: chunk 0 skipped, chunk 1 read whole, 224 written."""
     layout = layout_of()
-    tokens = list(range(1000, 1600))  # 600 tokens: chunks 0, 1 and a tail of 88
-    kv = expected_kv(layout, len(tokens))
-    prefill = Engine(layout, num_blocks=64, seed=1)
-    prefill.write(kv, 0, len(tokens))
-    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
-    try:
-        stored = await engine.store(tokens[:512], prefill.kv, prefill.slots(512))
-        assert stored == 512
-        await engine.drain()
-    finally:
-        await engine.aclose()
+    tokens, kv = await prefill_seed_example(layout, tmp_path, layerwise)
 
     decode = Engine(layout, num_blocks=64, seed=2)
     decode.write(kv, 0, 288)  # the local prefix cache hit
@@ -409,17 +416,7 @@ async def test_retrieve_reuses_its_lookup_no_second_hash_no_second_l2_query(
 ) -> None:
     """The seed example through ``prepare_retrieve(lookup=...)``: same bytes, no hashing, one L2 lookup."""
     layout = layout_of()
-    tokens = list(range(1000, 1600))
-    kv = expected_kv(layout, len(tokens))
-    prefill = Engine(layout, num_blocks=64, seed=1)
-    prefill.write(kv, 0, len(tokens))
-    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
-    try:
-        assert await engine.store(tokens[:512], prefill.kv, prefill.slots(512)) == 512
-        await engine.drain()
-    finally:
-        await engine.aclose()
-
+    tokens, kv = await prefill_seed_example(layout, tmp_path, layerwise)
     decode = Engine(layout, num_blocks=64, seed=2)
     decode.write(kv, 0, 288)
     engine = await open_engine(layout, tmp_path, layerwise=layerwise)
