@@ -13,7 +13,11 @@ and whole call with slot and finite checks) against the unfused torch quantize.
 Timing: ceilings, baselines and kernels are GPU time (CUDA-event medians after warm-up, a GPU sleep queued
 before each run so the launch latency is not counted, for all of them alike); whole calls and the pipeline
 are wall-clock medians from an idle, synchronized device (host work included).
-Usage: ``python benchmarks/gpu_bench.py > out.json``.
+Per size (``per_size``: 256, 1024 and 4096 tokens): the public ``dispatch`` call's wall time against the
+kernel's device time (gather, scatter), with pre-bound launches and with Triton's own ``run``
+(``TIERCACHE_PREBOUND=0``), and the calls into / out of pinned L1 objects against a pinned copy of the same
+bytes (median and worst of 5 rounds), plus a host profile of the 256-token gather.
+Usage: ``python benchmarks/gpu_bench.py [--only per_size] > out.json``.
 """
 
 from __future__ import annotations
@@ -184,7 +188,119 @@ def per_layer_scatter(raw: list[torch.Tensor], slots: torch.Tensor, src: torch.T
     return run
 
 
+SIZES = (256, 1024, 4096)
+
+
+def _host_profile(fn: Callable[[], object], calls: int = 300) -> list[str]:
+    """The top functions by own time over ``calls`` calls of ``fn`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-16:]
+
+
+def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
+    """Whole public calls against the kernel's device time and the pinned ceiling, at each of ``SIZES``."""
+    from tiercache.gpu import dispatch
+    from tiercache.gpu import launch as prebound
+    from tiercache.l1 import L1Cache
+
+    _, kv2, slots2, _ = make_engine(
+        layout.kind, layout.num_layers, layout.num_kv_heads, layout.head_dim, seed=5
+    )
+    out: dict[str, Any] = {}
+    for n in SIZES:
+        sp = [(s, s + CHUNK) for s in range(0, n, CHUNK)]
+        sl, sl2 = slots[:n], slots2[:n]
+        nbytes = object_spec(layout, n).nbytes
+        objs = [torch.empty(object_spec(layout, CHUNK).shape, dtype=torch.bfloat16, device=DEV) for _ in sp]
+        want = [torch.empty_like(o) for o in objs]
+        reference.gather(kv, layout, sl, sp, want)
+        row: dict[str, Any] = {"bytes": nbytes}
+        gplan = tk.plan_gather(kv, layout, sl, sp, objs, check=False)
+        splan = tk.plan_scatter(objs, kv2, layout, sl2, sp, check=False)
+        t_gk = cuda_time(gplan.launch, reps=50)
+        t_sk = cuda_time(splan.launch, reps=50)
+        calls = {
+            "gather": lambda: dispatch.gather(kv, layout, sl, sp, objs),  # noqa: B023
+            "scatter": lambda: dispatch.scatter(objs, kv2, layout, sl2, sp),  # noqa: B023
+        }
+        for name, t_kernel in (("gather", t_gk), ("scatter", t_sk)):
+            for o in objs if name == "gather" else []:
+                bits(o).fill_(-1)
+            t_pre = wall_time(calls[name], reps=101, warmup=5)
+            prebound.ENABLED = False
+            try:
+                t_run = wall_time(calls[name], reps=101, warmup=5)
+            finally:
+                prebound.ENABLED = True
+            row[name] = {
+                "kernel_device_GBps": nbytes / t_kernel / GB,
+                "call_wall_GBps": nbytes / t_pre / GB,
+                "call_vs_kernel": t_kernel / t_pre,
+                "host_cost_us": (t_pre - t_kernel) * 1e6,
+                "call_wall_triton_run_GBps": nbytes / t_run / GB,
+                "host_cost_triton_run_us": (t_run - t_kernel) * 1e6,
+            }
+        row["gather"]["bit_exact"] = all(
+            torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True)
+        )
+        back = [torch.empty_like(o) for o in objs]
+        reference.gather(kv2, layout, sl2, sp, back)
+        row["scatter"]["round_trip_bit_exact"] = all(
+            torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True)
+        )
+        # pinned: the same call into / out of L1 objects (the staged pipeline) vs one pinned copy of the bytes
+        chunk_bytes = object_spec(layout, CHUNK).nbytes
+        l1 = L1Cache(len(sp) * chunk_bytes, chunk_bytes, pinned=True)
+        l1o = [l1.reserve_write(f"p{i}", object_spec(layout, CHUNK)) for i in range(len(sp))]
+        houts = [o.tensor() for o in l1o if o is not None]
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
+        d2h = cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=20)  # noqa: B023
+        h2d = cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=20)  # noqa: B023
+        st = [wall_time(lambda: dispatch.gather(kv, layout, sl, sp, houts), reps=21) for _ in range(5)]  # noqa: B023
+        rt = [wall_time(lambda: dispatch.scatter(houts, kv2, layout, sl2, sp), reps=21) for _ in range(5)]  # noqa: B023
+        row["to_pinned"] = {
+            "ceiling_GBps": nbytes / d2h / GB,
+            "call_wall_GBps": nbytes / statistics.median(st) / GB,
+            "vs_ceiling_median": d2h / statistics.median(st),
+            "vs_ceiling_worst_of_5": d2h / max(st),
+            "bit_exact": all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(houts, want, strict=True)),
+        }
+        row["from_pinned"] = {
+            "ceiling_GBps": nbytes / h2d / GB,
+            "call_wall_GBps": nbytes / statistics.median(rt) / GB,
+            "vs_ceiling_median": h2d / statistics.median(rt),
+            "vs_ceiling_worst_of_5": h2d / max(rt),
+        }
+        out[f"{n}_tokens"] = row
+        log(f"per_size {n}", json.dumps(row))
+    sp = [(0, CHUNK)]
+    objs = [torch.empty(object_spec(layout, CHUNK).shape, dtype=torch.bfloat16, device=DEV)]
+    out["host_profile_gather_256"] = _host_profile(
+        lambda: dispatch.gather(kv, layout, slots[:CHUNK], sp, objs)
+    )
+    out["note"] = (
+        "call: wall time of the public tiercache.gpu.dispatch call from a synchronized device (slot checks "
+        "included); kernel: device time of the same launch; host_cost_us = call - kernel; triton_run: the "
+        "same call through Triton's own run (launch.ENABLED off); pinned: wall time of the call vs device "
+        "time of one pinned copy"
+    )
+    return out
+
+
 def main() -> None:
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -204,6 +320,10 @@ def main() -> None:
     sp = spans()
     payload = object_spec(layout, T).nbytes
     res["payload_bytes"] = payload
+    res["per_size"] = per_size(layout, kv, slots)
+    if only == "per_size":
+        print(json.dumps(res, indent=2))
+        return
 
     # ---- ceilings
     a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV).random_(1, 255)

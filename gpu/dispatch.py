@@ -23,7 +23,15 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["gather", "gather_layer", "kernels_enabled", "scatter", "scatter_layer"]
+__all__ = [
+    "gather",
+    "gather_fp8",
+    "gather_layer",
+    "kernels_enabled",
+    "scatter",
+    "scatter_fp8",
+    "scatter_layer",
+]
 
 _TRITON_OK: bool | None = None
 
@@ -214,3 +222,43 @@ def scatter_layer(
             layer_idx, objects, kv_caches, layout, slot_mapping, spans, skip_prefix
         )
     return n
+
+
+def gather_fp8(
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: Sequence[torch.Tensor],
+) -> None:
+    """``reference.gather_fp8`` contract (``out[i]``: span i's fp8 codec payload); the fused kernel on CUDA,
+    writing device memory or pinned host memory (an fp8 L1) in place."""
+    if out and kernels_enabled(kv_caches, layout):
+        from tiercache.gpu import triton_kernels
+
+        try:
+            triton_kernels.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
+            return
+        except triton_kernels.Unsupported:
+            pass
+    reference.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
+
+
+def scatter_fp8(
+    payloads: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+) -> int:
+    """``reference.scatter_fp8`` contract; the fused dequantize-scatter kernel on CUDA (payloads on the
+    device or in pinned host memory, read in place)."""
+    if payloads and kernels_enabled(kv_caches, layout):
+        from tiercache.gpu import triton_kernels
+
+        try:
+            return triton_kernels.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
+        except triton_kernels.Unsupported:
+            pass
+    return reference.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)

@@ -43,12 +43,14 @@ on the CPU through Triton's interpreter).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiercache.gpu.launch import Ptr, launch, prebound_enabled
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ __all__ = [
     "gather_fp8",
     "plan_fp8",
     "scatter",
+    "scatter_fp8",
 ]
 
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -131,6 +134,7 @@ def _build() -> Any:
         s_head,
         num_layers,
         n_slots,
+        status_ptr,
         H: tl.constexpr,
         BS: tl.constexpr,
         P: tl.constexpr,
@@ -141,6 +145,7 @@ def _build() -> Any:
         NDC: tl.constexpr,
         VEC: tl.constexpr,
         SCATTER: tl.constexpr,
+        CHECK: tl.constexpr,
     ):
         # one program: BLOCK_T tokens x HB heads x BLOCK_D words of one layer, every plane (K and V read from
         # the same paged rows back to back, so a token's whole page row is fetched together)
@@ -159,6 +164,13 @@ def _build() -> Any:
         t = first + tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         tmask = t < n_tok
         slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
+        if CHECK:  # flag the span (word 0: a slot < 0, word 1: a slot past the KV); the host counts exactly
+            live = tmask
+            neg = tl.sum((live & (slot < 0)).to(tl.int32), axis=0)
+            high = tl.sum((live & (slot >= n_slots)).to(tl.int32), axis=0)
+            lead = (layer == 0) & (pid2 == 0)
+            tl.store(status_ptr + span * 4, 1, mask=lead & (neg > 0))
+            tl.store(status_ptr + span * 4 + 1, 1, mask=lead & (high > 0))
         tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots are reported by the checks, never moved
         blk = slot // BS
         paged_t = tl.load(layer_off_ptr + layer) + blk * s_blk + (slot - blk * BS) * s_off
@@ -327,9 +339,87 @@ def _build() -> Any:
                     q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
                 tl.store(q_base + (t[:, None] * hd + chan[None, :]), q, mask=m)
 
+    @triton.jit
+    def _fp8_scatter_kernel(
+        kv_ptr,
+        in_ptr,
+        layer_off_ptr,
+        span_ptr,
+        slot_ptr,
+        s_plane,
+        s_blk,
+        s_off,
+        s_head,
+        num_layers,
+        heads,
+        n_slots,
+        BS: tl.constexpr,
+        P: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        NDC: tl.constexpr,
+        SOFT_CVT: tl.constexpr,
+        SOFT_BF16: tl.constexpr,
+        VEC: tl.constexpr,
+        CH_FAST: tl.constexpr,
+    ):
+        # the inverse of _fp8_kernel: one (span, layer, plane, channel block) per program; e4m3 bytes times
+        # the channel's float32 scale, rounded once to the KV dtype (the codec's decode, bit for bit)
+        if CH_FAST:
+            pid2 = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            span = tl.program_id(2)
+        else:
+            span = tl.program_id(0)
+            pid1 = tl.program_id(1).to(tl.int64)
+            pid2 = tl.program_id(2)
+        row = span_ptr + span * 4
+        s_start = tl.load(row)
+        n_tok = tl.load(row + 1)
+        first = tl.load(row + 2)
+        i_off = tl.load(row + 3)  # byte offset of the span's payload from in_ptr
+        layer = pid1 // P
+        plane = pid1 % P
+        head = (pid2 // NDC).to(tl.int64)
+        d = (pid2 % NDC) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        l_off = tl.load(layer_off_ptr + layer)
+        base = l_off + plane * s_plane + head * s_head
+        group = plane * num_layers + layer
+        hd = heads * D
+        chan = head * D + d
+        scale_ptr = (in_ptr + i_off).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr + group * hd + chan, mask=dmask, other=0.0)
+        q_base = in_ptr + i_off + 4 * P * num_layers * hd + group * n_tok * hd
+        for t0 in range(0, n_tok, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            tmask = (t < n_tok) & (t >= first)
+            slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
+            tmask = tmask & (slot >= 0) & (slot < n_slots)  # slots < 0 skipped; past the KV: reported
+            m = tmask[:, None] & dmask[None, :]
+            q = tl.load(q_base + (t[:, None] * hd + chan[None, :]), mask=m, other=0)
+            if SOFT_CVT:  # e4m3fn decoded with integer ops (the interpreter's float8 emulation is unreliable)
+                qi = q.to(tl.int32)
+                e = (qi >> 3) & 15
+                mnt = (qi & 7).to(tl.float32)
+                mag = tl.where(e == 0, mnt * 0.001953125, (mnt + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+                x = tl.where((qi & 128) != 0, -mag, mag)
+            else:
+                x = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            y = x * scale[None, :]
+            if SOFT_BF16:  # round to nearest even by hand: the interpreter's float32 -> bfloat16 truncates
+                yb = y.to(tl.int32, bitcast=True)
+                yb = (yb + 0x7FFF + ((yb >> 16) & 1)) & -65536
+                y = yb.to(tl.float32, bitcast=True)
+            blk = slot // BS
+            dst = tl.multiple_of(base + blk * s_blk + (slot - blk * BS) * s_off, VEC)
+            tl.store(kv_ptr + (dst[:, None] + d[None, :]), y.to(kv_ptr.dtype.element_ty), mask=m)
+
     class K:
         move = _move_kernel
         fp8 = _fp8_kernel
+        fp8_scatter = _fp8_scatter_kernel
         check = _check_kernel
 
     return K
@@ -397,6 +487,14 @@ def _alias(t: torch.Tensor, dtype: torch.dtype, byte_offset: int = 0) -> torch.T
     return out
 
 
+def _ptr(t: torch.Tensor, dtype: torch.dtype) -> Ptr | torch.Tensor:
+    """``t``'s first element as a ``dtype`` pointer argument (the typed alias is only built when Triton's
+    own launch needs it)."""
+    if t.dtype == dtype:
+        return t
+    return Ptr(t.data_ptr(), dtype, lambda: _alias(t, dtype))
+
+
 def _align_of(ptrs: Sequence[int]) -> int:
     """The largest power of two <= 16 dividing every pointer (what the word and vector choice depends on)."""
     a = 16
@@ -408,16 +506,45 @@ def _align_of(ptrs: Sequence[int]) -> int:
 _GEO_CACHE: dict[tuple[Any, ...], _GeoInts] = {}
 
 
-def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
-    """What the geometry depends on besides alignment: layout, layers and the layers' pointers, shapes and
-    strides (one pass over the layer list; a move computes it once for all its launches)."""
+@dataclass
+class _Registered:
+    """KV caches seen before: the object itself, its layer tensors (what a repeated call re-checks, by
+    identity), the first layer's address and the geometry key computed once for them."""
+
+    kv_caches: Any
+    layers: tuple[torch.Tensor, ...]
+    first_ptr: int
+    key: tuple[Any, ...]
+    geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of the objects
+
+
+_REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
+
+
+def _same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
+    """True when ``kv_caches`` still holds exactly the registered tensors (identity, not values)."""
+    layers = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
+    if len(layers) != len(reg.layers):
+        return False
+    return all(map(operator.is_, layers, reg.layers)) and reg.layers[0].data_ptr() == reg.first_ptr
+
+
+def _register(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> _Registered:
+    """The registration of these KV caches: what the geometry depends on besides alignment (layout, layers
+    and the layers' pointers, shapes and strides) and the geometries, computed once per KV caches object. A
+    later call with the same object holding the same tensor objects reuses it (an identity check per layer
+    instead of reading and hashing every pointer, shape and stride)."""
     if layout.kind is LayoutKind.CPU_BLOCKS:
         raise Unsupported("CPU_BLOCKS moves whole pages: reference only")
+    rkey = (id(kv_caches), layout, layers.start, layers.stop)
+    reg = _REGISTERED.get(rkey)
+    if reg is not None and reg.kv_caches is kv_caches and _same_layers(reg, kv_caches):
+        return reg
     kv = layer_tensors(kv_caches)
     if len(kv) != layout.num_layers:
         raise ValueError(f"{len(kv)} KV cache tensors for a layout of {layout.num_layers} layers")
     first = kv[0]
-    return (
+    key = (
         layout,
         layers.start,
         layers.stop,
@@ -425,6 +552,15 @@ def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tu
         first.dtype,
         tuple((t.data_ptr(), t.shape, t.stride()) for t in kv),
     )
+    if len(_REGISTERED) > 16:
+        _REGISTERED.clear()
+    reg = _REGISTERED[rkey] = _Registered(kv_caches, tuple(kv), first.data_ptr(), key)
+    return reg
+
+
+def _geometry_key(kv_caches: KVCaches, layout: PagedLayout, layers: range) -> tuple[Any, ...]:
+    """The registration's key (see ``_register``)."""
+    return _register(kv_caches, layout, layers).key
 
 
 def _geometry(
@@ -434,23 +570,26 @@ def _geometry(
     extra_ptrs: Sequence[int],
     key: tuple[Any, ...] | None = None,
 ) -> _Geometry:
-    """The launch geometry; the integer part is cached by ``_geometry_key`` (engines keep their KV tensors)
-    and the alignment of ``extra_ptrs``."""
-    if key is None:
-        key = _geometry_key(kv_caches, layout, layers)
+    """The launch geometry, kept by the KV caches' registration per alignment of ``extra_ptrs`` (it holds
+    the layer-0 alias and the device layer offsets); the integer part is also cached by key across
+    registrations of the same tensors. ``key``: unused, kept for callers that computed it."""
+    reg = _register(kv_caches, layout, layers)
+    align = _align_of(extra_ptrs)
+    geo = reg.geos.get(align)
+    if geo is not None:
+        return geo
     kv = layer_tensors(kv_caches)
     first = kv[0]
-    align = _align_of(extra_ptrs)
-    key = (*key, align)
-    g = _GEO_CACHE.get(key)
+    gkey = (*reg.key, align)
+    g = _GEO_CACHE.get(gkey)
     if g is None:
         if len({t.device for t in kv}) != 1 or len({t.dtype for t in kv}) != 1:
             raise Unsupported("layers differ in device or dtype")
         g = _geometry_ints(kv, layout, layers, align)
         if len(_GEO_CACHE) > 64:
             _GEO_CACHE.clear()
-        _GEO_CACHE[key] = g
-    return _Geometry(
+        _GEO_CACHE[gkey] = g
+    geo = reg.geos[align] = _Geometry(
         word=g.word,
         vec=g.vec,
         kv_base=_alias(first, _WORDS[g.word]),
@@ -463,6 +602,7 @@ def _geometry(
         device=first.device,
         es=g.es,
     )
+    return geo
 
 
 def _geometry_ints(kv: list[torch.Tensor], layout: PagedLayout, layers: range, align: int) -> _GeoInts:
@@ -632,6 +772,19 @@ def _host_slots(slot_mapping: torch.Tensor, host_slots: torch.Tensor | None) -> 
     return host_slots
 
 
+_STATUS_POOL: list[torch.Tensor] = []  # pinned int64 [rows, 4] buffers the check kernel writes in place
+_ZERO_COPY = [True]  # cleared for good if a launch refuses pinned host memory
+_EVENT_POOL: list[torch.cuda.Event] = []  # events of read zero-copy statuses, recorded again by the next
+
+
+def _take_status(rows: int) -> torch.Tensor:
+    """A pinned status buffer of at least ``rows`` rows (from the pool, else new); give it back once read."""
+    for i, buf in enumerate(_STATUS_POOL):
+        if buf.shape[0] >= rows:
+            return _STATUS_POOL.pop(i)
+    return torch.empty((max(rows, 64), 4), dtype=torch.int64, pin_memory=True)
+
+
 class SlotCheck:
     """The slot checks of one move, queued without a sync; ``check()`` reads them.
 
@@ -639,7 +792,9 @@ class SlotCheck:
     safe and the host work overlaps the move). A CPU slot mapping (or the caller's CPU copy of a device one,
     ``host``) is checked on the host (min, max, count). A device one by one launch of the check kernel, which
     writes per span ``[slots < 0, slots >= n_slots, slots in range]`` (past the span's skip) into words 0-2
-    of a zeroed device status row; word 3 is where the fused fp8 kernel counts non-finite input (``flags``:
+    of a status row (pinned host memory the kernel writes in place when launches are pre-bound, else a
+    device row copied to pinned memory); word 3 is where the fused fp8 kernel counts non-finite input
+    (``flags``:
     a status even when the slots are checked on the host, or not at all with ``check=False``). ``seal()``
     queues the status's copy to pinned host memory behind an event; ``result()`` waits for that event only.
     """
@@ -663,12 +818,22 @@ class SlotCheck:
         self.ranges = [(s + k, e) for (s, e), k in zip(span_list, skips, strict=True) if e > s + k]
         self.on_host = check and host is not None
         self.status: torch.Tensor | None = None
-        if flags or (check and host is None):
+        self.flags = flags
+        self._pool_buf: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None
+        if flags:  # word 3 is summed into by the fp8 kernel: zeroed
             self.status = torch.zeros((len(span_list), 4), dtype=torch.int64, device=slots.device)
+        elif check and host is None:  # the check kernel writes words 0-2 of every row; word 3 is not read
+            if _ZERO_COPY[0] and slots.device.type == "cuda" and prebound_enabled():
+                # written in place in pinned host memory: no device status, no copy, no allocation
+                self._pool_buf = _take_status(len(span_list))
+                self.status = self._pool_buf[: len(span_list)]
+                self._pinned = self.status
+            else:
+                self.status = torch.empty((len(span_list), 4), dtype=torch.int64, device=slots.device)
         self._run_kernel = check and host is None
         self._host_values: tuple[int, int, int] | None = None
         self._queued = False
-        self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._values: tuple[int, int, int, int] | None = None
         self._rows: list[list[int]] | None = None
@@ -685,9 +850,29 @@ class SlotCheck:
             dev = self.device_slots.device
             rows = [(s, e - s, k, 0) for (s, e), k in zip(self.span_list, self.skips, strict=True)]
             with _on(dev):
-                _kernels().check[(len(rows),)](
-                    self.device_slots, _device_ints(rows, dev), self.status, self.n_slots, BLOCK=CHECK_BLOCK
-                )
+                table = _device_ints(rows, dev)
+                try:
+                    launch(
+                        _kernels().check,
+                        (len(rows), 1, 1),
+                        (self.device_slots, table, _payload_ptr(self.status), self.n_slots),
+                        {"BLOCK": CHECK_BLOCK},
+                        dev,
+                    )
+                except Exception:
+                    if self.status.device.type != "cpu":
+                        raise
+                    # this Triton does not take pinned host memory: device status and a copy, from now on
+                    _ZERO_COPY[0] = False
+                    self._pinned = self._pool_buf = None
+                    self.status = torch.empty((len(rows), 4), dtype=torch.int64, device=dev)
+                    launch(
+                        _kernels().check,
+                        (len(rows), 1, 1),
+                        (self.device_slots, table, self.status, self.n_slots),
+                        {"BLOCK": CHECK_BLOCK},
+                        dev,
+                    )
         self.seal()
 
     def _check_on_host(self, host: torch.Tensor) -> tuple[int, int, int]:
@@ -705,6 +890,10 @@ class SlotCheck:
     def seal(self) -> None:
         """Queue the status's read (after every kernel that writes it); ``result()`` waits for this."""
         st = self.status
+        if st is not None and st is self._pinned:  # written in place: only the event (pooled)
+            self._event = _EVENT_POOL.pop() if _EVENT_POOL else torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+            return
         if st is None or st.device.type != "cuda":
             return
         if self._pinned is None:
@@ -725,8 +914,15 @@ class SlotCheck:
                 assert self._event is not None
                 self._event.synchronize()
                 self._rows = self._pinned.tolist()
+                if self._pool_buf is not None:  # read: the buffer and its event go back to the pools
+                    _STATUS_POOL.append(self._pool_buf)
+                    _EVENT_POOL.append(self._event)
+                    self._pool_buf = None
             else:
                 self._rows = st.tolist()
+            if not self.flags:  # word 3 of an unflagged status was never written
+                for row in self._rows:
+                    row[3] = 0
         return self._rows
 
     def result(self) -> tuple[int, int, int, int]:
@@ -780,7 +976,7 @@ class MovePlan:
     ``finish`` reads them; a pipeline group's plan has none (its move is checked once, by the pipeline)."""
 
     geo: _Geometry
-    obj_base: torch.Tensor
+    obj_base: torch.Tensor | Ptr
     span_table: torch.Tensor
     slots: torch.Tensor
     tiles_per_span: int
@@ -805,34 +1001,48 @@ class MovePlan:
         block_d, ndc, hb, block_t = _tiles(self.dw, self.geo.word, self.heads, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
-        with _on(self.geo.device):
-            k.move[grid](
-                self.geo.kv_base,
-                self.obj_base,
-                _layer_offsets(self.geo),
-                self.span_table,
-                self.slots,
-                tiles,
-                self.geo.s_plane,
-                self.geo.s_blk,
-                self.geo.s_off,
-                self.geo.s_head,
-                self.layers,
-                self.geo.n_slots,
-                H=self.heads,
-                BS=self.block_size,
-                P=self.planes,
-                DW=self.dw,
-                BLOCK_T=block_t,
-                HB=hb,
-                BLOCK_D=block_d,
-                NDC=ndc,
-                VEC=self.geo.vec if block_d % self.geo.vec == 0 else 1,
-                SCATTER=self.scatter,
-                num_warps=cfg.num_warps,
+        geo = self.geo
+        status = self.move.fused_status() if self.move is not None else None
+        with _on(geo.device):
+            launch(
+                k.move,
+                grid,
+                (
+                    geo.kv_base,
+                    self.obj_base,
+                    _layer_offsets(geo),
+                    self.span_table,
+                    self.slots,
+                    tiles,
+                    geo.s_plane,
+                    geo.s_blk,
+                    geo.s_off,
+                    geo.s_head,
+                    self.layers,
+                    geo.n_slots,
+                    self.slots if status is None else _payload_ptr(status),
+                ),
+                {
+                    "H": self.heads,
+                    "BS": self.block_size,
+                    "P": self.planes,
+                    "DW": self.dw,
+                    "BLOCK_T": block_t,
+                    "HB": hb,
+                    "BLOCK_D": block_d,
+                    "NDC": ndc,
+                    "VEC": geo.vec if block_d % geo.vec == 0 else 1,
+                    "SCATTER": self.scatter,
+                    "CHECK": status is not None,
+                    "num_warps": cfg.num_warps,
+                },
+                geo.device,
             )
         if self.move is not None:
-            self.move.queue_checks()  # after the kernel: its host work overlaps the move
+            if status is not None:
+                self.move.fused_launched()
+            else:
+                self.move.queue_checks()  # after the kernel: its host work overlaps the move
 
 
 @dataclass
@@ -854,10 +1064,47 @@ class MoveCheck:
     check_args: tuple[torch.Tensor, torch.Tensor | None] | None  # (slot_mapping, host_slots); None: trusted
     checks: SlotCheck | None = None
     geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of a group's views
+    fused: torch.Tensor | None = None  # pinned flags the move kernel sets for spans with bad slots
+    fused_event: torch.cuda.Event | None = None
+
+    def fused_status(self) -> torch.Tensor | None:
+        """Zeroed pinned flags for the move kernel to check its own slots (one launch, no check kernel, no
+        copy), when the slots are checked on the device and launches are pre-bound; else None."""
+        if self.check_args is None or self.checks is not None or not (_ZERO_COPY[0] and prebound_enabled()):
+            return None
+        mapping, host_slots = self.check_args
+        if self.slots.device.type != "cuda" or _host_slots(mapping, host_slots) is not None:
+            return None
+        buf = _take_status(len(self.span_list))
+        buf[: len(self.span_list)].zero_()
+        self.fused = buf
+        return buf
+
+    def fused_launched(self) -> None:
+        """The fused move is queued: an event (pooled) marks when its flags can be read."""
+        self.fused_event = _EVENT_POOL.pop() if _EVENT_POOL else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.fused_event.record()
+
+    def _finish_fused(self, buf: torch.Tensor) -> int:
+        assert self.fused_event is not None
+        self.fused_event.synchronize()
+        flags = buf[: len(self.span_list), :2].any().item()
+        _STATUS_POOL.append(buf)
+        _EVENT_POOL.append(self.fused_event)
+        self.fused = self.fused_event = None
+        if flags:  # a bad slot somewhere: count exactly on the host (the same errors and counts)
+            mapping, _ = self.check_args or (self.slots, None)
+            self.check_args = (mapping, mapping.cpu())
+            self.queue_checks()
+            assert self.checks is not None
+            return self.checks.check(scatter=self.scatter)
+        return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
 
     def finish(self) -> int:
         """``ValueError`` on bad slots, else the tokens written (waits for the checks only); a trusted move
         (no checks) counts every token of its spans past the skips."""
+        if self.fused is not None:
+            return self._finish_fused(self.fused)
         self.queue_checks()
         if self.checks is None:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
@@ -896,7 +1143,7 @@ class MoveCheck:
         lay = self.layout
         return MovePlan(
             geo=geo,
-            obj_base=_alias(objs[0], _WORDS[word]) if objs else geo.kv_base,
+            obj_base=_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base,
             span_table=_device_ints(rows or [(0, 0, 0, 0)], geo.device),
             slots=self.slots,
             tiles_per_span=max_tokens,
@@ -1150,8 +1397,8 @@ def plan_fp8(
         if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
             raise ValueError(f"out[{i}] must be a contiguous uint8 tensor of {n} bytes")
     geo = _geometry(kv_caches, layout, layers, [])
-    if any(o.device != geo.device for o in out):
-        raise Unsupported("outputs are not on the KV device")
+    if any(o.device != geo.device and not _pinned_host(o) for o in out):
+        raise Unsupported("outputs are neither on the KV device nor in pinned host memory")
     base_ptr = out[0].data_ptr() if out else 0
     rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
     max_tok = max((r[1] for r in rows), default=0)
@@ -1186,8 +1433,8 @@ def plan_fp8(
     if ch_fast:
         grid = (grid[2], grid[1], grid[0])
     args = (
-        _alias(kv0, kv0.dtype),
-        out[0],
+        _ptr(kv0, kv0.dtype),
+        _payload_ptr(out[0]),
         _layer_offsets(geo, scale),
         table,
         slots,
@@ -1217,11 +1464,11 @@ def plan_fp8(
     }
     device = geo.device
 
-    def launch() -> None:
+    def run() -> None:
         with _on(device):
-            k.fp8[grid](*args, **meta)
+            launch(k.fp8, grid, args, meta, device)
 
-    return Fp8Plan(launch, checks)
+    return Fp8Plan(run, checks)
 
 
 def gather_fp8(
@@ -1267,3 +1514,159 @@ def gather_fp8(
     )
     plan.launch()
     plan.finish()
+
+
+def _pinned_host(t: torch.Tensor) -> bool:
+    """A CPU tensor in pinned (page-locked, device-mapped) memory: the fp8 kernels read / write it in place
+    when launches are pre-bound."""
+    return t.device.type == "cpu" and prebound_enabled() and t.is_pinned()
+
+
+def _payload_ptr(t: torch.Tensor) -> torch.Tensor | Ptr:
+    """A payload pointer argument: the tensor itself on the device; a pinned host tensor by its address
+    (the kernel reads / writes it over the bus; only compiling sees an aligned device stand-in of the same
+    dtype, the pre-bound launch passes the host address)."""
+    if t.device.type != "cpu" or not prebound_enabled():  # the interpreter runs on CPU tensors as they are
+        return t
+    if t.data_ptr() % 16:
+        raise Unsupported("pinned host payloads must be 16-byte aligned")
+    return Ptr(t.data_ptr(), t.dtype, lambda: torch.empty(16, dtype=t.dtype, device="cuda"))
+
+
+def plan_fp8_scatter(
+    payloads: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+    *,
+    block_t: int = 32,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    soft_convert: bool | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+    channels_fast: bool = FP8_CHANNELS_FAST,
+) -> tuple[Fp8Plan, MoveCheck]:
+    """Validate a fused dequantize + scatter of fp8 payloads (``gather_fp8``'s bytes, on the KV device or in
+    pinned host memory) and return its launch and the move (``finish()``: slot checks, tokens written)."""
+    if layout.dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"fp8 scatter decodes into bfloat16, float16 or float32 KV, not {layout.dtype}")
+    layers = range(layout.num_layers)
+    span_list = check_spans(spans, slot_mapping.shape[0], len(payloads))
+    skips = span_skips(skip_prefix, span_list)
+    sizes: dict[int, int] = {}
+    for i, ((s, e), o) in enumerate(zip(span_list, payloads, strict=True)):
+        n = sizes.get(e - s, -1)
+        if n < 0:
+            n = sizes[e - s] = fp8_payload_nbytes(layout, e - s)
+        if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
+            raise ValueError(f"payloads[{i}] must be a contiguous uint8 tensor of {n} bytes")
+    key = _geometry_key(kv_caches, layout, layers)
+    geo = _geometry(kv_caches, layout, layers, [], key)
+    host = [_pinned_host(o) for o in payloads]
+    if any(o.device != geo.device and not h for o, h in zip(payloads, host, strict=True)):
+        raise Unsupported("payloads are neither on the KV device nor in pinned host memory")
+    if any(host) and not all(host):
+        raise Unsupported("payloads are partly on the device, partly in host memory")
+    slots = _device_slots(slot_mapping, geo.device)
+    if host_slots is not None:
+        _host_slots(slot_mapping, host_slots)
+    args_check = None if trusted else (slot_mapping, host_slots)
+    mv = MoveCheck(kv_caches, layout, layers, span_list, skips, slots, geo.n_slots, True, key, args_check)
+    base_ptr = payloads[0].data_ptr() if payloads else 0
+    rows = [
+        (s, e - s, k, o.data_ptr() - base_ptr)
+        for (s, e), k, o in zip(span_list, skips, payloads, strict=True)
+    ]
+    max_tok = max((r[1] for r in rows), default=0)
+    if max_tok == 0:
+        return Fp8Plan(lambda: None, None), mv
+    table = _device_ints(rows, geo.device)
+    scale = geo.word // geo.es
+    d = layout.head_dim
+    bd = min(block_d, triton_next_pow2(d))
+    ndc = -(-d // bd)
+    bt = max(1, min(block_t, triton_next_pow2(max_tok)))
+    vec = max(1, geo.vec * geo.word // geo.es)
+    soft = _interpret() if soft_convert is None else soft_convert
+    k = _kernels()
+    kv0 = layer_tensors(kv_caches)[0]
+    ch_fast = channels_fast and len(rows) < 65536
+    grid = (len(rows), len(layers) * layout.planes, layout.num_kv_heads * ndc)
+    if ch_fast:
+        grid = (grid[2], grid[1], grid[0])
+    args = (
+        _ptr(kv0, kv0.dtype),
+        _payload_ptr(payloads[0]),
+        _layer_offsets(geo, scale),
+        table,
+        slots,
+        geo.s_plane * scale,
+        geo.s_blk * scale,
+        geo.s_off * scale,
+        geo.s_head * scale,
+        len(layers),
+        layout.num_kv_heads,
+        geo.n_slots,
+    )
+    meta = {
+        "BS": layout.block_size,
+        "P": layout.planes,
+        "D": d,
+        "BLOCK_T": bt,
+        "BLOCK_D": bd,
+        "NDC": ndc,
+        "SOFT_CVT": soft,
+        "SOFT_BF16": soft and layout.dtype == "bfloat16",
+        "VEC": vec if d % vec == 0 and bd % vec == 0 else 1,
+        "CH_FAST": ch_fast,
+        "num_warps": num_warps,
+    }
+    device = geo.device
+
+    def run() -> None:
+        with _on(device):
+            launch(k.fp8_scatter, grid, args, meta, device)
+        mv.queue_checks()
+
+    return Fp8Plan(run, None), mv
+
+
+def scatter_fp8(
+    payloads: Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    layout: PagedLayout,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    skip_prefix: int | Sequence[int] = 0,
+    *,
+    block_t: int = 32,
+    block_d: int = FP8_BLOCK_D,
+    num_warps: int = FP8_NUM_WARPS,
+    soft_convert: bool | None = None,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
+) -> int:
+    """Fused dequantize + scatter: span i's ``Fp8Codec("channel")`` payload ``payloads[i]`` (uint8,
+    ``fp8_payload_nbytes`` bytes; on the KV device, or pinned host memory read in place) is decoded as the
+    codec decodes it (bit for bit) and written into the paged KV like ``reference.scatter`` (skips, slots
+    < 0 skipped, ``ValueError`` for slots past the KV unless ``trusted``); returns tokens written per layer.
+    """
+    plan, mv = plan_fp8_scatter(
+        payloads,
+        kv_caches,
+        layout,
+        slot_mapping,
+        spans,
+        skip_prefix,
+        block_t=block_t,
+        block_d=block_d,
+        num_warps=num_warps,
+        soft_convert=soft_convert,
+        trusted=trusted,
+        host_slots=host_slots,
+    )
+    plan.launch()
+    return mv.finish()

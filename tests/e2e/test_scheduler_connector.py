@@ -625,11 +625,11 @@ def test_timed_out_save_of_a_preempted_request_is_waited_for(tiny_model: Path, p
     read: list[bool] = []
     real = worker.engine.store
 
-    async def blocking_store(tokens: Any, kv: Any, slots: Any, mask: Any = None) -> int:
+    async def blocking_store(tokens: Any, kv: Any, slots: Any, mask: Any = None, **keys: Any) -> int:
         entered.set()
         release.wait()  # a long synchronous gather from the blocks
         read.append(True)
-        return int(await real(tokens, kv, slots, mask))
+        return int(await real(tokens, kv, slots, mask, **keys))
 
     worker.engine.store = blocking_store
     prompt = tokens(28, 64)

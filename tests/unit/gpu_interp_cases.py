@@ -335,3 +335,28 @@ def test_transfer_runs_coalesce_back_to_back_objects() -> None:
     assert flat.data_ptr() == objs[3].data_ptr()
     assert flat.numel() == 512
     assert torch.equal(flat, pool[2048:2560])
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_dequant_scatter_is_the_codec_decode(kind: LayoutKind, dtype: torch.dtype) -> None:
+    """The fused dequantize-scatter writes what the codec decodes (bit for bit), skipping skips and slots
+    < 0, with tokens written counted as the reference counts them."""
+    gen = torch.Generator().manual_seed(31)
+    h = 1 if kind is LayoutKind.VLLM_MLA else H
+    layout = PagedLayout(kind, L, h, D, BS, str(dtype))
+    kv = [(torch.randn(layout.layer_shape(NB), generator=gen) * 3).to(dtype) for _ in range(L)]
+    kv[0].view(-1)[5] = 0.0
+    kv[1].view(-1)[7] = 1e-4  # subnormal e4m3 after scaling
+    pos = torch.arange(70)
+    table = torch.randperm(NB - 1, generator=gen)[:5] + 1
+    slots = table[pos // BS] * BS + pos % BS
+    outs = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in SPANS]
+    reference.gather_fp8(kv, layout, slots, SPANS, outs)
+    slots2 = slots.clone()
+    slots2[40] = -1
+    got = [poisoned(t.shape, dtype) for t in kv]
+    ref = [t.clone() for t in got]
+    n = tk.scatter_fp8(outs, got, layout, slots2, SPANS, [3, 0, 2], block_d=4, block_t=8)
+    assert n == reference.scatter_fp8(outs, ref, layout, slots2, SPANS, [3, 0, 2])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, ref, strict=True))

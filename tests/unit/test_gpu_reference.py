@@ -572,3 +572,53 @@ def test_cuda_round_trip_with_host_objects(kind: LayoutKind, strided: bool) -> N
     assert scatter(cpu_objs, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=32) == n - 32
     for g, c in zip(dec_gpu, dec.kv, strict=True):
         assert torch.equal(bits(g).cpu(), bits(c))
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA])
+def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
+    """The fp8 L1 path on a CPU engine (the torch reference behind ``dispatch``): the payload is the fp8
+    codec's, half the bytes plus scales; its scatter writes within 3 % of the original, leaves the skipped
+    tokens and slots < 0 untouched and counts the tokens written."""
+    from tiercache.gpu import dispatch
+    from tiercache.gpu import reference as ref
+    from tiercache.gpu.triton_kernels import fp8_payload_nbytes
+    from tiercache.serde.fp8 import Fp8Codec
+
+    gen = torch.Generator().manual_seed(41)
+    h = 1 if kind is LayoutKind.VLLM_MLA else H
+    layout = PagedLayout(kind, L, h, D, 16, "bfloat16")
+    nb = 12
+    kv = [(torch.randn(layout.layer_shape(nb), generator=gen) * 3).to(torch.bfloat16) for _ in range(L)]
+    slots = torch.randperm(nb * 16, generator=gen)[:70]
+    spans = [(0, 32), (32, 64), (64, 70)]
+    outs = [torch.empty(fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in spans]
+    dispatch.gather_fp8(kv, layout, slots, spans, outs)
+    codec = Fp8Codec()
+    for (s, e), out in zip(spans, outs, strict=True):
+        spec = object_spec(layout, e - s)
+        obj = torch.empty(spec.shape, dtype=torch.bfloat16)
+        gather(kv, layout, slots, [(s, e)], [obj])
+        want = bytearray(codec.max_encoded_size(spec.nbytes, spec))
+        src = memoryview(obj.view(torch.uint8).reshape(-1).numpy())
+        n = codec.encode_into(src, memoryview(want), spec, None)  # type: ignore[arg-type]
+        assert torch.equal(out, torch.frombuffer(want, dtype=torch.uint8)[:n])
+        elements = spec.nbytes // 2
+        assert out.numel() == elements + 4 * (elements // (e - s))  # e4m3 bytes + a float32 per channel
+    slots2 = slots.clone()
+    slots2[40] = -1
+    got = [poisoned(t.shape, torch.bfloat16) for t in kv]
+    written = dispatch.scatter_fp8(outs, got, layout, slots2, spans, [3, 0, 0])
+    assert written == 70 - 3 - 1
+    back = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
+    orig = [torch.empty_like(b) for b in back]
+    gather(kv, layout, slots, spans, orig)
+    full = [poisoned(t.shape, torch.bfloat16) for t in kv]
+    ref.scatter_fp8(outs, full, layout, slots, spans)
+    gather(full, layout, slots, spans, back)
+    for a, b in zip(back, orig, strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03
+    # the skipped tokens (3 of span 0) and the slot < 0 were not written
+    skipped = torch.cat([slots[:3], slots[40:41]])
+    one = [torch.empty(object_spec(layout, 4).shape, dtype=torch.bfloat16)]
+    gather(got, layout, skipped, [(0, 4)], one)
+    assert not bool(torch.isfinite(one[0].float()).any())  # still the NaN poison

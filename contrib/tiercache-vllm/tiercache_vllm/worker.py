@@ -155,14 +155,8 @@ class WorkerSide:
             job = None
             if self.engine is not None and self.can_load:
                 self.stats.loads += 1
-                keys = op.key_args
                 retrieve = self.engine.retrieve_result(
-                    op.token_ids,
-                    self.kv_caches,
-                    slots,
-                    skip_tokens=op.skip_tokens,
-                    identity=None if keys is None else keys.identity,
-                    block_hashes=None if keys is None else keys.block_hashes,
+                    op.token_ids, self.kv_caches, slots, skip_tokens=op.skip_tokens, **_keying(op)
                 )
                 job = _loop.start(retrieve)
             pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s)
@@ -264,15 +258,7 @@ class WorkerSide:
             if not self._may_save(op):
                 continue
             slots, mask = self._save_args(op)
-            keys = op.key_args
-            agen = self.engine.store_layers(
-                op.token_ids,
-                self.kv_caches,
-                slots,
-                mask,
-                identity=None if keys is None else keys.identity,
-                block_hashes=None if keys is None else keys.block_hashes,
-            )
+            agen = self.engine.store_layers(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
             self._layer_saves.append((op.req_id, agen, []))
             self.stats.saves += 1
             self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
@@ -292,15 +278,7 @@ class WorkerSide:
             if self.engine is None or not self._may_save(op):
                 continue
             slots, mask = self._save_args(op)
-            keys = op.key_args
-            store = self.engine.store(
-                op.token_ids,
-                self.kv_caches,
-                slots,
-                mask,
-                identity=None if keys is None else keys.identity,
-                block_hashes=None if keys is None else keys.block_hashes,
-            )
+            store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
             self._track(op.req_id, _loop.start(store))
             self.stats.saves += 1
             self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
@@ -441,3 +419,9 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:
         return 0
+
+
+def _keying(op: LoadOp | SaveOp) -> dict[str, Any]:
+    """The engine keying arguments of a worker op: the identity and block hashes its lookup was keyed by."""
+    keys = op.key_args
+    return {} if keys is None else {"identity": keys.identity, "block_hashes": keys.block_hashes}
