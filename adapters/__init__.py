@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, Lease, check_key, check_lengths
-from tiercache.adapters._options import (
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters.options import (
+    Size,
     merge_options,
+    option_parsers,
     parse_bool,
     parse_float,
     parse_int,
+    parse_options,
     parse_size,
     parse_str,
 )
@@ -16,13 +19,15 @@ __all__ = [
     "Adapter",
     "Buffer",
     "Capabilities",
-    "Lease",
+    "Size",
     "check_key",
     "check_lengths",
     "merge_options",
+    "option_parsers",
     "parse_bool",
     "parse_float",
     "parse_int",
+    "parse_options",
     "parse_size",
     "parse_str",
 ]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from types import TracebackType
     from typing import Self
 
-__all__ = ["Adapter", "Buffer", "Capabilities", "Lease", "check_key", "check_lengths"]
+__all__ = ["Adapter", "Buffer", "Capabilities", "check_key", "check_lengths"]
 
 Buffer = bytes | bytearray | memoryview
 """What adapters store and return: opaque bytes (a whole frame)."""
@@ -32,30 +32,11 @@ class Capabilities:
     """Several processes or hosts see the same objects."""
     delete: bool = True
     """``batched_delete`` is supported."""
-    lookup_and_lock: bool = False
-    """``lookup_and_lock`` can protect hits from eviction until the lease is released."""
     ttl: bool = False
     """Objects can expire after a configured time."""
     max_value_bytes: int | None = None
-    """Largest value ``batched_put`` accepts (None: no limit below memory)."""
-
-
-class Lease(ABC):
-    """Protection of the hit keys of a ``lookup_and_lock`` against eviction; ``release`` is idempotent."""
-
-    hits: list[bool]
-
-    @abstractmethod
-    async def release(self) -> None:
-        """Drop the protection; never raises, safe to call twice."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.release()
+    """Largest value ``batched_put`` accepts (None: no limit below memory); the manager never sends a larger
+    frame (it is skipped and counted as ``stores_dropped{reason="too_large"}``)."""
 
 
 def check_key(key: str) -> str:
@@ -104,10 +85,6 @@ class Adapter(ABC):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True where an object was removed. Gated by ``capabilities.delete``."""
         raise Unsupported(f"{type(self).__name__} does not support delete")
-
-    async def lookup_and_lock(self, keys: Sequence[str]) -> Lease:
-        """Contains plus protection of the hits from eviction. Gated by ``capabilities.lookup_and_lock``."""
-        raise Unsupported(f"{type(self).__name__} does not support lookup_and_lock")
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -10,20 +10,29 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_size
+from tiercache.adapters.options import Size, parse_options
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["DEFAULT_CAPACITY", "MemoryAdapter"]
+__all__ = ["DEFAULT_CAPACITY", "MemoryAdapter", "MemoryOptions"]
 
 DEFAULT_CAPACITY = 1 << 30
 """Capacity in bytes when neither the URL nor the options name one (1 GiB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryOptions:
+    """Options of ``memory://`` URLs (query string or keywords)."""
+
+    capacity: Size = DEFAULT_CAPACITY
+    """Bytes the store holds (sum of value lengths); bytes or "64MiB"."""
 
 
 class MemoryAdapter(Adapter):
@@ -48,8 +57,8 @@ class MemoryAdapter(Adapter):
         parts = urlsplit(url)
         if parts.scheme != cls.scheme:
             raise ConfigError(f"memory: expected a memory:// URL, got {url!r}")
-        opts = merge_options("memory", parts.query, options, {"capacity": parse_size})
-        return cls(name=parts.netloc + parts.path, capacity=opts.get("capacity", DEFAULT_CAPACITY))
+        opts = parse_options(MemoryOptions, "memory", parts.query, options)
+        return cls(name=parts.netloc + parts.path, capacity=opts.capacity)
 
     @property
     def used_bytes(self) -> int:

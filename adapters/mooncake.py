@@ -63,6 +63,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
@@ -70,13 +71,13 @@ import numpy as np
 from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
+from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["MooncakeAdapter"]
+__all__ = ["MooncakeAdapter", "MooncakeOptions"]
 
 _T = TypeVar("_T")
 
@@ -125,17 +126,28 @@ def _parse_protocol(value: object) -> str:
     return low
 
 
-_PARSERS: dict[str, Callable[[object], Any]] = {
-    "metadata": parse_str,
-    "protocol": _parse_protocol,
-    "rdma_devices": parse_str,
-    "local_hostname": parse_str,
-    "segment_size": parse_size,
-    "buffer_size": parse_size,
-    "timeout": parse_float,
-    "workers": parse_int,
-    "capacity": parse_size,
-}
+@dataclass(frozen=True, slots=True)
+class MooncakeOptions:
+    """Options of ``mooncake://`` URLs (query string or keywords); each parsed from its type."""
+
+    metadata: str | None = None
+    """Metadata server URL (default: ``http://<master host>:8080/metadata``)."""
+    protocol: str = field(default="tcp", metadata={"parse": _parse_protocol})
+    """Transfer protocol: tcp or rdma."""
+    rdma_devices: str = ""
+    """RDMA devices (rdma only)."""
+    local_hostname: str | None = None
+    """This host's address for the transfer engine (default: 127.0.0.1 for a loopback master)."""
+    segment_size: Size = 0
+    """Bytes of this client's memory segment lent to the store (0: none)."""
+    buffer_size: Size = DEFAULT_BUFFER_SIZE
+    """Bytes of the transfer buffer (the largest value is ``buffer_size - 1``)."""
+    timeout: float = DEFAULT_TIMEOUT
+    """Seconds per store call."""
+    workers: int = DEFAULT_WORKERS
+    """Threads running store calls."""
+    capacity: Size | None = None
+    """Accepted and ignored (Mooncake evicts by its own segment limits)."""
 
 
 async def _probe(host: str, port: int, limit_s: float) -> None:
@@ -176,7 +188,7 @@ class MooncakeAdapter(Adapter):
         parts = urlsplit(url)
         if parts.scheme.lower() != "mooncake":
             raise ConfigError(f"mooncake: expected a mooncake://host:port URL, got {url!r}")
-        opts = merge_options("mooncake", parts.query, options, _PARSERS)
+        opts = parse_options(MooncakeOptions, "mooncake", parts.query, options)
         try:
             host, port = parts.hostname, parts.port
         except ValueError:
@@ -184,14 +196,18 @@ class MooncakeAdapter(Adapter):
         if not host or port is None or parts.path.strip("/"):
             raise ConfigError(f"mooncake: expected mooncake://master-host:port, got {url!r}")
         loopback = host in ("127.0.0.1", "localhost", "::1")
-        local = opts.get("local_hostname", "127.0.0.1" if loopback else None)
+        local = (
+            opts.local_hostname if opts.local_hostname is not None else ("127.0.0.1" if loopback else None)
+        )
         if local is None:
             raise ConfigError("mooncake: option 'local_hostname' is required when the master is not local")
-        metadata = opts.get("metadata", f"http://{host}:{DEFAULT_METADATA_PORT}/metadata")
-        buffer_size = opts.get("buffer_size", DEFAULT_BUFFER_SIZE)
-        segment_size = opts.get("segment_size", 0)
-        timeout = opts.get("timeout", DEFAULT_TIMEOUT)
-        workers = opts.get("workers", DEFAULT_WORKERS)
+        metadata = opts.metadata or f"http://{host}:{DEFAULT_METADATA_PORT}/metadata"
+        buffer_size, segment_size, timeout, workers = (
+            opts.buffer_size,
+            opts.segment_size,
+            opts.timeout,
+            opts.workers,
+        )
         if buffer_size < 2:
             raise ConfigError(f"mooncake: option 'buffer_size' must be at least 2 bytes, got {buffer_size}")
         if timeout <= 0:
@@ -205,8 +221,8 @@ class MooncakeAdapter(Adapter):
             "metadata_server": metadata,
             "global_segment_size": segment_size,
             "local_buffer_size": buffer_size + LOCAL_BUFFER_SLACK,
-            "protocol": opts.get("protocol", "tcp"),
-            "rdma_devices": opts.get("rdma_devices", ""),
+            "protocol": opts.protocol,
+            "rdma_devices": opts.rdma_devices,
             "master_server_addr": master,
         }
 

@@ -66,7 +66,6 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import merge_options, parse_bool, parse_int, parse_size
 from tiercache.adapters._slab_layout import (
     HEADER_BYTES,
     RECORD_BYTES,
@@ -83,12 +82,13 @@ from tiercache.adapters._slab_layout import (
     unpack_record,
     unpack_superblock,
 )
+from tiercache.adapters.options import Size, parse_bool, parse_options
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["DEFAULT_MAX_OBJECT", "SlabAdapter"]
+__all__ = ["DEFAULT_MAX_OBJECT", "SlabAdapter", "SlabOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,32 @@ class _Reserved:
     barriers: list[Future[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class SlabOptions:
+    """Options of ``nvme+slab:///abs/path`` URLs (query string or keywords); each parsed from its type."""
+
+    capacity: Size | None = None
+    """Bytes of the slab (required for a new regular file; a block device defaults to its size)."""
+    max_object: Size = DEFAULT_MAX_OBJECT
+    """Largest value (bytes or "128MiB")."""
+    extent_size: Size | None = None
+    """Bytes per extent, rounded up to 1 MiB (None: the geometry planner chooses)."""
+    direct: bool | None = field(default=None, metadata={"parse": _parse_direct})
+    """O_DIRECT data I/O: true, false or auto (None)."""
+    fsync: bool = False
+    """fdatasync each put batch before committing its records and again after."""
+    threads: int = _DEFAULT_THREADS
+    """Worker threads (at least 1)."""
+    io_threads: int = 8
+    """I/O threads (at least 1)."""
+    preallocate: bool = True
+    """posix_fallocate a new file."""
+    format: bool = False
+    """Reformat the file, dropping every object, or use one that is not a slab."""
+    read_buffers: Size = 1 << 30
+    """Bytes of recycled read buffers."""
+
+
 class SlabAdapter(Adapter):
     """A single-process, persistent slot store on one file or block device (see the module docstring)."""
 
@@ -215,22 +241,12 @@ class SlabAdapter(Adapter):
     close_timeout_s: ClassVar[float] = 60.0
     """How long ``aclose`` waits for batches still running (their caller may have been cancelled)."""
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        capacity: int | None = None,
-        max_object: int = DEFAULT_MAX_OBJECT,
-        extent_size: int | None = None,
-        direct: bool | None = None,
-        fsync: bool = False,
-        threads: int = _DEFAULT_THREADS,
-        io_threads: int = 8,
-        preallocate: bool = True,
-        format: bool = False,
-        read_buffers: int = 1 << 30,
-    ) -> None:
-        """Settings only; ``open`` (or ``_load``) opens, locks and replays the slab."""
+    def __init__(self, path: str, options: SlabOptions | None = None) -> None:
+        """Settings only (``SlabOptions``); ``open`` (or ``_load``) opens, locks and replays the slab."""
+        o = options or SlabOptions()
+        capacity, max_object, extent_size, direct = o.capacity, o.max_object, o.extent_size, o.direct
+        fsync, threads, io_threads, preallocate = o.fsync, o.threads, o.io_threads, o.preallocate
+        format, read_buffers = o.format, o.read_buffers
         if not os.path.isabs(path):
             raise ConfigError(f"nvme+slab: path must be absolute, got {path!r}")
         if max_object < 1:
@@ -290,24 +306,8 @@ class SlabAdapter(Adapter):
         path = unquote(parts.path)
         if not os.path.isabs(path):
             raise ConfigError(f"nvme+slab: URL must name an absolute path, got {url!r}")
-        opts = merge_options(
-            "nvme+slab",
-            parts.query,
-            options,
-            {
-                "capacity": parse_size,
-                "max_object": parse_size,
-                "extent_size": parse_size,
-                "direct": _parse_direct,
-                "fsync": parse_bool,
-                "threads": parse_int,
-                "io_threads": parse_int,
-                "preallocate": parse_bool,
-                "format": parse_bool,
-                "read_buffers": parse_size,
-            },
-        )
-        self = cls(path, **opts)
+        opts = parse_options(SlabOptions, "nvme+slab", parts.query, options)
+        self = cls(path, opts)
         try:
             await self._load()
         except BaseException:

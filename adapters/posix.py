@@ -36,6 +36,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -44,14 +45,14 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import merge_options, parse_bool, parse_float, parse_int, parse_size
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
+from tiercache.adapters.options import Size, parse_options
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["PosixAdapter"]
+__all__ = ["PosixAdapter", "PosixOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,24 @@ def _unlink(path: str) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class PosixOptions:
+    """Options of ``file:///abs/dir`` URLs (query string or keywords); each parsed from its type."""
+
+    capacity: Size | None = None
+    """Bytes of values kept (LRU eviction beyond; None: unbounded)."""
+    fsync: bool = False
+    """fsync each value (and its directory) as it is written."""
+    shard_depth: int = 2
+    """Levels of two-hex-character subdirectories (0 to 8)."""
+    threads: int = _DEFAULT_THREADS
+    """File I/O threads (at least 1)."""
+    temp_sweep_s: float = 300.0
+    """Seconds between sweeps of dead writers' temp files (0: only at open)."""
+    stale_temp_s: float = 3600.0
+    """Age in seconds after which a temp file of another host or without an owner is removed."""
+
+
 class PosixAdapter(Adapter):
     """Objects as files under a local or network-mounted directory; persistent and shareable."""
 
@@ -210,18 +229,11 @@ class PosixAdapter(Adapter):
     close_timeout_s: ClassVar[float] = 60.0
     """How long ``aclose`` waits for puts still writing (their caller may have been cancelled)."""
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        capacity: int | None = None,
-        fsync: bool = False,
-        shard_depth: int = 2,
-        threads: int = _DEFAULT_THREADS,
-        temp_sweep_s: float = 300.0,
-        stale_temp_s: float = 3600.0,
-    ) -> None:
+    def __init__(self, root: str, options: PosixOptions | None = None) -> None:
         """Use the existing directory ``root``; call ``open`` (or ``_load``) to scan it before use."""
+        o = options or PosixOptions()
+        capacity, shard_depth, threads = o.capacity, o.shard_depth, o.threads
+        temp_sweep_s, stale_temp_s, fsync = o.temp_sweep_s, o.stale_temp_s, o.fsync
         if not os.path.isabs(root):
             raise ConfigError(f"file: root must be an absolute path, got {root!r}")
         if capacity is not None and capacity < 0:
@@ -253,7 +265,7 @@ class PosixAdapter(Adapter):
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
-        """Open ``file:///abs/dir`` (created if missing); options: capacity, fsync, shard_depth, threads."""
+        """Open ``file:///abs/dir`` (created if missing); options: ``PosixOptions``."""
         parts = urlsplit(url)
         if parts.scheme not in ("file", "posix"):
             raise ConfigError(f"file: expected a file:///absolute/path URL, got {url!r}")
@@ -262,20 +274,8 @@ class PosixAdapter(Adapter):
         root = unquote(parts.path)
         if not os.path.isabs(root):
             raise ConfigError(f"file: URL must name an absolute path, got {url!r}")
-        opts = merge_options(
-            "file",
-            parts.query,
-            options,
-            {
-                "capacity": parse_size,
-                "fsync": parse_bool,
-                "shard_depth": parse_int,
-                "threads": parse_int,
-                "temp_sweep_s": parse_float,
-                "stale_temp_s": parse_float,
-            },
-        )
-        self = cls(root, **opts)
+        opts = parse_options(PosixOptions, "file", parts.query, options)
+        self = cls(root, opts)
         try:
             await self._load()
         except BaseException:

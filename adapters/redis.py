@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -63,13 +64,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._options import merge_options, parse_float, parse_int, parse_size, parse_str
+from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["RedisAdapter", "RedisClusterAdapter"]
+__all__ = ["RedisAdapter", "RedisClusterAdapter", "RedisOptions"]
 
 _T = TypeVar("_T")
 
@@ -95,19 +96,32 @@ def _parse_cert_reqs(value: object) -> str:
     return _CERT_REQS[low]
 
 
-_PARSERS: dict[str, Callable[[object], Any]] = {
-    "password": parse_str,
-    "username": parse_str,
-    "pool_size": parse_int,
-    "socket_timeout": parse_float,
-    "ttl": parse_float,
-    "prefix": parse_str,
-    "capacity": parse_size,
-    "ssl_ca_certs": parse_str,
-    "ssl_certfile": parse_str,
-    "ssl_keyfile": parse_str,
-    "ssl_cert_reqs": _parse_cert_reqs,
-}
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """Options of ``redis://`` / ``valkey://`` (and TLS, cluster) URLs: query string or keywords."""
+
+    password: str | None = None
+    """Server password (use ``password_env`` in config files)."""
+    username: str | None = None
+    """ACL user name (default: the URL's user part)."""
+    pool_size: int = DEFAULT_POOL_SIZE
+    """Connections per adapter (at least 1)."""
+    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT
+    """Seconds to wait for a connection or an answer (positive)."""
+    ttl: float | None = None
+    """Seconds after which stored objects expire (positive; None: never)."""
+    prefix: str = DEFAULT_PREFIX
+    """Prepended to every key."""
+    capacity: Size | None = None
+    """Bytes this tier may hold (None: the server's own limit)."""
+    ssl_ca_certs: str | None = None
+    """TLS only: CA bundle path."""
+    ssl_certfile: str | None = None
+    """TLS only: client certificate path."""
+    ssl_keyfile: str | None = None
+    """TLS only: client key path."""
+    ssl_cert_reqs: str | None = field(default=None, metadata={"parse": _parse_cert_reqs})
+    """TLS only: required (default), optional or none."""
 
 
 def _as_bytes(value: Buffer) -> bytes | memoryview:
@@ -136,35 +150,38 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+_SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
 class _Common:
     """Options shared by the standalone and cluster adapters (parsed once in ``_parse_url``)."""
 
-    def __init__(self, scheme: str, opts: dict[str, Any]) -> None:
+    def __init__(self, scheme: str, opts: RedisOptions) -> None:
         self.tls = scheme.split("+")[0] in _TLS_SCHEMES
-        self.prefix: str = opts.get("prefix", DEFAULT_PREFIX)
-        ttl = opts.get("ttl")
+        self.prefix: str = opts.prefix
+        ttl = opts.ttl
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"{scheme}: option 'ttl' must be positive seconds, got {ttl}")
         self.ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
-        self.pool_size: int = opts.get("pool_size", DEFAULT_POOL_SIZE)
+        self.pool_size: int = opts.pool_size
         if self.pool_size < 1:
             raise ConfigError(f"{scheme}: option 'pool_size' must be at least 1, got {self.pool_size}")
-        self.socket_timeout: float = opts.get("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        self.socket_timeout: float = opts.socket_timeout
         if self.socket_timeout <= 0:
             raise ConfigError(
                 f"{scheme}: option 'socket_timeout' must be positive, got {self.socket_timeout}"
             )
-        self.capacity: int | None = opts.get("capacity")
-        ssl_keys = {k for k in opts if k.startswith("ssl_")}
+        self.capacity: int | None = opts.capacity
+        ssl_keys = {k for k in (*_SSL_OPTIONS, "ssl_cert_reqs") if getattr(opts, k) is not None}
         if ssl_keys and not self.tls:
             raise ConfigError(
                 f"{scheme}: option(s) {', '.join(sorted(ssl_keys))} need a TLS URL (rediss:// or valkeys://)"
             )
 
-    def connection_kwargs(self, opts: dict[str, Any], username: str | None) -> dict[str, Any]:
+    def connection_kwargs(self, opts: RedisOptions, username: str | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
-            "username": opts.get("username", username),
-            "password": opts.get("password"),
+            "username": opts.username if opts.username is not None else username,
+            "password": opts.password,
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.socket_timeout,
             # One immediate retry for a reset/stale connection; never for a timeout (it would double it).
@@ -175,10 +192,10 @@ class _Common:
                 "required": ssl.CERT_REQUIRED,
                 "optional": ssl.CERT_OPTIONAL,
                 "none": ssl.CERT_NONE,
-            }[opts.get("ssl_cert_reqs", "required")]
-            for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-                if name in opts:
-                    kwargs[name] = opts[name]
+            }[opts.ssl_cert_reqs or "required"]
+            for name in _SSL_OPTIONS:
+                if getattr(opts, name) is not None:
+                    kwargs[name] = getattr(opts, name)
         return kwargs
 
 
@@ -250,7 +267,7 @@ class RedisAdapter(Adapter):
             raise ConfigError(
                 f"redis: one host:port expected, got {url!r} (for a cluster use redis+cluster://)"
             )
-        opts = merge_options("redis", query, options, _PARSERS)
+        opts = parse_options(RedisOptions, "redis", query, options)
         common = _Common(scheme, opts)
         (host, port), kwargs = hosts[0], common.connection_kwargs(opts, username)
         if common.tls:
@@ -428,7 +445,7 @@ class RedisClusterAdapter(RedisAdapter):
         scheme, query, hosts, username, db = _split_url(url, cls._schemes, "redis+cluster")
         if db != 0:
             raise ConfigError(f"redis+cluster: a cluster has only database 0, got {url!r}")
-        opts = merge_options("redis+cluster", query, options, _PARSERS)
+        opts = parse_options(RedisOptions, "redis+cluster", query, options)
         common = _Common(scheme, opts)
         kwargs = common.connection_kwargs(opts, username)
         # The cluster client retries every error of RedisCluster.ERRORS_ALLOW_RETRY, timeouts included, as

@@ -1,9 +1,8 @@
 """``s3://bucket/prefix``: objects in an S3 (or S3-compatible) bucket through one shared aioboto3 client.
 
-Layout: ``<prefix>/<keyspace>/<shard>/<key>``. ``<keyspace>`` is the 32-hex keyspace digest when the key is a
-canonical ``ChunkKey`` (``tc1.<keyspace>.<hash>[.lN]``), else ``misc``; ``<shard>`` is two hex characters of
-the chunk hash (of the key's xxh64 digest for other keys), which spreads keys over 256 S3 prefixes for
-request-rate partitioning.
+Layout: ``<prefix>/<shard>/<key>``. Keys are opaque to the adapter (it never parses the key format);
+``<shard>`` is the first two hex characters of the key's xxh64 digest, which spreads keys over 256 S3
+prefixes for request-rate partitioning.
 
 One ``aioboto3.Session`` and one S3 client per adapter, created in ``open`` and closed in ``aclose``. Every
 request holds a slot of a semaphore of ``max_concurrency`` (also the HTTP connection pool size), so a batch
@@ -41,6 +40,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -48,22 +48,14 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters._options import (
-    merge_options,
-    parse_bool,
-    parse_float,
-    parse_int,
-    parse_size,
-    parse_str,
-)
+from tiercache.adapters.options import Size, parse_float, parse_options, parse_str
 from tiercache.config import redact_url
-from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
-from tiercache.keys import ChunkKey
+from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["S3Adapter", "object_name"]
+__all__ = ["S3Adapter", "S3Options", "object_name"]
 
 _T = TypeVar("_T")
 _MIB = 1 << 20
@@ -91,35 +83,46 @@ def _addressing(value: object) -> str:
     return text
 
 
-_PARSERS: dict[str, Callable[[object], Any]] = {
-    "endpoint_url": parse_str,
-    "region": parse_str,
-    "addressing_style": _addressing,
-    "max_concurrency": parse_int,
-    "multipart_threshold": parse_size,
-    "part_size": parse_size,
-    "create_only": parse_bool,
-    "create_bucket": parse_bool,
-    "connect_timeout": _seconds,
-    "read_timeout": _seconds,
-    "max_attempts": parse_int,
-    "checksums": parse_bool,
-    "access_key_id": parse_str,
-    "secret_access_key": parse_str,
-    "session_token": parse_str,
-    "capacity": parse_size,
-}
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    """Options of ``s3://bucket/prefix`` URLs (query string or keywords); each parsed from its type."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (None: AWS)."""
+    region: str | None = None
+    """Region name (None: the AWS chain's)."""
+    addressing_style: str = field(default="auto", metadata={"parse": _addressing})
+    """auto, path or virtual."""
+    max_concurrency: int = 16
+    """Requests in flight per adapter (and HTTP connections); at least 1."""
+    multipart_threshold: Size = 64 * _MIB
+    """Values at least this large are uploaded in parts (bytes or "64MiB")."""
+    part_size: Size = 8 * _MIB
+    """Bytes per multipart part (at least 5 MiB)."""
+    create_only: bool = False
+    """Conditional puts (``If-None-Match: *``) where the server honours them."""
+    create_bucket: bool = False
+    """Create the bucket at open when it is missing."""
+    connect_timeout: float = field(default=5.0, metadata={"parse": _seconds})
+    """Seconds per connection attempt (positive)."""
+    read_timeout: float = field(default=30.0, metadata={"parse": _seconds})
+    """Seconds to wait for an answer per attempt (positive)."""
+    max_attempts: int = 2
+    """Total attempts per request (botocore standard retry mode); at least 1."""
+    checksums: bool = False
+    """Let botocore add/validate CRC32 checksums where supported (off: only where S3 requires them; frames
+    carry their own checksum)."""
+    access_key_id: str | None = None
+    """With ``secret_access_key`` (use ``*_env`` in config files); None: the AWS chain."""
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    capacity: Size | None = None
+    """Bytes this tier may hold (None: unbounded)."""
 
 
 def object_name(prefix: str, key: str) -> str:
     """The S3 object name of ``key`` under ``prefix`` (``""`` or without slashes at either end)."""
-    try:
-        ck = ChunkKey.parse(key)
-    except ValueError:
-        keyspace, shard = "misc", xxhash.xxh64_hexdigest(key.encode())[:2]
-    else:
-        keyspace, shard = ck.keyspace_digest.hex(), ck.chunk_hash.hex()[:2]
-    name = f"{keyspace}/{shard}/{key}"
+    name = f"{xxhash.xxh64_hexdigest(key.encode())[:2]}/{key}"
     return f"{prefix}/{name}" if prefix else name
 
 
@@ -151,10 +154,6 @@ def _error_code(exc: BaseException) -> tuple[str, str]:
     return code, status
 
 
-class _Unsupported(Exception):
-    """The server does not implement a conditional put (internal signal)."""
-
-
 class S3Adapter(Adapter):
     """Objects in an S3 bucket under a prefix; persistent and shared between hosts."""
 
@@ -163,36 +162,13 @@ class S3Adapter(Adapter):
         persistent=True, shared=True, delete=True, max_value_bytes=5 << 40
     )
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        addressing_style: str = "auto",
-        max_concurrency: int = 16,
-        multipart_threshold: int = 64 * _MIB,
-        part_size: int = 8 * _MIB,
-        create_only: bool = False,
-        create_bucket: bool = False,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 30.0,
-        max_attempts: int = 2,
-        checksums: bool = False,
-        access_key_id: str | None = None,
-        secret_access_key: str | None = None,
-        session_token: str | None = None,
-        capacity: int | None = None,
-    ) -> None:
-        """Settings only; ``open`` creates the client and checks the bucket.
-
-        ``max_concurrency``: requests in flight per adapter (and HTTP connections). ``multipart_threshold``
-        and ``part_size`` in bytes (part size >= 5 MiB). ``connect_timeout``/``read_timeout`` in seconds per
-        attempt; ``max_attempts``: total attempts per request (botocore standard retry mode). ``checksums``:
-        let botocore add/validate CRC32 checksums where supported (off: only where S3 requires them; frames
-        carry their own checksum).
-        """
+    def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None) -> None:
+        """Settings only (``S3Options`` documents each); ``open`` creates the client and checks the bucket."""
+        o = options or S3Options()
+        endpoint_url, max_concurrency, part_size = o.endpoint_url, o.max_concurrency, o.part_size
+        multipart_threshold, max_attempts = o.multipart_threshold, o.max_attempts
+        access_key_id, secret_access_key = o.access_key_id, o.secret_access_key
+        connect_timeout, read_timeout = o.connect_timeout, o.read_timeout
         if not bucket:
             raise ConfigError("s3: URL must name a bucket: s3://bucket/prefix")
         if max_concurrency < 1:
@@ -208,19 +184,19 @@ class S3Adapter(Adapter):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
-        self.region = region
-        self.addressing_style = addressing_style
+        self.region = o.region
+        self.addressing_style = o.addressing_style
         self.max_concurrency = max_concurrency
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
-        self.create_only = create_only
-        self.create_bucket = create_bucket
+        self.create_only = o.create_only
+        self.create_bucket = o.create_bucket
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_attempts = max_attempts
-        self.checksums = checksums
-        self.capacity = capacity
-        self._credentials = (access_key_id, secret_access_key, session_token)
+        self.checksums = o.checksums
+        self.capacity = o.capacity
+        self._credentials = (access_key_id, secret_access_key, o.session_token)
         self._conditional: bool | None = None  # If-None-Match honoured? None: not probed
         self.stats: dict[str, int] = {"short_bodies": 0}
         """``short_bodies``: GET bodies shorter (or longer) than their object, served as misses."""
@@ -237,7 +213,7 @@ class S3Adapter(Adapter):
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
-        """Open ``s3://bucket[/prefix][?option=value...]``; options are listed in ``__init__``."""
+        """Open ``s3://bucket[/prefix][?option=value...]``; options: ``S3Options``."""
         parts = urlsplit(url)
         if parts.scheme not in ("s3", "s3a"):
             raise ConfigError(f"s3: expected an s3://bucket/prefix URL, got {url!r}")
@@ -246,8 +222,8 @@ class S3Adapter(Adapter):
                 "s3: the URL must be s3://bucket/prefix (no credentials, no port); "
                 "credentials come from the AWS chain or *_env options"
             )
-        opts = merge_options("s3", parts.query, options, _PARSERS)
-        self = cls(parts.netloc, unquote(parts.path), **opts)
+        opts = parse_options(S3Options, "s3", parts.query, options)
+        self = cls(parts.netloc, unquote(parts.path), opts)
         try:
             await self._start()
         except BaseException:
@@ -316,7 +292,7 @@ class S3Adapter(Adapter):
             await self._put_single(name, memoryview(b"1"), conditional=True)
             second = await self._put_single(name, memoryview(b"2"), conditional=True)
             self._conditional = not second  # the second create must be refused
-        except _Unsupported:
+        except Unsupported:
             self._conditional = False
         finally:
             with contextlib.suppress(AdapterError):
@@ -447,7 +423,7 @@ class S3Adapter(Adapter):
         return list(await asyncio.gather(*(self._get(n) for n in names)))
 
     async def _put_single(self, name: str, body: memoryview, *, conditional: bool) -> bool:
-        """PutObject; False if a conditional put found an object. ``_Unsupported`` on HTTP 501."""
+        """PutObject; False if a conditional put found an object. ``Unsupported`` on HTTP 501."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": name,
@@ -462,7 +438,7 @@ class S3Adapter(Adapter):
             if conditional and self._is(exc, _PRECONDITION):
                 return False
             if conditional and self._is(exc, _NOT_IMPLEMENTED):
-                raise _Unsupported from exc
+                raise Unsupported from exc
             raise
         return True
 
@@ -523,7 +499,7 @@ class S3Adapter(Adapter):
                 if conditional and self._is(exc, _PRECONDITION):
                     return False
                 if conditional and self._is(exc, _NOT_IMPLEMENTED):
-                    raise _Unsupported from exc
+                    raise Unsupported from exc
                 raise
             done = True
             return True
@@ -560,7 +536,7 @@ class S3Adapter(Adapter):
             try:
                 await write(name, body, conditional=True)  # False: someone else created it first
                 return True
-            except _Unsupported:
+            except Unsupported:
                 self._conditional = False  # e.g. only multipart completes lack support: fall back
         if await self._head(name):
             return True

@@ -1,5 +1,6 @@
-"""What the scripts in ``benchmarks/`` share: the integration tests' server launchers and tiercache.bench's
-measuring helpers (timing, GB/s, ratios, host info). Importing it puts ``tests/integration`` on the path.
+"""What the scripts in ``benchmarks/`` share: the integration tests' server launchers and
+tiercache.cli.bench's measuring helpers (timing, GB/s, ratios, host info). Importing it puts
+``tests/integration`` on the path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from s3_servers import TEST_ENV as S3_TEST_ENV  # noqa: E402
 from s3_servers import MotoServer  # noqa: E402
 from servers import ServerProcess, free_port, port_open, start_process  # noqa: E402
 
-from tiercache.bench.measure import best, best_median, gbps, host_info, paired, percentiles, ratio  # noqa: E402
+from tiercache.cli.bench.measure import best, best_median, gbps, host_info, paired, percentiles, ratio  # noqa: E402
 
 __all__ = [
     "ROOT",

@@ -8,7 +8,8 @@ interleaved in the same loop, so their ratio is meaningful on a shared machine (
 GB/s count the stage's input bytes (encode) or output bytes (decode).
 "relative_error" is ||x' - x||₂ / ||x||₂;
 "max_error_over_absmax" is max|x' - x| / max|x|.
-The measuring functions live in ``tiercache.bench.codecs`` (``tiercache bench codecs`` runs them with plots).
+The measuring functions live in ``tiercache.cli.bench.codecs``
+(``tiercache bench codecs`` runs them with plots).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiercache.bench.codecs import as_bytes, chain_result, stage_vs_library
+from tiercache.cli.bench.codecs import as_bytes, chain_result, stage_vs_library
 from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.serde.lz4 import Lz4Codec

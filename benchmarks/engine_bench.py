@@ -18,7 +18,7 @@ the hashing / L1 / per-tier split and each tier's round trip (``batched_contains
 Goal: ``lookup_ms <= 2 + sum(rtt_ms)``. Token ids are passed as a Python list (like vLLM's
 ``prompt_token_ids``); ``*_numpy_tokens`` figures pass the same ids as a numpy int64 array.
 
-The measuring code lives in ``tiercache.bench.engine`` (``tiercache bench engine`` runs it with plots);
+The measuring code lives in ``tiercache.cli.bench.engine`` (``tiercache bench engine`` runs it with plots);
 this script is its long-form caller.
 
 Run: ``python benchmarks/engine_bench.py [--tokens 4096] [--repeats 5] [--layout flash,cpu_blocks]`` prints
@@ -33,7 +33,7 @@ import json
 import os
 from typing import Any
 
-from tiercache.bench.engine import (
+from tiercache.cli.bench.engine import (
     CHUNK,
     HEAD_DIM,
     HEADS,
@@ -43,7 +43,7 @@ from tiercache.bench.engine import (
     bench_lookup,
     make_layout,
 )
-from tiercache.bench.measure import host_info
+from tiercache.cli.bench.measure import host_info
 
 __all__ = ["CHUNK", "bench_layout", "bench_lookup", "main", "make_layout", "run"]
 

@@ -103,7 +103,7 @@ def gpu_l1(
     with the pinned-copy ceilings in each round. (Zero-copy, the kernel writing the pinned L1 objects in
     place, was tried too: 51.1 GB/s store and 49.7 retrieve against the pipeline's 52.7 and 53.7.)"""
     from tiercache.gpu import transfer as tr
-    from tiercache.l1 import L1Cache
+    from tiercache.store.l1 import L1Cache
 
     sp = spans()
     payload = object_spec(layout, T).nbytes

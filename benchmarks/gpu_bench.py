@@ -212,7 +212,7 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
     """Whole public calls against the kernel's device time and the pinned ceiling, at each of ``SIZES``."""
     from tiercache.gpu import dispatch
     from tiercache.gpu import launch as prebound
-    from tiercache.l1 import L1Cache
+    from tiercache.store.l1 import L1Cache
 
     _, kv2, slots2, _ = make_engine(
         layout.kind, layout.num_layers, layout.num_kv_heads, layout.head_dim, seed=5
@@ -400,7 +400,7 @@ def main() -> None:
     log("scatter", json.dumps({k: v for k, v in res["scatter"].items() if k != "sweep"}))
 
     # ---- pinned ceilings and the GPU <-> L1 pipeline
-    from tiercache.l1 import L1Cache
+    from tiercache.store.l1 import L1Cache
 
     host = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(payload, dtype=torch.uint8, device=DEV).random_(1, 255)

@@ -2,7 +2,8 @@
 
     python benchmarks/keys_bench.py [--tokens 131072] [--repeats 20]
 
-Prints JSON. The hashing measurement is ``tiercache.bench.keys.hashing`` (``tiercache bench keys`` plots it).
+Prints JSON. The hashing measurement is ``tiercache.cli.bench.keys.hashing``
+(``tiercache bench keys`` plots it).
 Goals (issue 1): hashing >= 80 % of raw hashlib.sha256 over the same bytes; POSIX put/get
 >= 90 % of raw os.write/os.read of the same sizes.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiercache.bench.keys import hashing
+from tiercache.cli.bench.keys import hashing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

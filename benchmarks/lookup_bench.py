@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from tiercache.config import ManagerConfig
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.keys import KeySpace, RequestIdentity
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
+from tiercache.store.engine import CacheEngine
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 CHUNK = 256
 BLOCK = 32

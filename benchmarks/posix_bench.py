@@ -198,7 +198,7 @@ def posix_vs_raw(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the JSON of ``posix_vs_raw``."""
-    from tiercache.adapters._options import parse_size
+    from tiercache.adapters.options import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", default="1MiB,4MiB,32MiB", help="comma-separated sizes (e.g. 1MiB,4MiB)")

@@ -142,7 +142,7 @@ async def _measure(endpoint: str, sizes: Sequence[int], repeats: int | None, rou
             "max_concurrency": adapter.max_concurrency,
         }
         await adapter.batched_delete(keys)
-        assert object_name("bench", keys[0]).startswith("bench/misc/")
+        assert object_name("bench", keys[0]).endswith(f"/{keys[0]}")
     finally:
         await adapter.aclose()
     return results
@@ -185,7 +185,7 @@ def s3_vs_raw(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the JSON of ``s3_vs_raw``."""
-    from tiercache.adapters._options import parse_size
+    from tiercache.adapters.options import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", default="1MiB,4MiB,32MiB", help="comma-separated sizes (e.g. 1MiB,4MiB)")

@@ -35,13 +35,13 @@ import torch
 from _common import host_info, percentiles
 
 from tiercache.config import ManagerConfig
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.keys import KeySpace
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.server.client import ServerConnection, SharedL1
 from tiercache.server.protocol import Op
+from tiercache.store.engine import CacheEngine
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 CHUNK, BLOCK, CHUNKS = 256, 16, 8
 ECHO = r"""

@@ -29,7 +29,7 @@ from typing import Any
 
 from tiercache.adapters.nvme_slab import SlabAdapter
 from tiercache.adapters.posix import PosixAdapter
-from tiercache.bench.measure import gbps
+from tiercache.cli.bench.measure import gbps
 
 MiB = 1 << 20
 

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ServerProcess, free_port, host_info, port_open, start_process
 
 from tiercache.config import config_from_dict
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
+from tiercache.store.engine import CacheEngine
 
 __all__ = ["SoakConfig", "main", "run_soak", "verdict"]
 

@@ -77,7 +77,7 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     import gpu_bench as gb  # the device timers and the engine maker of the GPU benchmark
 
     from tiercache.gpu import LayoutKind, dispatch, object_spec, reference
-    from tiercache.l1 import L1Cache
+    from tiercache.store.l1 import L1Cache
 
     lmc = build_lmcache_kernels(Path(args.lmcache_src))
     gb.log("LMCache mem_kernels built")
@@ -247,11 +247,11 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tiercache.config import ManagerConfig
-    from tiercache.engine import CacheEngine
     from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
     from tiercache.keys import KeySpace
-    from tiercache.l1 import L1Cache
-    from tiercache.manager import StorageManager
+    from tiercache.store.engine import CacheEngine
+    from tiercache.store.l1 import L1Cache
+    from tiercache.store.manager import StorageManager
 
     torch.manual_seed(0)
     tokens_n = args.tokens

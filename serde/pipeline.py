@@ -288,15 +288,22 @@ class CodecPipeline:
         return tensor, spec
 
     def decode_into(
-        self, frame: object, key: str, dst: object, expected_spec: KVSpec | None = None
+        self,
+        frame: object,
+        key: str,
+        dst: object,
+        expected_spec: KVSpec | None = None,
+        *,
+        header: FrameHeader | None = None,
     ) -> KVSpec:
         """Decode ``frame`` into ``dst`` (exactly ``spec.nbytes`` writable bytes); return the frame's spec.
 
+        ``header``: ``read_header(frame)`` where the caller already parsed it (it is not parsed again).
         FrameError on any fault (dst's content is then unspecified); ValueError if dst is not writable.
         """
         out = as_writable_bytes(dst)
         mv = self._frame_view(frame)
-        header = self._verify(mv, key, expected_spec)
+        header = self._verify(mv, key, expected_spec, header)
         if len(out) != header.spec.nbytes:
             raise FrameError(f"destination has {len(out)} bytes, the frame's array has {header.spec.nbytes}")
         self._decode_payload(mv, header, key, out)
@@ -309,8 +316,11 @@ class CodecPipeline:
         except TypeError as exc:
             raise FrameError(f"not a frame: {exc}") from None
 
-    def _verify(self, mv: memoryview, key: str, expected_spec: KVSpec | None) -> FrameHeader:
-        header = read_header(mv)
+    def _verify(
+        self, mv: memoryview, key: str, expected_spec: KVSpec | None, header: FrameHeader | None = None
+    ) -> FrameHeader:
+        if header is None:
+            header = read_header(mv)
         if len(mv) != header.frame_len:
             raise FrameError(f"frame is {len(mv)} bytes, its header describes {header.frame_len}")
         if header.key_fingerprint != key_fingerprint(key):

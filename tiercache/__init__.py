@@ -20,6 +20,7 @@ from tiercache.errors import (
 if TYPE_CHECKING:
     from tiercache._open import open_adapter
     from tiercache.config import Config, load_config
+    from tiercache.store.engine import CacheEngine
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "AdapterError",
     "AdapterTimeout",
     "AdapterUnavailable",
+    "CacheEngine",
     "Config",
     "ConfigError",
     "FrameError",
@@ -41,6 +43,7 @@ _LAZY = {
     "open_adapter": ("tiercache._open", "open_adapter"),
     "load_config": ("tiercache.config", "load_config"),
     "Config": ("tiercache.config", "Config"),
+    "CacheEngine": ("tiercache.store.engine", "CacheEngine"),
 }
 
 

@@ -149,7 +149,7 @@ def redact_text(text: str, url: str) -> str:
 
 
 def _parse_size(value: object, where: str) -> int:
-    from tiercache.adapters._options import parse_size
+    from tiercache.adapters.options import parse_size
 
     try:
         return parse_size(value)

@@ -22,8 +22,8 @@ from tiercache.gpu import (
     transfer,
 )
 from tiercache.gpu import triton_kernels as tk
-from tiercache.l1 import L1Cache
 from tiercache.serde.fp8 import Fp8Codec
+from tiercache.store.l1 import L1Cache
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("aioboto3")
 pytest.importorskip("moto")
 
-from tiercache.bench.runner import SuiteContext, run_suite
+from tiercache.cli.bench.runner import SuiteContext, run_suite
 from tiercache.config import config_from_dict
 
 BUCKET = "tc-bench-suite"

@@ -10,13 +10,13 @@ import pytest
 import torch
 from servers import ServerProcess, free_port, port_open, start_process
 
-from tiercache._reopen import ReopeningAdapter
 from tiercache.config import config_from_dict
-from tiercache.engine import CacheEngine
 from tiercache.errors import AdapterUnavailable, ConfigError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
-from tiercache.manager import StorageManager
+from tiercache.store._reopen import ReopeningAdapter
+from tiercache.store.engine import CacheEngine
+from tiercache.store.manager import StorageManager
 
 LAYOUT = PagedLayout(
     LayoutKind.VLLM_FLASH, num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"

@@ -16,9 +16,9 @@ import torch
 from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.config import config_from_dict
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
+from tiercache.store.engine import CacheEngine
 
 pytestmark = pytest.mark.asyncio
 

@@ -19,10 +19,10 @@ import tiercache
 from tiercache.adapters.mooncake import MooncakeAdapter
 from tiercache.config import ManagerConfig
 from tiercache.errors import AdapterError, AdapterUnavailable, ConfigError
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
 
 pytestmark = pytest.mark.asyncio

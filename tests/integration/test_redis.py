@@ -6,7 +6,6 @@ Servers come from tests/integration/conftest.py (started once per session on fre
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +16,10 @@ import tiercache
 from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
 from tiercache.config import ManagerConfig, TierConfig
 from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
 
 pytestmark = pytest.mark.asyncio
@@ -92,10 +91,10 @@ async def test_registry_schemes_and_options(redis_server: Any, redis_cluster: An
 async def test_unreachable_server_fails_at_open() -> None:
     from servers import free_port
 
-    started = time.perf_counter()
-    with pytest.raises(AdapterUnavailable):
-        await RedisAdapter.open(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
-    assert time.perf_counter() - started < 1.0
+    # The refusal itself ends the open (AdapterUnavailable naming the connection error), not a timeout:
+    # one waiting for an answer would end, much later, in AdapterTimeout.
+    with pytest.raises(AdapterUnavailable, match=r"ConnectionError: .*(Connect call failed|refused|111)"):
+        await RedisAdapter.open(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=60)
 
 
 # -- Redis-specific behaviour -------------------------------------------------------------------------
@@ -180,8 +179,9 @@ async def test_password_auth(redis_factory: Callable[..., Any]) -> None:
 
 async def test_killed_server_is_unavailable_then_recovers(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory()
-    timeout = 1.0
-    async with await RedisAdapter.open(server.url, socket_timeout=timeout, pool_size=4) as adapter:
+    # A dead server is reported as unavailable at once (connection refused/reset), never by waiting out the
+    # socket timeout: that would be AdapterTimeout, after 30 s.
+    async with await RedisAdapter.open(server.url, socket_timeout=30, pool_size=4) as adapter:
         keys = _keys(4)
         assert await adapter.batched_put(keys, [b"v" * 1000] * 4) == [True] * 4
         server.proc.kill()
@@ -192,10 +192,8 @@ async def test_killed_server_is_unavailable_then_recovers(redis_factory: Callabl
             lambda: adapter.batched_put(keys[:1], [b"w" * MiB]),
             lambda: adapter.batched_delete(keys),
         ):
-            started = time.perf_counter()
             with pytest.raises(AdapterUnavailable):
                 await call()
-            assert time.perf_counter() - started < timeout
         server.restart()  # same port, empty (no persistence)
         assert await adapter.batched_contains(keys) == [False] * 4
         assert await adapter.batched_put(keys, [b"again"] * 4) == [True] * 4
@@ -211,11 +209,8 @@ async def test_hung_server_times_out_at_socket_timeout(redis_factory: Callable[.
         server.proc.pause()
         try:
             for call in (lambda: adapter.batched_get(keys), lambda: adapter.batched_put(keys, [b"x", b"y"])):
-                started = time.perf_counter()
-                with pytest.raises(AdapterTimeout):
+                with pytest.raises(AdapterTimeout, match="no answer within the socket timeout"):
                     await call()
-                elapsed = time.perf_counter() - started
-                assert timeout * 0.9 <= elapsed < timeout + 0.4, elapsed
         finally:
             server.proc.resume()
         assert await adapter.batched_get(keys) in ([b"v", b"w"], [b"x", b"y"])
@@ -231,9 +226,7 @@ async def test_pool_exhaustion_completes(redis_server: Any) -> None:
             assert await adapter.batched_contains(batches[b]) == [True] * 3
             assert await adapter.batched_get(batches[b]) == values[b]
 
-        started = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(one(b) for b in range(20))), 15)
-        assert time.perf_counter() - started < 15
+        await asyncio.wait_for(asyncio.gather(*(one(b) for b in range(20))), 15)  # a deadlock guard
 
 
 async def test_cluster_spreads_keys_over_masters(redis_cluster: Any) -> None:
@@ -278,13 +271,15 @@ async def test_manager_turns_a_killed_server_into_misses(redis_factory: Callable
     async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", reader, raw)], POLICY) as m:
         assert (await m.lookup_prefix(keys, [SPEC] * 4, prefetch=False)).chunks == 4
         server.proc.kill()
-        started = time.perf_counter()
         hit = await m.lookup_prefix(keys, [SPEC] * 4)
         assert hit.chunks == 0
         leases = await m.batched_get(keys, [SPEC] * 4)
         assert leases == [None] * 4
-        assert time.perf_counter() - started < POLICY.lookup_deadline_s + POLICY.l2_deadline_s + 0.3
-        assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") >= 1
+        # one failed contains each (lookup, then the read's own check): the second opens the circuit
+        assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") == 2
+        assert m.metrics.value("tiercache_circuit_open", tier="redis") == 1
+        assert (await m.lookup_prefix(keys, [SPEC] * 4)).chunks == 0  # open: no call, still a miss
+        assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") == 2
 
 
 # -- cluster errors and retries (issue 11 #10) ---------------------------------------------------------------

@@ -20,12 +20,12 @@ from s3_servers import TEST_ENV, MotoServer
 from tiercache import cli
 from tiercache._open import open_adapter
 from tiercache.config import config_from_dict, load_config
-from tiercache.engine import CacheEngine
 from tiercache.errors import AdapterError, FrameError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import scatter
 from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
+from tiercache.store.engine import CacheEngine
 
 PASSWORD = "pw-" + secrets.token_hex(12)
 WRONG_PASSWORD = "wrongpw-" + secrets.token_hex(12)

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tiercache.adapters._options import parse_size
 from tiercache.adapters.memory import DEFAULT_CAPACITY, MemoryAdapter
+from tiercache.adapters.options import parse_size
 from tiercache.errors import ConfigError
 from tiercache.testing.adapters import AdapterConformance
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tiercache.bench import SCHEMA_VERSION, SUITES
-from tiercache.bench.measure import percentiles, ratio
+from tiercache.cli.bench import SCHEMA_VERSION, SUITES
+from tiercache.cli.bench.measure import percentiles, ratio
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DOC_KEYS = {

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tiercache.errors import ConfigError
-from tiercache.serde import CodecContext, Stage
+from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.raw import RawCodec
 from tiercache.spec import KVSpec
 from tiercache.testing.codecs import CodecConformance
@@ -20,15 +20,26 @@ class TestRawConformance(CodecConformance):
     golden_dir = str(GOLDEN_RAW)
 
 
-def test_raw_codec_contract() -> None:
-    codec = RawCodec()
-    spec = KVSpec(2, 2, 4, "bf16", tokens=3)
-    assert codec.stage is Stage.ARRAY_TO_BYTES
-    assert codec.lossless
-    assert not codec.must_be_last
-    assert codec.max_encoded_size(spec.nbytes, spec) == spec.nbytes
-    assert codec.header_params() == b""
-    assert codec.get_config() == {"id": "raw"}
+def test_raw_codec_contract_by_behaviour() -> None:
+    """What raw's class constants promise, checked through a pipeline: it starts a chain (array to bytes),
+    other codecs may follow it, it cannot follow another array codec, its frames hold exactly the array's
+    bytes, they decode bit-exactly, and its config rebuilds the same chain."""
+    spec = KVSpec(2, 2, 4, "bfloat16", tokens=3)
+    array = bytes((i * 37 + 11) % 256 for i in range(spec.nbytes))
+    pipeline = build_pipeline(["raw"])
+    frame = pipeline.encode(array, spec, "k")
+    header = read_header(frame)
+    assert header.payload_len == spec.nbytes == RawCodec().max_encoded_size(spec.nbytes, spec)
+    assert bytes(frame[header.header_len :]) == array  # no metadata, no transformation
+    out = bytearray(spec.nbytes)
+    pipeline.decode_into(frame, "k", out)
+    assert bytes(out) == array  # lossless
+    assert build_pipeline(["raw", "lz4"]).chain == ("raw", "lz4")  # not must_be_last
+    with pytest.raises(ConfigError):
+        build_pipeline(["lz4", "raw"])  # an array-to-bytes codec comes first
+    with pytest.raises(ConfigError):
+        build_pipeline(["raw", "raw"])
+    assert build_pipeline(pipeline.get_config()).chain == pipeline.chain
 
 
 def test_raw_codec_copies_bytes() -> None:

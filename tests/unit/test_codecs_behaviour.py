@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from tiercache.errors import ConfigError, FrameError
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.aesgcm import OVERHEAD, AesGcmCodec, key_id
 from tiercache.serde.fp8 import Fp8Codec
@@ -22,6 +20,8 @@ from tiercache.serde.lz4 import Lz4Codec
 from tiercache.serde.shuffle import ShuffleCodec
 from tiercache.serde.zstd import ZstdCodec
 from tiercache.spec import KVFormat, KVSpec
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 from tiercache.testing.codecs import golden_array, random_array
 from tiercache.testing.fakes import InMemoryAdapter
 

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import Config, L1Config, ManagerConfig
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import InputSpan, KeySpace, RequestIdentity
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
+from tiercache.store.engine import CacheEngine
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 pytestmark = pytest.mark.asyncio
 
@@ -85,6 +85,23 @@ async def open_engine(
     return CacheEngine(manager, layout, keyspace_of(layout), chunk_size=CHUNK, layerwise=layerwise)
 
 
+async def prefill_seed_example(
+    layout: PagedLayout, l2_dir: Path, layerwise: bool
+) -> tuple[list[int], torch.Tensor]:
+    """Seed §5's prefill: 600 tokens (chunks 0, 1 and a tail of 88) whose first 512 are stored to L2."""
+    tokens = list(range(1000, 1600))
+    kv = expected_kv(layout, len(tokens))
+    prefill = Engine(layout, num_blocks=64, seed=1)
+    prefill.write(kv, 0, len(tokens))
+    engine = await open_engine(layout, l2_dir, layerwise=layerwise)
+    try:
+        assert await engine.store(tokens[:512], prefill.kv, prefill.slots(512)) == 512
+        await engine.drain()
+    finally:
+        await engine.aclose()
+    return tokens, kv
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -93,17 +110,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 async def test_seed_example_local_288_hit_512(tmp_path: Path, layerwise: bool) -> None:
     """Decode holds 288 tokens; the hit ends at 512: chunk 0 skipped, chunk 1 read whole, 224 written."""
     layout = layout_of()
-    tokens = list(range(1000, 1600))  # 600 tokens: chunks 0, 1 and a tail of 88
-    kv = expected_kv(layout, len(tokens))
-    prefill = Engine(layout, num_blocks=64, seed=1)
-    prefill.write(kv, 0, len(tokens))
-    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
-    try:
-        stored = await engine.store(tokens[:512], prefill.kv, prefill.slots(512))
-        assert stored == 512
-        await engine.drain()
-    finally:
-        await engine.aclose()
+    tokens, kv = await prefill_seed_example(layout, tmp_path, layerwise)
 
     decode = Engine(layout, num_blocks=64, seed=2)
     decode.write(kv, 0, 288)  # the local prefix cache hit
@@ -401,3 +408,45 @@ async def test_process_salt_from_the_environment_still_isolates(
     finally:
         await one.aclose()
         await two.aclose()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_retrieve_reuses_its_lookup_no_second_hash_no_second_l2_query(
+    tmp_path: Path, layerwise: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed example through ``prepare_retrieve(lookup=...)``: same bytes, no hashing, one L2 lookup."""
+    layout = layout_of()
+    tokens, kv = await prefill_seed_example(layout, tmp_path, layerwise)
+    decode = Engine(layout, num_blocks=64, seed=2)
+    decode.write(kv, 0, 288)
+    engine = await open_engine(layout, tmp_path, layerwise=layerwise)
+    try:
+        hit = await engine.lookup_hit(tokens, prefetch=False)
+        assert (hit.tokens, hit.tiers) == (512, ("disk", "disk"))
+        adapter = engine.manager.tiers[0].adapter
+        contains_calls = 0
+        real_contains = adapter.batched_contains
+
+        async def counting_contains(keys: list[str]) -> list[bool]:
+            nonlocal contains_calls
+            contains_calls += 1
+            return await real_contains(keys)
+
+        def no_hashing(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the tokens were hashed again")
+
+        monkeypatch.setattr(adapter, "batched_contains", counting_contains)
+        monkeypatch.setattr(engine.token_db, "process_tokens", no_hashing)
+        monkeypatch.setattr(engine.token_db, "prefix_hashes", no_hashing)
+        prepared = await engine.prepare_retrieve(tokens, skip_tokens=288, lookup=hit)
+        assert contains_calls == 0
+        assert prepared.tokens_to_write == 224
+        prepared.scatter(decode.kv, decode.slots(600))
+        result = prepared.finish()
+        assert (result.tokens_read, result.tokens_written, result.skip_prefix) == (256, 224, 32)
+        assert same_bits(decode.read(0, 512), kv[:, :, :512])
+        assert decode.read(512, 600).isnan().all()
+        with pytest.raises(ValueError, match="lookup was of 600 tokens"):
+            await engine.prepare_retrieve(tokens[:300], lookup=hit)
+    finally:
+        await engine.aclose()

@@ -88,7 +88,27 @@ async def test_fail_ops_and_error_type() -> None:
     assert await fake.batched_get(["k"]) == [None]  # get is not in fail_ops
     with pytest.raises(ValueError, match="fail_ops"):
         FaultInjectingAdapter(InMemoryAdapter(), fail_ops=frozenset({"gett"}))
-    assert frozenset({"contains", "get", "put", "delete", "lookup_and_lock"}) == ALL_OPS
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("op", sorted(ALL_OPS))
+async def test_each_op_name_fails_exactly_its_own_method(op: str) -> None:
+    """Every name in ALL_OPS selects one batched method; the others keep working."""
+    fake = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=1.0, fail_ops=frozenset({op}))
+    calls = {
+        "contains": lambda: fake.batched_contains(["k"]),
+        "get": lambda: fake.batched_get(["k"]),
+        "put": lambda: fake.batched_put(["k"], [b"v"]),
+        "delete": lambda: fake.batched_delete(["k"]),
+    }
+    assert set(calls) == ALL_OPS
+    for name, call in calls.items():
+        if name == op:
+            with pytest.raises(AdapterUnavailable):
+                await call()
+        else:
+            await call()
+    assert fake.faults["error"] == 1
 
 
 @pytest.mark.asyncio
@@ -161,7 +181,5 @@ async def test_capabilities_mirror_wrapped() -> None:
     assert fake.scheme == "fake-memory"
     with pytest.raises(Unsupported):
         await fake.batched_delete(["k"])
-    with pytest.raises(Unsupported):
-        await fake.lookup_and_lock(["k"])
     with pytest.raises(Unsupported):
         await FaultInjectingAdapter.open("fault://x")

@@ -133,9 +133,9 @@ async def test_store_queue_depth_follows_the_queue() -> None:
     """tiercache_store_queue_depth reads the tier's store queue (what the dashboard's queue panel shows)."""
     from tiercache.adapters.memory import MemoryAdapter
     from tiercache.config import ManagerConfig
-    from tiercache.l1 import L1Cache
-    from tiercache.manager import StorageManager
     from tiercache.serde import build_pipeline
+    from tiercache.store.l1 import L1Cache
+    from tiercache.store.manager import StorageManager
 
     metrics = Metrics()
     adapter = await MemoryAdapter.open("memory://q")

@@ -239,6 +239,43 @@ async def test_kit_fails_broken_adapter(
     assert await _outcome(test, cls, **params) == "failed"
 
 
+class SlowReadsCountedPuts(InMemoryAdapter):
+    """A correct adapter whose gets take longer than a whole put (a watcher's read started before the put
+    ends after it), recording for each put how many gets started while it was in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.putting = False
+        self.gets_during_puts: list[int] = []
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        if self.putting:
+            self.gets_during_puts[-1] += 1
+        for _ in range(64):
+            await asyncio.sleep(0)
+        return await super().batched_get(keys)
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        self.putting = True
+        self.gets_during_puts.append(0)
+        try:
+            for _ in range(4):
+                await asyncio.sleep(0)
+            return await super().batched_put(keys, values)
+        finally:
+            self.putting = False
+
+
+@pytest.mark.asyncio
+async def test_torn_read_check_reads_during_every_put() -> None:
+    """The kit's torn-read check never passes without looking: a read starts during every put that
+    suspends, even when the watcher is still busy with a read it began before the put."""
+    adapter = SlowReadsCountedPuts()
+    await _Kit().test_no_partial_object_visible(adapter)
+    assert len(adapter.gets_during_puts) == 4  # the first put, then b, a, b
+    assert all(n >= 1 for n in adapter.gets_during_puts), adapter.gets_during_puts
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("test", ["test_round_trip", "test_overwrite", "test_batch_positional_order"])
 async def test_torn_write_still_passes_serial_tests(test: str) -> None:

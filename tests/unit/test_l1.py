@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tiercache.l1 import KVObject, L1Cache, L1Lease, L1Stats, ObjectState
 from tiercache.spec import KVFormat, KVSpec
+from tiercache.store.l1 import KVObject, L1Cache, L1Lease, L1Stats, ObjectState
 
 # [2, L=2, T=4, H*D=8] bf16 -> 256 bytes
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens=4)
@@ -120,7 +120,7 @@ def test_pinned_pool() -> None:
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, tiercache.l1; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, tiercache.store.l1; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

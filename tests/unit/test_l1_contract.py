@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from tiercache.l1 import L1Cache, ObjectState
 from tiercache.server.client import SharedL1
 from tiercache.spec import KVSpec
+from tiercache.store.l1 import L1Cache, ObjectState
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens=4)  # 256 bytes
 SLOT = SPEC.nbytes

@@ -17,8 +17,8 @@ import torch
 
 from tests.unit.test_engine import CHUNK, POLICY, Engine, expected_kv, keyspace_of, layout_of, same_bits
 from tests.unit.test_server_processes import Server
-from tiercache.engine import CacheEngine
 from tiercache.server.client import SharedL1
+from tiercache.store.engine import CacheEngine
 
 pytestmark = pytest.mark.asyncio
 
@@ -42,7 +42,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def engine_on(path: str) -> CacheEngine:
-    from tiercache.manager import StorageManager
+    from tiercache.store.manager import StorageManager
 
     manager = StorageManager(SharedL1(path), [], POLICY)  # type: ignore[arg-type]
     return CacheEngine(manager, LAYOUT, keyspace_of(LAYOUT), chunk_size=CHUNK)

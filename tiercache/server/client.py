@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from tiercache.l1 import L1Stats, ObjectState
 from tiercache.server.protocol import MAX_MESSAGE, Op, ProtocolError, decode, encode
 from tiercache.server.segment import PUBLISHED, Segment, SlotClass
+from tiercache.store.l1 import L1Stats, ObjectState
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +236,7 @@ class SharedLease:
 
 
 class SharedL1:
-    """The L1 surface of :class:`tiercache.l1.L1Cache` on a server's shared segment; cache-off when down."""
+    """The L1 surface of :class:`~tiercache.store.l1.L1Cache` on a shared segment (cache-off when down)."""
 
     pinned = False
 

@@ -278,11 +278,19 @@ class AdapterConformance:
         assert bytes(got) in (a, b), f"got {len(got)} bytes, neither value written"
 
     async def _watch(
-        self, adapter: Adapter, key: str, allowed: tuple[bytes, ...], stop: asyncio.Event
+        self,
+        adapter: Adapter,
+        key: str,
+        allowed: tuple[bytes, ...],
+        stop: asyncio.Event,
+        put: list[asyncio.Future[list[bool]]],
     ) -> int:
-        """Get/contains ``key`` until ``stop``; each value seen must be None or exactly one of ``allowed``."""
-        reads = 0
+        """Get/contains ``key`` until ``stop``; each value seen must be None or exactly one of ``allowed``.
+
+        Returns the reads that started while the put (``put[0]``, once started) was in flight."""
+        overlapping = 0
         while not stop.is_set():
+            during = bool(put) and not put[0].done()  # this read starts while the put is in flight
             (got,) = await adapter.batched_get([key])
             if got is not None:
                 assert any(_same(got, v) for v in allowed), (
@@ -290,19 +298,35 @@ class AdapterConformance:
                     f"(allowed sizes {[len(v) for v in allowed]})"
                 )
             await adapter.batched_contains([key])
-            reads += 1
+            overlapping += during
             await asyncio.sleep(0)
-        return reads
+        return overlapping
 
     async def _race(self, adapter: Adapter, key: str, allowed: tuple[bytes, ...], write: bytes) -> None:
+        """Put ``write`` while a reader watches ``key``; fails if no read started during a put that suspended.
+
+        A put that completes in one step of the event loop never lets a reader of this loop in (atomic by
+        construction); while one that suspends is in flight a second reader starts, so at least one read
+        starts during it (counted, and the race fails if none did)."""
         stop = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch(adapter, key, allowed, stop))
+        put: list[asyncio.Future[list[bool]]] = []
+        watcher = asyncio.ensure_future(self._watch(adapter, key, allowed, stop, put))
+        one_step = False
+        during: asyncio.Future[int] | None = None
         try:
-            await asyncio.sleep(0)
-            assert await adapter.batched_put([key], [write]) == [True]
+            await asyncio.sleep(0)  # the reader is reading
+            put.append(asyncio.ensure_future(adapter.batched_put([key], [write])))
+            await asyncio.sleep(0)  # the put takes its first step
+            one_step = put[0].done()
+            if not one_step:  # the put is in flight: one more reader starts now, whatever the other does
+                during = asyncio.ensure_future(self._watch(adapter, key, allowed, stop, put))
+            assert await put[0] == [True]
         finally:
             stop.set()
-            await watcher  # re-raises the watcher's assertion, if any
+            overlapping = await watcher  # re-raises the watcher's assertion, if any
+            if during is not None:
+                overlapping += await during
+        assert one_step or overlapping >= 1, "no read started during the put: nothing was checked"
 
     async def test_no_partial_object_visible(self, adapter: Adapter) -> None:
         """While a big put runs, readers see nothing, the old value or the new one, never a part or a mix."""

@@ -19,12 +19,11 @@ from tiercache.errors import AdapterUnavailable, ConfigError, Unsupported
 if TYPE_CHECKING:
     from typing import Self
 
-    from tiercache.adapters._base import Lease
 
 __all__ = ["ALL_OPS", "FaultInjectingAdapter", "InMemoryAdapter"]
 
-ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete", "lookup_and_lock"})
-"""Operation names ``FaultInjectingAdapter`` can fail: one per batched method, plus ``lookup_and_lock``."""
+ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete"})
+"""Operation names ``FaultInjectingAdapter`` can fail: one per batched method."""
 
 
 class InMemoryAdapter(Adapter):
@@ -91,8 +90,8 @@ class FaultInjectingAdapter(Adapter):
 
     - ``latency``: seconds slept before every call (all ops, whether or not in ``fail_ops``).
     - ``fail_rate``: probability in [0, 1] that a call of an op in ``fail_ops`` raises ``error``.
-    - ``fail_ops``: the ops that may fail or hang (names from ``ALL_OPS``: contains, get, put, delete,
-      lookup_and_lock); default all of them.
+    - ``fail_ops``: the ops that may fail or hang (names from ``ALL_OPS``: contains, get, put, delete);
+      default all of them.
     - ``error``: exception class raised for an injected failure (default ``AdapterUnavailable``).
     - ``hang``: if true, calls of ops in ``fail_ops`` wait forever (until cancelled, e.g. by a deadline).
     - ``corrupt_rate``: probability that each non-empty value ``batched_get`` returns has one byte flipped.
@@ -184,11 +183,6 @@ class FaultInjectingAdapter(Adapter):
         """Inject, then forward."""
         await self._inject("delete")
         return await self.wrapped.batched_delete(keys)
-
-    async def lookup_and_lock(self, keys: Sequence[str]) -> Lease:
-        """Inject, then forward."""
-        await self._inject("lookup_and_lock")
-        return await self.wrapped.lookup_and_lock(keys)
 
     async def aclose(self) -> None:
         """Close the wrapped adapter (never faulted)."""

@@ -35,9 +35,10 @@ import contextlib
 import functools
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
 from tiercache.adapters import (
@@ -46,8 +47,8 @@ from tiercache.adapters import (
     Capabilities,
     check_key,
     check_lengths,
-    merge_options,
     parse_int,
+    parse_options,
 )
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache_fsspec import SCHEME, URL_PREFIX
@@ -55,7 +56,14 @@ from tiercache_fsspec import SCHEME, URL_PREFIX
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["COMMIT_MODES", "DEFAULT_MAX_CONCURRENCY", "FsspecAdapter", "InProcessFsspecAdapter", "split_url"]
+__all__ = [
+    "COMMIT_MODES",
+    "DEFAULT_MAX_CONCURRENCY",
+    "FsspecAdapter",
+    "FsspecOptions",
+    "InProcessFsspecAdapter",
+    "split_url",
+]
 
 T = TypeVar("T")
 
@@ -104,12 +112,6 @@ def _parse_storage_options(value: object) -> dict[str, Any]:
     return out
 
 
-def _parse_commit(value: object) -> str:
-    if value not in COMMIT_MODES:
-        raise ValueError(f"expected one of {', '.join(COMMIT_MODES)}, got {value!r}")
-    return str(value)
-
-
 def _parse_concurrency(value: object) -> int:
     n = parse_int(value)
     if n < 1:
@@ -117,11 +119,17 @@ def _parse_concurrency(value: object) -> int:
     return n
 
 
-_PARSERS: dict[str, Callable[[object], Any]] = {
-    "storage_options": _parse_storage_options,
-    "commit": _parse_commit,
-    "max_concurrency": _parse_concurrency,
-}
+@dataclass(frozen=True, slots=True)
+class FsspecOptions:
+    """Options of ``fsspec+PROTO://`` URLs (query string or keywords), parsed by
+    ``tiercache.adapters.parse_options`` from these field types."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict, metadata={"parse": _parse_storage_options})
+    """Passed to the filesystem's constructor; ``NAME_env = "VAR"`` entries become ``NAME = $VAR``."""
+    commit: Literal["rename", "direct"] | None = None
+    """How a put becomes visible whole (default: rename on local filesystems, else direct)."""
+    max_concurrency: int = field(default=DEFAULT_MAX_CONCURRENCY, metadata={"parse": _parse_concurrency})
+    """File operations in flight at once (at least 1)."""
 
 
 def _filesystem_class(protocol: str) -> type[Any]:
@@ -177,13 +185,13 @@ class FsspecAdapter(Adapter):
     async def open(cls, url: str, **options: object) -> Self:
         """Create the filesystem named after ``fsspec+`` and check it answers (AdapterUnavailable if not)."""
         protocol, inner, query = split_url(url)
-        opts = merge_options(SCHEME, query, options, _PARSERS)
+        opts = parse_options(FsspecOptions, SCHEME, query, options)
         fs_class = _filesystem_class(protocol)
         protocols = {fs_class.protocol} if isinstance(fs_class.protocol, str) else set(fs_class.protocol)
         root = str(fs_class._strip_protocol(inner)).rstrip("/")
         if not root.strip("/"):
             raise ConfigError(f"fsspec: {url!r} names no directory or bucket to store objects in")
-        kwargs: dict[str, Any] = {**fs_class._get_kwargs_from_urls(inner), **opts.get("storage_options", {})}
+        kwargs: dict[str, Any] = {**fs_class._get_kwargs_from_urls(inner), **opts.storage_options}
         kwargs["skip_instance_cache"] = True  # this adapter owns its instance (sessions, aclose)
         if getattr(fs_class, "async_impl", False):
             kwargs["asynchronous"] = True
@@ -201,8 +209,8 @@ class FsspecAdapter(Adapter):
         adapter = make(
             fs,
             root,
-            commit=opts.get("commit", default_commit),
-            max_concurrency=opts.get("max_concurrency", DEFAULT_MAX_CONCURRENCY),
+            commit=opts.commit or default_commit,
+            max_concurrency=opts.max_concurrency,
             label=label,
         )
         try:

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from tiercache.config import Config
-    from tiercache.engine import CacheEngine
     from tiercache.gpu.layouts import PagedLayout
+    from tiercache.store.engine import CacheEngine
 
 __all__ = [
     "ConnectorSettings",
@@ -420,7 +420,7 @@ def open_engine(
     ``lookup_only`` shrinks L1 to two slots (the scheduler of a multi-process engine never stores).
     """
     from tiercache.config import L1Config
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
     if lookup_only:
         slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
@@ -447,7 +447,7 @@ def open_engine(
 
 def engine_for_rank(base: CacheEngine, rank: int | str) -> CacheEngine:
     """An engine sharing ``base``'s manager (L1 + tiers) with the keyspace of another TP rank."""
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
     keyspace = dataclasses.replace(base.keyspace, rank=rank)  # type: ignore[arg-type]
     return CacheEngine(

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from tiercache.config import Config
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
 __all__ = ["KEYSPACE_PARAM", "SchedulerSide"]
 
@@ -416,7 +416,7 @@ class SchedulerSide:
 
 def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
     """This instance's keyspace digest and key source, as a producer reports them in kv_transfer_params."""
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
     keyspace = CacheEngine.keyspace_for(
         config,

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from tiercache.config import Config
-    from tiercache.engine import CacheEngine, RetrieveResult
     from tiercache.gpu.layouts import PagedLayout
+    from tiercache.store.engine import CacheEngine, RetrieveResult
 
 __all__ = ["WorkerSide"]
 

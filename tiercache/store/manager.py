@@ -13,24 +13,24 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tiercache.circuit import CircuitBreaker
 from tiercache.config import ManagerConfig
 from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
 from tiercache.metrics import Metrics
+from tiercache.store.circuit import CircuitBreaker
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter, Buffer
     from tiercache.config import Config, TierConfig
-    from tiercache.l1 import KVObject, L1Cache, L1Lease
-    from tiercache.serde import CodecPipeline
+    from tiercache.serde import CodecPipeline, FrameHeader
     from tiercache.spec import KVSpec
+    from tiercache.store.l1 import KVObject, L1Cache, L1Lease
 
 __all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
 
@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 L1_TIER = "L1"
 T = TypeVar("T")
+
+STORE_LEASE_DEADLINES = 8
+"""A queued background store holds its L1 object for this many ``l2_deadline_s``: time to wait in the
+queue behind other batches, encode and put; past it the lease lapses and the store is dropped
+(``lease_expired``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,8 @@ class PrefixHit:
 
     chunks: int
     tiers: tuple[str, ...]
+    hits: tuple[TierHit | None, ...] = ()
+    """Where each key asked for was found (None: nowhere); ``batched_get(hits=...)`` reuses it."""
 
     def count(self, tier: str) -> int:
         """Chunks of the prefix served by ``tier``."""
@@ -133,8 +140,8 @@ class StorageManager:
         A tier whose backend is down (a transport error at open) is kept as a down tier: its calls are
         misses until a background re-open (first after ``reopen_delay_s``, then with doubling backoff)
         succeeds. Configuration errors still raise here."""
-        from tiercache.l1 import L1Cache
         from tiercache.serde import build_pipeline
+        from tiercache.store.l1 import L1Cache
 
         l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned)
         opened: list[tuple[str, Adapter, CodecPipeline]] = []
@@ -216,6 +223,24 @@ class StorageManager:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ----- allocation and puts ------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def writing(
+        self, keys: Sequence[str], specs: Sequence[KVSpec]
+    ) -> AsyncIterator[list[KVObject | None]]:
+        """A write session: reserve L1 objects (None where the key is stored already or L1 is full), let the
+        caller fill them, then publish and queue them for L2 on exit; on an exception every reserved object
+        is aborted (never visible) and the exception propagates."""
+        objects = await self.batched_allocate(keys, specs)
+        reserved = [obj for obj in objects if obj is not None]
+        try:
+            yield objects
+        except BaseException:
+            for obj in reserved:
+                self.l1.abort_write(obj)
+            raise
+        if reserved:
+            await self.batched_put(reserved)
+
     async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[KVObject | None]:
         """Reserve L1 objects to write into; None where the key is already stored or L1 has no room."""
         objects = [self.l1.reserve_write(key, spec) for key, spec in zip(keys, specs, strict=True)]
@@ -232,7 +257,7 @@ class StorageManager:
             self.l1.finish_write(obj)
         for tier in self.tiers:
             for obj in objects:
-                lease = self.l1.acquire(obj.key, lease_s=self.policy.l2_deadline_s * 8)
+                lease = self.l1.acquire(obj.key, lease_s=self.policy.l2_deadline_s * STORE_LEASE_DEADLINES)
                 if lease is None:
                     self.metrics.stores_dropped.labels(tier.name, "evicted").inc()
                     continue
@@ -268,16 +293,26 @@ class StorageManager:
                     lease.release()
 
     async def _store_batch(self, tier: L2Tier, batch: list[tuple[str, L1Lease]]) -> None:
+        limit = tier.adapter.capabilities.max_value_bytes
+        too_large = 0
+
         def encode() -> list[tuple[str, bytearray]]:
+            nonlocal too_large
             frames = []
             for key, lease in batch:
                 frame = tier.pipeline.encode(lease.obj.buffer(), lease.obj.spec, key)
-                if lease.valid():  # the slot was not reused while we read it
-                    frames.append((key, frame))
+                if not lease.valid():  # the slot was reused while we read it
+                    continue
+                if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
+                    too_large += 1
+                    continue
+                frames.append((key, frame))
             return frames
 
         frames = await self._run(encode)
-        dropped = len(batch) - len(frames)
+        if too_large:
+            self.metrics.stores_dropped.labels(tier.name, "too_large").inc(too_large)
+        dropped = len(batch) - len(frames) - too_large
         if dropped:
             self.metrics.stores_dropped.labels(tier.name, "lease_expired").inc(dropped)
         if not frames:
@@ -379,7 +414,7 @@ class StorageManager:
                     [hits[i].tier for i in below],  # type: ignore[union-attr]
                     None if specs is None else [specs[i] for i in below],
                 )
-        return PrefixHit(chunks, tuple(h.tier for h in prefix))
+        return PrefixHit(chunks, tuple(h.tier for h in prefix), tuple(hits))
 
     # ----- prefetch -----------------------------------------------------------------------------------------
     def start_prefetch(
@@ -434,49 +469,76 @@ class StorageManager:
         )
         if frames is None:
             return [False] * len(keys)
-        results: list[bool] = []
+        from tiercache.serde import read_header
+
+        results = [False] * len(keys)
+        jobs: list[tuple[int, Buffer, FrameHeader, KVSpec, KVObject]] = []
         for i, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             if frame is None:
                 self.metrics.misses.labels(tier.name).inc()
-                results.append(False)
                 continue
             self.metrics.bytes_read.labels(tier.name).inc(len(frame))
-            results.append(await self._decode_into_l1(tier, key, frame, None if specs is None else specs[i]))
-        return results
+            try:
+                header = read_header(frame)  # parsed once: the pipeline reuses it
+            except FrameError:
+                self.metrics.frames_rejected.labels(tier.name).inc()
+                continue
+            target = header.spec if specs is None else specs[i]
+            obj = self.l1.reserve_write(key, target)
+            if obj is None:
+                results[i] = self.l1.contains(key)
+                continue
+            jobs.append((i, frame, header, target, obj))
+        if not jobs:
+            return results
 
-    async def _decode_into_l1(self, tier: L2Tier, key: str, frame: Buffer, spec: KVSpec | None) -> bool:
-        from tiercache.serde import read_header
+        def decode_all() -> list[bool]:
+            """Decode every frame of the batch in one executor job; False where a frame fails its checks."""
+            decoded = []
+            for i, frame, header, target, obj in jobs:
+                try:
+                    tier.pipeline.decode_into(
+                        frame, keys[i], obj.buffer(), expected_spec=target, header=header
+                    )
+                except FrameError:
+                    decoded.append(False)
+                else:
+                    decoded.append(True)
+            return decoded
 
         try:
-            header = read_header(frame)
-        except FrameError:
-            self.metrics.frames_rejected.labels(tier.name).inc()
-            return False
-        target = spec or header.spec
-        obj = self.l1.reserve_write(key, target)
-        if obj is None:
-            return self.l1.contains(key)
-        try:
-            await self._run(lambda: tier.pipeline.decode_into(frame, key, obj.buffer(), expected_spec=target))
-        except FrameError:
-            self.l1.abort_write(obj)
-            self.metrics.frames_rejected.labels(tier.name).inc()
-            return False
+            decoded = await self._run(decode_all)
         except BaseException:
-            self.l1.abort_write(obj)
+            for *_, obj in jobs:
+                self.l1.abort_write(obj)
             raise
-        self.l1.finish_write(obj)
-        self.metrics.prefetched.labels(tier.name).inc()
-        return True
+        for (i, *_, obj), good in zip(jobs, decoded, strict=True):
+            if good:
+                self.l1.finish_write(obj)
+                self.metrics.prefetched.labels(tier.name).inc()
+                results[i] = True
+            else:
+                self.l1.abort_write(obj)
+                self.metrics.frames_rejected.labels(tier.name).inc()
+        return results
 
     # ----- reads --------------------------------------------------------------------------------------------
     async def batched_get(
-        self, keys: Sequence[str], specs: Sequence[KVSpec] | None = None, *, deadline_s: float | None = None
+        self,
+        keys: Sequence[str],
+        specs: Sequence[KVSpec] | None = None,
+        *,
+        deadline_s: float | None = None,
+        hits: Sequence[TierHit | None] | None = None,
     ) -> list[L1Lease | None]:
         """Leases on L1 objects for ``keys``, loading a contiguous prefix from L2 first where needed.
 
-        Stops at the first key no tier can deliver within the deadline; later entries are None.
+        ``hits``: where a lookup just found each key (``PrefixHit.hits``): keys missing from L1 are loaded
+        from those tiers without asking the L2 tiers again. Stops at the first key no tier can deliver
+        within the deadline; later entries are None.
         """
+        if hits is not None and len(hits) != len(keys):
+            raise ValueError(f"{len(hits)} hits for {len(keys)} keys")
         deadline_s = self.policy.l2_deadline_s if deadline_s is None else deadline_s
         pending = [self._prefetching[k] for k in keys if k in self._prefetching]
         if pending:
@@ -486,12 +548,22 @@ class StorageManager:
         first_missing = contiguous_prefix(present)
         if first_missing < len(keys) and self.tiers:
             rest = list(keys[first_missing:])
-            hits = await self.batched_contains(rest, tiers=[t.name for t in self.tiers])
-            n = contiguous_prefix(hits)
+            if hits is None:
+                found = await self.batched_contains(rest, tiers=[t.name for t in self.tiers])
+            else:  # the lookup's answer; a key it saw in L1 (since evicted) is asked for again
+                found = list(hits[first_missing:])
+                stale = [i for i, h in enumerate(found) if h is not None and h.level == 0]
+                if stale:
+                    again = await self.batched_contains(
+                        [rest[i] for i in stale], tiers=[t.name for t in self.tiers]
+                    )
+                    for i, hit in zip(stale, again, strict=True):
+                        found[i] = hit
+            n = contiguous_prefix(found)
             if n:
                 task = self.start_prefetch(
                     rest[:n],
-                    [h.tier for h in hits[:n] if h is not None],
+                    [h.tier for h in found[:n] if h is not None],
                     None if specs is None else list(specs[first_missing : first_missing + n]),
                 )
                 with contextlib.suppress(TimeoutError):
@@ -542,7 +614,7 @@ def _is_down(adapter: Adapter) -> float:
 async def _open_or_down(tier: TierConfig, reopen_delay_s: float) -> Adapter:
     """Open one tier; a backend that is down now gives a ``ReopeningAdapter`` that keeps trying."""
     from tiercache._open import open_adapter
-    from tiercache._reopen import ReopeningAdapter, is_down
+    from tiercache.store._reopen import ReopeningAdapter, is_down
 
     def opener() -> Awaitable[Adapter]:
         return open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())

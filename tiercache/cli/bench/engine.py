@@ -22,18 +22,18 @@ import numpy as np
 import torch
 
 from tiercache.adapters.posix import PosixAdapter
-from tiercache.bench.measure import Row, atimes, best_median, gbps, percentiles
+from tiercache.cli.bench.measure import Row, atimes, best_median, gbps, percentiles
 from tiercache.config import ManagerConfig
-from tiercache.engine import CacheEngine
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import KeySpace
-from tiercache.l1 import L1Cache
-from tiercache.manager import StorageManager
 from tiercache.serde import build_pipeline
+from tiercache.store.engine import CacheEngine
+from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 if TYPE_CHECKING:
-    from tiercache.bench.runner import SuiteContext
+    from tiercache.cli.bench.runner import SuiteContext
 
 __all__ = [
     "bench_keyspace",

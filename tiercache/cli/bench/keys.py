@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiercache.bench.measure import Row, percentiles, times
+from tiercache.cli.bench.measure import Row, percentiles, times
 from tiercache.keys import KeySpace, TokenDatabase, contiguous_prefix
 
 if TYPE_CHECKING:
-    from tiercache.bench.runner import SuiteContext
+    from tiercache.cli.bench.runner import SuiteContext
 
 __all__ = ["hashing", "hashing_samples", "keys_suite"]
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiercache.bench.engine import make_layout, paged_kv, slot_mapping
-from tiercache.bench.measure import Row, gbps, percentiles, times
+from tiercache.cli.bench.engine import make_layout, paged_kv, slot_mapping
+from tiercache.cli.bench.measure import Row, gbps, percentiles, times
 from tiercache.gpu.layouts import object_spec
 
 if TYPE_CHECKING:
-    from tiercache.bench.runner import SuiteContext
+    from tiercache.cli.bench.runner import SuiteContext
 
 __all__ = ["gpu_suite"]
 

@@ -7,7 +7,7 @@ The scripts in ``benchmarks/`` call the same functions.
 
 from __future__ import annotations
 
-from tiercache.bench.measure import Row
-from tiercache.bench.runner import SCHEMA_VERSION, SUITES, SuiteContext, run_bench, run_suite
+from tiercache.cli.bench.measure import Row
+from tiercache.cli.bench.runner import SCHEMA_VERSION, SUITES, SuiteContext, run_bench, run_suite
 
 __all__ = ["SCHEMA_VERSION", "SUITES", "Row", "SuiteContext", "run_bench", "run_suite"]

@@ -9,33 +9,42 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
-from tiercache.manager import L1_TIER, StorageManager
 from tiercache.spec import KVFormat
+from tiercache.store.manager import L1_TIER, StorageManager, TierHit
 
 if TYPE_CHECKING:
     import torch
 
     from tiercache.config import Config
     from tiercache.gpu.reference import KVCaches
-    from tiercache.l1 import L1Lease
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
+    from tiercache.store.l1 import L1Lease
 
 __all__ = ["CacheEngine", "LookupResult", "PreparedRetrieve", "RetrieveResult"]
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """A lookup's answer: cached prefix length in tokens and chunks, and the tier serving each chunk."""
+    """A lookup's answer: cached prefix length in tokens and chunks, and the tier serving each chunk.
+
+    It also keeps what the lookup computed (object keys and specs, where each key was found), so that a
+    retrieve of the same request (``prepare_retrieve(..., lookup=result)``) neither hashes the tokens again
+    nor asks the L2 tiers again."""
 
     tokens: int
     chunks: int
     tiers: tuple[str, ...]
+    num_tokens: int = 0
+    """Length of the prompt that was looked up."""
+    keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    specs: tuple[KVSpec, ...] = field(default=(), compare=False, repr=False)
+    hits: tuple[TierHit | None, ...] = field(default=(), compare=False, repr=False)
 
     def chunks_in(self, tier: str) -> int:
         """Chunks of the prefix served by ``tier`` (``"L1"`` or an L2 tier's name)."""
@@ -226,10 +235,9 @@ class CacheEngine:
                 fresh = [a or b for a, b in zip(fresh, stored, strict=True)]
         else:
             keys, specs = self._object_keys(spans)
-            objects = await self.manager.batched_allocate(keys, specs)
-            todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
-            if todo:
-                try:
+            async with self.manager.writing(keys, specs) as objects:
+                todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+                if todo:
                     dispatch.gather(
                         kv_caches,
                         self.layout,
@@ -237,11 +245,6 @@ class CacheEngine:
                         [(s.start, s.end) for s, _ in todo],
                         [o.tensor() for _, o in todo],
                     )
-                except BaseException:
-                    for _, obj in todo:
-                        self.manager.l1.abort_write(obj)
-                    raise
-                await self.manager.batched_put([o for _, o in todo])
             fresh = [o is not None for o in objects]
         return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
 
@@ -252,10 +255,9 @@ class CacheEngine:
         from tiercache.gpu import dispatch
 
         keys = [str(s.key.with_layer(layer)) for s in spans]
-        objects = await self.manager.batched_allocate(keys, [self._spec(s, layer) for s in spans])
-        todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
-        if todo:
-            try:
+        async with self.manager.writing(keys, [self._spec(s, layer) for s in spans]) as objects:
+            todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+            if todo:
                 dispatch.gather_layer(
                     layer,
                     kv_caches,
@@ -264,11 +266,6 @@ class CacheEngine:
                     [(s.start, s.end) for s, _ in todo],
                     [o.tensor() for _, o in todo],
                 )
-            except BaseException:
-                for _, obj in todo:
-                    self.manager.l1.abort_write(obj)
-                raise
-            await self.manager.batched_put([o for _, o in todo])
         return [o is not None for o in objects]
 
     async def store_layers(
@@ -310,12 +307,13 @@ class CacheEngine:
             keys = [prefix + h.hex() for h in hashes]
             specs = self._chunk_specs(len(keys), len(tokens))  # type: ignore[arg-type]
             group = 1
+        num_tokens = len(tokens)  # type: ignore[arg-type]
         if not keys:
-            return LookupResult(0, 0, ())
+            return LookupResult(0, 0, (), num_tokens)
         hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch, group=group)
         chunks, tiers = hit.chunks, hit.tiers
-        end = min(chunks * self.chunk_size, len(tokens))  # type: ignore[arg-type]
-        return LookupResult(end, chunks, tiers)
+        end = min(chunks * self.chunk_size, num_tokens)
+        return LookupResult(end, chunks, tiers, num_tokens, tuple(keys), tuple(specs), hit.hits)
 
     async def lookup(
         self,
@@ -336,25 +334,40 @@ class CacheEngine:
         skip_tokens: int = 0,
         identity: RequestIdentity | None = None,
         block_hashes: BlockHashes | None = None,
+        lookup: LookupResult | None = None,
     ) -> PreparedRetrieve:
         """Lease the cached prefix of ``tokens`` beyond what the engine holds, ready to be scattered.
 
         The engine holds the first ``max(skip_tokens, mask's False count)`` tokens: chunks wholly below
         that are not read, the chunk containing it is read whole and only its tail will be written. L2
         chunks are loaded into L1 first (contiguous prefix only). Always ``finish()`` the result.
+        ``lookup``: this engine's ``lookup_hit`` of the same tokens and identity: its keys and hits are
+        reused (no second hash of the tokens, no second L2 query).
         """
-        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
         num_tokens = len(tokens)  # type: ignore[arg-type]
+        layers = self.layout.num_layers if self.layerwise else 1
+        if lookup is not None and lookup.num_tokens != num_tokens:
+            raise ValueError(f"the lookup was of {lookup.num_tokens} tokens, this retrieve has {num_tokens}")
+        if lookup is not None:
+            keys, specs, hits = list(lookup.keys), list(lookup.specs), list(lookup.hits)
+        else:
+            spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
+            keys, specs = self._object_keys(spans)
+            hits = None
+        chunk = self.chunk_size
+        all_chunks = [(c * chunk, min((c + 1) * chunk, num_tokens)) for c in range(len(keys) // layers)]
         local = skip_tokens
         if mask is not None:
             false_count = self.token_db.mask_start(mask, num_tokens)
-            local = max(local, false_count if false_count < len(spans) * self.chunk_size else num_tokens)
-        wanted = [span for span in spans[local // self.chunk_size :] if span.end > local]
-        layers = self.layout.num_layers if self.layerwise else 1
+            local = max(local, false_count if false_count < len(all_chunks) * chunk else num_tokens)
+        first = local // chunk
+        wanted = [(start, end) for start, end in all_chunks[first:] if end > local]
         leases: list[L1Lease | None] = []
         if wanted:
-            keys, specs = self._object_keys(wanted)
-            leases = await self.manager.batched_get(keys, specs)
+            window = slice(first * layers, (first + len(wanted)) * layers)
+            leases = await self.manager.batched_get(
+                keys[window], specs[window], hits=None if hits is None else hits[window]
+            )
         chunks = contiguous_prefix(
             all(leases[c * layers + layer] is not None for layer in range(layers)) for c in range(len(wanted))
         )
@@ -363,7 +376,7 @@ class CacheEngine:
                 lease.release()
         used = [lease for lease in leases[: chunks * layers] if lease is not None]
         block = self.layout.block_size if self.layout.block_aligned else None
-        hit_end = wanted[chunks - 1].end if chunks else local
+        hit_end = wanted[chunks - 1][1] if chunks else local
         plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
         return PreparedRetrieve(self, num_tokens, local, wanted[:chunks], used, plan)
 
@@ -431,7 +444,7 @@ class PreparedRetrieve:
         engine: CacheEngine,
         num_tokens: int,
         local: int,
-        chunks: list[ChunkSpan],
+        chunks: list[tuple[int, int]],
         leases: list[L1Lease],
         plan: ReadPlan,
     ) -> None:
@@ -503,10 +516,10 @@ class PreparedRetrieve:
         for lease in self.leases:
             lease.release()
         ret_mask = torch.zeros(self.num_tokens, dtype=torch.bool)
-        good_end = self.chunks[valid - 1].end if valid else self.local
+        good_end = self.chunks[valid - 1][1] if valid else self.local
         if good_end > self.local:
             ret_mask[self.local : good_end] = True
-        tokens_read = sum(span.end - span.start for span in self.chunks[:valid])
+        tokens_read = sum(end - start for start, end in self.chunks[:valid])
         skip = self.plan.skip_prefix if valid else 0
         self._result = RetrieveResult(ret_mask, tokens_read, max(0, good_end - self.local), skip)
         return self._result

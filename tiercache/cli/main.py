@@ -259,7 +259,7 @@ def _refuse_destructive_url(url: str) -> None:
     """The kit writes to a live store: never let its URL ask for a reformat (``format=true``)."""
     from urllib.parse import parse_qsl, urlsplit
 
-    from tiercache.adapters._options import parse_bool
+    from tiercache.adapters.options import parse_bool
 
     for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         if name == "format":
@@ -298,14 +298,14 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 # ----- demo ------------------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tiercache.demo import run_demo
+    from tiercache.cli.demo import run_demo
 
     return run_demo(args.config, json_path=args.json, show_metrics=args.metrics)
 
 
 # ----- bench -----------------------------------------------------------------------------------------------
 def _sizes_arg(text: str) -> tuple[int, ...]:
-    from tiercache.adapters._options import parse_size
+    from tiercache.adapters.options import parse_size
 
     try:
         return tuple(parse_size(part) for part in text.split(",") if part.strip())
@@ -316,7 +316,7 @@ def _sizes_arg(text: str) -> tuple[int, ...]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
-    from tiercache.bench import SUITES, run_bench
+    from tiercache.cli.bench import SUITES, run_bench
 
     suites = args.suites or list(SUITES)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as workdir:
@@ -325,7 +325,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
             config, label = load_config(args.config), str(args.config)
         else:
-            from tiercache.demo import demo_config
+            from tiercache.cli.demo import demo_config
 
             config, label = demo_config(Path(workdir)), "embedded default (L1 + a POSIX tier in a temp dir)"
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None

@@ -1,14 +1,15 @@
 """``tiercache demo``: a prefill process stores prompts, a separate decode process restores and verifies them.
 
-The parent (the CLI) makes a work dir, spawns ``python -P -m tiercache.demo prefill`` and then ``... decode``
-as real OS processes (so only L2 is shared), reads the JSON each writes, prints a table per request and the
-totals, and fails if any restored KV differs from what the prefill computed. KV is a deterministic function
-of the token ids and positions (``expected_kv``), so both processes know it without sharing tensors.
+The parent (the CLI) makes a work dir, spawns ``python -P -m tiercache.cli.demo prefill`` and then
+``... decode`` as real OS processes (so only L2 is shared), reads the JSON each writes, prints a table per
+request and the totals, and fails if any restored KV differs from what the prefill computed. KV is a
+deterministic function of the token ids and positions (``expected_kv``), so both processes know it
+without sharing tensors.
 
 Run a step by hand (tests do, to corrupt the L2 between the steps)::
 
-    python -P -m tiercache.demo prefill --workdir DIR [--config FILE] --out prefill.json
-    python -P -m tiercache.demo decode  --workdir DIR [--config FILE] --out decode.json
+    python -P -m tiercache.cli.demo prefill --workdir DIR [--config FILE] --out prefill.json
+    python -P -m tiercache.cli.demo decode  --workdir DIR [--config FILE] --out decode.json
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
     import torch
 
     from tiercache.config import Config
-    from tiercache.engine import CacheEngine
     from tiercache.gpu.layouts import PagedLayout
+    from tiercache.store.engine import CacheEngine
 
 __all__ = ["DemoRequest", "demo_config", "demo_layout", "demo_requests", "expected_kv", "run_demo"]
 
@@ -204,7 +205,7 @@ def _progress(role: str, message: str) -> None:
 
 
 async def _open_engine(config: Config, layout: PagedLayout, metrics: Any) -> CacheEngine:
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
     return await CacheEngine.open(config, layout, model=MODEL, metrics=metrics)
 
@@ -320,8 +321,8 @@ async def decode(config: Config) -> dict[str, Any]:
 
 
 def _child_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one demo process (``python -P -m tiercache.demo prefill|decode ...``)."""
-    parser = argparse.ArgumentParser(prog="python -m tiercache.demo")
+    """Entry point of one demo process (``python -P -m tiercache.cli.demo prefill|decode ...``)."""
+    parser = argparse.ArgumentParser(prog="python -m tiercache.cli.demo")
     parser.add_argument("role", choices=["prefill", "decode"])
     parser.add_argument("--workdir", required=True, type=Path, help="work dir (the default L2 lives in it)")
     parser.add_argument("--config", help="config file to use instead of the embedded default")
@@ -370,7 +371,17 @@ def check_shared(config: Config) -> None:
 
 def _run_step(role: str, workdir: Path, config_path: str | None) -> dict[str, Any]:
     out = workdir / f"{role}.json"
-    cmd = [sys.executable, "-P", "-m", "tiercache.demo", role, "--workdir", str(workdir), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "tiercache.cli.demo",
+        role,
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
+    ]
     if config_path:
         cmd += ["--config", config_path]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)

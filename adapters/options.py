@@ -1,15 +1,47 @@
-"""Turn URL query strings and keyword options into typed adapter settings (sizes, booleans, integers)."""
+"""Adapter options: URL query strings and keyword options turned into one typed, frozen dataclass.
+
+Public for third-party adapters. Declare the options once, as a dataclass whose field types say how each
+is parsed, and call ``parse_options``::
+
+    @dataclass(frozen=True)
+    class MyOptions:
+        capacity: Size | None = None        # bytes or "64MiB"
+        pool_size: int = 8
+        socket_timeout: float = 5.0
+        tls: bool = False
+        mode: Literal["direct", "rename"] = "direct"
+        secret: str | None = field(default=None, metadata={"parse": my_parser})   # a parser of its own
+
+    opts = parse_options(MyOptions, "my-scheme", urlsplit(url).query, options)
+
+Unknown options, bad values and wrong types are ``ConfigError`` naming the adapter and the option.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import types
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from tiercache.errors import ConfigError
 
-__all__ = ["merge_options", "parse_bool", "parse_float", "parse_int", "parse_size", "parse_str"]
+__all__ = [
+    "Size",
+    "merge_options",
+    "option_parsers",
+    "parse_bool",
+    "parse_float",
+    "parse_int",
+    "parse_options",
+    "parse_size",
+    "parse_str",
+]
+
+T = TypeVar("T")
 
 _UNITS = {
     "": 1,
@@ -127,3 +159,68 @@ def merge_options(
         except ValueError as exc:
             raise ConfigError(f"{adapter}: option {name!r}: {exc}") from exc
     return out
+
+
+class _SizeMarker:
+    """Marks an ``int`` option given as bytes or a size string ("512MiB")."""
+
+
+Size = Annotated[int, _SizeMarker]
+"""An option in bytes that also accepts "512MiB", "8GiB" (``parse_size``)."""
+
+_BY_TYPE: dict[object, Callable[[object], Any]] = {
+    int: parse_int,
+    float: parse_float,
+    bool: parse_bool,
+    str: parse_str,
+}
+
+
+def _parser_of(annotation: object, where: str) -> Callable[[object], Any]:
+    """The parser for one field type: int, float, bool, str, ``Size``, ``Literal[...]``, ``X | None``."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        base, *extras = typing.get_args(annotation)
+        if _SizeMarker in extras:
+            return parse_size
+        return _parser_of(base, where)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _parser_of(members[0], where)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+
+        def parse_choice(value: object) -> object:
+            for choice in choices:
+                if value == choice or (isinstance(value, str) and str(choice) == value.strip().lower()):
+                    return choice
+            raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {value!r}")
+
+        return parse_choice
+    parser = _BY_TYPE.get(annotation)
+    if parser is None:
+        raise TypeError(
+            f"{where}: no parser for the option type {annotation!r}; give one in metadata['parse']"
+        )
+    return parser
+
+
+def option_parsers(cls: type[Any]) -> dict[str, Callable[[object], Any]]:
+    """Each field of the options dataclass ``cls`` and its parser (from the field's type, or the
+    ``metadata["parse"]`` callable where one is given)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out: dict[str, Callable[[object], Any]] = {}
+    for f in dataclasses.fields(cls):
+        custom = f.metadata.get("parse")
+        out[f.name] = custom if custom is not None else _parser_of(hints[f.name], f"{cls.__name__}.{f.name}")
+    return out
+
+
+def parse_options(cls: type[T], adapter: str, query: str, options: Mapping[str, object]) -> T:
+    """``query`` plus ``options`` (which win) parsed into the options dataclass ``cls``; fields not given
+    keep their defaults. Unknown or bad options: ``ConfigError`` naming ``adapter`` and the option."""
+    parsed = merge_options(adapter, query, options, option_parsers(cls))
+    return cls(**parsed)

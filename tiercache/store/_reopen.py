@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tiercache.adapters import Adapter, Buffer, Lease
+from tiercache.adapters import Adapter, Buffer
 from tiercache.errors import AdapterUnavailable, ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -116,9 +116,6 @@ class ReopeningAdapter(Adapter):
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         return await self._adapter().batched_delete(keys)
-
-    async def lookup_and_lock(self, keys: Sequence[str]) -> Lease:
-        return await self._adapter().lookup_and_lock(keys)
 
     async def aclose(self) -> None:
         self._closed = True

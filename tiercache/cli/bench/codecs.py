@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tiercache.bench.measure import Row, best, gbps, paired, percentiles, times
+from tiercache.cli.bench.measure import Row, best, gbps, paired, percentiles, times
 from tiercache.serde import CodecContext, build_pipeline
 from tiercache.spec import KVFormat, KVSpec
 
 if TYPE_CHECKING:
-    from tiercache.bench.runner import SuiteContext
+    from tiercache.cli.bench.runner import SuiteContext
     from tiercache.serde._codec import Codec
 
 __all__ = ["DEFAULT_CHAINS", "as_bytes", "chain_result", "codecs_suite", "kv_sample", "stage_vs_library"]

@@ -14,12 +14,12 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from tiercache.bench.measure import Row, atimes, gbps, percentiles
+from tiercache.cli.bench.measure import Row, atimes, gbps, percentiles
 from tiercache.errors import TiercacheError
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter
-    from tiercache.bench.runner import SuiteContext
+    from tiercache.cli.bench.runner import SuiteContext
 
 __all__ = ["RawClient", "raw_client", "tiers_suite"]
 

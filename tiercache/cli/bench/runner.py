@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiercache.bench.measure import Row, host_info
+from tiercache.cli.bench.measure import Row, host_info
 from tiercache.errors import TiercacheError
 
 if TYPE_CHECKING:
@@ -36,11 +36,20 @@ def _suites() -> dict[str, tuple[str, Callable[[], Suite]]]:
         return load
 
     return {
-        "keys": ("chunk-key hashing and prefix scans vs hashlib", lazy("tiercache.bench.keys", "keys_suite")),
-        "engine": ("engine store/retrieve vs memcpy, lookup", lazy("tiercache.bench.engine", "engine_suite")),
-        "tiers": ("each configured tier vs its raw client", lazy("tiercache.bench.tiers", "tiers_suite")),
-        "codecs": ("codec chains on a KV sample vs memcpy", lazy("tiercache.bench.codecs", "codecs_suite")),
-        "gpu": ("GPU gather/scatter vs D2H/H2D copies (CUDA)", lazy("tiercache.bench.gpu", "gpu_suite")),
+        "keys": (
+            "chunk-key hashing and prefix scans vs hashlib",
+            lazy("tiercache.cli.bench.keys", "keys_suite"),
+        ),
+        "engine": (
+            "engine store/retrieve vs memcpy, lookup",
+            lazy("tiercache.cli.bench.engine", "engine_suite"),
+        ),
+        "tiers": ("each configured tier vs its raw client", lazy("tiercache.cli.bench.tiers", "tiers_suite")),
+        "codecs": (
+            "codec chains on a KV sample vs memcpy",
+            lazy("tiercache.cli.bench.codecs", "codecs_suite"),
+        ),
+        "gpu": ("GPU gather/scatter vs D2H/H2D copies (CUDA)", lazy("tiercache.cli.bench.gpu", "gpu_suite")),
     }
 
 
@@ -141,7 +150,7 @@ def run_bench(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tiercache.bench.report import summary_table, write_json, write_png
+    from tiercache.cli.bench.report import summary_table, write_json, write_png
 
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
