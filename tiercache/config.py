@@ -182,7 +182,7 @@ class ManagerConfig:
     """Seconds an open circuit waits before letting one probe call through."""
     l2_read_floor_s: float = 2.0
     """Fixed part of an L2 read's deadline, seconds (a read of B bytes gets floor + B / bandwidth)."""
-    l2_read_mib_per_s: float = 256.0
+    l2_read_mib_per_s: float = 64.0
     """Expected L2 read bandwidth in MiB/s (2**20 bytes per second) that scales a read's deadline."""
     l2_read_parallel: int = 4
     """Chunk gets of one L2 read in flight at once (requested in prefix order, delivered as they land)."""
