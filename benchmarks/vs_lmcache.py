@@ -349,25 +349,48 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     res["retrieve_tiercache_vs_lmcache"] = res["tiercache"]["retrieve_GBps"] / res["lmcache"]["retrieve_GBps"]
     res["store_tiercache_vs_bare_copy"] = res["tiercache"]["store_GBps"] / res["bare_copy_GBps"]
     res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
-    # lookup of a long prompt given as a Python list (nothing stored: both hash every chunk)
-    long_prompt = [int(x) for x in rng.integers(0, 128_000, args.lookup_tokens)]
-    lk: dict[str, list[float]] = {"tiercache": [], "lmcache": []}
-    for r in range(args.rounds * 4):
-        order = ["tiercache", "lmcache"] if r % 2 == 0 else ["lmcache", "tiercache"]
-        for c in order:
-            t0 = time.perf_counter()
-            if c == "tiercache":
-                loop.run_until_complete(engine.lookup_hit(long_prompt, prefetch=False))
-            else:
-                lmc.lookup(tokens=long_prompt)
-            lk[c].append(time.perf_counter() - t0)
-    res["lookup"] = {
-        "tokens": args.lookup_tokens,
-        "tiercache_ms": statistics.median(lk["tiercache"]) * 1e3,
-        "lmcache_ms": statistics.median(lk["lmcache"]) * 1e3,
-    }
-    res["lookup"]["tiercache_vs_lmcache_speed"] = res["lookup"]["lmcache_ms"] / res["lookup"]["tiercache_ms"]
+    res["lookup"] = _lookup(args.lookup_tokens, args.rounds * 4, engine, lmc, loop, rng)
     return res
+
+
+def _lookup(num_tokens: int, rounds: int, engine: Any, lmc: Any, loop: Any, rng: Any) -> dict[str, Any]:
+    """Lookup of a long prompt, nothing stored (every chunk hashed, the first L1 probe misses), interleaved:
+    tiercache on the Python list vLLM hands over, tiercache on vLLM-style sha256 block hashes (what the
+    connector uses when vLLM's hashes are stable), and LMCache on the list."""
+    import hashlib
+
+    from tiercache.keys import BlockHashes
+
+    prompt = [int(x) for x in rng.integers(0, 128_000, num_tokens)]
+    token_bytes = memoryview(bytes(b"".join(t.to_bytes(4, "little") for t in prompt)))
+    hashes: list[bytes] = []
+    parent = b"\0" * 32
+    for o in range(0, num_tokens // BLOCK * BLOCK * 4, BLOCK * 4):  # vLLM chains each block on its parent
+        parent = hashlib.sha256(parent + token_bytes[o : o + BLOCK * 4]).digest()
+        hashes.append(parent)
+    block_hashes = BlockHashes(hashes, BLOCK)
+    runs = {
+        "tiercache": lambda: loop.run_until_complete(engine.lookup_hit(prompt, prefetch=False)),
+        "tiercache_block_hashes": lambda: loop.run_until_complete(
+            engine.lookup_hit(prompt, prefetch=False, block_hashes=block_hashes)
+        ),
+        "lmcache": lambda: lmc.lookup(tokens=prompt),
+    }
+    lk: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            t0 = time.perf_counter()
+            runs[name]()
+            lk[name].append(time.perf_counter() - t0)
+    ms = {name: statistics.median(v) * 1e3 for name, v in lk.items()}
+    return {
+        "tokens": num_tokens,
+        "tiercache_ms": ms["tiercache"],
+        "tiercache_block_hashes_ms": ms["tiercache_block_hashes"],
+        "lmcache_ms": ms["lmcache"],
+        "tiercache_vs_lmcache_speed": ms["lmcache"] / ms["tiercache"],
+        "tiercache_block_hashes_vs_lmcache_speed": ms["lmcache"] / ms["tiercache_block_hashes"],
+    }
 
 
 def main() -> None:

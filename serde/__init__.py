@@ -5,7 +5,7 @@ from __future__ import annotations
 from tiercache.errors import FrameError
 from tiercache.serde._codec import Codec, CodecContext, Stage
 from tiercache.serde.frame import FrameHeader, read_header
-from tiercache.serde.pipeline import CodecPipeline, build_pipeline
+from tiercache.serde.pipeline import CodecPipeline, build_pipeline, encrypting_codecs
 
 __all__ = [
     "Codec",
@@ -15,5 +15,6 @@ __all__ = [
     "FrameHeader",
     "Stage",
     "build_pipeline",
+    "encrypting_codecs",
     "read_header",
 ]

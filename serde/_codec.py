@@ -59,6 +59,8 @@ class Codec(ABC):
     lossless: ClassVar[bool]
     must_be_last: ClassVar[bool] = False
     """True for codecs that must end the chain (encryption: nothing may follow an AEAD)."""
+    encrypts: ClassVar[bool] = False
+    """True for codecs that encrypt (``tiercache check`` and the demo show such tiers as encrypted)."""
     config_options: ClassVar[tuple[str, ...]] = ()
     """Option names ``from_config`` accepts besides "id"."""
 

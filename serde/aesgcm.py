@@ -95,6 +95,7 @@ class AesGcmCodec(Codec):
     stage: ClassVar[Stage] = Stage.BYTES_TO_BYTES
     lossless: ClassVar[bool] = True
     must_be_last: ClassVar[bool] = True
+    encrypts: ClassVar[bool] = True
     config_options: ClassVar[tuple[str, ...]] = (
         "key_env",
         "key_file",

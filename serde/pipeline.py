@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from tiercache.spec import KVSpec
 
-__all__ = ["ChainEntry", "CodecPipeline", "build_pipeline"]
+__all__ = ["ChainEntry", "CodecPipeline", "build_pipeline", "encrypting_codecs"]
 
 ChainEntry = str | Mapping[str, object] | Codec
 """A codec id, a ``{"id": ..., **options}`` dict, or a ready codec instance."""
@@ -99,6 +99,14 @@ def build_pipeline(chain: Sequence[ChainEntry], *, validate_only: bool = False) 
                 r[0].validate_config(r[1])
         return None
     return CodecPipeline([r if isinstance(r, Codec) else r[0].from_config(r[1]) for r in resolved])
+
+
+def encrypting_codecs(chain: Sequence[ChainEntry]) -> list[str]:
+    """Ids of the codecs of ``chain`` that encrypt (empty: stored in the clear); reads no secret."""
+    ids = [
+        e.codec_id if isinstance(e, Codec) else e if isinstance(e, str) else str(e.get("id")) for e in chain
+    ]
+    return [cid for cid in ids if getattr(_codec_class(cid), "encrypts", False)]
 
 
 def _check_order(codecs: Sequence[Codec | type[Codec]]) -> None:

@@ -129,7 +129,12 @@ def _codec_name(codec: object) -> str:
 
 
 async def _check_all(config: Config, deadline_s: float) -> list[dict[str, Any]]:
-    return [await _check_tier(tier, deadline_s) for tier in config.tiers]
+    from tiercache.serde import encrypting_codecs
+
+    return [
+        {**await _check_tier(tier, deadline_s), "encrypted": "+".join(encrypting_codecs(tier.codecs)) or None}
+        for tier in config.tiers
+    ]
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -160,7 +165,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for r in results:
             status = "OK" if r["ok"] else f"FAIL  {r['error']}"
             chain = "+".join(r["codecs"])
-            print(f"  {r['tier']:<7} {r['url']:<44} [{chain}] {r['seconds'] * 1000:7.1f} ms  {status}")
+            sealed = f"encrypted ({r['encrypted']})" if r["encrypted"] else "not encrypted"
+            print(
+                f"  {r['tier']:<7} {r['url']:<44} [{chain}] {sealed}  {r['seconds'] * 1000:7.1f} ms  {status}"
+            )
             if r.get("io"):
                 print(f"          io: {r['io']}")
         if not config.tiers:
@@ -396,6 +404,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="adapter URL, e.g. file:///tmp/kit or redis://127.0.0.1:6379/0")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     p.set_defaults(func=_cmd_conformance)
+
+    from tiercache.server.cli import add_serve_command
+
+    add_serve_command(sub)
     return parser
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "Config",
     "L1Config",
     "ManagerConfig",
+    "ServerConfig",
     "TierConfig",
     "check_url_secrets",
     "config_from_dict",
@@ -167,6 +168,57 @@ class L1Config:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """``[server]``: the node's shared-L1 server (``tiercache serve``); the CLI's ``--socket`` wins."""
+
+    socket: str | None = None
+    """Unix socket path the server listens on."""
+    slot_bytes: int | None = None
+    """Bytes of one L1 slot (one KV chunk object); ``l1.capacity`` // slot stride slots. Needed to serve."""
+    mode: int = 0o600
+    """Socket file mode (``"0660"`` in files)."""
+    group: int | str | None = None
+    """Group (gid or name) owning the socket; its members may connect."""
+    allowed_uids: tuple[int, ...] = ()
+    """Peer uids allowed besides the group (empty: the server's own uid only)."""
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` on this port (0 = any free port); None = off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds."""
+
+
+def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
+    """Parse the ``[server]`` table."""
+    r = _Reader(data, "server", source)
+    slot_bytes = r.take("slot_bytes", (str, int), None)
+    mode = r.take("mode", (str, int), 0o600)
+    try:
+        mode = int(mode, 8) if isinstance(mode, str) else mode
+    except ValueError:
+        raise ConfigError(
+            f'{source}: server.mode must be an octal string like "0660", got {mode!r}'
+        ) from None
+    uids = r.take("allowed_uids", (list,), [])
+    if not all(type(u) is int and u >= 0 for u in uids):
+        raise ConfigError(f"{source}: server.allowed_uids must be a list of non-negative ints")
+    out = ServerConfig(
+        socket=r.take("socket", (str,), None),
+        slot_bytes=None if slot_bytes is None else _parse_size(slot_bytes, f"{source}: server.slot_bytes"),
+        mode=mode,
+        group=r.take("group", (int, str), None),
+        allowed_uids=tuple(uids),
+        metrics_port=r.take("metrics_port", (int,), None),
+        metrics_host=r.take("metrics_host", (str,), "127.0.0.1"),
+    )
+    r.finish()
+    if not 0 <= out.mode <= 0o777:
+        raise ConfigError(f"{source}: server.mode {oct(out.mode)} is not a file mode")
+    if out.metrics_port is not None and not 0 <= out.metrics_port < 65536:
+        raise ConfigError(f"{source}: server.metrics_port {out.metrics_port} is not a port")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class ManagerConfig:
     """Storage-manager policies for the L2 tiers (deadlines, queues, circuit breaker)."""
 
@@ -231,6 +283,8 @@ class Config:
     """Environment variable holding the tenant cache salt (isolates tenants' keys)."""
     source: str | None = None
     """File the config was read from (for messages)."""
+    server: ServerConfig = ServerConfig()
+    """The shared-L1 server (server mode)."""
 
     def tier(self, name: str) -> TierConfig:
         """The tier called ``name``."""
@@ -395,8 +449,9 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
 
     names: set[str] = set()
     tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))
+    server = _server_config(r.take("server", (dict,), {}), source)
     r.finish()
-    return Config(chunk_size, save_unfull, l1, tiers, manager, cache_salt_env, source)
+    return Config(chunk_size, save_unfull, l1, tiers, manager, cache_salt_env, source, server=server)
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -341,6 +341,14 @@ def _child_main(argv: Sequence[str] | None = None) -> int:
 
 
 # ----- the parent -------------------------------------------------------------------------------------------
+def _sealed(codecs: Sequence[Any]) -> str:
+    """ "encrypted (aesgcm)" or "not encrypted" for a tier's codec chain."""
+    from tiercache.serde import encrypting_codecs
+
+    found = encrypting_codecs(codecs)
+    return f"encrypted ({'+'.join(found)})" if found else "not encrypted"
+
+
 def check_shared(config: Config) -> None:
     """``TiercacheError`` unless some L2 tier is shared between processes (the demo's two need one)."""
     from tiercache.registry import get_registry
@@ -426,7 +434,7 @@ def run_demo(
     try:
         config = load_config(config_file) if config_file else demo_config(workdir)
         check_shared(config)
-        tiers = ", ".join(f"{t.name}={redact_url(t.url)}" for t in config.tiers)
+        tiers = ", ".join(f"{t.name}={redact_url(t.url)} ({_sealed(t.codecs)})" for t in config.tiers)
         source = config.source or "embedded default"
         print(f"tiercache demo: {source}: L1 + {tiers}; chunk_size={config.chunk_size}", file=sys.stderr)
         started = time.perf_counter()

@@ -27,7 +27,7 @@ from tiercache.metrics import Metrics
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter, Buffer
-    from tiercache.config import Config
+    from tiercache.config import Config, TierConfig
     from tiercache.l1 import KVObject, L1Cache, L1Lease
     from tiercache.serde import CodecPipeline
     from tiercache.spec import KVSpec
@@ -117,13 +117,24 @@ class StorageManager:
             )
             self.tiers.append(tier)
             self.metrics.store_queue_depth.labels(name).set_function(tier.queue.qsize)
+            self.metrics.tier_down.labels(name).set_function(partial(_is_down, adapter))
         self._prefetching: dict[str, asyncio.Future[bool]] = {}
         self._closed = False
 
     @classmethod
-    async def open(cls, config: Config, slot_bytes: int, *, metrics: Metrics | None = None) -> StorageManager:
-        """Build L1 and open every configured L2 tier (an unreachable tier is an error here, not a miss)."""
-        from tiercache._open import open_adapter
+    async def open(
+        cls,
+        config: Config,
+        slot_bytes: int,
+        *,
+        metrics: Metrics | None = None,
+        reopen_delay_s: float = 0.5,
+    ) -> StorageManager:
+        """Build L1 and open every configured L2 tier.
+
+        A tier whose backend is down (a transport error at open) is kept as a down tier: its calls are
+        misses until a background re-open (first after ``reopen_delay_s``, then with doubling backoff)
+        succeeds. Configuration errors still raise here."""
         from tiercache.l1 import L1Cache
         from tiercache.serde import build_pipeline
 
@@ -132,7 +143,7 @@ class StorageManager:
         try:
             for tier in config.tiers:
                 pipeline = build_pipeline(list(tier.codecs))
-                adapter = await open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
+                adapter = await _open_or_down(tier, reopen_delay_s)
                 opened.append((tier.name, adapter, pipeline))
         except BaseException:
             for _, adapter, _ in opened:
@@ -572,3 +583,24 @@ class StorageManager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _is_down(adapter: Adapter) -> float:
+    """1.0 while ``adapter`` stands for a tier not re-opened yet (the ``tier_down`` gauge)."""
+    return 0.0 if getattr(adapter, "up", True) else 1.0
+
+
+async def _open_or_down(tier: TierConfig, reopen_delay_s: float) -> Adapter:
+    """Open one tier; a backend that is down now gives a ``ReopeningAdapter`` that keeps trying."""
+    from tiercache._open import open_adapter
+    from tiercache._reopen import ReopeningAdapter, is_down
+
+    def opener() -> Awaitable[Adapter]:
+        return open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
+
+    try:
+        return await opener()
+    except Exception as exc:
+        if not is_down(exc):
+            raise
+        return ReopeningAdapter(tier.name, opener, exc, first_delay_s=reopen_delay_s)

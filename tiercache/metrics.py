@@ -47,6 +47,12 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        self.tier_down = Gauge(
+            "tiercache_tier_down",
+            "1 while a tier that was down at start is not re-opened yet (its calls are misses)",
+            ["tier"],
+            registry=r,
+        )
         self.circuit_open = Gauge(
             "tiercache_circuit_open", "1 while a tier's circuit is open", ["tier"], registry=r
         )

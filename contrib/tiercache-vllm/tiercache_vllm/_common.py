@@ -380,9 +380,6 @@ def identity(
     )
 
 
-UNAVAILABLE_TIERS: set[str] = set()
-"""Names of tiers this process dropped because they could not be opened at start."""
-
 _registry_lock = threading.Lock()
 _ENGINES: dict[EngineIdentity, CacheEngine] = {}
 
@@ -441,20 +438,7 @@ def open_engine(
             key_source=ident.key_source,
         )
 
-    try:
-        engine = _loop.call(opener(config), timeout_s)
-    except Exception as exc:
-        reachable = _loop.call(_reachable_tiers(config), timeout_s)
-        if len(reachable) == len(config.tiers):
-            raise
-        dropped = [t.name for t in config.tiers if t not in reachable]
-        logger.warning(
-            "tiercache: tiers %s unreachable at start (%s); running without them (their hits are misses)",
-            dropped,
-            exc,
-        )
-        UNAVAILABLE_TIERS.update(dropped)
-        engine = _loop.call(opener(dataclasses.replace(config, tiers=tuple(reachable))), timeout_s)
+    engine = _loop.call(opener(config), timeout_s)  # a tier down at start is re-opened by the manager
     if register:
         with _registry_lock:
             _ENGINES[ident] = engine
@@ -474,18 +458,3 @@ def engine_for_rank(base: CacheEngine, rank: int | str) -> CacheEngine:
         save_unfull_chunk=base.token_db.save_unfull_chunk,
         layerwise=base.layerwise,
     )
-
-
-async def _reachable_tiers(config: Config) -> list[Any]:
-    """The configured tiers that open now (each is opened and closed again)."""
-    from tiercache._open import open_adapter
-
-    ok = []
-    for tier in config.tiers:
-        try:
-            adapter = await open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
-        except Exception:
-            continue
-        await adapter.aclose()
-        ok.append(tier)
-    return ok

@@ -58,16 +58,17 @@ _METRICS = (
     "tiercache_tier_errors_total",
     "tiercache_frames_rejected_total",
     "tiercache_stores_total",
+    "tiercache_stores_dropped_total",
     "tiercache_prefetched_total",
+    "tiercache_tier_down",
 )
 
 
 def snapshot() -> dict[str, Any]:
     """Counters of every live connector in this process (tests, benchmarks): per side, plus the worker
     engine's tiercache metrics summed over labels (``{metric: {label: value}}``)."""
-    from tiercache_vllm._common import UNAVAILABLE_TIERS
-
-    out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": sorted(UNAVAILABLE_TIERS)}
+    out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": []}
+    down: set[str] = set()
     for conn in list(_LIVE):
         if conn._scheduler is not None:
             side = conn._scheduler
@@ -77,6 +78,7 @@ def snapshot() -> dict[str, Any]:
             entry: dict[str, Any] = dataclasses.asdict(worker.stats)
             engine = worker.engine
             if engine is not None:
+                down.update(t.name for t in engine.manager.tiers if not getattr(t.adapter, "up", True))
                 metrics: dict[str, dict[str, float]] = {}
                 for family in engine.manager.metrics.registry.collect():
                     for sample in family.samples:
@@ -85,6 +87,7 @@ def snapshot() -> dict[str, Any]:
                             metrics.setdefault(sample.name, {})[label] = sample.value
                 entry["metrics"] = metrics
             out["worker"].append(entry)
+    out["unavailable_tiers"] = sorted(down)  # tiers down since start, not re-opened yet
     return out
 
 

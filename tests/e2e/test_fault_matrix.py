@@ -1,0 +1,43 @@
+"""The short fault matrix on the real vLLM path (``make faults`` runs every backend x fault): Redis down
+when vLLM starts, killed mid-run, objects corrupted -- 0 failed requests, greedy tokens identical to the cold
+run, the fault in the metrics, the tier used again after recovery."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+import sys
+from types import ModuleType
+
+import pytest
+
+MATRIX = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fault_matrix", MATRIX)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    matrix = _load()
+    faults = ["down_at_start", "kill", "corrupt"]
+    (result,) = matrix.run_matrix(["redis"], faults, tiny_model, timeout_s=600)
+    cells = {c["fault"]: c for c in result["cells"]}
+    assert sorted(cells) == sorted(faults)
+    for fault, cell in cells.items():
+        assert cell["outcome"] == "pass", (fault, cell)
+        assert cell["failed_requests"] == 0
+        assert cell["loaded_after_recovery"] >= 1  # the tier served loads again after recovery
+    assert cells["down_at_start"]["tier_down_gauge"] == 1.0
+    assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1
+    assert cells["corrupt"]["fault_metrics"]["tiercache_frames_rejected_total"] >= 1
+    assert cells["kill"]["faulted_s"] <= cells["kill"]["bound_s"]

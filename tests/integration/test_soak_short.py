@@ -1,0 +1,49 @@
+"""A 20-second run of benchmarks/soak.py (faults every 3 s): nothing wrong served, no lease or fd left."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import statistics
+import sys
+from types import ModuleType
+
+import pytest
+
+SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+pytestmark = pytest.mark.asyncio
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(
+    redis_binary: str, tmp_path: pathlib.Path
+) -> None:
+    soak = _load()
+    cfg = soak.SoakConfig(duration_s=20.0, warmup_frac=0.25, sample_every_s=0.5, fault_every_s=3.0,
+                          fault_len_s=1.0, prompts=24)  # fmt: skip
+    result = await soak.run_soak(cfg, tmp_path)
+    end = result["end"]
+    assert result["verdict"]["wrong_tokens"] == 0
+    assert end["leases"] == 0
+    assert end["queue_depth"] == 0
+    # every fault kind ran and the Redis faults show in the metrics
+    assert min(result["faults"].values()) >= 1
+    assert end["tier_errors"] >= 1
+    # restored from Redis and from the POSIX tier despite the faults
+    assert end["loaded_redis"] >= 1
+    assert end["loaded_disk"] >= 1
+    # file descriptors do not grow: the last quarter's median is not above the first quarter's (after warm-up)
+    after = [s["fds"] for s in result["samples"] if s["t_s"] >= cfg.warmup_frac * cfg.duration_s]
+    quarter = max(1, len(after) // 4)
+    assert statistics.median(after[-quarter:]) <= statistics.median(after[:quarter])
+    assert end["fds"] <= max(after[:quarter])

@@ -1,0 +1,170 @@
+"""The L1 contract the engine relies on, run against the in-process ``L1Cache`` and the shared L1 of a real
+``tiercache.server`` process (``SharedL1``): the same scenarios, the same expected outcomes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tiercache.l1 import L1Cache, ObjectState
+from tiercache.server.client import SharedL1
+from tiercache.spec import KVSpec
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens=4)  # 256 bytes
+SLOT = SPEC.nbytes
+
+Factory = Callable[[int], Any]
+
+
+def pattern(key: str, n: int) -> bytes:
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (n // len(seed) + 1))[:n]
+
+
+@pytest.fixture(params=["in_process", "shared"])
+def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
+    procs: list[subprocess.Popen[str]] = []
+    tmp = tempfile.mkdtemp(prefix="tc-l1c-")
+
+    def in_process(slots: int) -> L1Cache:
+        return L1Cache(slots * SLOT, SLOT, pinned=False)
+
+    def shared(slots: int) -> SharedL1:
+        path = os.path.join(tmp, f"{len(procs)}.sock")
+        cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(SLOT)]
+        proc = subprocess.Popen([*cmd, "--slots", str(slots)], stdout=subprocess.PIPE, text=True, cwd=tmp)
+        procs.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("tiercache server listening")
+        return SharedL1(path)
+
+    yield in_process if request.param == "in_process" else shared
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=60)
+    os.rmdir(tmp)
+
+
+def put(c: Any, key: str) -> Any:
+    obj = c.reserve_write(key, SPEC)
+    assert obj is not None, key
+    obj.buffer()[:] = pattern(key, SLOT)
+    c.finish_write(obj)
+    return obj
+
+
+def read(c: Any, key: str) -> bytes | None:
+    lease = c.acquire(key)
+    if lease is None:
+        return None
+    with lease:
+        data = bytes(lease.obj.buffer())
+        assert lease.valid()
+    return data
+
+
+def test_writing_is_invisible_until_finish(make: Factory) -> None:
+    c = make(4)
+    obj = c.reserve_write("a", SPEC)
+    assert obj is not None
+    assert (obj.state, obj.key, obj.spec) == (ObjectState.WRITING, "a", SPEC)
+    assert not c.contains("a")
+    assert c.batched_contains(["a"]) == [False]
+    assert c.acquire("a") is None
+    assert (c.stats().writing, c.stats().ready) == (1, 0)
+    obj.buffer()[:] = pattern("a", SLOT)
+    c.finish_write(obj)
+    assert obj.state is ObjectState.READY
+    assert c.contains("a")
+    assert read(c, "a") == pattern("a", SLOT)
+    with pytest.raises(ValueError, match="WRITING"):
+        c.finish_write(obj)
+    with pytest.raises(ValueError, match="WRITING"):
+        c.abort_write(obj)
+
+
+def test_first_writer_wins_and_abort_frees(make: Factory) -> None:
+    c = make(1)
+    first = c.reserve_write("a", SPEC)
+    assert first is not None
+    assert c.reserve_write("a", SPEC) is None
+    c.abort_write(first)
+    assert not c.contains("a")
+    second = c.reserve_write("b", SPEC)  # the only slot is free again
+    assert second is not None
+    second.buffer()[:] = pattern("b", SLOT)
+    c.finish_write(second)
+    assert c.reserve_write("b", SPEC.with_tokens(2)) is None
+    assert read(c, "b") == pattern("b", SLOT)
+    assert c.stats().alloc_failures == 0
+
+
+def test_lru_evicts_oldest_and_keeps_recently_acquired(make: Factory) -> None:
+    c = make(3)
+    for k in "abc":
+        put(c, k)
+    lease = c.acquire("a")  # a becomes most recently used
+    assert lease is not None
+    lease.release()
+    assert c.contains("b")  # a presence check does not reorder
+    put(c, "d")  # evicts b
+    assert c.batched_contains(["a", "b", "c", "d"]) == [True, False, True, True]
+    put(c, "e")  # evicts c
+    put(c, "f")  # evicts a
+    assert c.batched_contains(["a", "b", "c", "d", "e", "f"]) == [False, False, False, True, True, True]
+    assert (c.stats().evictions, c.stats().alloc_failures) == (3, 0)
+    for k in "def":
+        assert read(c, k) == pattern(k, SLOT)
+
+
+def test_writing_and_leased_objects_are_never_evicted(make: Factory) -> None:
+    c = make(3)
+    w = c.reserve_write("w", SPEC)
+    assert w is not None
+    put(c, "a")
+    put(c, "b")
+    la = c.acquire("a")
+    lb = c.acquire("b")
+    assert la is not None
+    assert lb is not None
+    assert c.reserve_write("c", SPEC) is None
+    assert c.stats().alloc_failures == 1
+    assert c.stats().leased == 2
+    lb.release()
+    put(c, "c")  # b, released, is the only victim
+    assert c.batched_contains(["a", "b", "c"]) == [True, False, True]
+    assert la.valid()
+    assert read(c, "a") == pattern("a", SLOT)
+    la.release()
+    assert not la.valid()
+    la.release()  # idempotent
+    c.abort_write(w)
+    assert c.stats().writing == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_tensor_view_is_bit_exact(make: Factory, dtype: str) -> None:
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=dtype, tokens=2)
+    c = make(2)
+    obj = c.reserve_write("t", spec)
+    assert obj is not None
+    src = torch.randn(spec.shape, generator=torch.Generator().manual_seed(3)).to(getattr(torch, dtype))
+    obj.tensor().copy_(src)
+    c.finish_write(obj)
+    lease = c.acquire("t")
+    assert lease is not None
+    got = lease.obj.tensor()
+    assert got.shape == src.shape
+    assert got.dtype == src.dtype
+    assert torch.equal(got, src)
+    assert bytes(lease.obj.buffer()) == src.reshape(-1).view(torch.uint8).numpy().tobytes()
+    lease.release()

@@ -1,0 +1,63 @@
+"""Run one :class:`L1Server` until SIGTERM/SIGINT: ``python -m tiercache.server`` and ``tiercache serve``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from tiercache.server.segment import SlotClass
+from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOptions
+
+__all__ = ["main", "run_server"]
+
+
+async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
+    server = L1Server(options)
+    await server.start()
+    if metrics is not None:
+        from tiercache.server.metrics import serve_metrics
+
+        port = serve_metrics(server, *metrics)
+        print(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+    print(f"tiercache server listening on {options.socket_path} epoch {server.epoch}", flush=True)
+    try:
+        await server.serve_forever()
+    finally:
+        await server.stop()
+
+
+def run_server(options: ServerOptions, *, metrics: tuple[str, int] | None = None) -> int:
+    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``); 0 on a clean stop, 2 when
+    another server holds the socket path. Prints the metrics line first, then the ready line."""
+    try:
+        asyncio.run(_run(options, metrics))
+    except ServerAlreadyRunning as exc:
+        print(f"tiercache serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the flags of the standalone entry point (the slot layout given directly) and serve."""
+    ap = argparse.ArgumentParser(prog="python -m tiercache.server", description=__doc__)
+    ap.add_argument("--socket", required=True, help="Unix socket path")
+    ap.add_argument("--slot-bytes", type=int, required=True, help="bytes of one slot")
+    ap.add_argument("--slots", type=int, required=True, help="number of slots")
+    ap.add_argument("--mode", type=lambda s: int(s, 8), default=0o600, help="socket file mode (octal)")
+    ap.add_argument("--group", type=int, default=None, help="gid owning the socket; its members are allowed")
+    ap.add_argument("--allow-uid", type=int, action="append", default=[], help="allowed peer uid (repeat)")
+    args = ap.parse_args(argv)
+    options = ServerOptions(
+        socket_path=args.socket,
+        slot_classes=[SlotClass(args.slot_bytes, args.slots)],
+        mode=args.mode,
+        group=args.group,
+        allowed_uids=frozenset(args.allow_uid),
+    )
+    return run_server(options)

@@ -1,0 +1,161 @@
+"""Wire format: one msgpack array per SOCK_SEQPACKET message, ``[version, epoch, op, req_id, body]``.
+
+:func:`decode` validates everything (types, sizes, per-op body fields) and raises :class:`ProtocolError` on
+any malformed message; the server then drops the connection. It never raises anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "MAX_KEYS",
+    "MAX_MESSAGE",
+    "PROTOCOL_VERSION",
+    "Message",
+    "Op",
+    "ProtocolError",
+    "decode",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit the default socket buffer)
+MAX_KEYS = 1024  # keys/slots/leases in one request
+MAX_KEY_LEN = 512
+MAX_META_LEN = 256  # a KV spec takes ~30 bytes
+
+
+class ProtocolError(ValueError):
+    """A malformed or unexpected message; the connection that sent it is dropped."""
+
+
+class Op(enum.IntEnum):
+    """Requests (client -> server) and the two reply kinds."""
+
+    HELLO = 1
+    LOOKUP = 2
+    ALLOC = 3
+    COMMIT = 4
+    ABORT = 5
+    RELEASE = 6
+    END = 7
+    STATS = 8
+    OK = 64
+    ERR = 65
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A decoded, validated message."""
+
+    epoch: int
+    op: Op
+    req_id: int
+    body: dict[str, Any]
+
+
+def encode(op: Op, epoch: int, req_id: int, body: dict[str, Any]) -> bytes:
+    """One message; ProtocolError if it would exceed MAX_MESSAGE."""
+    data: bytes = msgpack.packb([PROTOCOL_VERSION, epoch, int(op), req_id, body], use_bin_type=True)
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    return data
+
+
+def _u64(v: object, what: str) -> int:
+    if type(v) is not int or not 0 <= v < 2**63:
+        raise ProtocolError(f"{what} must be a non-negative int, got {v!r:.60}")
+    return v
+
+
+def _list(v: object, what: str, max_len: int = MAX_KEYS) -> list[Any]:
+    if type(v) is not list or len(v) > max_len:
+        raise ProtocolError(f"{what} must be a list of at most {max_len} items")
+    return v
+
+
+def _keys(v: object) -> list[str]:
+    keys = _list(v, "keys")
+    for k in keys:
+        if type(k) is not str or not 0 < len(k) <= MAX_KEY_LEN:
+            raise ProtocolError(f"a key must be a non-empty str of at most {MAX_KEY_LEN} chars")
+    return keys
+
+
+def _bool(v: object, what: str) -> bool:
+    if type(v) is not bool:
+        raise ProtocolError(f"{what} must be a bool")
+    return v
+
+
+def _slot_refs(v: object) -> list[tuple[int, int]]:
+    out = []
+    for ref in _list(v, "slots"):
+        if type(ref) is not list or len(ref) != 2:
+            raise ProtocolError("a slot reference is [slot, generation]")
+        out.append((_u64(ref[0], "slot"), _u64(ref[1], "generation")))
+    return out
+
+
+def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
+    """The normalised body of a request; ProtocolError on a missing/extra/ill-typed field."""
+    if op is Op.HELLO:
+        role = body.get("role")
+        if type(role) is not str or len(role) > 32:
+            raise ProtocolError("HELLO needs role: str")
+        return {"role": role}
+    if op is Op.LOOKUP:
+        return {
+            "keys": _keys(body.get("keys")),
+            "pin": _bool(body.get("pin"), "pin"),
+            "prefix": _bool(body.get("prefix"), "prefix"),
+        }
+    if op is Op.ALLOC:
+        keys = _keys(body.get("keys"))
+        nbytes = [_u64(n, "nbytes") for n in _list(body.get("nbytes"), "nbytes")]
+        metas = _list(body.get("meta"), "meta")
+        if not len(keys) == len(nbytes) == len(metas):
+            raise ProtocolError("ALLOC keys, nbytes and meta differ in length")
+        for m in metas:
+            if type(m) is not bytes or len(m) > MAX_META_LEN:
+                raise ProtocolError(f"meta must be bytes of at most {MAX_META_LEN}")
+        return {"keys": keys, "nbytes": nbytes, "meta": metas}
+    if op in (Op.COMMIT, Op.ABORT):
+        return {"slots": _slot_refs(body.get("slots"))}
+    if op is Op.RELEASE:
+        return {"leases": [_u64(x, "lease") for x in _list(body.get("leases"), "leases")]}
+    if op in (Op.END, Op.STATS):
+        return {}
+    raise ProtocolError(f"{op.name} is not a request")
+
+
+def decode(data: bytes, *, request: bool = True) -> Message:
+    """Parse and validate one message; ``request`` selects request (server side) or reply (client side)."""
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        obj = msgpack.unpackb(data, use_list=True, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, StackError, ...)
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
+    if type(obj) is not list or len(obj) != 5:
+        raise ProtocolError("a message is [version, epoch, op, req_id, body]")
+    version, epoch, op_raw, req_id, body = obj
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolError(f"protocol version {version!r:.20} is not {PROTOCOL_VERSION}")
+    epoch = _u64(epoch, "epoch")
+    req_id = _u64(req_id, "req_id")
+    if type(op_raw) is not int or op_raw not in Op._value2member_map_:
+        raise ProtocolError(f"unknown op {op_raw!r:.20}")
+    op = Op(op_raw)
+    if type(body) is not dict or not all(type(k) is str for k in body):
+        raise ProtocolError("body must be a map with str keys")
+    if request:
+        return Message(epoch, op, req_id, _validate_request(op, body))
+    if op not in (Op.OK, Op.ERR):
+        raise ProtocolError(f"{op.name} is not a reply")
+    return Message(epoch, op, req_id, body)
