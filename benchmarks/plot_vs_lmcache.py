@@ -20,6 +20,7 @@ OPS = ("gather", "scatter", "to_pinned", "from_pinned")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--cpu-json", default="", help="CPU result file (default: RESULTS/vs_lmcache_cpu.json)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import matplotlib
@@ -29,7 +30,7 @@ def main() -> None:
 
     res = Path(args.results)
     gpu = json.loads((res / "vs_lmcache_gpu_h200.json").read_text())
-    cpu = json.loads((res / "vs_lmcache_cpu.json").read_text())
+    cpu = json.loads((Path(args.cpu_json) if args.cpu_json else res / "vs_lmcache_cpu.json").read_text())
     fig, (ax_g, ax_c) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
     labels, tc, lm = [], [], []
     for size, row in gpu["sizes"].items():
