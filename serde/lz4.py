@@ -12,11 +12,13 @@ Needs the ``lz4`` package (``pip install 'tiercache[codecs]'``), imported when t
 
 from __future__ import annotations
 
+import ctypes
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import lz4.block
+import numpy as np
 
 from tiercache.errors import ConfigError
 from tiercache.serde._codec import Codec, CodecContext, Stage
@@ -27,11 +29,47 @@ if TYPE_CHECKING:
 
     from tiercache.spec import KVSpec
 
-__all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "Lz4Codec", "worth_compressing"]
+__all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "Lz4Codec", "decompress_into", "worth_compressing"]
 
 _LEN = struct.Struct("<Q")
 _MAX_INPUT = 0x7E000000  # LZ4_MAX_INPUT_SIZE: larger inputs are stored
 _MODES = ("default", "fast", "high_compression")
+
+
+def _bind_decompress_safe() -> Callable[[int, int, int, int], int] | None:
+    """``LZ4_decompress_safe(src, dst, src_size, dst_capacity)`` of the liblz4 that python-lz4 bundles (it
+    exports the symbol), called through ctypes without the GIL; None when it cannot be bound."""
+    try:
+        fn = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_DECOMPRESS_SAFE = _bind_decompress_safe()
+
+
+def _address(buf: memoryview) -> int:
+    """Address of a C-contiguous buffer (read-only ones included)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def decompress_into(block: memoryview, dst: memoryview, n: int) -> None:
+    """Decode one LZ4 ``block`` of ``n`` decoded bytes straight into ``dst[:n]`` (no intermediate bytes
+    object; the library's own call where the C function is not bound). ``ValueError`` on a malformed block."""
+    if _DECOMPRESS_SAFE is None or dst.readonly or not block.c_contiguous or not dst.c_contiguous:
+        out = lz4.block.decompress(block, uncompressed_size=n)
+        if len(out) != n:
+            raise ValueError(f"lz4 block decoded to {len(out)} bytes, expected {n}")
+        dst[:n] = out
+        return
+    if n == 0 or len(block) == 0 or len(block) > 0x7FFFFFFF:
+        raise ValueError("malformed lz4 block")
+    got = _DECOMPRESS_SAFE(_address(block), _address(dst[:n]), len(block), n)
+    if got != n:
+        raise ValueError(f"malformed lz4 block (decoded {got} bytes, expected {n})")
 
 
 class Lz4Codec(Codec):
@@ -98,8 +136,5 @@ class Lz4Codec(Codec):
         n = int(_LEN.unpack_from(src, 1)[0])
         if n > len(dst) or n > _MAX_INPUT:
             raise ValueError(f"lz4 payload of {n} bytes overruns a {len(dst)}-byte destination")
-        out = lz4.block.decompress(src[1 + _LEN.size :], uncompressed_size=n)
-        if len(out) != n:
-            raise ValueError(f"lz4 block decoded to {len(out)} bytes, expected {n}")
-        dst[:n] = out
+        decompress_into(src[1 + _LEN.size :], dst, n)
         return n

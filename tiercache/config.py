@@ -232,6 +232,16 @@ class ManagerConfig:
     """Consecutive failures of a tier that open its circuit (the tier is skipped)."""
     circuit_cooldown_s: float = 10.0
     """Seconds an open circuit waits before letting one probe call through."""
+    l2_read_floor_s: float = 2.0
+    """Fixed part of an L2 read's deadline, seconds (a read of B bytes gets floor + B / bandwidth)."""
+    l2_read_mib_per_s: float = 64.0
+    """Expected L2 read bandwidth in MiB/s (2**20 bytes per second) that scales a read's deadline."""
+    l2_read_parallel: int = 4
+    """Chunk gets of one L2 read in flight at once (requested in prefix order, delivered as they land)."""
+
+    def l2_read_deadline_s(self, nbytes: int) -> float:
+        """Deadline of an L2 read of ``nbytes`` bytes: ``l2_read_floor_s + nbytes / l2_read_mib_per_s``."""
+        return self.l2_read_floor_s + nbytes / (self.l2_read_mib_per_s * 2**20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,10 +435,17 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         store_queue_size=mr.take("store_queue_size", (int,), defaults.store_queue_size),
         circuit_failures=mr.take("circuit_failures", (int,), defaults.circuit_failures),
         circuit_cooldown_s=float(mr.take("circuit_cooldown_s", (int, float), defaults.circuit_cooldown_s)),
+        l2_read_floor_s=float(mr.take("l2_read_floor_s", (int, float), defaults.l2_read_floor_s)),
+        l2_read_mib_per_s=float(mr.take("l2_read_mib_per_s", (int, float), defaults.l2_read_mib_per_s)),
+        l2_read_parallel=mr.take("l2_read_parallel", (int,), defaults.l2_read_parallel),
     )
     mr.finish()
     if min(manager.l2_deadline_s, manager.lookup_deadline_s, manager.circuit_cooldown_s) <= 0:
         raise ConfigError(f"{source}: manager deadlines and cool-down must be positive")
+    if min(manager.l2_read_floor_s, manager.l2_read_mib_per_s) <= 0 or manager.l2_read_parallel < 1:
+        raise ConfigError(
+            f"{source}: manager.l2_read_floor_s and l2_read_mib_per_s must be positive, l2_read_parallel >= 1"
+        )
 
     names: set[str] = set()
     tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))

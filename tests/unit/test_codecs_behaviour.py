@@ -8,15 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lz4.block
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+import tiercache.serde.lz4 as lz4_codec_module
 from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.aesgcm import OVERHEAD, AesGcmCodec, key_id
 from tiercache.serde.fp8 import Fp8Codec
 from tiercache.serde.frame import pack_static_header, payload_checksum, seal_header_into
-from tiercache.serde.lz4 import Lz4Codec
+from tiercache.serde.lz4 import Lz4Codec, decompress_into
 from tiercache.serde.shuffle import ShuffleCodec
 from tiercache.serde.zstd import ZstdCodec
 from tiercache.spec import KVFormat, KVSpec
@@ -149,6 +153,27 @@ def test_compressors_store_incompressible_data(codec: Lz4Codec | ZstdCodec) -> N
         back = bytearray(len(data))
         assert codec.decode_into(memoryview(out)[:n], memoryview(back), spec, ctx) == len(data)
         assert back == data
+
+
+@given(st.binary(min_size=1, max_size=4096), st.integers(1, 64), st.integers(0, 7))
+def test_lz4_decodes_in_place_like_the_library(data: bytes, repeat: int, tail: int) -> None:
+    """The bound C decoder writes the library's bytes into the caller's buffer (a slice of a larger one:
+    nothing past the decoded length is touched) and rejects truncated or corrupted blocks."""
+    plain = data * repeat
+    block = lz4.block.compress(plain, store_size=False)
+    target = bytearray(b"\xaa" * (len(plain) + tail))
+    decompress_into(memoryview(block), memoryview(target), len(plain))
+    assert bytes(target[: len(plain)]) == lz4.block.decompress(block, uncompressed_size=len(plain))
+    assert target[len(plain) :] == b"\xaa" * tail
+    with pytest.raises(ValueError, match="lz4"):
+        decompress_into(memoryview(block)[:-1], memoryview(target), len(plain))
+    with pytest.raises(ValueError, match="lz4"):  # claims more bytes than the block holds
+        decompress_into(memoryview(block), memoryview(bytearray(len(plain) + 1)), len(plain) + 1)
+
+
+def test_lz4_decoder_is_bound() -> None:
+    """python-lz4 exports ``LZ4_decompress_safe``: decoding goes straight into the caller's buffer."""
+    assert lz4_codec_module._DECOMPRESS_SAFE is not None
 
 
 def test_zstd_dictionary_is_bound_to_the_frame(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,6 +97,8 @@ def test_unknown_keys_are_named_with_the_file(tmp_path: Path, text: str, named: 
         ('[[tiers]]\nname = "a"\nurl = "file:///x"\ncodecs = [3]', "each codec is an id"),
         ('[[tiers]]\nname = "a"\nurl = "file://${TC_UNSET_VAR}/x"', "'TC_UNSET_VAR' is not set"),
         ("this is = not toml", "invalid TOML"),
+        ("[manager]\nl2_read_mib_per_s = 0", "l2_read_mib_per_s must be positive"),
+        ("[manager]\nl2_read_parallel = 0", "l2_read_parallel >= 1"),
     ],
 )
 def test_bad_values_are_clear_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -203,3 +205,13 @@ def test_secret_in_an_expanded_variable_is_refused(tmp_path: Path, monkeypatch: 
         with pytest.raises(ConfigError, match="password_env") as info:
             load_config(write(tmp_path, f'[[tiers]]\nname = "a"\nurl = "{url}"'))
         assert PLANTED not in str(info.value)
+
+
+def test_l2_read_deadline_scales_with_bytes(tmp_path: Path) -> None:
+    """floor + bytes / (l2_read_mib_per_s MiB/s): a 512 MiB read at 256 MiB/s gets 2 s more."""
+    cfg = load_config(
+        write(tmp_path, "[manager]\nl2_read_floor_s = 1.5\nl2_read_mib_per_s = 256\nl2_read_parallel = 8")
+    )
+    assert cfg.manager.l2_read_parallel == 8
+    assert cfg.manager.l2_read_deadline_s(0) == 1.5
+    assert cfg.manager.l2_read_deadline_s(512 * 2**20) == pytest.approx(3.5)

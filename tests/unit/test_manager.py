@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -435,7 +435,7 @@ async def test_batched_get_reuses_the_lookup_hits_without_asking_l2_again() -> N
             await manager.batched_get(keys, [SPEC] * 3, hits=hit.hits[:2])
 
 
-async def test_a_batch_of_frames_is_decoded_in_one_executor_job_with_one_header_parse(
+async def test_each_frame_is_decoded_in_one_executor_job_with_one_header_parse(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tiercache.serde.pipeline as pipeline_module
@@ -468,7 +468,7 @@ async def test_a_batch_of_frames_is_decoded_in_one_executor_job_with_one_header_
         monkeypatch.setattr(manager, "_run", counting_run)
         loaded = await manager.start_prefetch(keys, ["m"] * 4, [SPEC] * 4)
         assert loaded == 2
-        assert jobs == 1
+        assert jobs == 4  # streaming reads: each frame decodes as it lands, one job each (the bad one too)
         assert parses_in_pipeline == 0  # the manager's parse is handed to the pipeline
         assert manager.l1.batched_contains(keys) == [True, True, False, True]
         assert manager.metrics.value("tiercache_frames_rejected_total", tier="m") == 1
@@ -504,3 +504,118 @@ async def test_a_frame_over_the_tiers_max_value_bytes_is_skipped_and_counted_not
         assert manager.metrics.value("tiercache_stores_dropped_total", tier="small", reason="too_large") == 3
         assert manager.metrics.value("tiercache_stores_total", tier="roomy") == 3
         assert await roomy.batched_contains(keys_of(3)) == [True] * 3
+
+
+# ----- streaming L2 reads: chunk gets in prefix order, a deadline scaled with the bytes keeps what landed ---
+
+
+class GatedAdapter(InMemoryAdapter):
+    """Fault injection: each key's get waits until the test opens its gate; records the order of requests."""
+
+    def __init__(self, inner: InMemoryAdapter) -> None:
+        super().__init__()
+        self.data = inner.data
+        self.gates: dict[str, asyncio.Event] = {}
+        self.requested: list[str] = []
+        self.in_flight: set[str] = set()
+
+    async def batched_get(self, keys: Sequence[str]) -> list[bytes | None]:  # type: ignore[override]
+        for key in keys:
+            self.requested.append(key)
+            self.in_flight.add(key)
+        try:
+            for key in keys:
+                await self.gates.setdefault(key, asyncio.Event()).wait()
+        finally:
+            self.in_flight.difference_update(keys)
+        return await super().batched_get(keys)  # type: ignore[return-value]
+
+
+class ManualTimer:
+    """An injected deadline: records each requested duration and ends only when the test fires it."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.fired = asyncio.Event()
+
+    async def __call__(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        await self.fired.wait()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` while the loop (and the codec threads) run; bounded: a stuck condition fails."""
+    for i in range(20_000):
+        if condition():
+            return
+        await asyncio.sleep(0 if i < 1000 else 0.001)
+    raise AssertionError("condition never held")
+
+
+STREAM_POLICY = ManagerConfig(
+    l2_deadline_s=0.5, lookup_deadline_s=5.0, l2_read_floor_s=30.0, l2_read_mib_per_s=2.0, l2_read_parallel=2
+)
+
+
+async def stored_in_memory(n: int) -> InMemoryAdapter:
+    writer_side = await InMemoryAdapter.open()
+    reader_side = await InMemoryAdapter.open()
+    async with StorageManager(make_l1(), [("mem", writer_side, build_pipeline(["raw"]))], POLICY) as writer:
+        await put_all(writer, keys_of(n))
+        await writer.drain()
+        reader_side.data.update(writer_side.data)
+    assert len(reader_side.data) == n
+    return reader_side
+
+
+async def test_streaming_read_keeps_the_prefix_that_landed_by_the_deadline() -> None:
+    inner = await stored_in_memory(6)
+    slow = GatedAdapter(inner)
+    timer = ManualTimer()
+    async with StorageManager(
+        make_l1(), [("mem", slow, build_pipeline(["raw"]))], STREAM_POLICY, read_timer=timer
+    ) as reader:
+        keys = keys_of(6)
+        got = asyncio.ensure_future(reader.batched_get(keys, [SPEC] * 6))
+        await until(lambda: bool(timer.asked))
+        # the deadline scales with the bytes asked for: floor + bytes / (MiB/s * 2**20)
+        assert timer.asked == [pytest.approx(30.0 + 6 * SPEC.nbytes / (2.0 * 2**20))]
+        for key in ("k0000", "k0001", "k0002", "k0004"):
+            slow.gates.setdefault(key, asyncio.Event()).set()
+        await until(lambda: all(reader.l1.contains(k) for k in ("k0000", "k0001", "k0002", "k0004")))
+        assert not reader.l1.contains("k0003")
+        timer.fired.set()  # the deadline passes with k0003 and k0005 still outstanding
+        leases = await got
+        assert [lease is not None for lease in leases] == [True, True, True, False, False, False]
+        for key, lease in zip(keys, leases[:3], strict=False):
+            assert lease is not None
+            assert bytes(lease.obj.buffer()) == payload(key)
+            lease.release()
+        assert not slow.in_flight  # the outstanding gets were cancelled, not left running
+        assert reader.metrics.value("tiercache_tier_errors_total", tier="mem", op="get") == 1
+
+
+async def test_streaming_read_requests_chunks_in_prefix_order_with_bounded_parallelism() -> None:
+    inner = await stored_in_memory(5)
+    slow = GatedAdapter(inner)
+    timer = ManualTimer()
+    async with StorageManager(
+        make_l1(), [("mem", slow, build_pipeline(["raw"]))], STREAM_POLICY, read_timer=timer
+    ) as reader:
+        got = asyncio.ensure_future(reader.batched_get(keys_of(5), [SPEC] * 5))
+        await until(lambda: len(slow.requested) == 2)
+        assert slow.requested == ["k0000", "k0001"]  # l2_read_parallel = 2, earliest chunks first
+        slow.gates.setdefault("k0001", asyncio.Event()).set()
+        await until(lambda: len(slow.requested) == 3)
+        assert slow.requested[2] == "k0002"
+        await until(lambda: reader.l1.contains("k0001"))  # landed out of order: in L1 at once
+        assert not reader.l1.contains("k0000")
+        for key in keys_of(5):
+            slow.gates.setdefault(key, asyncio.Event()).set()
+        leases = await got
+        assert all(lease is not None for lease in leases)
+        assert slow.requested == keys_of(5)
+        for lease in leases:
+            assert lease is not None
+            lease.release()
+        assert reader.metrics.value("tiercache_tier_errors_total", tier="mem", op="get") == 0

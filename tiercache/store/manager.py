@@ -28,7 +28,7 @@ from tiercache.store.circuit import CircuitBreaker
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter, Buffer
     from tiercache.config import Config, TierConfig
-    from tiercache.serde import CodecPipeline, FrameHeader
+    from tiercache.serde import CodecPipeline
     from tiercache.spec import KVSpec
     from tiercache.store.l1 import KVObject, L1Cache, L1Lease
 
@@ -105,8 +105,10 @@ class StorageManager:
         metrics: Metrics | None = None,
         store_batch: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        read_timer: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.l1 = l1
+        self._read_timer = read_timer  # awaited for an L2 read's deadline (tests inject a controlled one)
         self.policy = policy or ManagerConfig()
         self.metrics = metrics or Metrics()
         self.store_batch = store_batch
@@ -448,7 +450,7 @@ class StorageManager:
             for tier in self.tiers:
                 idx = by_tier.get(tier.name)
                 if idx:
-                    ok = await self._load(
+                    ok = await self._load_streaming(
                         tier, [keys[i] for i in idx], None if specs is None else [specs[i] for i in idx]
                     )
                     for i, good in zip(idx, ok, strict=True):
@@ -462,65 +464,98 @@ class StorageManager:
                         future.set_result(loaded[i])
         return contiguous_prefix(loaded)
 
-    async def _load(self, tier: L2Tier, keys: list[str], specs: list[KVSpec] | None) -> list[bool]:
-        """Get frames from one tier and decode them into fresh L1 objects; failures are misses."""
-        frames = await self._call(
-            tier, "get", lambda: tier.adapter.batched_get(keys), self.policy.l2_deadline_s
-        )
-        if frames is None:
-            return [False] * len(keys)
-        from tiercache.serde import read_header
+    def _read_bytes(self, count: int, specs: Sequence[KVSpec] | None) -> int:
+        """Bytes an L2 read of ``count`` chunks asks for (their specs, else full L1 slots)."""
+        return sum(s.nbytes for s in specs) if specs is not None else count * self.l1.slot_bytes
 
+    async def _load_streaming(self, tier: L2Tier, keys: list[str], specs: list[KVSpec] | None) -> list[bool]:
+        """Get ``keys`` from one tier chunk by chunk (``l2_read_parallel`` in flight, in prefix order), each
+        decoded into L1 as it lands, under one deadline scaled with the bytes asked for; at the deadline the
+        gets still running are cancelled and the chunks that landed stay. Returns which keys are now in L1."""
+        if not keys or not tier.breaker.allow():
+            return [False] * len(keys)
+        probe = tier.breaker.probing
+        deadline_s = self.policy.l2_read_deadline_s(self._read_bytes(len(keys), specs))
         results = [False] * len(keys)
-        jobs: list[tuple[int, Buffer, FrameHeader, KVSpec, KVObject]] = []
-        for i, (key, frame) in enumerate(zip(keys, frames, strict=True)):
+        failures = 0
+        gate = asyncio.Semaphore(self.policy.l2_read_parallel)
+        started = time.perf_counter()
+
+        async def one(i: int) -> None:
+            nonlocal failures
+            try:
+                async with gate:
+                    frames = await tier.adapter.batched_get([keys[i]])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a backend failure is a miss
+                failures += 1
+                return
+            frame = frames[0] if len(frames) == 1 else None
             if frame is None:
                 self.metrics.misses.labels(tier.name).inc()
-                continue
+                return
             self.metrics.bytes_read.labels(tier.name).inc(len(frame))
-            try:
-                header = read_header(frame)  # parsed once: the pipeline reuses it
-            except FrameError:
-                self.metrics.frames_rejected.labels(tier.name).inc()
-                continue
-            target = header.spec if specs is None else specs[i]
-            obj = self.l1.reserve_write(key, target)
-            if obj is None:
-                results[i] = self.l1.contains(key)
-                continue
-            jobs.append((i, frame, header, target, obj))
-        if not jobs:
-            return results
+            spec = None if specs is None else specs[i]
+            # the decode writes into L1 from a codec thread: never cancelled half way
+            results[i] = await asyncio.shield(self._decode_into_l1(tier, keys[i], frame, spec))
 
-        def decode_all() -> list[bool]:
-            """Decode every frame of the batch in one executor job; False where a frame fails its checks."""
-            decoded = []
-            for i, frame, header, target, obj in jobs:
-                try:
-                    tier.pipeline.decode_into(
-                        frame, keys[i], obj.buffer(), expected_spec=target, header=header
-                    )
-                except FrameError:
-                    decoded.append(False)
-                else:
-                    decoded.append(True)
-            return decoded
+        gets = [asyncio.ensure_future(one(i)) for i in range(len(keys))]
+        everything = asyncio.gather(*gets, return_exceptions=True)
+        timer = asyncio.ensure_future(self._read_timer(deadline_s))
+        try:
+            waits: list[asyncio.Future[Any]] = [everything, timer]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            for g in gets:
+                g.cancel()
+            if tier.breaker.abandon(probe):
+                self.metrics.circuit_open.labels(tier.name).set(1)
+            raise
+        finally:
+            timer.cancel()
+            self.metrics.latency.labels(tier.name, "get").observe(time.perf_counter() - started)
+        timed_out = not everything.done()
+        for g in gets:
+            g.cancel()
+        with contextlib.suppress(BaseException):
+            await everything
+        if timed_out or failures:
+            self._failed(tier, "get")
+        else:
+            tier.breaker.record_success()
+            self.metrics.circuit_open.labels(tier.name).set(0)
+        return results
+
+    async def _decode_into_l1(self, tier: L2Tier, key: str, frame: Buffer, spec: KVSpec | None) -> bool:
+        """Decode one frame into a fresh L1 object (its header parsed once, here); a bad frame is a miss."""
+        from tiercache.serde import read_header
 
         try:
-            decoded = await self._run(decode_all)
+            header = read_header(frame)
+        except FrameError:
+            self.metrics.frames_rejected.labels(tier.name).inc()
+            return False
+        target = spec or header.spec
+        obj = self.l1.reserve_write(key, target)
+        if obj is None:
+            return self.l1.contains(key)
+        try:
+            await self._run(
+                lambda: tier.pipeline.decode_into(
+                    frame, key, obj.buffer(), expected_spec=target, header=header
+                )
+            )
+        except FrameError:
+            self.l1.abort_write(obj)
+            self.metrics.frames_rejected.labels(tier.name).inc()
+            return False
         except BaseException:
-            for *_, obj in jobs:
-                self.l1.abort_write(obj)
+            self.l1.abort_write(obj)
             raise
-        for (i, *_, obj), good in zip(jobs, decoded, strict=True):
-            if good:
-                self.l1.finish_write(obj)
-                self.metrics.prefetched.labels(tier.name).inc()
-                results[i] = True
-            else:
-                self.l1.abort_write(obj)
-                self.metrics.frames_rejected.labels(tier.name).inc()
-        return results
+        self.l1.finish_write(obj)
+        self.metrics.prefetched.labels(tier.name).inc()
+        return True
 
     # ----- reads --------------------------------------------------------------------------------------------
     async def batched_get(
@@ -566,8 +601,11 @@ class StorageManager:
                     [h.tier for h in found[:n] if h is not None],
                     None if specs is None else list(specs[first_missing : first_missing + n]),
                 )
+                read_s = self.policy.l2_read_deadline_s(
+                    self._read_bytes(n, None if specs is None else specs[first_missing : first_missing + n])
+                )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(task), deadline_s)
+                    await asyncio.wait_for(asyncio.shield(task), max(deadline_s, read_s))
         leases: list[L1Lease | None] = []
         for key in keys:
             lease = self.l1.acquire(key)
