@@ -1,13 +1,16 @@
 """A fault-injecting TCP proxy for the integration tests: put it between a client and a real server.
 
     proxy = FaultProxy("127.0.0.1", server_port).start()   # listens on 127.0.0.1:proxy.port
-    proxy.mode = "stall"        # or "pass", "reset", "truncate"; takes effect at once, open connections too
+    proxy.mode = "stall"        # or "pass", "slow", "reset", "truncate"; at once, open connections too
     ...
     proxy.stop()
 
 Modes:
 
 - ``pass``: forward both ways.
+- ``slow``: forward both ways, but wait ``delay_s`` seconds before forwarding each chunk (up to 64 KiB) going
+  in ``delay_direction``: ``"down"`` (server to client, the default), ``"up"`` or ``"both"``. The wait is
+  ``await proxy.sleep(delay_s)`` (``asyncio.sleep`` unless a test injects another).
 - ``stall``: accept, read and drop what the client sends, answer nothing (a hung server or network); open
   connections stop forwarding. When the stall ends, the stalled connections are closed.
 - ``reset``: close every connection with a TCP RST (``SO_LINGER`` 0), new ones as soon as they arrive.
@@ -29,6 +32,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 
 __all__ = ["FaultProxy", "ProcessFaultProxy"]
 
@@ -43,6 +47,10 @@ class FaultProxy:
         self.mode = "pass"
         self.truncate_after = 0
         self.strip_content_length = False
+        self.delay_s = 0.0
+        self.delay_direction = "down"
+        self.sleep: Callable[[float], Awaitable[object]] = asyncio.sleep
+        """What ``slow`` awaits before each chunk (runs on the proxy's loop; tests inject a gate)."""
         self.connections = 0
         """Connections accepted so far."""
         self.port = 0
@@ -193,6 +201,8 @@ class FaultProxy:
                     return
                 await writer.drain()
                 continue
+            if mode == "slow" and self.delay_direction in ("both", "up" if upstream else "down"):
+                await self.sleep(self.delay_s)
             writer.write(data)
             await writer.drain()
 
@@ -249,7 +259,7 @@ class ProcessFaultProxy:
         self._proc = None
 
 
-_KNOBS: dict[str, type] = {"mode": str, "truncate_after": int}
+_KNOBS: dict[str, type] = {"mode": str, "truncate_after": int, "delay_s": float, "delay_direction": str}
 
 
 def _serve_child(host: str, port: int) -> None:
