@@ -47,7 +47,12 @@ Errors: RPC/metadata failures (Mooncake codes -900..-1099, e.g. -900 ``RPC_FAIL`
 ``AdapterUnavailable``; a call past ``timeout`` raises ``AdapterTimeout`` (its Mooncake call keeps
 running in its thread and may still complete once the master is back: a timed-out put may land later).
 ``open`` first probes the master and an HTTP metadata server with a TCP connect (Mooncake's ``setup`` would
-retry an unreachable master for minutes), so an unreachable master fails at ``open`` within 2 s. With
+retry an unreachable master for minutes), and the master must also close a connection that sent it a bad RPC
+header: Mooncake's ``setup`` holds the GIL while it retries (20 RPCs of 30 s each,
+``MC_RPC_TIMEOUT_MS``), freezing the whole process, so a master that accepts connections but never answers
+must be caught before it. An unreachable or mute master fails at ``open`` within 2 s per probe. (A master
+that goes mute between the probe and ``setup`` can still freeze the process; calls after ``open`` release
+the GIL and are bounded by ``timeout``.) With
 ``segment_size=0``, ``open`` then puts (and removes) a 1-byte probe object: a store with no segment memory to
 place it in (no store client lends any) fails ``open`` with ``AdapterUnavailable`` naming the two fixes
 (``mooncake_client --global_segment_size=...`` or the ``segment_size`` option). The client
@@ -93,6 +98,8 @@ NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 RPC_FAIL = -900
+BAD_RPC_HEADER = bytes(32)
+"""Sent by the ``open`` probe: not a coro_rpc header, so a live master closes the connection at once."""
 
 
 def _check_placement(store: Any, master: str) -> None:
@@ -150,15 +157,25 @@ class MooncakeOptions:
     """Accepted and ignored (Mooncake evicts by its own segment limits)."""
 
 
-async def _probe(host: str, port: int, limit_s: float) -> None:
-    """AdapterUnavailable unless a TCP connection to ``host:port`` opens within ``limit_s`` seconds."""
+async def _probe(host: str, port: int, limit_s: float, *, answers: bool = False) -> None:
+    """AdapterUnavailable unless a TCP connection to ``host:port`` opens within ``limit_s`` seconds; with
+    ``answers``, the peer must also react to a bad RPC header (a live master closes the connection)."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), limit_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), limit_s)
     except (OSError, TimeoutError) as exc:
         raise AdapterUnavailable(f"mooncake: cannot connect to {host}:{port}: {exc!r}") from exc
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+    try:
+        if answers:
+            writer.write(BAD_RPC_HEADER)
+            await asyncio.wait_for(reader.read(1), limit_s)
+    except TimeoutError:
+        raise AdapterUnavailable(
+            f"mooncake: {host}:{port} accepts connections but does not answer within {limit_s} s"
+        ) from None
+    except OSError:
+        pass  # reset: the master reacted (a dead one is caught by setup's own RPC with an error code)
+    finally:
+        writer.transport.abort()
 
 
 class MooncakeAdapter(Adapter):
@@ -249,12 +266,13 @@ class MooncakeAdapter(Adapter):
             return store, staging
 
         # Mooncake's setup retries an unreachable master for a long time (minutes): probe first.
-        probes = [(host, port)]
+        # It also holds the GIL while it waits, so a master that accepts but never answers would freeze the
+        # whole process (event loop and timeouts included) for 20 x 30 s: the master must answer a probe.
+        await _probe(host, port, min(timeout, 2.0), answers=True)
         meta = urlsplit(metadata)
         if meta.scheme in ("http", "https") and meta.hostname:
-            probes.append((meta.hostname, meta.port or (443 if meta.scheme == "https" else 80)))
-        for probe_host, probe_port in probes:
-            await _probe(probe_host, probe_port, min(timeout, 2.0))
+            meta_port = meta.port or (443 if meta.scheme == "https" else 80)
+            await _probe(meta.hostname, meta_port, min(timeout, 2.0))
         loop = asyncio.get_running_loop()
         done: asyncio.Future[tuple[Any, np.ndarray[Any, Any]]] = loop.create_future()
 

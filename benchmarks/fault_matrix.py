@@ -14,10 +14,13 @@ Checks per cell: 0 failed requests; ``P`` greedy tokens identical to the cold ru
 to its own first run); the faulted phase bounded: its wall time at most the cold phase's plus 2 x the
 connector's lookup + load deadlines per prompt; the fault visible in the tier's metrics (tier errors,
 rejected frames, dropped stores or the ``tier_down`` gauge move); the tier used again (its
-``prefetched`` counter moves after recovery). A cell that cannot run here says so and why.
+``prefetched`` counter moves after recovery). A cell that cannot run here says so and why. The ``slow`` fault
+puts the tier's traffic through the TCP fault proxy of ``tests/integration/fault_proxy.py`` (for the whole
+run, in pass mode until the fault) and delays every chunk both ways by ``SLOW_DELAY_S``.
 
 Run: ``python benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json`` (``make faults``);
-``--backends redis --faults down_at_start,kill,corrupt`` for a subset.
+``--backends redis --faults down_at_start,kill,corrupt`` for a subset; with ``--update`` only those cells
+of ``--out`` are replaced.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ FAULTS = ("down_at_start", "kill", "pause", "slow", "corrupt", "truncate", "full
 BACKENDS = ("posix", "nvme_slab", "redis", "valkey", "redis_cluster", "s3", "mooncake")
 LOOKUP_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 3.0
+SLOW_DELAY_S = 1.5
+"""Added per chunk and direction by the ``slow`` fault: above the 1 s lookup deadline, below load's 3 s."""
 CHUNK = 64
 PROMPT_TOKENS = 256
 VOCAB = 250  # ids stay inside the tiny model's vocabulary
@@ -67,9 +72,30 @@ class Backend:
         self.workdir = workdir
         self._flap_stop = threading.Event()
         self._flapper: threading.Thread | None = None
+        self.proxy: Any = None
+        """A FaultProxy in front of the server (``use_proxy``) for the ``slow`` fault, else None."""
+        self.no_proxy_why = "no fault proxy in front of this backend"
 
     def tier(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def use_proxy(self) -> None:
+        """Route the tier's traffic through a fault proxy (for ``slow``); NotHere where it cannot be."""
+        raise NotHere("no network traffic to delay: the tier is a local file/directory")
+
+    def _front(self, port: int) -> int:
+        """The port clients use: the proxy's when there is one, else ``port``."""
+        return self.proxy.port if self.proxy is not None else port
+
+    def slow(self) -> None:
+        """Delay every chunk both ways by ``SLOW_DELAY_S`` (beyond the connector's lookup deadline)."""
+        if self.proxy is None:
+            raise NotHere(self.no_proxy_why)
+        self.proxy.delay_s, self.proxy.delay_direction = SLOW_DELAY_S, "both"
+        self.proxy.mode = "slow"
+
+    def fast(self) -> None:
+        self.proxy.mode = "pass"
 
     def start(self) -> None:
         """Start the servers (called after vLLM for ``down_at_start``)."""
@@ -243,7 +269,10 @@ class Redis(Backend):
         self.proc: ServerProcess | None = None
 
     def tier(self) -> dict[str, Any]:
-        return {"name": self.name, "url": f"redis://127.0.0.1:{self.port}/0"}
+        return {"name": self.name, "url": f"redis://127.0.0.1:{self._front(self.port)}/0"}
+
+    def use_proxy(self) -> None:
+        self.proxy = _fault_proxy_class()("127.0.0.1", self.port).start()
 
     def start(self) -> None:
         self.proc = start_process(self.argv, ready=lambda: port_open("127.0.0.1", self.port), timeout=30)
@@ -335,6 +364,12 @@ class RedisCluster(Backend):
                 str(free_port()),
             ]
 
+    def use_proxy(self) -> None:
+        raise NotHere(
+            "the cluster hands out its nodes' own addresses (CLUSTER SLOTS), so a proxy in front of a seed "
+            "carries only the first connection; a per-node proxy needs cluster-announce-port (not wired)"
+        )
+
     def tier(self) -> dict[str, Any]:
         seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
         return {"name": self.name, "url": f"redis+cluster://{seeds}"}
@@ -396,11 +431,14 @@ class S3(Backend):
             "name": "s3",
             "url": f"s3://{self.BUCKET}/kv",
             "options": {
-                "endpoint_url": self.moto.endpoint,
+                "endpoint_url": f"http://127.0.0.1:{self._front(self.moto.port)}",
                 "addressing_style": "path",
                 "create_bucket": True,
             },
         }
+
+    def use_proxy(self) -> None:
+        self.proxy = _fault_proxy_class()("127.0.0.1", self.moto.port).start()
 
     def start(self) -> None:
         self.moto.start()
@@ -450,6 +488,13 @@ class Mooncake(Backend):
     faults hit the master (the store client keeps the data)."""
 
     name = "mooncake"
+
+    def use_proxy(self) -> None:
+        raise NotHere(
+            "Mooncake's setup holds the GIL while it waits on the master, so a proxy thread inside this "
+            "vLLM process cannot forward; stall/reset/truncate of the master run in tests/integration/"
+            "test_faults.py with a proxy process"
+        )
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir)
@@ -523,6 +568,20 @@ class Mooncake(Backend):
 
     def fill(self) -> None:
         raise NotHere("not wired: a full segment needs a store client of a given size per cell")
+
+
+def _fault_proxy_class() -> Any:
+    """``FaultProxy`` from tests/integration/fault_proxy.py (standard library only, loaded by path)."""
+    import importlib.util
+
+    path = ROOT / "tests" / "integration" / "fault_proxy.py"
+    spec = importlib.util.spec_from_file_location("tiercache_fault_proxy", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.FaultProxy
 
 
 def _integration_conftest() -> Any:
@@ -687,9 +746,8 @@ def _inject(backend: Backend, fault: str) -> Callable[[], None]:
         backend.flap_start()
         return backend.flap_stop
     if fault == "slow":
-        raise NotHere(
-            "needs the TCP fault proxy of issue 11 (tests/integration/fault_proxy.py), not merged yet"
-        )
+        backend.slow()
+        return backend.fast
     raise ValueError(fault)
 
 
@@ -801,6 +859,11 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
     backend: Backend | None = None
     try:
         backend = BACKEND_CLASSES[backend_name](workdir)
+        if "slow" in faults:
+            try:
+                backend.use_proxy()
+            except NotHere as exc:  # the slow cell says why it cannot run
+                backend.no_proxy_why = str(exc)
         tier = backend.tier()
         config = workdir / "tiercache.toml"
         config.write_text(_toml(tier))
@@ -939,6 +1002,15 @@ def run_matrix(
     return results
 
 
+def _merge_row(old: dict[str, Any], new: dict[str, Any] | None) -> dict[str, Any]:
+    """``old`` with the cells ``new`` ran replaced (``--update`` of some faults keeps the others)."""
+    if new is None:
+        return old
+    cells = {c["fault"]: c for c in old["cells"]} | {c["fault"]: c for c in new["cells"]}
+    order = [f for f in FAULTS if f in cells]
+    return {**old, **{k: v for k, v in new.items() if k != "cells"}, "cells": [cells[f] for f in order]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
@@ -958,8 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
     results = run_matrix(args.backends.split(","), faults, args.model)
     if args.update and args.out and args.out.exists():
         fresh = {r["backend"]: r for r in results}
-        old = json.loads(args.out.read_text())["results"]
-        results = [fresh.pop(r["backend"], r) for r in old] + list(fresh.values())
+        previous = json.loads(args.out.read_text())
+        results = [_merge_row(r, fresh.pop(r["backend"], None)) for r in previous["results"]]
+        results += list(fresh.values())
+        faults = [f for f in FAULTS if f in {*faults, *previous["faults"]}]
     table = markdown_table(results, faults)
     report = {
         "benchmark": "fault_matrix",

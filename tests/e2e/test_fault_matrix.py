@@ -41,3 +41,15 @@ def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1
     assert cells["corrupt"]["fault_metrics"]["tiercache_frames_rejected_total"] >= 1
     assert cells["kill"]["faulted_s"] <= cells["kill"]["bound_s"]
+
+
+def test_update_replaces_only_the_cells_it_ran() -> None:
+    """``--update`` with some faults keeps the row's other cells (in FAULTS order) and unrun rows."""
+    matrix = _load()
+    old = {"backend": "redis", "vllm_start_s": 9.0, "cells": [{"fault": "kill", "outcome": "pass"}]}
+    old["cells"].append({"fault": "slow", "outcome": "n/a"})
+    new = {"backend": "redis", "vllm_start_s": 8.0, "cells": [{"fault": "slow", "outcome": "pass"}]}
+    merged = matrix._merge_row(old, new)
+    assert merged["cells"] == [{"fault": "kill", "outcome": "pass"}, {"fault": "slow", "outcome": "pass"}]
+    assert merged["vllm_start_s"] == 8.0
+    assert matrix._merge_row(old, None) is old

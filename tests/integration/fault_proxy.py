@@ -1,13 +1,16 @@
 """A fault-injecting TCP proxy for the integration tests: put it between a client and a real server.
 
     proxy = FaultProxy("127.0.0.1", server_port).start()   # listens on 127.0.0.1:proxy.port
-    proxy.mode = "stall"        # or "pass", "reset", "truncate"; takes effect at once, open connections too
+    proxy.mode = "stall"        # or "pass", "slow", "reset", "truncate"; at once, open connections too
     ...
     proxy.stop()
 
 Modes:
 
 - ``pass``: forward both ways.
+- ``slow``: forward both ways, but wait ``delay_s`` seconds before forwarding each chunk (up to 64 KiB) going
+  in ``delay_direction``: ``"down"`` (server to client, the default), ``"up"`` or ``"both"``. The wait is
+  ``await proxy.sleep(delay_s)`` (``asyncio.sleep`` unless a test injects another).
 - ``stall``: accept, read and drop what the client sends, answer nothing (a hung server or network); open
   connections stop forwarding. When the stall ends, the stalled connections are closed.
 - ``reset``: close every connection with a TCP RST (``SO_LINGER`` 0), new ones as soon as they arrive.
@@ -26,9 +29,12 @@ import asyncio
 import contextlib
 import socket
 import struct
+import subprocess
+import sys
 import threading
+from collections.abc import Awaitable, Callable
 
-__all__ = ["FaultProxy"]
+__all__ = ["FaultProxy", "ProcessFaultProxy"]
 
 _CHUNK = 64 << 10
 
@@ -41,6 +47,10 @@ class FaultProxy:
         self.mode = "pass"
         self.truncate_after = 0
         self.strip_content_length = False
+        self.delay_s = 0.0
+        self.delay_direction = "down"
+        self.sleep: Callable[[float], Awaitable[object]] = asyncio.sleep
+        """What ``slow`` awaits before each chunk (runs on the proxy's loop; tests inject a gate)."""
         self.connections = 0
         """Connections accepted so far."""
         self.port = 0
@@ -191,5 +201,80 @@ class FaultProxy:
                     return
                 await writer.drain()
                 continue
+            if mode == "slow" and self.delay_direction in ("both", "up" if upstream else "down"):
+                await self.sleep(self.delay_s)
             writer.write(data)
             await writer.drain()
+
+
+class ProcessFaultProxy:
+    """A FaultProxy in its own process, for clients that hold the GIL while they block on the network
+    (Mooncake's store binding does: an in-process proxy thread could not forward until the call gave up).
+
+    Same knobs as ``FaultProxy`` (``mode``, ``truncate_after``): each assignment is sent to the child and
+    acknowledged before it returns, so it is in effect when the next line of the test runs."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> ProcessFaultProxy:
+        """Start the child proxy and read the port it listens on."""
+        argv = [sys.executable, __file__, self.target[0], str(self.target[1])]
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+        return self
+
+    def _set(self, name: str, value: object) -> None:
+        proc = self._proc
+        assert proc is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        proc.stdin.write(f"{name} {value}\n")
+        proc.stdin.flush()
+        if proc.stdout.readline().strip() != "ok":
+            raise RuntimeError(f"fault proxy child refused {name}={value!r}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _KNOBS:
+            self._set(name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def stop(self) -> None:
+        """Stop the child (closing its stdin ends it) and wait for it."""
+        proc = self._proc
+        if proc is None:
+            return
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        self._proc = None
+
+
+_KNOBS: dict[str, type] = {"mode": str, "truncate_after": int, "delay_s": float, "delay_direction": str}
+
+
+def _serve_child(host: str, port: int) -> None:
+    """The child's main: a FaultProxy driven by ``name value`` lines on stdin, acknowledged on stdout."""
+    proxy = FaultProxy(host, port).start()
+    print(proxy.port, flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if len(words) == 2 and words[0] in _KNOBS:
+            setattr(proxy, words[0], _KNOBS[words[0]](words[1]))
+            print("ok", flush=True)
+        else:
+            print("error", flush=True)
+    proxy.stop()
+
+
+if __name__ == "__main__":
+    _serve_child(sys.argv[1], int(sys.argv[2]))

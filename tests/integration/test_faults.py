@@ -194,3 +194,67 @@ async def test_redis_truncating_server(redis_server: Any, fault_proxy: Any, op: 
     finally:
         proxy.mode = "pass"
         await adapter.aclose()
+
+
+# -- Mooncake (master RPC through a proxy in its own process) ---------------------------------------------
+# Mooncake's store binding holds the GIL inside ``setup``: an in-process proxy thread could not forward, so
+# the first connection hung until the client's 30 s RPC timeout (20 times). Hence ProcessFaultProxy. Only the
+# master's RPC traffic goes through the proxy; the data path goes to the store client's address, which the
+# metadata server hands out.
+
+fault_proxy_module = _load("fault_proxy")
+
+
+@pytest.fixture
+def master_proxy(mooncake_cluster: Any) -> Iterator[Any]:
+    """A ProcessFaultProxy in front of the session master's RPC port."""
+    proxy = fault_proxy_module.ProcessFaultProxy("127.0.0.1", mooncake_cluster.rpc_port).start()
+    yield proxy
+    proxy.stop()
+
+
+async def _mooncake(cluster: Any, proxy: Any) -> Adapter:
+    from tiercache.adapters.mooncake import MooncakeAdapter
+
+    metadata = f"http://127.0.0.1:{cluster.http_port}/metadata"
+    url = f"mooncake://127.0.0.1:{proxy.port}?metadata={metadata}&protocol=tcp"
+    return await MooncakeAdapter.open(url, timeout=1.0, buffer_size="16MiB")
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("mode", ["stall", "reset", "truncate"])
+async def test_mooncake_faulty_master(mooncake_cluster: Any, master_proxy: Any, mode: str, op: str) -> None:
+    """Issue 11: a stalled master is AdapterTimeout; a reset or cut-off answer is AdapterUnavailable or
+    AdapterTimeout, never wrong bytes; the same adapter serves the stored value once the master answers."""
+    adapter = await _mooncake(mooncake_cluster, master_proxy)
+    key = f"k{uuid.uuid4().hex[:12]}"
+    try:
+        assert await adapter.batched_put([key], [BIG]) == [True]
+        master_proxy.truncate_after = 10
+        master_proxy.mode = mode
+        result = await _outcome(OPS[op](adapter))
+        if mode == "stall":
+            assert isinstance(result, AdapterTimeout), f"{op} under stall: {result!r}"
+        else:
+            assert isinstance(result, AdapterUnavailable | AdapterTimeout), f"{op} under {mode}: {result!r}"
+        master_proxy.mode = "pass"
+        for _ in range(50):  # the client reconnects by itself; bounded poll
+            got = await _outcome(adapter.batched_get([key]))
+            if not isinstance(got, AdapterError):
+                break
+        assert got == [BIG]
+    finally:
+        master_proxy.mode = "pass"
+        await _outcome(adapter.aclose())
+
+
+async def test_mooncake_open_against_a_mute_master(mooncake_cluster: Any, master_proxy: Any) -> None:
+    """A master that accepts connections but never answers fails ``open`` with AdapterUnavailable from the
+    probe, before Mooncake's ``setup`` (which holds the GIL for 20 x 30 s) can freeze the process."""
+    master_proxy.mode = "stall"
+    result = await _outcome(_mooncake(mooncake_cluster, master_proxy))
+    assert isinstance(result, AdapterUnavailable), repr(result)
+    assert "does not answer" in str(result)
+    master_proxy.mode = "pass"
+    adapter = await _mooncake(mooncake_cluster, master_proxy)
+    await adapter.aclose()
