@@ -438,6 +438,7 @@ class RedisClusterAdapter(RedisAdapter):
     def __init__(self, client: Any, common: _Common, name: str) -> None:
         super().__init__(client, common, name)
         self._slots = asyncio.Semaphore(common.pool_size)
+        self._stale_slots = False
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -466,6 +467,19 @@ class RedisClusterAdapter(RedisAdapter):
             await self._shutdown()
             raise
         return self
+
+    async def _guard(self, call: Awaitable[_T]) -> _T:
+        """Like the plain adapter's; after a connection or cluster error the next call reloads the slot map
+        first (with no client retries redis-py would not), so a replica promoted by a failover is found."""
+        if self._stale_slots:
+            self._stale_slots = False
+            with contextlib.suppress(Exception):  # still failing over: the call below fails as it would
+                await self._client.nodes_manager.initialize()
+        try:
+            return await super()._guard(call)
+        except AdapterUnavailable:
+            self._stale_slots = True
+            raise
 
     async def _pipeline(self, build: Callable[[Any], object]) -> list[Any]:
         async with self._slots:
