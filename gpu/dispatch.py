@@ -1,8 +1,9 @@
-"""gather/scatter entry points that pick the Triton kernels or the torch reference at run time.
+"""Run a ``Move`` on the Triton kernels or the torch reference, picked at run time.
 
-Same signatures and semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad input):
+Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad input):
 
-- KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``).
+- KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
+  one pre-bound launch plus, unless trusted, the wait for its slot flags.
 - KV on CUDA, objects in host memory (L1 views of the pinned pool): the staged, double-buffered pipeline of
   ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side stream).
 - Anything else (CPU tensors, CPU_BLOCKS, triton missing, layers with different strides, misaligned
@@ -17,23 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiercache.errors import Unsupported
 from tiercache.gpu import reference
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
+from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = [
-    "gather",
-    "gather_fp8",
-    "gather_layer",
-    "kernels_enabled",
-    "scatter",
-    "scatter_fp8",
-    "scatter_layer",
-]
+__all__ = ["gather", "gather_fp8", "kernels_enabled", "scatter", "scatter_fp8"]
 
 _TRITON_OK: bool | None = None
+_REFERENCE = "reference"  # Move.prepared key: this move on these KV caches takes the reference
 
 
 def kernels_enabled(kv_caches: KVCaches, layout: PagedLayout) -> bool:
@@ -60,167 +56,58 @@ def _where(objs: Sequence[torch.Tensor], device: torch.device) -> str:
     return "mixed"
 
 
-def _gather(
-    layers: range,
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> bool:
-    """Try the kernel paths; False when the reference must do it."""
-    if not out or not kernels_enabled(kv_caches, layout):
-        return False
-    from tiercache.gpu import transfer, triton_kernels
+def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
+    """Run ``move`` on a kernel path: the tokens written (a gather's count is unused), or None when the
+    reference must do it (remembered on the move for these KV caches)."""
+    from tiercache.gpu import triton_kernels as tk
 
-    device = layer_tensors(kv_caches)[0].device
-    where = _where(out, device)
+    bound = move.prepared.get(("bound", id(kv_caches), tk.DEFAULT_CONFIG))
+    if bound is not None and bound.valid_for(kv_caches):  # a repeated run: one launch
+        return bound.run()  # type: ignore[no-any-return]
+    if move.prepared.get(_REFERENCE) is kv_caches:
+        return None
+    if not move.objects or not kernels_enabled(kv_caches, move.layout):
+        return None
+    from tiercache.gpu import transfer
+
+    where = _where(move.objects, layer_tensors(kv_caches)[0].device)
     try:
         if where == "device":
-            triton_kernels.gather(
-                kv_caches, layout, slot_mapping, spans, out, layers, trusted=trusted, host_slots=host_slots
-            )
-            return True
+            b = tk.bind(kv_caches, move)
+            if b is not None:
+                return b.run()
+            p = tk.plan(kv_caches, move)
+            p.launch()
+            return p.finish()
         if where == "host":
-            transfer.store_to_host(
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                list(out),
-                layers=layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-            return True
-    except triton_kernels.Unsupported:
-        return False
-    return False
-
-
-def _scatter(
-    layers: range,
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int],
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int | None:
-    """Try the kernel paths; None when the reference must do it."""
-    if not objects or not kernels_enabled(kv_caches, layout):
-        return None
-    from tiercache.gpu import transfer, triton_kernels
-
-    device = layer_tensors(kv_caches)[0].device
-    where = _where(objects, device)
-    try:
-        if where == "device":
-            return triton_kernels.scatter(
-                objects,
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                skip_prefix,
-                layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-        if where == "host":
-            return transfer.load_from_host(
-                list(objects),
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                skip_prefix,
-                layers=layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-    except triton_kernels.Unsupported:
-        return None
+            xfer = transfer.transfer_for(layer_tensors(kv_caches)[0].device)
+            if move.is_scatter:
+                return xfer.load(kv_caches, move)
+            xfer.store(kv_caches, move)
+            return 0
+    except Unsupported:
+        pass
+    move.prepared[_REFERENCE] = kv_caches
     return None
 
 
-def gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """``reference.gather`` contract; one Triton launch (or the staged pipeline) on CUDA.
-
-    ``host_slots``: a CPU copy of a device ``slot_mapping``; the slot checks then run on the host (no device
-    reductions). ``trusted``: the caller vouches for every slot, no checks at all (kernel paths only; the
-    reference always checks)."""
-    layers = range(layout.num_layers)
-    if not _gather(layers, kv_caches, layout, slot_mapping, spans, out, trusted, host_slots):
-        reference.gather(kv_caches, layout, slot_mapping, spans, out)
+def gather(kv_caches: KVCaches, move: Move) -> None:
+    """Run a gather ``move`` (``Move.gather``; ``reference.gather`` contract): one Triton launch, or the
+    staged pipeline into host objects, on CUDA; the reference elsewhere."""
+    if move.is_scatter:
+        raise ValueError(f"{move!r} is a scatter")
+    if _kernel_run(kv_caches, move) is None:
+        reference.gather(kv_caches, move)
 
 
-def gather_layer(
-    layer_idx: int,
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-) -> None:
-    """``reference.gather_layer`` contract."""
-    if not 0 <= layer_idx < layout.num_layers:
-        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
-    if not _gather(range(layer_idx, layer_idx + 1), kv_caches, layout, slot_mapping, spans, out):
-        reference.gather_layer(layer_idx, kv_caches, layout, slot_mapping, spans, out)
-
-
-def scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """``reference.scatter`` contract; returns the tokens written (``trusted``/``host_slots``: as ``gather``;
-    a trusted scatter counts every token past the skips)."""
-    layers = range(layout.num_layers)
-    n = _scatter(layers, objects, kv_caches, layout, slot_mapping, spans, skip_prefix, trusted, host_slots)
+def scatter(kv_caches: KVCaches, move: Move) -> int:
+    """Run a scatter ``move`` (``Move.scatter``; ``reference.scatter`` contract); returns the tokens written
+    per layer (a trusted move on a kernel path counts every token past the skips)."""
+    if not move.is_scatter:
+        raise ValueError(f"{move!r} is a gather")
+    n = _kernel_run(kv_caches, move)
     if n is None:
-        return reference.scatter(objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
-    return n
-
-
-def scatter_layer(
-    layer_idx: int,
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-) -> int:
-    """``reference.scatter_layer`` contract."""
-    if not 0 <= layer_idx < layout.num_layers:
-        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
-    layers = range(layer_idx, layer_idx + 1)
-    n = _scatter(layers, objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
-    if n is None:
-        return reference.scatter_layer(
-            layer_idx, objects, kv_caches, layout, slot_mapping, spans, skip_prefix
-        )
+        return reference.scatter(kv_caches, move)
     return n
 
 
@@ -239,7 +126,7 @@ def gather_fp8(
         try:
             triton_kernels.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
             return
-        except triton_kernels.Unsupported:
+        except Unsupported:
             pass
     reference.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
 
@@ -259,6 +146,6 @@ def scatter_fp8(
 
         try:
             return triton_kernels.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
-        except triton_kernels.Unsupported:
+        except Unsupported:
             pass
     return reference.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)

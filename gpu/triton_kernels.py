@@ -44,24 +44,29 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache.gpu.launch import Ptr, launch, prebound_enabled
+from tiercache.errors import Unsupported
+from tiercache.gpu.launch import Ptr, bind_launch, launch, prebound_enabled
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
+from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = [
+    "BoundMove",
     "TileConfig",
-    "Unsupported",
     "available",
+    "bind",
+    "check_move",
     "gather",
     "gather_fp8",
+    "plan",
     "plan_fp8",
     "scatter",
     "scatter_fp8",
@@ -70,10 +75,6 @@ __all__ = [
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 FP8_MAX = 448.0
 SCALE_FLOOR = 2.0**-126
-
-
-class Unsupported(Exception):
-    """The kernels cannot move this batch (layout, strides, alignment); use the torch reference."""
 
 
 def available() -> bool:
@@ -428,11 +429,6 @@ def _build() -> Any:
 # --------------------------------------------------------------------------------------------- planning
 
 
-def _check_layer_range(layers: range, layout: PagedLayout) -> None:
-    if not (0 <= layers.start <= layers.stop <= layout.num_layers) or len(layers) == 0:
-        raise ValueError(f"layers {layers} out of range for {layout.num_layers} layers")
-
-
 @dataclass
 class _Geometry:
     """Word size, per-layer word offsets from layer 0 and the paged strides in words."""
@@ -668,23 +664,6 @@ def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[tupl
             _SHAPES.clear()
         _SHAPES[key] = r
     return r
-
-
-def _check_objects(
-    objs: Sequence[torch.Tensor], layout: PagedLayout, spans: list[tuple[int, int]], layers: range, what: str
-) -> None:
-    known: dict[int, tuple[tuple[int, ...], str]] = {}
-    for i, ((s, e), obj) in enumerate(zip(spans, objs, strict=True)):
-        want = known.get(e - s)
-        if want is None:
-            want = known[e - s] = _object_shape(layout, e - s, layers)
-        shape, dtype = want
-        if obj.shape != shape:
-            raise ValueError(f"{what}[{i}] has shape {tuple(obj.shape)}, expected {shape}")
-        if str(obj.dtype).removeprefix("torch.") != dtype:
-            raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {dtype}")
-        if not obj.is_contiguous():
-            raise Unsupported("objects must be contiguous")
 
 
 def _pow2_floor(x: int) -> int:
@@ -971,8 +950,8 @@ def _slot_check(
 
 @dataclass
 class MovePlan:
-    """Everything one launch needs (``MoveCheck.plan``). A whole move's plan (``plan_gather``,
-    ``plan_scatter``) carries its ``MoveCheck``: ``launch`` queues the slot checks right after the kernel,
+    """Everything one launch needs (``MoveCheck.plan``). A whole move's plan (``plan``)
+    carries its ``MoveCheck``: ``launch`` queues the slot checks right after the kernel,
     ``finish`` reads them; a pipeline group's plan has none (its move is checked once, by the pipeline)."""
 
     geo: _Geometry
@@ -994,55 +973,71 @@ class MovePlan:
         assert self.move is not None, "a pipeline group's plan is finished through its MoveCheck"
         return self.move.finish()
 
-    def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
-        if self.num_spans == 0 or self.tiles_per_span == 0:
-            return
-        k = _kernels()
+    def _launch_args(
+        self, cfg: TileConfig, status: torch.Tensor | None
+    ) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:
+        """(kernel, grid, runtime arguments, constexprs and options) of this launch; ``status``: the pinned
+        flags the kernel sets for spans with bad slots (None: no check in the kernel)."""
         block_d, ndc, hb, block_t = _tiles(self.dw, self.geo.word, self.heads, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
         geo = self.geo
+        args = (
+            geo.kv_base,
+            self.obj_base,
+            _layer_offsets(geo),
+            self.span_table,
+            self.slots,
+            tiles,
+            geo.s_plane,
+            geo.s_blk,
+            geo.s_off,
+            geo.s_head,
+            self.layers,
+            geo.n_slots,
+            self.slots if status is None else _payload_ptr(status),
+        )
+        meta = {
+            "H": self.heads,
+            "BS": self.block_size,
+            "P": self.planes,
+            "DW": self.dw,
+            "BLOCK_T": block_t,
+            "HB": hb,
+            "BLOCK_D": block_d,
+            "NDC": ndc,
+            "VEC": geo.vec if block_d % geo.vec == 0 else 1,
+            "SCATTER": self.scatter,
+            "CHECK": status is not None,
+            "num_warps": cfg.num_warps,
+        }
+        return _kernels().move, grid, args, meta
+
+    def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
+        if self.num_spans == 0 or self.tiles_per_span == 0:
+            return
         status = self.move.fused_status() if self.move is not None else None
-        with _on(geo.device):
-            launch(
-                k.move,
-                grid,
-                (
-                    geo.kv_base,
-                    self.obj_base,
-                    _layer_offsets(geo),
-                    self.span_table,
-                    self.slots,
-                    tiles,
-                    geo.s_plane,
-                    geo.s_blk,
-                    geo.s_off,
-                    geo.s_head,
-                    self.layers,
-                    geo.n_slots,
-                    self.slots if status is None else _payload_ptr(status),
-                ),
-                {
-                    "H": self.heads,
-                    "BS": self.block_size,
-                    "P": self.planes,
-                    "DW": self.dw,
-                    "BLOCK_T": block_t,
-                    "HB": hb,
-                    "BLOCK_D": block_d,
-                    "NDC": ndc,
-                    "VEC": geo.vec if block_d % geo.vec == 0 else 1,
-                    "SCATTER": self.scatter,
-                    "CHECK": status is not None,
-                    "num_warps": cfg.num_warps,
-                },
-                geo.device,
-            )
+        kernel, grid, args, meta = self._launch_args(cfg, status)
+        with _on(self.geo.device):
+            launch(kernel, grid, args, meta, self.geo.device)
         if self.move is not None:
             if status is not None:
                 self.move.fused_launched()
             else:
                 self.move.queue_checks()  # after the kernel: its host work overlaps the move
+
+    def bound(self, cfg: TileConfig, status: torch.Tensor | None) -> Callable[[], None]:
+        """This launch pre-bound (``launch.bind_launch``): a call launches it on the current stream of the
+        KV's device with the same arguments; ``status`` as in ``_launch_args`` (zeroed by the caller)."""
+        if self.num_spans == 0 or self.tiles_per_span == 0:
+            return _nothing
+        kernel, grid, args, meta = self._launch_args(cfg, status)
+        with _on(self.geo.device):
+            return bind_launch(kernel, grid, args, meta, self.geo.device)
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -1110,6 +1105,12 @@ class MoveCheck:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
         return self.checks.check(scatter=self.scatter)
 
+    def reset(self) -> None:
+        """Forget the last run's slot checks (before running the same move again)."""
+        self.checks = None
+        self.fused = None
+        self.fused_event = None
+
     def queue_checks(self) -> None:
         """Queue the slot checks (once; best right after the first launch, so they overlap the move)."""
         if self.checks is None and self.check_args is not None:
@@ -1157,171 +1158,149 @@ class MoveCheck:
         )
 
 
-def check_move(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    objs: Sequence[torch.Tensor],
-    layers: range,
-    skip_prefix: int | Sequence[int] | None,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> MoveCheck:
-    """Validate a move (objects on the device for one launch, or in host memory for the pipeline). The slot
-    checks are queued on the device by ``queue_checks()`` (or run on the host with ``host_slots``, a CPU
-    copy of ``slot_mapping``; none when ``trusted``); ``finish()`` reads them, raises ``ValueError`` or
-    returns the tokens written.
-
-    ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
-    """
-    _check_layer_range(layers, layout)
-    span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
-    skips = [0] * len(span_list) if skip_prefix is None else span_skips(skip_prefix, span_list)
-    _check_objects(objs, layout, span_list, layers, "out" if skip_prefix is None else "objects")
-    key = _geometry_key(kv_caches, layout, layers)
-    geo = _geometry(kv_caches, layout, layers, [], key)
-    slots = _device_slots(slot_mapping, geo.device)
-    if host_slots is not None:
-        _host_slots(slot_mapping, host_slots)  # a bad host copy is refused before anything moves
-    args = None if trusted else (slot_mapping, host_slots)
+def check_move(kv_caches: KVCaches, move: Move) -> MoveCheck:
+    """The kernels' view of a validated ``move`` (objects on the device for one launch, or in host memory
+    for the pipeline); ``Unsupported`` if the kernels cannot do it. The slot checks (``move.checks``) are
+    queued by ``queue_checks()`` and read by ``finish()``, which raises ``ValueError`` or returns the tokens
+    written."""
+    if any(not o.is_contiguous() for o in move.objects):
+        raise Unsupported("objects must be contiguous")
+    layers = move.layers
+    key = _geometry_key(kv_caches, move.layout, layers)
+    geo = _geometry(kv_caches, move.layout, layers, [], key)
+    slots = _device_slots(move.slot_mapping, geo.device)
+    args = None if move.checks is Checks.NONE else (move.slot_mapping, move.host_slots)
     mv = MoveCheck(
-        kv_caches, layout, layers, span_list, skips, slots, geo.n_slots, skip_prefix is not None, key, args
+        kv_caches,
+        move.layout,
+        layers,
+        list(move.spans),
+        list(move.span_skips),
+        slots,
+        geo.n_slots,
+        move.is_scatter,
+        key,
+        args,
     )
     mv.geos[16] = geo  # staging views are 256-byte aligned: the groups' plans reuse this geometry
     return mv
 
 
-def _plan(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    objs: Sequence[torch.Tensor],
-    layers: range,
-    skip_prefix: int | Sequence[int] | None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate one move (``check_move``) and plan it as a single launch; ``launch`` queues its slot checks
-    when ``check``, ``finish`` reads them."""
-    mv = check_move(
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        objs,
-        layers,
-        skip_prefix,
-        trusted=not check,
-        host_slots=host_slots,
-    )
-    plan = mv.plan(range(len(mv.span_list)), objs)
-    plan.move = mv
-    return plan
+def plan(kv_caches: KVCaches, move: Move) -> MovePlan:
+    """``move`` (device objects) as one launch: ``launch`` queues its slot checks (or sets the fused flags),
+    ``finish`` reads them."""
+    mv = check_move(kv_caches, move)
+    p = mv.plan(range(len(mv.span_list)), move.objects)
+    p.move = mv
+    return p
 
 
-def plan_gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    layers: range | None = None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate a gather (slot checks queued when ``check``, on the host with ``host_slots``) and return its
-    launch plan."""
-    layers = range(layout.num_layers) if layers is None else layers
-    return _plan(
-        kv_caches, layout, slot_mapping, spans, out, layers, None, check=check, host_slots=host_slots
-    )
+class BoundMove:
+    """A device move prepared once for one KV-caches object (kept on the ``Move``): the pre-bound launch
+    with its arguments and, for device-checked slots, the pinned flags the kernel sets. ``run()`` costs one
+    launch, and a wait for the kernel only when the flags must be read."""
+
+    __slots__ = ("count", "event", "flags", "flags_np", "go", "kv_caches", "mv", "plan", "reg")
+
+    def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig) -> None:
+        mv = p.move
+        assert mv is not None
+        self.kv_caches = kv_caches
+        self.reg = _register(kv_caches, mv.layout, mv.layers)
+        self.plan = p  # holds the span table, the slots and the geometry the launch points into
+        self.mv = mv
+        self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
+        self.flags: torch.Tensor | None = None
+        self.flags_np: Any = None
+        self.event: torch.cuda.Event | None = None
+        if mv.check_args is not None:
+            self.flags = torch.zeros((max(1, len(mv.span_list)), 4), dtype=torch.int64, pin_memory=True)
+            self.flags_np = self.flags.numpy()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.go = p.bound(cfg, self.flags)
+
+    def valid_for(self, kv_caches: KVCaches) -> bool:
+        """True while ``kv_caches`` is the object prepared for, holding the same layer tensors."""
+        return kv_caches is self.kv_caches and _same_layers(self.reg, kv_caches)
+
+    def run(self) -> int:
+        """Launch; with flags, wait for the kernel and count exactly on the host only if one is set
+        (``ValueError`` for bad slots). Returns the tokens written (every token past the skips when none is
+        flagged or the move is trusted)."""
+        if self.flags_np is None:
+            self.go()
+            return self.count
+        self.flags_np.fill(0)
+        self.go()
+        assert self.event is not None
+        self.event.record()
+        self.event.synchronize()
+        if self.flags_np[:, :2].any():
+            return exact_count(self.mv)
+        return self.count
 
 
-def plan_scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    layers: range | None = None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
-    layers = range(layout.num_layers) if layers is None else layers
-    return _plan(
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        objects,
-        layers,
-        skip_prefix,
-        check=check,
-        host_slots=host_slots,
-    )
+def registration(kv_caches: KVCaches, mv: MoveCheck) -> _Registered:
+    """The registration of ``kv_caches`` for ``mv``'s layers (what ``same_layers`` re-checks)."""
+    return _register(kv_caches, mv.layout, mv.layers)
 
 
-def gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    layers: range | None = None,
-    cfg: TileConfig = DEFAULT_CONFIG,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """One-launch gather into device objects (same contract as ``reference.gather``).
-
-    ``host_slots``: a CPU copy of a device ``slot_mapping`` (engines have one), checked on the host instead
-    of by device reductions. ``trusted``: the caller vouches that every slot is in ``[0, slots)``, no check
-    runs (the kernel still never touches a bad slot: its rows are left as they were).
-    """
-    plan = plan_gather(
-        kv_caches, layout, slot_mapping, spans, out, layers, check=not trusted, host_slots=host_slots
-    )
-    plan.launch(cfg)
-    plan.finish()
+def same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
+    """True when ``kv_caches`` still holds exactly the registered layer tensors (identity)."""
+    return _same_layers(reg, kv_caches)
 
 
-def scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    layers: range | None = None,
-    cfg: TileConfig = DEFAULT_CONFIG,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """One-launch scatter from device objects; returns the tokens written per layer (reference contract).
-    ``trusted`` / ``host_slots`` as in ``gather`` (trusted: every token past the skips counts as written)."""
-    plan = plan_scatter(
-        objects,
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        skip_prefix,
-        layers,
-        check=not trusted,
-        host_slots=host_slots,
-    )
-    plan.launch(cfg)
-    return plan.finish()
+def exact_count(mv: MoveCheck) -> int:
+    """The slot checks of ``mv`` counted exactly on a host copy of its slot mapping (after a flagged run)."""
+    assert mv.check_args is not None
+    mapping = mv.check_args[0]
+    sc = _slot_check(mapping, mv.slots, mv.span_list, mv.skips, mv.n_slots, mapping.cpu())
+    sc.queue()
+    return sc.check(scatter=mv.scatter)
+
+
+def bind(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> BoundMove | None:
+    """The ``BoundMove`` of ``move`` on ``kv_caches`` (prepared on first use, kept on the move), or None
+    when this move takes the general path: host objects, checks on the host, a slot mapping that had to be
+    converted (its values are read at each run), launches not pre-bound. ``Unsupported`` as ``check_move``."""
+    key = ("bound", id(kv_caches), cfg)
+    b = move.prepared.get(key)
+    if b is not None:
+        return b if b.valid_for(kv_caches) else None
+    if move.checks is Checks.HOST or not prebound_enabled() or not _ZERO_COPY[0] or not move.objects:
+        return None
+    p = plan(kv_caches, move)
+    if p.slots is not move.slot_mapping or any(o.device != p.geo.device for o in move.objects):
+        return None
+    if len(move.prepared) > 8:
+        move.prepared.clear()
+    b = move.prepared[key] = BoundMove(kv_caches, p, cfg)
+    return b
+
+
+def _run(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> int:
+    b = bind(kv_caches, move, cfg)
+    if b is not None:
+        return b.run()
+    p = plan(kv_caches, move)
+    p.launch(cfg)
+    return p.finish()
+
+
+def gather(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> None:
+    """Run a gather ``move`` into device objects in one launch (``reference.gather`` contract); a repeated
+    run of the same move costs one pre-bound launch (and, unless trusted, a wait for the slot flags)."""
+    if move.is_scatter:
+        raise ValueError(f"{move!r} is a scatter")
+    _run(kv_caches, move, cfg)
+
+
+def scatter(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> int:
+    """Run a scatter ``move`` from device objects in one launch; returns the tokens written per layer
+    (``reference.scatter`` contract; a trusted move counts every token past the skips)."""
+    if not move.is_scatter:
+        raise ValueError(f"{move!r} is a gather")
+    return _run(kv_caches, move, cfg)
 
 
 # --------------------------------------------------------------------------------------------- fp8
