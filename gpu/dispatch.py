@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["gather", "gather_fp8", "kernels_enabled", "scatter", "scatter_fp8"]
 
 _TRITON_OK: bool | None = None
-_REFERENCE = "reference"  # Move.prepared key: this move on these KV caches takes the reference
+_REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
 def kernels_enabled(kv_caches: KVCaches, layout: PagedLayout) -> bool:
@@ -58,37 +58,46 @@ def _where(objs: Sequence[torch.Tensor], device: torch.device) -> str:
 
 def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     """Run ``move`` on a kernel path: the tokens written (a gather's count is unused), or None when the
-    reference must do it (remembered on the move for these KV caches)."""
+    reference must do it. What the first run picked is remembered on the move for these KV caches, so a
+    repeated run goes straight to its bound launch or its prepared pipeline."""
+    from tiercache.gpu import transfer
     from tiercache.gpu import triton_kernels as tk
 
-    bound = move.prepared.get(("bound", id(kv_caches), tk.DEFAULT_CONFIG))
-    if bound is not None and bound.valid_for(kv_caches):  # a repeated run: one launch
-        return bound.run()  # type: ignore[no-any-return]
-    if move.prepared.get(_REFERENCE) is kv_caches:
-        return None
-    if not move.objects or not kernels_enabled(kv_caches, move.layout):
-        return None
-    from tiercache.gpu import transfer
-
-    where = _where(move.objects, layer_tensors(kv_caches)[0].device)
-    try:
-        if where == "device":
-            b = tk.bind(kv_caches, move)
-            if b is not None:
-                return b.run()
-            p = tk.plan(kv_caches, move)
-            p.launch()
-            return p.finish()
-        if where == "host":
-            xfer = transfer.transfer_for(layer_tensors(kv_caches)[0].device)
-            if move.is_scatter:
-                return xfer.load(kv_caches, move)
-            xfer.store(kv_caches, move)
-            return 0
-    except Unsupported:
-        pass
-    move.prepared[_REFERENCE] = kv_caches
-    return None
+    picked = move.prepared.get(id(kv_caches))
+    if picked is not None and picked[1] is kv_caches:
+        path = picked[0]
+        if path == _REFERENCE:
+            return None
+        if path == "bound":
+            bound = tk.bind(kv_caches, move)
+            if bound is not None:
+                return bound.run()
+        elif path == "pipeline":
+            xfer: transfer.Transfer = picked[2]
+            return xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+    path = _REFERENCE
+    n: int | None = None
+    if move.objects and kernels_enabled(kv_caches, move.layout):
+        device = layer_tensors(kv_caches)[0].device
+        where = _where(move.objects, device)
+        try:
+            if where == "device":
+                b = tk.bind(kv_caches, move)
+                if b is not None:
+                    path, n = "bound", b.run()
+                else:
+                    p = tk.plan(kv_caches, move)
+                    p.launch()
+                    path, n = "plan", p.finish()
+            elif where == "host":
+                xfer = transfer.transfer_for(device)
+                n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+                move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
+                return n
+        except Unsupported:
+            path, n = _REFERENCE, None
+    move.prepared[id(kv_caches)] = (path, kv_caches)
+    return n
 
 
 def gather(kv_caches: KVCaches, move: Move) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ptr", "bind_launch", "launch", "prebound_enabled"]
+__all__ = ["Ptr", "bind_launch", "current_stream", "launch", "prebound_enabled"]
 
 
 class Ptr:
@@ -156,3 +156,19 @@ def bind_launch(
         run(g0, g1, g2, raw_stream(index), function, packed, None, None, None, *values)
 
     return go
+
+
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)``, the Stream object cached by its raw handle (the torch call
+    builds a new object through several Python layers each time)."""
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    s = _STREAMS.get(key)
+    if s is None:
+        s = torch.cuda.current_stream(index)
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        _STREAMS[key] = s
+    return s

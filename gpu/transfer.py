@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache.gpu import triton_kernels as tk
-from tiercache.gpu.launch import prebound_enabled
+from tiercache.gpu.launch import current_stream, prebound_enabled
 from tiercache.gpu.layouts import layer_tensors
 from tiercache.gpu.move import Move
 
@@ -100,6 +100,7 @@ class Transfer:
         coalesce: bool = DEFAULT_COALESCE,
     ) -> None:
         self.device = device
+        self.index = device.index or 0
         self.staging_bytes = staging_bytes
         self.coalesce = coalesce
         self.stream = torch.cuda.Stream(device)
@@ -186,13 +187,27 @@ class Transfer:
         move.prepared[key] = pipe
         return pipe
 
-    def store(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> None:
-        """Run a gather ``move`` into host objects (``reference.gather`` contract) through the pipeline."""
-        cur = torch.cuda.current_stream(self.device)
+    def _on_side(self) -> None:
+        """Make the side stream current (``_back_to`` restores the caller's): the raw call behind
+        ``torch.cuda.stream``, without its Python layers."""
+        s = self.stream
+        torch._C._cuda_setStream(
+            stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type
+        )
+
+    def _back_to(self, cur: torch.cuda.Stream) -> None:
+        torch._C._cuda_setStream(
+            stream_id=cur.stream_id, device_index=cur.device_index, device_type=cur.device_type
+        )
+
+    def store(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
+        """Run a gather ``move`` into host objects (``reference.gather`` contract) through the pipeline;
+        returns 0 (a gather writes no KV)."""
+        cur = current_stream(self.index)
         with self.lock:
             pipe = self._prepare(kv_caches, move, cfg)
             if not pipe.groups:
-                return
+                return 0
             pipe.start()
             for grp in pipe.groups:
                 b = grp.buffer
@@ -200,18 +215,22 @@ class Transfer:
                 grp.launch()
                 self.ready[b].record(cur)
                 self.stream.wait_event(self.ready[b])
-                with torch.cuda.stream(self.stream):
+                self._on_side()
+                try:
                     for h, v in grp.copies:
                         h.copy_(v, non_blocking=True)
+                finally:
+                    self._back_to(cur)
                 self.free[b].record(self.stream)
             pipe.queue_checks()  # after the last launch: the next group's gather never waits for them
             self.stream.synchronize()  # the copies waited for every gather: the flags are written too
         pipe.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
+        return 0
 
     def load(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
         """Run a scatter ``move`` from host objects into the paged KV (``reference.scatter`` contract);
         returns the tokens written."""
-        cur = torch.cuda.current_stream(self.device)
+        cur = current_stream(self.index)
         with self.lock:
             pipe = self._prepare(kv_caches, move, cfg)
             if not pipe.groups:
@@ -220,9 +239,12 @@ class Transfer:
             for g, grp in enumerate(pipe.groups):
                 b = grp.buffer
                 self.stream.wait_event(self.free[b])
-                with torch.cuda.stream(self.stream):
+                self._on_side()
+                try:
                     for h, v in grp.copies:
                         v.copy_(h, non_blocking=True)
+                finally:
+                    self._back_to(cur)
                 self.ready[b].record(self.stream)
                 if g == 0:
                     pipe.queue_checks()  # while the first copy runs, ahead of the scatters

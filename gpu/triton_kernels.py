@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiercache.errors import Unsupported
-from tiercache.gpu.launch import Ptr, bind_launch, launch, prebound_enabled
+from tiercache.gpu.launch import Ptr, bind_launch, current_stream, launch, prebound_enabled
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 from tiercache.gpu.move import Checks, Move
 
@@ -1200,7 +1200,7 @@ class BoundMove:
     with its arguments and, for device-checked slots, the pinned flags the kernel sets. ``run()`` costs one
     launch, and a wait for the kernel only when the flags must be read."""
 
-    __slots__ = ("count", "event", "flags", "flags_np", "go", "kv_caches", "mv", "plan", "reg")
+    __slots__ = ("count", "event", "flags", "flags_np", "go", "index", "kv_caches", "mv", "plan", "reg")
 
     def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig) -> None:
         mv = p.move
@@ -1218,6 +1218,7 @@ class BoundMove:
             self.flags_np = self.flags.numpy()
             self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.go = p.bound(cfg, self.flags)
+        self.index = p.geo.device.index or 0
 
     def valid_for(self, kv_caches: KVCaches) -> bool:
         """True while ``kv_caches`` is the object prepared for, holding the same layer tensors."""
@@ -1233,7 +1234,7 @@ class BoundMove:
         self.flags_np.fill(0)
         self.go()
         assert self.event is not None
-        self.event.record()
+        self.event.record(current_stream(self.index))
         self.event.synchronize()
         if self.flags_np[:, :2].any():
             return exact_count(self.mv)
@@ -1259,22 +1260,65 @@ def exact_count(mv: MoveCheck) -> int:
     return sc.check(scatter=mv.scatter)
 
 
+_BOUND_MOVES: dict[tuple[Any, ...], BoundMove] = {}  # by what the launch depends on (``_launch_key``)
+_BOUND_MOVES_MAX = 64
+
+
+def _launch_key(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> tuple[Any, ...]:
+    """Everything a bound launch of ``move`` depends on: the KV caches, the addresses of the slot mapping
+    and of the objects (not the tensor objects), spans, skips, layers, checks and tile."""
+    sm = move.slot_mapping
+    return (
+        id(kv_caches),
+        move.layout,
+        sm.data_ptr(),
+        sm.dtype,
+        sm.shape[0],
+        move.spans,
+        tuple(o.data_ptr() for o in move.objects),
+        move.skips,
+        move.layers.start,
+        move.layers.stop,
+        move.checks,
+        cfg,
+    )
+
+
 def bind(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> BoundMove | None:
-    """The ``BoundMove`` of ``move`` on ``kv_caches`` (prepared on first use, kept on the move), or None
-    when this move takes the general path: host objects, checks on the host, a slot mapping that had to be
-    converted (its values are read at each run), launches not pre-bound. ``Unsupported`` as ``check_move``."""
+    """The ``BoundMove`` of ``move`` on ``kv_caches``, or None when this move takes the general path
+    (objects in host memory, checks on the host, a slot mapping that is not a contiguous int tensor on the
+    KV device, launches not pre-bound). Kept on the move; and across moves of the same request shape (a
+    new ``Move`` of the same KV caches, slot-mapping and object addresses, spans, skips, layers and checks
+    reuses the launch prepared for an earlier one). ``Unsupported`` as ``check_move``."""
     key = ("bound", id(kv_caches), cfg)
     b = move.prepared.get(key)
-    if b is not None:
-        return b if b.valid_for(kv_caches) else None
-    if move.checks is Checks.HOST or not prebound_enabled() or not _ZERO_COPY[0] or not move.objects:
+    if b is not None and b.valid_for(kv_caches):
+        return b  # type: ignore[no-any-return]
+    sm = move.slot_mapping
+    if (
+        move.checks is Checks.HOST
+        or not prebound_enabled()
+        or not _ZERO_COPY[0]
+        or not move.objects
+        or not sm.is_cuda
+        or sm.dtype not in (torch.int32, torch.int64)
+        or not sm.is_contiguous()
+        or not all(o.is_cuda for o in move.objects)
+    ):
         return None
-    p = plan(kv_caches, move)
-    if p.slots is not move.slot_mapping or any(o.device != p.geo.device for o in move.objects):
-        return None
+    lkey = _launch_key(kv_caches, move, cfg)
+    b = _BOUND_MOVES.get(lkey)
+    if b is None or not b.valid_for(kv_caches):
+        p = plan(kv_caches, move)
+        if p.slots is not sm or any(o.device != p.geo.device for o in move.objects):
+            return None
+        b = BoundMove(kv_caches, p, cfg)
+        if len(_BOUND_MOVES) >= _BOUND_MOVES_MAX:
+            del _BOUND_MOVES[next(iter(_BOUND_MOVES))]
+        _BOUND_MOVES[lkey] = b
     if len(move.prepared) > 8:
         move.prepared.clear()
-    b = move.prepared[key] = BoundMove(kv_caches, p, cfg)
+    move.prepared[key] = b
     return b
 
 
