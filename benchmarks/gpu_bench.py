@@ -293,6 +293,16 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             "vs_ceiling_median": c_h2d / statistics.median(rt),
             "vs_ceiling_worst_of_5": c_h2d / max(rt),
         }
+        if nbytes <= dispatch.ZERO_COPY_BYTES:  # the staged pipeline at this size too, for comparison
+            old, dispatch.ZERO_COPY_BYTES = dispatch.ZERO_COPY_BYTES, 0
+            try:
+                pst, prt = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl2, sp, houts)
+                ps = [wall_time(lambda: dispatch.gather(kv, pst), reps=21) for _ in range(3)]  # noqa: B023
+                pr = [wall_time(lambda: dispatch.scatter(kv2, prt), reps=21) for _ in range(3)]  # noqa: B023
+            finally:
+                dispatch.ZERO_COPY_BYTES = old
+            row["to_pinned"]["staged_pipeline_vs_ceiling_median"] = c_d2h / statistics.median(ps)
+            row["from_pinned"]["staged_pipeline_vs_ceiling_median"] = c_h2d / statistics.median(pr)
         out[f"{n}_tokens"] = row
         log(f"per_size {n}", json.dumps(row))
     sp = [(0, CHUNK)]

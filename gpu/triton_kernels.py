@@ -491,6 +491,12 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype) -> Ptr | torch.Tensor:
     return Ptr(t.data_ptr(), dtype, lambda: _alias(t, dtype))
 
 
+def _host_ptr(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Ptr:
+    """A pinned host tensor's first element as a ``dtype`` pointer (the kernel reads / writes it over the
+    bus); compiling sees an aligned device stand-in of the same dtype."""
+    return Ptr(t.data_ptr(), dtype, lambda: torch.empty(16, dtype=dtype, device=device))
+
+
 def _align_of(ptrs: Sequence[int]) -> int:
     """The largest power of two <= 16 dividing every pointer (what the word and vector choice depends on)."""
     a = 16
@@ -1120,8 +1126,10 @@ class MoveCheck:
             )
             self.checks.queue()
 
-    def plan(self, idx: Sequence[int], objs: Sequence[torch.Tensor]) -> MovePlan:
-        """The launch plan of spans ``idx`` with device objects ``objs`` (no checks, no sync)."""
+    def plan(self, idx: Sequence[int], objs: Sequence[torch.Tensor], *, host: bool = False) -> MovePlan:
+        """The launch plan of spans ``idx`` with device objects ``objs`` (no checks, no sync); ``host``:
+        the objects are in pinned host memory (the caller checked), read or written in place over the bus
+        (pre-bound launches only)."""
         ptrs = [o.data_ptr() for o in objs]
         align = _align_of(ptrs)
         geo = self.geos.get(align)
@@ -1129,7 +1137,7 @@ class MoveCheck:
             geo = self.geos[align] = _geometry(
                 self.kv_caches, self.layout, self.layers, [align], self.geo_key
             )
-        if any(o.device != geo.device for o in objs):
+        if not host and any(o.device != geo.device for o in objs):
             raise Unsupported("objects are not on the KV device")
         word = geo.word
         base_ptr = ptrs[0] if objs else 0
@@ -1144,7 +1152,9 @@ class MoveCheck:
         lay = self.layout
         return MovePlan(
             geo=geo,
-            obj_base=_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base,
+            obj_base=_host_ptr(objs[0], _WORDS[word], geo.device)
+            if host and objs
+            else (_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base),
             span_table=_device_ints(rows or [(0, 0, 0, 0)], geo.device),
             slots=self.slots,
             tiles_per_span=max_tokens,
@@ -1186,23 +1196,24 @@ def check_move(kv_caches: KVCaches, move: Move) -> MoveCheck:
     return mv
 
 
-def plan(kv_caches: KVCaches, move: Move) -> MovePlan:
-    """``move`` (device objects) as one launch: ``launch`` queues its slot checks (or sets the fused flags),
-    ``finish`` reads them."""
+def plan(kv_caches: KVCaches, move: Move, *, host: bool = False) -> MovePlan:
+    """``move`` (device objects, or pinned host objects with ``host``) as one launch: ``launch`` queues its
+    slot checks (or sets the fused flags), ``finish`` reads them."""
     mv = check_move(kv_caches, move)
-    p = mv.plan(range(len(mv.span_list)), move.objects)
+    p = mv.plan(range(len(mv.span_list)), move.objects, host=host)
     p.move = mv
     return p
 
 
 class BoundMove:
-    """A device move prepared once for one KV-caches object (kept on the ``Move``): the pre-bound launch
-    with its arguments and, for device-checked slots, the pinned flags the kernel sets. ``run()`` costs one
-    launch, and a wait for the kernel only when the flags must be read."""
+    """A move prepared once for one KV-caches object (kept on the ``Move``): the pre-bound launch with its
+    arguments and, for device-checked slots, the pinned flags the kernel sets. ``run()`` costs one launch,
+    and a wait for the kernel when the flags must be read or the objects are in host memory (``wait``: the
+    caller may read them, or release them, once the call returns)."""
 
-    __slots__ = ("count", "event", "flags", "flags_np", "go", "index", "kv_caches", "mv", "plan", "reg")
+    __slots__ = ("count", "flags", "flags_np", "go", "index", "kv_caches", "mv", "plan", "reg", "wait")
 
-    def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig) -> None:
+    def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig, *, wait: bool = False) -> None:
         mv = p.move
         assert mv is not None
         self.kv_caches = kv_caches
@@ -1212,11 +1223,10 @@ class BoundMove:
         self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
         self.flags: torch.Tensor | None = None
         self.flags_np: Any = None
-        self.event: torch.cuda.Event | None = None
         if mv.check_args is not None:
             self.flags = torch.zeros((max(1, len(mv.span_list)), 4), dtype=torch.int64, pin_memory=True)
             self.flags_np = self.flags.numpy()
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.wait = wait or self.flags is not None
         self.go = p.bound(cfg, self.flags)
         self.index = p.geo.device.index or 0
 
@@ -1228,15 +1238,14 @@ class BoundMove:
         """Launch; with flags, wait for the kernel and count exactly on the host only if one is set
         (``ValueError`` for bad slots). Returns the tokens written (every token past the skips when none is
         flagged or the move is trusted)."""
-        if self.flags_np is None:
-            self.go()
-            return self.count
-        self.flags_np.fill(0)
+        flags = self.flags_np
+        if flags is not None:
+            flags.fill(0)
         self.go()
-        assert self.event is not None
-        self.event.record(current_stream(self.index))
-        self.event.synchronize()
-        if self.flags_np[:, :2].any():
+        if not self.wait:
+            return self.count
+        current_stream(self.index).synchronize()  # the move is the stream's last work: it waits for it only
+        if flags is not None and flags[:, :2].any():
             return exact_count(self.mv)
         return self.count
 
@@ -1284,12 +1293,30 @@ def _launch_key(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> tuple[Any, 
     )
 
 
-def bind(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> BoundMove | None:
+def pinned_objects(objs: Sequence[torch.Tensor]) -> bool:
+    """True when every object lies in pinned host memory (one query per storage: L1 objects share one)."""
+    seen: set[int] = set()
+    for o in objs:
+        if o.is_cuda:
+            return False
+        base = o.untyped_storage().data_ptr()
+        if base not in seen:
+            if not o.is_pinned():
+                return False
+            seen.add(base)
+    return True
+
+
+def bind(
+    kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG, *, host: bool = False
+) -> BoundMove | None:
     """The ``BoundMove`` of ``move`` on ``kv_caches``, or None when this move takes the general path
-    (objects in host memory, checks on the host, a slot mapping that is not a contiguous int tensor on the
-    KV device, launches not pre-bound). Kept on the move; and across moves of the same request shape (a
-    new ``Move`` of the same KV caches, slot-mapping and object addresses, spans, skips, layers and checks
-    reuses the launch prepared for an earlier one). ``Unsupported`` as ``check_move``."""
+    (checks on the host, a slot mapping that is not a contiguous int tensor on the KV device, launches not
+    pre-bound, objects not on the device; with ``host``, objects not all in pinned host memory: the kernel
+    then reads / writes them in place and every run waits for it). Kept on the move; and across moves of
+    the same request shape (a new ``Move`` of the same KV caches, slot-mapping and object addresses, spans,
+    skips, layers and checks reuses the launch prepared for an earlier one). ``Unsupported`` as
+    ``check_move``."""
     key = ("bound", id(kv_caches), cfg)
     b = move.prepared.get(key)
     if b is not None and b.valid_for(kv_caches):
@@ -1303,16 +1330,16 @@ def bind(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> B
         or not sm.is_cuda
         or sm.dtype not in (torch.int32, torch.int64)
         or not sm.is_contiguous()
-        or not all(o.is_cuda for o in move.objects)
+        or not (pinned_objects(move.objects) if host else all(o.is_cuda for o in move.objects))
     ):
         return None
     lkey = _launch_key(kv_caches, move, cfg)
     b = _BOUND_MOVES.get(lkey)
     if b is None or not b.valid_for(kv_caches):
-        p = plan(kv_caches, move)
-        if p.slots is not sm or any(o.device != p.geo.device for o in move.objects):
+        p = plan(kv_caches, move, host=host)
+        if p.slots is not sm or (not host and any(o.device != p.geo.device for o in move.objects)):
             return None
-        b = BoundMove(kv_caches, p, cfg)
+        b = BoundMove(kv_caches, p, cfg, wait=host)
         if len(_BOUND_MOVES) >= _BOUND_MOVES_MAX:
             del _BOUND_MOVES[next(iter(_BOUND_MOVES))]
         _BOUND_MOVES[lkey] = b
