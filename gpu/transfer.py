@@ -8,14 +8,14 @@ buffer back. So gathering group g+1 overlaps copying group g, and the copy engin
 the host. Retrieve (``load_from_host``) mirrors it: host-to-device copies on the side stream into staging,
 one scatter launch per group on the current stream.
 
-Both return after the host memory is no longer touched (the side stream is synchronized): the caller may
-release its L1 leases at once. A retrieve's scatter kernels stay queued on the current stream, ordered
-before whatever the caller launches next there. Shapes and spans are validated once, up front, before any
-launch. The slot checks (a small kernel on the current stream) are queued where they delay nothing: after
-a store's last gather (queued after the first, they held up the second group's gather by about 50 us on the
-H200 host), and during a retrieve's first copy, ahead of its scatters, so reading them never waits for the
-scatters. The kernels never touch a bad slot, so a bad slot is reported at the end and nothing was written
-for it. ``triton_kernels.Unsupported`` means "use the reference".
+Both return after the host memory is no longer touched: the caller may release its L1 leases at once.
+What a move needs (groups, staging views, bound launches, copy pairs) is prepared on its first run and kept
+on the ``Move``, so a repeated run is the launches, the copies and the events. Slots checked on the device
+are checked by the move kernels themselves (per-span flags in pinned memory, read once the last launch is
+done: a retrieve waits for its last scatter); slots checked on the host (``host_slots``) by a ``SlotCheck``
+queued after a store's last gather or during a retrieve's first copy. The kernels never touch a bad slot, so
+a bad slot is reported at the end and nothing was written for it. ``tiercache.errors.Unsupported`` means
+"use the reference".
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ back and neighbouring programs read neighbouring token rows; 16-byte vector load
 (checked on the host) allow. The H200 A/B (``benchmarks/gpu_ab.py``) put this at 1995 GB/s against 1956
 for the earlier one-head-row-per-program tiling, 94 % of the device-copy ceiling.
 
-Slot checks run on the device as one small kernel (one program per span) queued right after the move, its
-per-span counts copied to pinned memory behind an event (``SlotCheck``); a CPU slot mapping is checked on the
-host. The moves never touch a bad slot, so a late report loses nothing.
+Slot checks: a move kernel checks its own slots (per-span flags it sets in pinned memory; the host counts
+exactly only when one is set); the fp8 kernels, and moves launched through Triton's own ``run``, use one small
+check kernel (one program per span) queued after the move (``SlotCheck``); a CPU slot mapping (or the
+caller's CPU copy) is checked on the host. The moves never touch a bad slot, so a late report loses nothing.
 
 The fused fp8 gather (``gather_fp8``) writes, per span, exactly the payload of ``Fp8Codec("channel")``:
 float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**-126)``) then e4m3 bytes
@@ -33,8 +34,11 @@ fall back to two passes of 32 tokens (the second read mostly hits L2). Channel b
 (programs running together read neighbouring head rows; 1324 vs 1290 GB/s on the H200), and the kernel counts
 non-finite input into its span's status word, so the finite check needs no pass of its own.
 
-Host side: the tensor-free geometry, object shapes, span tables and layer offsets are cached (keyed by the
-layers' pointers/shapes/strides, and by value), so a repeated call costs a pass over its spans and layers.
+Host side: a ``Move`` (``tiercache.gpu.move``) is validated once; its first run here computes the launch
+(geometry per registered KV caches, span table, tiles) and binds it (``BoundMove``: the compiled kernel's
+launcher with its arguments as ints, plus the flags), kept on the move and shared by later moves of the same
+request shape (same KV caches, slot-mapping and object addresses, spans, skips, layers, checks), so a
+repeated run costs one launcher call and, unless trusted, one stream sync and a read of the flags.
 
 Kernels are compiled lazily (``TRITON_INTERPRET=1`` is read when they are first built, so tests can run them
 on the CPU through Triton's interpreter).
