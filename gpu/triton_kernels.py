@@ -522,6 +522,7 @@ class _Registered:
     first_ptr: int
     key: tuple[Any, ...]
     geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of the objects
+    bound: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # BoundMoves by ``_launch_key``
 
 
 _REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
@@ -1273,8 +1274,7 @@ def exact_count(mv: MoveCheck) -> int:
     return sc.check(scatter=mv.scatter)
 
 
-_BOUND_MOVES: dict[tuple[Any, ...], BoundMove] = {}  # by what the launch depends on (``_launch_key``)
-_BOUND_MOVES_MAX = 64
+_BOUND_MOVES_MAX = 64  # bound launches kept per KV-caches registration (they live as long as it does)
 
 
 def _launch_key(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> tuple[Any, ...]:
@@ -1338,15 +1338,16 @@ def bind(
     ):
         return None
     lkey = _launch_key(kv_caches, move, cfg)
-    b = _BOUND_MOVES.get(lkey)
+    shared = _register(kv_caches, move.layout, move.layers).bound
+    b = shared.get(lkey)
     if b is None or not b.valid_for(kv_caches):
         p = plan(kv_caches, move, host=host)
         if p.slots is not sm or (not host and any(o.device != p.geo.device for o in move.objects)):
             return None
         b = BoundMove(kv_caches, p, cfg, wait=host)
-        if len(_BOUND_MOVES) >= _BOUND_MOVES_MAX:
-            del _BOUND_MOVES[next(iter(_BOUND_MOVES))]
-        _BOUND_MOVES[lkey] = b
+        if len(shared) >= _BOUND_MOVES_MAX:
+            del shared[next(iter(shared))]
+        shared[lkey] = b
     if len(move.prepared) > 8:
         move.prepared.clear()
     move.prepared[key] = b
