@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench as gb
 
-from tiercache.gpu import LayoutKind, dispatch, object_spec, reference
+from tiercache.gpu import LayoutKind, Move, dispatch, object_spec, reference
 from tiercache.gpu.triton_kernels import fp8_payload_nbytes
 
 
@@ -50,6 +50,8 @@ def main() -> None:
         cb = object_spec(layout, gb.CHUNK).nbytes
         shape = object_spec(layout, gb.CHUNK).shape
         bf_objs = [bf_pool[i * cb : (i + 1) * cb].view(torch.bfloat16).view(shape) for i in range(len(sp))]
+        bf_store = Move.gather(layout, sl, sp, bf_objs)
+        bf_retrieve = Move.scatter(layout, sl2, sp, bf_objs)
         hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
         d2h = gb.cuda_time(lambda: hbuf.copy_(dbuf, non_blocking=True), reps=20)  # noqa: B023
@@ -57,8 +59,8 @@ def main() -> None:
         fns = {
             "fp8_store": lambda: dispatch.gather_fp8(kv, layout, sl, sp, payloads),  # noqa: B023
             "fp8_retrieve": lambda: dispatch.scatter_fp8(payloads, kv2, layout, sl2, sp),  # noqa: B023
-            "bf16_store": lambda: dispatch.gather(kv, layout, sl, sp, bf_objs),  # noqa: B023
-            "bf16_retrieve": lambda: dispatch.scatter(bf_objs, kv2, layout, sl2, sp),  # noqa: B023
+            "bf16_store": lambda: dispatch.gather(kv, bf_store),  # noqa: B023
+            "bf16_retrieve": lambda: dispatch.scatter(kv2, bf_retrieve),  # noqa: B023
         }
         times: dict[str, list[float]] = {k: [] for k in fns}
         for r in range(5):
@@ -80,8 +82,8 @@ def main() -> None:
         dispatch.scatter_fp8(payloads, kv2, layout, sl2, sp)
         a = [torch.empty(shape, dtype=torch.bfloat16, device=gb.DEV) for _ in sp]
         b = [torch.empty_like(x) for x in a]
-        reference.gather(kv2, layout, sl2, sp, a)
-        reference.gather(kv, layout, sl, sp, b)
+        reference.gather(kv2, Move.gather(layout, sl2, sp, a))
+        reference.gather(kv, Move.gather(layout, sl, sp, b))
         err = max(float((x.float() - y.float()).norm() / y.float().norm()) for x, y in zip(a, b, strict=True))
         row["round_trip_relative_error"] = err
         refk = [t.clone() for t in kv2]

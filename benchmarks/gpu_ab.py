@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from gpu_bench import CHUNK, DEV, GB, H, L, T, bits, cuda_time, log, make_engine, spans, wall_time
 
-from tiercache.gpu import LayoutKind, object_spec, reference
+from tiercache.gpu import LayoutKind, Move, object_spec, reference
 from tiercache.gpu import triton_kernels as tk
 
 ROUNDS = 5
@@ -43,7 +43,7 @@ def main() -> None:
     payload = object_spec(layout, T).nbytes
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
     want = [torch.empty_like(o) for o in objs]
-    reference.gather(kv, layout, slots, sp, want)
+    reference.gather(kv, Move.gather(layout, slots, sp, want))
     a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
 
@@ -52,8 +52,8 @@ def main() -> None:
     for tb in (4096, 8192, 16384, 32768):
         for nw in (4, 8):
             cfg = tk.TileConfig(tb, 0, nw)
-            g = tk.plan_gather(kv, layout, slots, sp, objs, check=False)
-            s = tk.plan_scatter(want, kv2, layout, slots2, sp, check=False)
+            g = tk.plan(kv, Move.gather(layout, slots, sp, objs, trusted=True))
+            s = tk.plan(kv2, Move.scatter(layout, slots2, sp, want, trusted=True))
             variants[f"gather_t{tb}_w{nw}"] = lambda g=g, cfg=cfg: g.launch(cfg)
             variants[f"scatter_t{tb}_w{nw}"] = lambda s=s, cfg=cfg: s.launch(cfg)
     if base is not None:
@@ -80,8 +80,8 @@ def main() -> None:
         "bit_exact": exact,
     }
     calls: dict[str, Callable[[], object]] = {
-        "gather": lambda: tk.gather(kv, layout, slots, sp, objs),
-        "scatter": lambda: tk.scatter(want, kv2, layout, slots2, sp),
+        "gather": lambda: tk.gather(kv, Move.gather(layout, slots, sp, objs)),
+        "scatter": lambda: tk.scatter(kv2, Move.scatter(layout, slots2, sp, want)),
     }
     if base is not None:
         calls["baseline_gather"] = lambda: base.gather(kv, layout, slots, sp, objs)
@@ -121,9 +121,9 @@ def gpu_l1(
     def pipe(staging: int, co: bool, store: bool) -> Callable[[], object]:
         def run() -> object:
             xfer.staging_bytes, xfer.coalesce = staging, co
-            if store:
-                return tr.store_to_host(kv, layout, slots, sp, outs)
-            return tr.load_from_host(outs, kv2, layout, slots2, sp)
+            if store:  # a fresh move each run: the staging settings apply
+                return tr.store_to_host(kv, Move.gather(layout, slots, sp, outs))
+            return tr.load_from_host(kv2, Move.scatter(layout, slots2, sp, outs))
 
         return run
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tiercache.gpu import LayoutKind, PagedLayout, object_spec, reference
+from tiercache.gpu import LayoutKind, Move, PagedLayout, object_spec, reference
 from tiercache.gpu import transfer as tr
 from tiercache.gpu import triton_kernels as tk
 
@@ -211,7 +211,6 @@ def _host_profile(fn: Callable[[], object], calls: int = 300) -> list[str]:
 def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
     """Whole public calls against the kernel's device time and the pinned ceiling, at each of ``SIZES``."""
     from tiercache.gpu import dispatch
-    from tiercache.gpu import launch as prebound
     from tiercache.store.l1 import L1Cache
 
     _, kv2, slots2, _ = make_engine(
@@ -224,38 +223,45 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         nbytes = object_spec(layout, n).nbytes
         objs = [torch.empty(object_spec(layout, CHUNK).shape, dtype=torch.bfloat16, device=DEV) for _ in sp]
         want = [torch.empty_like(o) for o in objs]
-        reference.gather(kv, layout, sl, sp, want)
+        reference.gather(kv, Move.gather(layout, sl, sp, want))
         row: dict[str, Any] = {"bytes": nbytes}
-        gplan = tk.plan_gather(kv, layout, sl, sp, objs, check=False)
-        splan = tk.plan_scatter(objs, kv2, layout, sl2, sp, check=False)
+        gplan = tk.plan(kv, Move.gather(layout, sl, sp, objs, trusted=True))
+        splan = tk.plan(kv2, Move.scatter(layout, sl2, sp, objs, trusted=True))
         t_gk = cuda_time(gplan.launch, reps=50)
         t_sk = cuda_time(splan.launch, reps=50)
-        calls = {
-            "gather": lambda: dispatch.gather(kv, layout, sl, sp, objs),  # noqa: B023
-            "scatter": lambda: dispatch.scatter(objs, kv2, layout, sl2, sp),  # noqa: B023
+        moves = {
+            "gather": Move.gather(layout, sl, sp, objs),
+            "scatter": Move.scatter(layout, sl2, sp, objs),
+            "gather_trusted": Move.gather(layout, sl, sp, objs, trusted=True),
+            "scatter_trusted": Move.scatter(layout, sl2, sp, objs, trusted=True),
         }
-        for name, t_kernel in (("gather", t_gk), ("scatter", t_sk)):
+        calls: dict[str, Callable[[], object]] = {
+            "gather": lambda: dispatch.gather(kv, moves["gather"]),  # noqa: B023
+            "scatter": lambda: dispatch.scatter(kv2, moves["scatter"]),  # noqa: B023
+            "gather_trusted": lambda: dispatch.gather(kv, moves["gather_trusted"]),  # noqa: B023
+            "scatter_trusted": lambda: dispatch.scatter(kv2, moves["scatter_trusted"]),  # noqa: B023
+            # a move built and run in every call (what a caller pays that does not keep its move)
+            "gather_built_per_call": lambda: dispatch.gather(kv, Move.gather(layout, sl, sp, objs)),  # noqa: B023
+            "scatter_built_per_call": lambda: dispatch.scatter(kv2, Move.scatter(layout, sl2, sp, objs)),  # noqa: B023
+        }
+        for name, fn in calls.items():
+            t_kernel = t_sk if name.startswith("scatter") else t_gk
             for o in objs if name == "gather" else []:
                 bits(o).fill_(-1)
-            t_pre = wall_time(calls[name], reps=101, warmup=5)
-            prebound.ENABLED = False
-            try:
-                t_run = wall_time(calls[name], reps=101, warmup=5)
-            finally:
-                prebound.ENABLED = True
+            t_call = wall_time(fn, reps=201, warmup=5)
             row[name] = {
                 "kernel_device_GBps": nbytes / t_kernel / GB,
-                "call_wall_GBps": nbytes / t_pre / GB,
-                "call_vs_kernel": t_kernel / t_pre,
-                "host_cost_us": (t_pre - t_kernel) * 1e6,
-                "call_wall_triton_run_GBps": nbytes / t_run / GB,
-                "host_cost_triton_run_us": (t_run - t_kernel) * 1e6,
+                "call_wall_GBps": nbytes / t_call / GB,
+                "call_vs_kernel": t_kernel / t_call,
+                "call_minus_kernel_us": (t_call - t_kernel) * 1e6,
+                "host_us": host_time(fn) * 1e6,
             }
-        row["gather"]["bit_exact"] = all(
-            torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True)
-        )
+            if name == "gather":
+                row[name]["bit_exact"] = all(
+                    torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True)
+                )
         back = [torch.empty_like(o) for o in objs]
-        reference.gather(kv2, layout, sl2, sp, back)
+        reference.gather(kv2, Move.gather(layout, sl2, sp, back))
         row["scatter"]["round_trip_bit_exact"] = all(
             torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True)
         )
@@ -264,39 +270,68 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         l1 = L1Cache(len(sp) * chunk_bytes, chunk_bytes, pinned=True)
         l1o = [l1.reserve_write(f"p{i}", object_spec(layout, CHUNK)) for i in range(len(sp))]
         houts = [o.tensor() for o in l1o if o is not None]
+        store, load = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl2, sp, houts)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
-        d2h = cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=20)  # noqa: B023
-        h2d = cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=20)  # noqa: B023
-        st = [wall_time(lambda: dispatch.gather(kv, layout, sl, sp, houts), reps=21) for _ in range(5)]  # noqa: B023
-        rt = [wall_time(lambda: dispatch.scatter(houts, kv2, layout, sl2, sp), reps=21) for _ in range(5)]  # noqa: B023
+        st, rt, d2h, h2d = [], [], [], []
+        for _ in range(5):  # interleaved rounds: ceiling, call, ceiling, call
+            d2h.append(cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=11))  # noqa: B023
+            st.append(wall_time(lambda: dispatch.gather(kv, store), reps=21))  # noqa: B023
+            h2d.append(cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=11))  # noqa: B023
+            rt.append(wall_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
+        c_d2h, c_h2d = statistics.median(d2h), statistics.median(h2d)
         row["to_pinned"] = {
-            "ceiling_GBps": nbytes / d2h / GB,
+            "ceiling_GBps": nbytes / c_d2h / GB,
             "call_wall_GBps": nbytes / statistics.median(st) / GB,
-            "vs_ceiling_median": d2h / statistics.median(st),
-            "vs_ceiling_worst_of_5": d2h / max(st),
+            "vs_ceiling_median": c_d2h / statistics.median(st),
+            "vs_ceiling_worst_of_5": c_d2h / max(st),
             "bit_exact": all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(houts, want, strict=True)),
         }
         row["from_pinned"] = {
-            "ceiling_GBps": nbytes / h2d / GB,
+            "ceiling_GBps": nbytes / c_h2d / GB,
             "call_wall_GBps": nbytes / statistics.median(rt) / GB,
-            "vs_ceiling_median": h2d / statistics.median(rt),
-            "vs_ceiling_worst_of_5": h2d / max(rt),
+            "vs_ceiling_median": c_h2d / statistics.median(rt),
+            "vs_ceiling_worst_of_5": c_h2d / max(rt),
         }
+        if nbytes <= dispatch.ZERO_COPY_BYTES:  # the staged pipeline at this size too, for comparison
+            old, dispatch.ZERO_COPY_BYTES = dispatch.ZERO_COPY_BYTES, 0
+            try:
+                pst, prt = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl2, sp, houts)
+                ps = [wall_time(lambda: dispatch.gather(kv, pst), reps=21) for _ in range(3)]  # noqa: B023
+                pr = [wall_time(lambda: dispatch.scatter(kv2, prt), reps=21) for _ in range(3)]  # noqa: B023
+            finally:
+                dispatch.ZERO_COPY_BYTES = old
+            row["to_pinned"]["staged_pipeline_vs_ceiling_median"] = c_d2h / statistics.median(ps)
+            row["from_pinned"]["staged_pipeline_vs_ceiling_median"] = c_h2d / statistics.median(pr)
         out[f"{n}_tokens"] = row
         log(f"per_size {n}", json.dumps(row))
     sp = [(0, CHUNK)]
     objs = [torch.empty(object_spec(layout, CHUNK).shape, dtype=torch.bfloat16, device=DEV)]
-    out["host_profile_gather_256"] = _host_profile(
-        lambda: dispatch.gather(kv, layout, slots[:CHUNK], sp, objs)
-    )
+    mv = Move.gather(layout, slots[:CHUNK], sp, objs)
+    out["host_profile_gather_256"] = _host_profile(lambda: dispatch.gather(kv, mv))
     out["note"] = (
         "call: wall time of the public tiercache.gpu.dispatch call from a synchronized device (slot checks "
-        "included); kernel: device time of the same launch; host_cost_us = call - kernel; triton_run: the "
-        "same call through Triton's own run (launch.ENABLED off); pinned: wall time of the call vs device "
-        "time of one pinned copy"
+        "included unless *_trusted), the Move built once (built_per_call: built in each call); kernel: "
+        "device "
+        "time of the same launch; host_us: wall time until the call returns minus nothing (a checked call "
+        "waits for its kernel); pinned: wall time of the call vs device time of one pinned copy, interleaved"
     )
     return out
+
+
+def host_time(fn: Callable[[], object], reps: int = 201) -> float:
+    """Median seconds until ``fn`` returns, from a synchronized device (a call that waits for its kernel
+    includes it)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(times) / 1e9
 
 
 def main() -> None:
@@ -335,14 +370,14 @@ def main() -> None:
     # ---- gather
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
     want = [torch.empty_like(o) for o in objs]
-    reference.gather(kv, layout, slots, sp, want)
+    reference.gather(kv, Move.gather(layout, slots, sp, want))
     whole = torch.empty(object_spec(layout, T).shape, dtype=torch.bfloat16, device=DEV)
     t_base = cuda_time(index_select_baseline(raw, slots, whole))
     t_layer = cuda_time(per_layer_gather(raw, slots, whole))
-    t_ref = cuda_time(lambda: reference.gather(kv, layout, slots, sp, objs), reps=10)
+    t_ref = cuda_time(lambda: reference.gather(kv, Move.gather(layout, slots, sp, objs)), reps=10)
     configs = [tk.TileConfig(tb, 0, nw) for tb in (4096, 8192, 16384, 32768) for nw in (4, 8)]
     sweep = {}
-    plan = tk.plan_gather(kv, layout, slots, sp, objs, check=False)
+    plan = tk.plan(kv, Move.gather(layout, slots, sp, objs, trusted=True))
     for cfg in configs:
         for o in objs:
             bits(o).fill_(-1)
@@ -352,7 +387,8 @@ def main() -> None:
         sweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {"GBps": payload / tc / GB, "bit_exact": ok}
     best_name, best = max(sweep.items(), key=lambda kv_: kv_[1]["GBps"])
     best_cfg = configs[list(sweep).index(best_name)]
-    t_call = wall_time(lambda: tk.gather(kv, layout, slots, sp, objs, cfg=best_cfg), reps=20)
+    gmove = Move.gather(layout, slots, sp, objs)
+    t_call = wall_time(lambda: tk.gather(kv, gmove, cfg=best_cfg), reps=20)
     res["gather"] = {
         "torch_index_select_baseline_GBps": payload / t_base / GB,
         "torch_per_layer_baseline_GBps": payload / t_layer / GB,
@@ -372,8 +408,8 @@ def main() -> None:
     _, kv2, slots2, raw2 = make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=2)
     t_base_s = cuda_time(index_copy_baseline(raw2, slots2, whole))
     t_layer_s = cuda_time(per_layer_scatter(raw2, slots2, whole))
-    t_ref_s = cuda_time(lambda: reference.scatter(objs, kv2, layout, slots2, sp), reps=10)
-    splan = tk.plan_scatter(objs, kv2, layout, slots2, sp, check=False)
+    t_ref_s = cuda_time(lambda: reference.scatter(kv2, Move.scatter(layout, slots2, sp, objs)), reps=10)
+    splan = tk.plan(kv2, Move.scatter(layout, slots2, sp, objs, trusted=True))
     ssweep = {}
     for cfg in configs:
         ssweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {
@@ -381,9 +417,10 @@ def main() -> None:
         }
     sbest_name, sbest = max(ssweep.items(), key=lambda kv_: kv_[1]["GBps"])
     sbest_cfg = configs[list(ssweep).index(sbest_name)]
-    t_scall = wall_time(lambda: tk.scatter(objs, kv2, layout, slots2, sp, cfg=sbest_cfg), reps=20)
+    smove = Move.scatter(layout, slots2, sp, objs)
+    t_scall = wall_time(lambda: tk.scatter(kv2, smove, cfg=sbest_cfg), reps=20)
     back = [torch.empty_like(o) for o in objs]
-    reference.gather(kv2, layout, slots2, sp, back)
+    reference.gather(kv2, Move.gather(layout, slots2, sp, back))
     res["scatter"] = {
         "torch_index_copy_baseline_GBps": payload / t_base_s / GB,
         "torch_per_layer_baseline_GBps": payload / t_layer_s / GB,
@@ -424,13 +461,17 @@ def main() -> None:
     for staging, co in ((s, c) for s in (32 << 20, 64 << 20, 128 << 20) for c in (False, True)):
         xfer.staging_bytes, xfer.coalesce = staging, co
         xfer.buffers = [None, None]
-        ts = wall_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs), reps=11)
-        gs = pipeline_gpu_time(lambda: tr.store_to_host(kv, layout, slots, sp, outs), xfer.stream)
+        ts = wall_time(lambda: tr.store_to_host(kv, Move.gather(layout, slots, sp, outs)), reps=11)
+        gs = pipeline_gpu_time(
+            lambda: tr.store_to_host(kv, Move.gather(layout, slots, sp, outs)), xfer.stream
+        )
         ok = all(torch.equal(bits(x.cpu()), bits(y)) for x, y in zip(want, outs, strict=True))
-        tl_ = wall_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp), reps=11)
-        gl = pipeline_gpu_time(lambda: tr.load_from_host(outs, kv3, layout, slots3, sp), xfer.stream)
+        tl_ = wall_time(lambda: tr.load_from_host(kv3, Move.scatter(layout, slots3, sp, outs)), reps=11)
+        gl = pipeline_gpu_time(
+            lambda: tr.load_from_host(kv3, Move.scatter(layout, slots3, sp, outs)), xfer.stream
+        )
         back = [torch.empty_like(o) for o in objs]
-        reference.gather(kv3, layout, slots3, sp, back)
+        reference.gather(kv3, Move.gather(layout, slots3, sp, back))
         ok2 = all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True))
         pipe["staging"][f"{staging >> 20}MiB{'_coalesced' if co else ''}"] = {
             "store_GBps": payload / ts / GB,
@@ -461,7 +502,7 @@ def main() -> None:
 
     # naive: torch reference gather on the GPU then a synchronous copy to pinned, per chunk
     def naive() -> None:
-        reference.gather(kv, layout, slots, sp, objs)
+        reference.gather(kv, Move.gather(layout, slots, sp, objs))
         for o, w in zip(outs, objs, strict=True):
             o.copy_(w)
 
@@ -571,15 +612,15 @@ def main() -> None:
         lay, kvx, sl, _ = make_engine(kind, layers, heads, hd, seed=4)
         ob = [torch.empty(object_spec(lay, e - s).shape, dtype=torch.bfloat16, device=DEV) for s, e in sp]
         wx = [torch.empty_like(o) for o in ob]
-        reference.gather(kvx, lay, sl, sp, wx)
-        px = tk.plan_gather(kvx, lay, sl, sp, ob, check=False)
+        reference.gather(kvx, Move.gather(lay, sl, sp, wx))
+        px = tk.plan(kvx, Move.gather(lay, sl, sp, ob, trusted=True))
         px.launch(best_cfg)
         okx = all(torch.equal(bits(x), bits(y)) for x, y in zip(ob, wx, strict=True))
         nbytes = object_spec(lay, T).nbytes
         extra[name] = {
             "kernel_GBps": nbytes / cuda_time(lambda px=px: px.launch(best_cfg)) / GB,
             "torch_reference_GBps": nbytes
-            / cuda_time(lambda: reference.gather(kvx, lay, sl, sp, ob), reps=5)  # noqa: B023
+            / cuda_time(lambda: reference.gather(kvx, Move.gather(lay, sl, sp, ob)), reps=5)  # noqa: B023
             / GB,
             "bit_exact": okx,
         }

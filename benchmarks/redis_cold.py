@@ -82,7 +82,7 @@ async def _retrieve(url: str, tokens_n: int) -> dict[str, Any]:
     import torch
 
     from tiercache.engine import CacheEngine
-    from tiercache.gpu import reference
+    from tiercache.gpu import Move, reference
 
     layout, kv, slots, toks = _request(tokens_n, 0)
     back = [torch.empty_like(t.permute(0, 2, 1, 3)).permute(0, 2, 1, 3) for t in kv]
@@ -96,10 +96,10 @@ async def _retrieve(url: str, tokens_n: int) -> dict[str, Any]:
     got = int(mask.sum())
     want = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
     have = torch.empty_like(want)
-    reference.gather(kv, layout, slots, [(0, tokens_n)], [want])
+    reference.gather(kv, Move.gather(layout, slots, [(0, tokens_n)], [want]))
     exact = False
     if got == tokens_n:
-        reference.gather(back, layout, slots, [(0, tokens_n)], [have])
+        reference.gather(back, Move.gather(layout, slots, [(0, tokens_n)], [have]))
         exact = torch.equal(want.view(torch.int16), have.view(torch.int16))
     # baseline: redis-py GET of every stored value, one after another, same process
     client = aredis.Redis.from_url(url)

@@ -44,6 +44,7 @@ from _common import ServerProcess, free_port, host_info, port_open, start_proces
 
 from tiercache.config import config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
 
@@ -97,7 +98,7 @@ def make_prompts(cfg: SoakConfig) -> list[Prompt]:
         cache = [torch.zeros(LAYOUT.layer_shape(n // LAYOUT.block_size), dtype=torch.bfloat16)
                  for _ in range(LAYOUT.num_layers)]  # fmt: skip
         slots = torch.arange(n)
-        scatter([kv], cache, LAYOUT, slots, [(0, n)])
+        scatter(cache, Move.scatter(LAYOUT, slots, [(0, n)], [kv]))
         prompts.append(Prompt(tokens, kv, cache, slots))
     return prompts
 
@@ -202,7 +203,7 @@ async def _workload(cfg: SoakConfig, prompts: list[Prompt], prefill: CacheEngine
         got = int(result.ret_mask.sum())
         if got:
             out = torch.empty(object_spec(LAYOUT, n).shape, dtype=torch.bfloat16)
-            gather(target, LAYOUT, p.slots, [(0, n)], [out])
+            gather(target, Move.gather(LAYOUT, p.slots, [(0, n)], [out]))
             mask = result.ret_mask[:n]
             equal = out.view(torch.int16) == p.kv.view(torch.int16)  # token axis is dim 2 (KV_2LTD)
             same = equal.movedim(2, 0).reshape(n, -1).all(dim=1)

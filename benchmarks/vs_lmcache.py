@@ -76,7 +76,7 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_bench as gb  # the device timers and the engine maker of the GPU benchmark
 
-    from tiercache.gpu import LayoutKind, dispatch, object_spec, reference
+    from tiercache.gpu import LayoutKind, Move, dispatch, object_spec, reference
     from tiercache.store.l1 import L1Cache
 
     lmc = build_lmcache_kernels(Path(args.lmcache_src))
@@ -111,21 +111,23 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
         hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
 
+        g_dev, s_dev = Move.gather(layout, sl, sp, objs), Move.scatter(layout, slb, sp, objs)
+        g_host, s_host = Move.gather(layout, sl, sp, houts), Move.scatter(layout, slb, sp, houts)
         contenders = {
             "gather": {
-                "tiercache": lambda: dispatch.gather(kv, layout, sl, sp, objs),  # noqa: B023
+                "tiercache": lambda: dispatch.gather(kv, g_dev),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1, BS, D),  # noqa: B023
             },
             "scatter": {
-                "tiercache": lambda: dispatch.scatter(objs, kv_t, layout, slb, sp),  # noqa: B023
+                "tiercache": lambda: dispatch.scatter(kv_t, s_dev),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1, BS, D),  # noqa: B023
             },
             "to_pinned": {
-                "tiercache": lambda: dispatch.gather(kv, layout, sl, sp, houts),  # noqa: B023
+                "tiercache": lambda: dispatch.gather(kv, g_host),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1, BS, D),  # noqa: B023
             },
             "from_pinned": {
-                "tiercache": lambda: dispatch.scatter(houts, kv_t, layout, slb, sp),  # noqa: B023
+                "tiercache": lambda: dispatch.scatter(kv_t, s_host),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lhost, ptrs_l, slb, n_slots, H2D, 1, BS, D),  # noqa: B023
             },
         }
@@ -168,21 +170,21 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
             row[path] = entry
         # bit-exact: tiercache's chunk objects == LMCache's object; both scatters leave the same KV
         want = torch.empty((2, L, n, H * D), dtype=torch.bfloat16, device=gb.DEV)
-        dispatch.gather(kv, layout, sl, sp, objs)
+        dispatch.gather(kv, g_dev)
         lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1, BS, D)
         torch.cuda.synchronize()
         torch.cat(objs, dim=2, out=want)
         ok_g = torch.equal(bits(want), bits(lobj))
-        dispatch.gather(kv, layout, sl, sp, houts)
+        dispatch.gather(kv, g_host)
         lmc.multi_layer_kv_transfer(lhost, ptrs_src, sl, n_slots, D2H, 1, BS, D)
         torch.cuda.synchronize()
         ok_p = torch.equal(bits(torch.cat([h.cpu() for h in houts], dim=2)), bits(lhost))
         a = [torch.empty_like(o) for o in objs]
         b = [torch.empty_like(o) for o in objs]
-        reference.gather(kv_t, layout, slb, sp, a)
+        reference.gather(kv_t, Move.gather(layout, slb, sp, a))
         lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1, BS, D)
         torch.cuda.synchronize()
-        reference.gather(kv_l, layout, slb, sp, b)
+        reference.gather(kv_l, Move.gather(layout, slb, sp, b))
         ok_s = all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
         row["bit_exact"] = {"gather": ok_g, "to_pinned": ok_p, "scatter_same_kv": ok_s}
         res["sizes"][f"{n}_tokens"] = row

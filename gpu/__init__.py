@@ -1,10 +1,10 @@
 """Paged-KV layouts and gather/scatter between vLLM's paged KV and contiguous KV objects.
 
-Importing this package does not import torch: layouts and read plans are plain data; the torch reference
-(``gather``, ``scatter``, ``gather_layer``, ``scatter_layer``) loads on first attribute access, as do the GPU
-paths: ``store_to_host``/``load_from_host`` (the staged GPU<->L1 pipeline) and ``gather_fp8`` (fused fp8
-quantize-on-gather). ``tiercache.gpu.dispatch`` has the reference's gather/scatter signatures and picks the
-Triton kernels for CUDA tensors (what the cache engine calls).
+Importing this package does not import torch: layouts, read plans and ``Move`` (one gather or scatter,
+validated once: layout, slots, spans, objects, skips, layers, checks) are plain data. ``gather`` and
+``scatter`` (``tiercache.gpu.dispatch``: the Triton kernels on CUDA, the torch reference of
+``tiercache.gpu.reference`` elsewhere) run a ``Move`` and load torch on first attribute access, as do
+``gather_fp8`` / ``fp8_payload_nbytes`` (fused fp8 quantize-on-gather).
 """
 
 from __future__ import annotations
@@ -22,39 +22,33 @@ from tiercache.gpu.layouts import (
     plan_read,
     skip_prefix_for,
 )
+from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
-    from tiercache.gpu.reference import gather, gather_layer, scatter, scatter_layer
-    from tiercache.gpu.transfer import load_from_host, store_to_host
-    from tiercache.gpu.triton_kernels import fp8_payload_nbytes, gather_fp8
+    from tiercache.gpu.dispatch import gather, gather_fp8, scatter
+    from tiercache.gpu.triton_kernels import fp8_payload_nbytes
 
 __all__ = [
+    "Checks",
     "LayoutKind",
+    "Move",
     "PagedLayout",
     "ReadPlan",
     "detect_layout",
     "fp8_payload_nbytes",
     "gather",
     "gather_fp8",
-    "gather_layer",
     "layer_tensors",
-    "load_from_host",
     "object_spec",
     "plan_read",
     "scatter",
-    "scatter_layer",
     "skip_prefix_for",
-    "store_to_host",
 ]
 
 _LAZY = {
-    "gather": "tiercache.gpu.reference",
-    "gather_layer": "tiercache.gpu.reference",
-    "scatter": "tiercache.gpu.reference",
-    "scatter_layer": "tiercache.gpu.reference",
-    "store_to_host": "tiercache.gpu.transfer",
-    "load_from_host": "tiercache.gpu.transfer",
-    "gather_fp8": "tiercache.gpu.triton_kernels",
+    "gather": "tiercache.gpu.dispatch",
+    "scatter": "tiercache.gpu.dispatch",
+    "gather_fp8": "tiercache.gpu.dispatch",
     "fp8_payload_nbytes": "tiercache.gpu.triton_kernels",
 }
 

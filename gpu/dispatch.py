@@ -1,10 +1,13 @@
-"""gather/scatter entry points that pick the Triton kernels or the torch reference at run time.
+"""Run a ``Move`` on the Triton kernels or the torch reference, picked at run time.
 
-Same signatures and semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad input):
+Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad input):
 
-- KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``).
-- KV on CUDA, objects in host memory (L1 views of the pinned pool): the staged, double-buffered pipeline of
-  ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side stream).
+- KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
+  one pre-bound launch plus, unless trusted, the wait for its slot flags.
+- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool): up to ``ZERO_COPY_BYTES`` one
+  launch that reads / writes them in place over the bus; larger moves the staged, double-buffered pipeline
+  of ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side stream). Both return once the
+  host memory is no longer touched.
 - Anything else (CPU tensors, CPU_BLOCKS, triton missing, layers with different strides, misaligned
   pointers) or ``TIERCACHE_GPU_KERNELS=0``: the torch reference.
 """
@@ -17,23 +20,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiercache.errors import Unsupported
 from tiercache.gpu import reference
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
+from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = [
-    "gather",
-    "gather_fp8",
-    "gather_layer",
-    "kernels_enabled",
-    "scatter",
-    "scatter_fp8",
-    "scatter_layer",
-]
+__all__ = ["gather", "gather_fp8", "kernels_enabled", "scatter", "scatter_fp8"]
 
 _TRITON_OK: bool | None = None
+# moves into / out of pinned host memory up to this size run as one kernel over the bus (no staging: the
+# H200 measured 0.94 of the pinned-copy ceiling at 32 MiB, the staged pipeline 0.79-0.89); larger ones go
+# through the staged pipeline (0.96-0.98 at 512 MiB)
+ZERO_COPY_BYTES = 64 << 20
+_REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
 def kernels_enabled(kv_caches: KVCaches, layout: PagedLayout) -> bool:
@@ -60,167 +62,74 @@ def _where(objs: Sequence[torch.Tensor], device: torch.device) -> str:
     return "mixed"
 
 
-def _gather(
-    layers: range,
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> bool:
-    """Try the kernel paths; False when the reference must do it."""
-    if not out or not kernels_enabled(kv_caches, layout):
-        return False
-    from tiercache.gpu import transfer, triton_kernels
+def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
+    """Run ``move`` on a kernel path: the tokens written (a gather's count is unused), or None when the
+    reference must do it. What the first run picked is remembered on the move for these KV caches, so a
+    repeated run goes straight to its bound launch or its prepared pipeline."""
+    from tiercache.gpu import transfer
+    from tiercache.gpu import triton_kernels as tk
 
-    device = layer_tensors(kv_caches)[0].device
-    where = _where(out, device)
-    try:
-        if where == "device":
-            triton_kernels.gather(
-                kv_caches, layout, slot_mapping, spans, out, layers, trusted=trusted, host_slots=host_slots
-            )
-            return True
-        if where == "host":
-            transfer.store_to_host(
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                list(out),
-                layers=layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-            return True
-    except triton_kernels.Unsupported:
-        return False
-    return False
-
-
-def _scatter(
-    layers: range,
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int],
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int | None:
-    """Try the kernel paths; None when the reference must do it."""
-    if not objects or not kernels_enabled(kv_caches, layout):
-        return None
-    from tiercache.gpu import transfer, triton_kernels
-
-    device = layer_tensors(kv_caches)[0].device
-    where = _where(objects, device)
-    try:
-        if where == "device":
-            return triton_kernels.scatter(
-                objects,
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                skip_prefix,
-                layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-        if where == "host":
-            return transfer.load_from_host(
-                list(objects),
-                kv_caches,
-                layout,
-                slot_mapping,
-                spans,
-                skip_prefix,
-                layers=layers,
-                trusted=trusted,
-                host_slots=host_slots,
-            )
-    except triton_kernels.Unsupported:
-        return None
-    return None
-
-
-def gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """``reference.gather`` contract; one Triton launch (or the staged pipeline) on CUDA.
-
-    ``host_slots``: a CPU copy of a device ``slot_mapping``; the slot checks then run on the host (no device
-    reductions). ``trusted``: the caller vouches for every slot, no checks at all (kernel paths only; the
-    reference always checks)."""
-    layers = range(layout.num_layers)
-    if not _gather(layers, kv_caches, layout, slot_mapping, spans, out, trusted, host_slots):
-        reference.gather(kv_caches, layout, slot_mapping, spans, out)
-
-
-def gather_layer(
-    layer_idx: int,
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-) -> None:
-    """``reference.gather_layer`` contract."""
-    if not 0 <= layer_idx < layout.num_layers:
-        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
-    if not _gather(range(layer_idx, layer_idx + 1), kv_caches, layout, slot_mapping, spans, out):
-        reference.gather_layer(layer_idx, kv_caches, layout, slot_mapping, spans, out)
-
-
-def scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """``reference.scatter`` contract; returns the tokens written (``trusted``/``host_slots``: as ``gather``;
-    a trusted scatter counts every token past the skips)."""
-    layers = range(layout.num_layers)
-    n = _scatter(layers, objects, kv_caches, layout, slot_mapping, spans, skip_prefix, trusted, host_slots)
-    if n is None:
-        return reference.scatter(objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
+    picked = move.prepared.get(id(kv_caches))
+    if picked is not None and picked[1] is kv_caches:
+        path = picked[0]
+        if path == _REFERENCE:
+            return None
+        if path == "bound":
+            bound: tk.BoundMove = picked[2]
+            if bound.valid_for(kv_caches):
+                return bound.run()
+        elif path == "pipeline":
+            xfer: transfer.Transfer = picked[2]
+            return xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+    path = _REFERENCE
+    n: int | None = None
+    if move.objects and kernels_enabled(kv_caches, move.layout):
+        device = layer_tensors(kv_caches)[0].device
+        where = _where(move.objects, device)
+        try:
+            if where == "device":
+                b = tk.bind(kv_caches, move)
+                if b is not None:
+                    n = b.run()
+                    move.prepared[id(kv_caches)] = ("bound", kv_caches, b)
+                    return n
+                p = tk.plan(kv_caches, move)
+                p.launch()
+                path, n = "plan", p.finish()
+            elif where == "host":
+                nbytes = sum(o.numel() * o.element_size() for o in move.objects)
+                b = tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
+                if b is not None:  # small: the kernel reads / writes the pinned objects in place
+                    n = b.run()
+                    move.prepared[id(kv_caches)] = ("bound", kv_caches, b)
+                    return n
+                xfer = transfer.transfer_for(device)
+                n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+                move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
+                return n
+        except Unsupported:
+            path, n = _REFERENCE, None
+    move.prepared[id(kv_caches)] = (path, kv_caches)
     return n
 
 
-def scatter_layer(
-    layer_idx: int,
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-) -> int:
-    """``reference.scatter_layer`` contract."""
-    if not 0 <= layer_idx < layout.num_layers:
-        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
-    layers = range(layer_idx, layer_idx + 1)
-    n = _scatter(layers, objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
+def gather(kv_caches: KVCaches, move: Move) -> None:
+    """Run a gather ``move`` (``Move.gather``; ``reference.gather`` contract): one Triton launch, or the
+    staged pipeline into host objects, on CUDA; the reference elsewhere."""
+    if move.is_scatter:
+        raise ValueError(f"{move!r} is a scatter")
+    if _kernel_run(kv_caches, move) is None:
+        reference.gather(kv_caches, move)
+
+
+def scatter(kv_caches: KVCaches, move: Move) -> int:
+    """Run a scatter ``move`` (``Move.scatter``; ``reference.scatter`` contract); returns the tokens written
+    per layer (a trusted move on a kernel path counts every token past the skips)."""
+    if not move.is_scatter:
+        raise ValueError(f"{move!r} is a gather")
+    n = _kernel_run(kv_caches, move)
     if n is None:
-        return reference.scatter_layer(
-            layer_idx, objects, kv_caches, layout, slot_mapping, spans, skip_prefix
-        )
+        return reference.scatter(kv_caches, move)
     return n
 
 
@@ -239,7 +148,7 @@ def gather_fp8(
         try:
             triton_kernels.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
             return
-        except triton_kernels.Unsupported:
+        except Unsupported:
             pass
     reference.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
 
@@ -259,6 +168,6 @@ def scatter_fp8(
 
         try:
             return triton_kernels.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
-        except triton_kernels.Unsupported:
+        except Unsupported:
             pass
     return reference.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ptr", "launch", "prebound_enabled"]
+__all__ = ["Ptr", "bind_launch", "current_stream", "launch", "prebound_enabled"]
 
 
 class Ptr:
@@ -83,6 +83,28 @@ def _compile(kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], meta:
         return None
 
 
+def _bound(
+    kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], meta: dict[str, Any], index: int
+) -> Any:
+    """(launcher, function, packed metadata) of this specialization (compiled on first sight), or None."""
+    key = (id(kernel), index, *(_spec(a) for a in args), *meta.items())
+    bound = _BOUND.get(key, _UNSEEN)
+    if bound is _UNSEEN:
+        bound = _compile(kernel, grid, args, meta)
+        if len(_BOUND) > 1024:
+            _BOUND.clear()
+        _BOUND[key] = bound
+    return bound
+
+
+def _values(kernel: Any, args: Sequence[Any], meta: dict[str, Any]) -> list[Any]:
+    """The launcher's argument values: pointers as ints, then the constexprs in the kernel's order."""
+    names = _ARG_NAMES[id(kernel)]
+    values = [a if isinstance(a, int) else (a.addr if isinstance(a, Ptr) else a.data_ptr()) for a in args]
+    values.extend(meta[name] for name in names[len(args) :])
+    return values
+
+
 def launch(
     kernel: Any,
     grid: tuple[int, int, int],
@@ -97,20 +119,56 @@ def launch(
         kernel[grid](*_typed(args), **meta)
         return
     index = device.index or 0  # KV tensors on CUDA name their device
-    key = (id(kernel), index, *(_spec(a) for a in args), *meta.items())
-    bound = _BOUND.get(key, _UNSEEN)
-    if bound is _UNSEEN:
-        bound = _compile(kernel, grid, args, meta)
-        if len(_BOUND) > 1024:
-            _BOUND.clear()
-        _BOUND[key] = bound
+    bound = _bound(kernel, grid, args, meta, index)
     if bound is None:  # pragma: no cover - a Triton without the launcher attributes
         kernel[grid](*_typed(args), **meta)
         return
     run, function, packed = bound
-    names = _ARG_NAMES[id(kernel)]
-    n = len(args)
-    values = [a if isinstance(a, int) else (a.addr if isinstance(a, Ptr) else a.data_ptr()) for a in args]
-    values.extend(meta[name] for name in names[n:])
     stream = torch._C._cuda_getCurrentRawStream(index)
-    run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *values)
+    run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *_values(kernel, args, meta))
+
+
+def bind_launch(
+    kernel: Any,
+    grid: tuple[int, int, int],
+    args: Sequence[Any],
+    meta: dict[str, Any],
+    device: torch.device,
+) -> Callable[[], None]:
+    """``launch`` with everything but the stream computed now: the returned function launches the same
+    kernel, grid and arguments on the current stream of ``device`` (one C call). The tensors behind
+    ``args`` must outlive it. Without pre-bound launches it calls ``launch`` each time."""
+    index = device.index or 0
+    bound = _bound(kernel, grid, args, meta, index) if prebound_enabled() else None
+    if bound is None:
+        return lambda: launch(kernel, grid, args, meta, device)
+    run, function, packed = bound
+    g0, g1, g2 = grid
+    values = tuple(_values(kernel, args, meta))
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    current = torch._C._cuda_getDevice
+
+    def go() -> None:
+        if current() != index:
+            with torch.cuda.device(index):
+                run(g0, g1, g2, raw_stream(index), function, packed, None, None, None, *values)
+            return
+        run(g0, g1, g2, raw_stream(index), function, packed, None, None, None, *values)
+
+    return go
+
+
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)``, the Stream object cached by its raw handle (the torch call
+    builds a new object through several Python layers each time)."""
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    s = _STREAMS.get(key)
+    if s is None:
+        s = torch.cuda.current_stream(index)
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        _STREAMS[key] = s
+    return s

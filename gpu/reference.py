@@ -16,57 +16,40 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
+from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["gather", "gather_fp8", "gather_layer", "scatter", "scatter_fp8", "scatter_layer"]
+__all__ = ["gather", "gather_fp8", "scatter", "scatter_fp8"]
 
 _BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-) -> None:
-    """Copy the KV of tokens ``slot_mapping[start:end]`` of every layer into ``out[i]`` (object_spec shape).
+def gather(kv_caches: KVCaches, move: Move) -> None:
+    """Run a gather ``move`` (``Move.gather``): copy the KV of its spans' tokens into its objects.
 
-    ``ValueError`` for a slot < 0 (a token without KV cannot be stored), bad shapes or dtypes, and
-    CPU_BLOCKS spans that are not block-aligned.
+    ``ValueError`` for a slot < 0 (a token without KV cannot be stored), a slot past the paged KV, and
+    CPU_BLOCKS spans that are not block-aligned. The reference always checks the slots (``move.checks`` is
+    for the kernel paths).
     """
-    _gather(range(layout.num_layers), kv_caches, layout, slot_mapping, spans, out)
+    if move.is_scatter:
+        raise ValueError(f"{move!r} is a scatter")
+    _gather(move.layers, kv_caches, move.layout, move.slot_mapping, move.spans, move.objects)
 
 
-def gather_layer(
-    layer_idx: int,
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-) -> None:
-    """Like ``gather`` for one layer into per-layer objects ([2, 1, T, H*D] or [1, T, D])."""
-    _check_layer(layer_idx, layout)
-    _gather(range(layer_idx, layer_idx + 1), kv_caches, layout, slot_mapping, spans, out)
+def scatter(kv_caches: KVCaches, move: Move) -> int:
+    """Run a scatter ``move`` (``Move.scatter``): write its objects' tokens into the paged KV; return the
+    tokens written per layer.
 
-
-def scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-) -> int:
-    """Write object i's tokens into the paged KV at ``slot_mapping[start:end]``; return the tokens written.
-
-    ``skip_prefix`` (an int for the first span, or one per span) tokens at the head of a span are already on
-    the GPU and are left untouched, as are slots < 0. CPU_BLOCKS writes whole pages (skips block-aligned).
+    The skipped tokens at the head of each span (already on the GPU) and slots < 0 are left untouched.
+    CPU_BLOCKS writes whole pages (skips block-aligned).
     """
-    return _scatter(range(layout.num_layers), objects, kv_caches, layout, slot_mapping, spans, skip_prefix)
+    if not move.is_scatter:
+        raise ValueError(f"{move!r} is a gather")
+    return _scatter(
+        move.layers, move.objects, kv_caches, move.layout, move.slot_mapping, move.spans, move.span_skips
+    )
 
 
 def gather_fp8(
@@ -85,7 +68,7 @@ def gather_fp8(
     for (s, e), o in zip(span_list, out, strict=True):
         spec = object_spec(layout, e - s)
         obj = torch.empty(spec.shape, dtype=getattr(torch, layout.dtype), device=o.device)
-        gather(kv_caches, layout, slot_mapping, [(s, e)], [obj])
+        gather(kv_caches, Move.gather(layout, slot_mapping, [(s, e)], [obj]))
         payload = bytearray(codec.max_encoded_size(spec.nbytes, spec))
         src = obj.cpu().contiguous().view(torch.uint8).reshape(-1)
         n = codec.encode_into(memoryview(src.numpy()), memoryview(payload), spec, None)  # type: ignore[arg-type]
@@ -117,32 +100,10 @@ def scatter_fp8(
         dst = memoryview(obj.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
         codec.decode_into(memoryview(src.numpy()), dst, spec, None)  # type: ignore[arg-type]
         objects.append(obj.to(kv_device))
-    return scatter(objects, kv_caches, layout, slot_mapping, span_list, skip_prefix)
-
-
-def scatter_layer(
-    layer_idx: int,
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-) -> int:
-    """Like ``scatter`` for one layer from per-layer objects; returns the tokens written into that layer."""
-    _check_layer(layer_idx, layout)
-    return _scatter(
-        range(layer_idx, layer_idx + 1), objects, kv_caches, layout, slot_mapping, spans, skip_prefix
-    )
+    return scatter(kv_caches, Move.scatter(layout, slot_mapping, span_list, objects, skip_prefix))
 
 
 # --------------------------------------------------------------------------------------------- internals
-
-
-def _check_layer(layer_idx: int, layout: PagedLayout) -> None:
-    """``ValueError`` unless ``layer_idx`` is a layer of ``layout``."""
-    if not 0 <= layer_idx < layout.num_layers:
-        raise ValueError(f"layer {layer_idx} out of range for {layout.num_layers} layers")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -8,26 +8,28 @@ buffer back. So gathering group g+1 overlaps copying group g, and the copy engin
 the host. Retrieve (``load_from_host``) mirrors it: host-to-device copies on the side stream into staging,
 one scatter launch per group on the current stream.
 
-Both return after the host memory is no longer touched (the side stream is synchronized): the caller may
-release its L1 leases at once. A retrieve's scatter kernels stay queued on the current stream, ordered
-before whatever the caller launches next there. Shapes and spans are validated once, up front, before any
-launch. The slot checks (a small kernel on the current stream) are queued where they delay nothing: after
-a store's last gather (queued after the first, they held up the second group's gather by about 50 us on the
-H200 host), and during a retrieve's first copy, ahead of its scatters, so reading them never waits for the
-scatters. The kernels never touch a bad slot, so a bad slot is reported at the end and nothing was written
-for it. ``triton_kernels.Unsupported`` means "use the reference".
+Both return after the host memory is no longer touched: the caller may release its L1 leases at once.
+What a move needs (groups, staging views, bound launches, copy pairs) is prepared on its first run and kept
+on the ``Move``, so a repeated run is the launches, the copies and the events. Slots checked on the device
+are checked by the move kernels themselves (per-span flags in pinned memory, read once the last launch is
+done: a retrieve waits for its last scatter); slots checked on the host (``host_slots``) by a ``SlotCheck``
+queued after a store's last gather or during a retrieve's first copy. The kernels never touch a bad slot, so
+a bad slot is reported at the end and nothing was written for it. ``tiercache.errors.Unsupported`` means
+"use the reference".
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiercache.gpu import triton_kernels as tk
-from tiercache.gpu.layouts import PagedLayout, layer_tensors
+from tiercache.gpu.launch import current_stream, prebound_enabled
+from tiercache.gpu.layouts import layer_tensors
+from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -98,12 +100,14 @@ class Transfer:
         coalesce: bool = DEFAULT_COALESCE,
     ) -> None:
         self.device = device
+        self.index = device.index or 0
         self.staging_bytes = staging_bytes
         self.coalesce = coalesce
         self.stream = torch.cuda.Stream(device)
         self.buffers: list[torch.Tensor | None] = [None, None]
         self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.done = torch.cuda.Event()
         self.lock = threading.Lock()
 
     def _copies(
@@ -142,101 +146,189 @@ class Transfer:
             at += n
         return out
 
-    def store(
-        self,
-        kv_caches: KVCaches,
-        layout: PagedLayout,
-        slot_mapping: torch.Tensor,
-        spans: Sequence[tuple[int, int]],
-        host_outs: list[torch.Tensor],
-        layers: range | None = None,
-        cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
-        *,
-        trusted: bool = False,
-        host_slots: torch.Tensor | None = None,
-    ) -> None:
-        """Gather the spans into ``host_outs`` (reference ``gather`` contract) through the pipeline."""
-        layers = range(layout.num_layers) if layers is None else layers
-        mv = tk.check_move(
-            kv_caches,
-            layout,
-            slot_mapping,
-            spans,
-            host_outs,
-            layers,
-            None,
-            trusted=trusted,
-            host_slots=host_slots,
+    def _prepare(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig) -> _Pipeline:
+        """The pipeline of ``move`` (groups, staging views, bound launches), kept on the move."""
+        key = ("pipeline", id(kv_caches), cfg, id(self))
+        pipe = move.prepared.get(key)
+        if pipe is not None and pipe.valid_for(kv_caches):
+            return pipe  # type: ignore[no-any-return]
+        mv = tk.check_move(kv_caches, move)
+        objs = move.objects
+        if move.is_scatter:
+            todo = [i for i, ((s, e), k) in enumerate(zip(mv.span_list, mv.skips, strict=True)) if e - s > k]
+        else:
+            todo = list(range(len(objs)))
+        flags = None
+        fused = (
+            mv.check_args is not None
+            and mv.check_args[1] is None
+            and mv.slots.device.type == "cuda"
+            and mv.slots is move.slot_mapping
+            and prebound_enabled()
         )
-        if not mv.span_list:
-            return
-        cur = torch.cuda.current_stream(self.device)
+        if fused:
+            flags = torch.zeros((max(1, len(todo)), 4), dtype=torch.int64, pin_memory=True)
+        groups = []
+        sizes = [objs[i].numel() * objs[i].element_size() for i in todo]
+        row = 0
+        for g, pos in enumerate(_groups(sizes, self.staging_bytes)):
+            idx = [todo[p] for p in pos]
+            b = g % 2
+            views = self._views(b, [objs[i] for i in idx])
+            plan = mv.plan(idx, views)
+            status = None if flags is None else flags[row : row + len(idx)]
+            row += len(idx)
+            go = plan.bound(cfg, status) if prebound_enabled() else None
+            copies = self._copies(b, [objs[i] for i in idx], views)
+            groups.append(_Group(b, plan, go, copies))
+        pipe = _Pipeline(kv_caches, mv, groups, flags, cfg)
+        if len(move.prepared) > 8:
+            move.prepared.clear()
+        move.prepared[key] = pipe
+        return pipe
+
+    def _on_side(self) -> None:
+        """Make the side stream current (``_back_to`` restores the caller's): the raw call behind
+        ``torch.cuda.stream``, without its Python layers."""
+        s = self.stream
+        torch._C._cuda_setStream(
+            stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type
+        )
+
+    def _back_to(self, cur: torch.cuda.Stream) -> None:
+        torch._C._cuda_setStream(
+            stream_id=cur.stream_id, device_index=cur.device_index, device_type=cur.device_type
+        )
+
+    def store(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
+        """Run a gather ``move`` into host objects (``reference.gather`` contract) through the pipeline;
+        returns 0 (a gather writes no KV)."""
+        cur = current_stream(self.index)
         with self.lock:
-            groups = _groups([o.numel() * o.element_size() for o in host_outs], self.staging_bytes)
-            for g, idx in enumerate(groups):
-                b = g % 2
+            pipe = self._prepare(kv_caches, move, cfg)
+            if not pipe.groups:
+                return 0
+            pipe.start()
+            for grp in pipe.groups:
+                b = grp.buffer
                 cur.wait_event(self.free[b])
-                views = self._views(b, [host_outs[i] for i in idx])
-                mv.plan(idx, views).launch(cfg)
+                grp.launch()
                 self.ready[b].record(cur)
                 self.stream.wait_event(self.ready[b])
-                with torch.cuda.stream(self.stream):
-                    for h, v in self._copies(b, [host_outs[i] for i in idx], views):
+                self._on_side()
+                try:
+                    for h, v in grp.copies:
                         h.copy_(v, non_blocking=True)
+                finally:
+                    self._back_to(cur)
                 self.free[b].record(self.stream)
-            mv.queue_checks()  # after the last launch: the next group's gather never waits for them
-            self.stream.synchronize()
-        mv.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
+            pipe.queue_checks()  # after the last launch: the next group's gather never waits for them
+            self.stream.synchronize()  # the copies waited for every gather: the flags are written too
+        pipe.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
+        return 0
 
-    def load(
-        self,
-        host_objs: list[torch.Tensor],
-        kv_caches: KVCaches,
-        layout: PagedLayout,
-        slot_mapping: torch.Tensor,
-        spans: Sequence[tuple[int, int]],
-        skip_prefix: int | Sequence[int] = 0,
-        layers: range | None = None,
-        cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
-        *,
-        trusted: bool = False,
-        host_slots: torch.Tensor | None = None,
-    ) -> int:
-        """Scatter ``host_objs`` into the paged KV (reference ``scatter`` contract); tokens written."""
-        layers = range(layout.num_layers) if layers is None else layers
-        mv = tk.check_move(
-            kv_caches,
-            layout,
-            slot_mapping,
-            spans,
-            host_objs,
-            layers,
-            skip_prefix,
-            trusted=trusted,
-            host_slots=host_slots,
-        )
-        todo = [i for i, ((s, e), k) in enumerate(zip(mv.span_list, mv.skips, strict=True)) if e - s > k]
-        if not todo:
-            return mv.finish()
-        cur = torch.cuda.current_stream(self.device)
+    def load(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
+        """Run a scatter ``move`` from host objects into the paged KV (``reference.scatter`` contract);
+        returns the tokens written."""
+        cur = current_stream(self.index)
         with self.lock:
-            sizes = [host_objs[i].numel() * host_objs[i].element_size() for i in todo]
-            for g, pos in enumerate(_groups(sizes, self.staging_bytes)):
-                idx = [todo[p] for p in pos]
-                b = g % 2
-                views = self._views(b, [host_objs[i] for i in idx])
+            pipe = self._prepare(kv_caches, move, cfg)
+            if not pipe.groups:
+                return pipe.finish()
+            pipe.start()
+            for g, grp in enumerate(pipe.groups):
+                b = grp.buffer
                 self.stream.wait_event(self.free[b])
-                with torch.cuda.stream(self.stream):
-                    for h, v in self._copies(b, [host_objs[i] for i in idx], views):
+                self._on_side()
+                try:
+                    for h, v in grp.copies:
                         v.copy_(h, non_blocking=True)
+                finally:
+                    self._back_to(cur)
                 self.ready[b].record(self.stream)
                 if g == 0:
-                    mv.queue_checks()  # while the first copy runs, ahead of the scatters: never waits on them
+                    pipe.queue_checks()  # while the first copy runs, ahead of the scatters
                 cur.wait_event(self.ready[b])
-                mv.plan(idx, views).launch(cfg)
+                grp.launch()
                 self.free[b].record(cur)
-            self.stream.synchronize()  # host memory is no longer read: leases may be released
-        return mv.finish()
+            if pipe.flags is not None:
+                self.done.record(cur)
+                self.done.synchronize()  # the scatters set the flags: wait for the last one
+            else:
+                self.stream.synchronize()  # host memory is no longer read: leases may be released
+        return pipe.finish()
+
+
+class _Group:
+    """One pipeline group: its staging buffer, its launch (bound when launches are pre-bound) and its copies
+    (host tensor, staging view)."""
+
+    __slots__ = ("buffer", "cfg", "copies", "go", "plan")
+
+    def __init__(
+        self,
+        buffer: int,
+        plan: tk.MovePlan,
+        go: Callable[[], None] | None,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.buffer = buffer
+        self.plan = plan
+        self.go = go
+        self.copies = copies
+        self.cfg = tk.DEFAULT_CONFIG
+
+    def launch(self) -> None:
+        if self.go is not None:
+            self.go()
+        else:
+            self.plan.launch(self.cfg)
+
+
+class _Pipeline:
+    """A move's pipeline, prepared once (``Transfer._prepare``): its groups, and either the pinned flags its
+    launches set for bad slots (read once the launches are done) or the move's slot checks."""
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        mv: tk.MoveCheck,
+        groups: list[_Group],
+        flags: torch.Tensor | None,
+        cfg: tk.TileConfig,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.reg = tk.registration(kv_caches, mv)
+        self.mv = mv
+        self.groups = groups
+        self.flags = flags
+        self.flags_np = None if flags is None else flags.numpy()
+        self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
+        for grp in groups:
+            grp.cfg = cfg
+
+    def valid_for(self, kv_caches: KVCaches) -> bool:
+        """True while ``kv_caches`` holds the layer tensors prepared for."""
+        return kv_caches is self.kv_caches and tk.same_layers(self.reg, kv_caches)
+
+    def start(self) -> None:
+        """Before a run: zero the flags, or forget the last run's slot checks."""
+        if self.flags_np is not None:
+            self.flags_np.fill(0)
+        else:
+            self.mv.reset()
+
+    def queue_checks(self) -> None:
+        if self.flags_np is None:
+            self.mv.queue_checks()
+
+    def finish(self) -> int:
+        """``ValueError`` on bad slots, else the tokens written (flags: read after the launches finished)."""
+        if self.flags_np is None:
+            return self.mv.finish()
+        if self.flags_np[:, :2].any():
+            return tk.exact_count(self.mv)
+        return self.count
 
 
 _TRANSFERS: dict[torch.device, Transfer] = {}
@@ -255,46 +347,13 @@ def transfer_for(device: torch.device) -> Transfer:
         return t
 
 
-def store_to_host(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    host_outs: list[torch.Tensor],
-    *,
-    layers: range | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """Gather from CUDA paged KV into host objects (L1 views on the pinned pool) through the pipeline."""
+def store_to_host(kv_caches: KVCaches, move: Move) -> None:
+    """Run a gather ``move`` from CUDA paged KV into host objects (L1 views on the pinned pool)."""
     device = layer_tensors(kv_caches)[0].device
-    transfer_for(device).store(
-        kv_caches, layout, slot_mapping, spans, host_outs, layers, trusted=trusted, host_slots=host_slots
-    )
+    transfer_for(device).store(kv_caches, move)
 
 
-def load_from_host(
-    host_objs: list[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skips: int | Sequence[int] = 0,
-    *,
-    layers: range | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """Scatter host objects into CUDA paged KV through the pipeline; returns the tokens written."""
+def load_from_host(kv_caches: KVCaches, move: Move) -> int:
+    """Run a scatter ``move`` from host objects into CUDA paged KV; returns the tokens written."""
     device = layer_tensors(kv_caches)[0].device
-    return transfer_for(device).load(
-        host_objs,
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        skips,
-        layers,
-        trusted=trusted,
-        host_slots=host_slots,
-    )
+    return transfer_for(device).load(kv_caches, move)

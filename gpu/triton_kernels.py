@@ -20,9 +20,10 @@ back and neighbouring programs read neighbouring token rows; 16-byte vector load
 (checked on the host) allow. The H200 A/B (``benchmarks/gpu_ab.py``) put this at 1995 GB/s against 1956
 for the earlier one-head-row-per-program tiling, 94 % of the device-copy ceiling.
 
-Slot checks run on the device as one small kernel (one program per span) queued right after the move, its
-per-span counts copied to pinned memory behind an event (``SlotCheck``); a CPU slot mapping is checked on the
-host. The moves never touch a bad slot, so a late report loses nothing.
+Slot checks: a move kernel checks its own slots (per-span flags it sets in pinned memory; the host counts
+exactly only when one is set); the fp8 kernels, and moves launched through Triton's own ``run``, use one small
+check kernel (one program per span) queued after the move (``SlotCheck``); a CPU slot mapping (or the
+caller's CPU copy) is checked on the host. The moves never touch a bad slot, so a late report loses nothing.
 
 The fused fp8 gather (``gather_fp8``) writes, per span, exactly the payload of ``Fp8Codec("channel")``:
 float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**-126)``) then e4m3 bytes
@@ -33,8 +34,11 @@ fall back to two passes of 32 tokens (the second read mostly hits L2). Channel b
 (programs running together read neighbouring head rows; 1324 vs 1290 GB/s on the H200), and the kernel counts
 non-finite input into its span's status word, so the finite check needs no pass of its own.
 
-Host side: the tensor-free geometry, object shapes, span tables and layer offsets are cached (keyed by the
-layers' pointers/shapes/strides, and by value), so a repeated call costs a pass over its spans and layers.
+Host side: a ``Move`` (``tiercache.gpu.move``) is validated once; its first run here computes the launch
+(geometry per registered KV caches, span table, tiles) and binds it (``BoundMove``: the compiled kernel's
+launcher with its arguments as ints, plus the flags), kept on the move and shared by later moves of the same
+request shape (same KV caches, slot-mapping and object addresses, spans, skips, layers, checks), so a
+repeated run costs one launcher call and, unless trusted, one stream sync and a read of the flags.
 
 Kernels are compiled lazily (``TRITON_INTERPRET=1`` is read when they are first built, so tests can run them
 on the CPU through Triton's interpreter).
@@ -44,24 +48,29 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache.gpu.launch import Ptr, launch, prebound_enabled
+from tiercache.errors import Unsupported
+from tiercache.gpu.launch import Ptr, bind_launch, current_stream, launch, prebound_enabled
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
+from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = [
+    "BoundMove",
     "TileConfig",
-    "Unsupported",
     "available",
+    "bind",
+    "check_move",
     "gather",
     "gather_fp8",
+    "plan",
     "plan_fp8",
     "scatter",
     "scatter_fp8",
@@ -70,10 +79,6 @@ __all__ = [
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 FP8_MAX = 448.0
 SCALE_FLOOR = 2.0**-126
-
-
-class Unsupported(Exception):
-    """The kernels cannot move this batch (layout, strides, alignment); use the torch reference."""
 
 
 def available() -> bool:
@@ -428,11 +433,6 @@ def _build() -> Any:
 # --------------------------------------------------------------------------------------------- planning
 
 
-def _check_layer_range(layers: range, layout: PagedLayout) -> None:
-    if not (0 <= layers.start <= layers.stop <= layout.num_layers) or len(layers) == 0:
-        raise ValueError(f"layers {layers} out of range for {layout.num_layers} layers")
-
-
 @dataclass
 class _Geometry:
     """Word size, per-layer word offsets from layer 0 and the paged strides in words."""
@@ -495,6 +495,12 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype) -> Ptr | torch.Tensor:
     return Ptr(t.data_ptr(), dtype, lambda: _alias(t, dtype))
 
 
+def _host_ptr(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Ptr:
+    """A pinned host tensor's first element as a ``dtype`` pointer (the kernel reads / writes it over the
+    bus); compiling sees an aligned device stand-in of the same dtype."""
+    return Ptr(t.data_ptr(), dtype, lambda: torch.empty(16, dtype=dtype, device=device))
+
+
 def _align_of(ptrs: Sequence[int]) -> int:
     """The largest power of two <= 16 dividing every pointer (what the word and vector choice depends on)."""
     a = 16
@@ -516,6 +522,7 @@ class _Registered:
     first_ptr: int
     key: tuple[Any, ...]
     geos: dict[int, _Geometry] = field(default_factory=dict)  # by the alignment of the objects
+    bound: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # BoundMoves by ``_launch_key``
 
 
 _REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
@@ -668,23 +675,6 @@ def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[tupl
             _SHAPES.clear()
         _SHAPES[key] = r
     return r
-
-
-def _check_objects(
-    objs: Sequence[torch.Tensor], layout: PagedLayout, spans: list[tuple[int, int]], layers: range, what: str
-) -> None:
-    known: dict[int, tuple[tuple[int, ...], str]] = {}
-    for i, ((s, e), obj) in enumerate(zip(spans, objs, strict=True)):
-        want = known.get(e - s)
-        if want is None:
-            want = known[e - s] = _object_shape(layout, e - s, layers)
-        shape, dtype = want
-        if obj.shape != shape:
-            raise ValueError(f"{what}[{i}] has shape {tuple(obj.shape)}, expected {shape}")
-        if str(obj.dtype).removeprefix("torch.") != dtype:
-            raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {dtype}")
-        if not obj.is_contiguous():
-            raise Unsupported("objects must be contiguous")
 
 
 def _pow2_floor(x: int) -> int:
@@ -971,8 +961,8 @@ def _slot_check(
 
 @dataclass
 class MovePlan:
-    """Everything one launch needs (``MoveCheck.plan``). A whole move's plan (``plan_gather``,
-    ``plan_scatter``) carries its ``MoveCheck``: ``launch`` queues the slot checks right after the kernel,
+    """Everything one launch needs (``MoveCheck.plan``). A whole move's plan (``plan``)
+    carries its ``MoveCheck``: ``launch`` queues the slot checks right after the kernel,
     ``finish`` reads them; a pipeline group's plan has none (its move is checked once, by the pipeline)."""
 
     geo: _Geometry
@@ -994,55 +984,71 @@ class MovePlan:
         assert self.move is not None, "a pipeline group's plan is finished through its MoveCheck"
         return self.move.finish()
 
-    def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
-        if self.num_spans == 0 or self.tiles_per_span == 0:
-            return
-        k = _kernels()
+    def _launch_args(
+        self, cfg: TileConfig, status: torch.Tensor | None
+    ) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:
+        """(kernel, grid, runtime arguments, constexprs and options) of this launch; ``status``: the pinned
+        flags the kernel sets for spans with bad slots (None: no check in the kernel)."""
         block_d, ndc, hb, block_t = _tiles(self.dw, self.geo.word, self.heads, self.tiles_per_span, cfg)
         tiles = -(-self.tiles_per_span // block_t)
         grid = (self.num_spans * tiles, self.layers, -(-self.heads // hb) * ndc)
         geo = self.geo
+        args = (
+            geo.kv_base,
+            self.obj_base,
+            _layer_offsets(geo),
+            self.span_table,
+            self.slots,
+            tiles,
+            geo.s_plane,
+            geo.s_blk,
+            geo.s_off,
+            geo.s_head,
+            self.layers,
+            geo.n_slots,
+            self.slots if status is None else _payload_ptr(status),
+        )
+        meta = {
+            "H": self.heads,
+            "BS": self.block_size,
+            "P": self.planes,
+            "DW": self.dw,
+            "BLOCK_T": block_t,
+            "HB": hb,
+            "BLOCK_D": block_d,
+            "NDC": ndc,
+            "VEC": geo.vec if block_d % geo.vec == 0 else 1,
+            "SCATTER": self.scatter,
+            "CHECK": status is not None,
+            "num_warps": cfg.num_warps,
+        }
+        return _kernels().move, grid, args, meta
+
+    def launch(self, cfg: TileConfig = DEFAULT_CONFIG) -> None:
+        if self.num_spans == 0 or self.tiles_per_span == 0:
+            return
         status = self.move.fused_status() if self.move is not None else None
-        with _on(geo.device):
-            launch(
-                k.move,
-                grid,
-                (
-                    geo.kv_base,
-                    self.obj_base,
-                    _layer_offsets(geo),
-                    self.span_table,
-                    self.slots,
-                    tiles,
-                    geo.s_plane,
-                    geo.s_blk,
-                    geo.s_off,
-                    geo.s_head,
-                    self.layers,
-                    geo.n_slots,
-                    self.slots if status is None else _payload_ptr(status),
-                ),
-                {
-                    "H": self.heads,
-                    "BS": self.block_size,
-                    "P": self.planes,
-                    "DW": self.dw,
-                    "BLOCK_T": block_t,
-                    "HB": hb,
-                    "BLOCK_D": block_d,
-                    "NDC": ndc,
-                    "VEC": geo.vec if block_d % geo.vec == 0 else 1,
-                    "SCATTER": self.scatter,
-                    "CHECK": status is not None,
-                    "num_warps": cfg.num_warps,
-                },
-                geo.device,
-            )
+        kernel, grid, args, meta = self._launch_args(cfg, status)
+        with _on(self.geo.device):
+            launch(kernel, grid, args, meta, self.geo.device)
         if self.move is not None:
             if status is not None:
                 self.move.fused_launched()
             else:
                 self.move.queue_checks()  # after the kernel: its host work overlaps the move
+
+    def bound(self, cfg: TileConfig, status: torch.Tensor | None) -> Callable[[], None]:
+        """This launch pre-bound (``launch.bind_launch``): a call launches it on the current stream of the
+        KV's device with the same arguments; ``status`` as in ``_launch_args`` (zeroed by the caller)."""
+        if self.num_spans == 0 or self.tiles_per_span == 0:
+            return _nothing
+        kernel, grid, args, meta = self._launch_args(cfg, status)
+        with _on(self.geo.device):
+            return bind_launch(kernel, grid, args, meta, self.geo.device)
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -1110,6 +1116,12 @@ class MoveCheck:
             return sum(max(0, e - s - k) for (s, e), k in zip(self.span_list, self.skips, strict=True))
         return self.checks.check(scatter=self.scatter)
 
+    def reset(self) -> None:
+        """Forget the last run's slot checks (before running the same move again)."""
+        self.checks = None
+        self.fused = None
+        self.fused_event = None
+
     def queue_checks(self) -> None:
         """Queue the slot checks (once; best right after the first launch, so they overlap the move)."""
         if self.checks is None and self.check_args is not None:
@@ -1119,8 +1131,10 @@ class MoveCheck:
             )
             self.checks.queue()
 
-    def plan(self, idx: Sequence[int], objs: Sequence[torch.Tensor]) -> MovePlan:
-        """The launch plan of spans ``idx`` with device objects ``objs`` (no checks, no sync)."""
+    def plan(self, idx: Sequence[int], objs: Sequence[torch.Tensor], *, host: bool = False) -> MovePlan:
+        """The launch plan of spans ``idx`` with device objects ``objs`` (no checks, no sync); ``host``:
+        the objects are in pinned host memory (the caller checked), read or written in place over the bus
+        (pre-bound launches only)."""
         ptrs = [o.data_ptr() for o in objs]
         align = _align_of(ptrs)
         geo = self.geos.get(align)
@@ -1128,7 +1142,7 @@ class MoveCheck:
             geo = self.geos[align] = _geometry(
                 self.kv_caches, self.layout, self.layers, [align], self.geo_key
             )
-        if any(o.device != geo.device for o in objs):
+        if not host and any(o.device != geo.device for o in objs):
             raise Unsupported("objects are not on the KV device")
         word = geo.word
         base_ptr = ptrs[0] if objs else 0
@@ -1143,7 +1157,9 @@ class MoveCheck:
         lay = self.layout
         return MovePlan(
             geo=geo,
-            obj_base=_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base,
+            obj_base=_host_ptr(objs[0], _WORDS[word], geo.device)
+            if host and objs
+            else (_ptr(objs[0], _WORDS[word]) if objs else geo.kv_base),
             span_table=_device_ints(rows or [(0, 0, 0, 0)], geo.device),
             slots=self.slots,
             tiles_per_span=max_tokens,
@@ -1157,171 +1173,210 @@ class MoveCheck:
         )
 
 
-def check_move(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    objs: Sequence[torch.Tensor],
-    layers: range,
-    skip_prefix: int | Sequence[int] | None,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> MoveCheck:
-    """Validate a move (objects on the device for one launch, or in host memory for the pipeline). The slot
-    checks are queued on the device by ``queue_checks()`` (or run on the host with ``host_slots``, a CPU
-    copy of ``slot_mapping``; none when ``trusted``); ``finish()`` reads them, raises ``ValueError`` or
-    returns the tokens written.
-
-    ``skip_prefix`` None means a gather (slots < 0 refused). ``Unsupported`` if the kernels cannot do it.
-    """
-    _check_layer_range(layers, layout)
-    span_list = check_spans(spans, slot_mapping.shape[0], len(objs))
-    skips = [0] * len(span_list) if skip_prefix is None else span_skips(skip_prefix, span_list)
-    _check_objects(objs, layout, span_list, layers, "out" if skip_prefix is None else "objects")
-    key = _geometry_key(kv_caches, layout, layers)
-    geo = _geometry(kv_caches, layout, layers, [], key)
-    slots = _device_slots(slot_mapping, geo.device)
-    if host_slots is not None:
-        _host_slots(slot_mapping, host_slots)  # a bad host copy is refused before anything moves
-    args = None if trusted else (slot_mapping, host_slots)
+def check_move(kv_caches: KVCaches, move: Move) -> MoveCheck:
+    """The kernels' view of a validated ``move`` (objects on the device for one launch, or in host memory
+    for the pipeline); ``Unsupported`` if the kernels cannot do it. The slot checks (``move.checks``) are
+    queued by ``queue_checks()`` and read by ``finish()``, which raises ``ValueError`` or returns the tokens
+    written."""
+    if any(not o.is_contiguous() for o in move.objects):
+        raise Unsupported("objects must be contiguous")
+    layers = move.layers
+    key = _geometry_key(kv_caches, move.layout, layers)
+    geo = _geometry(kv_caches, move.layout, layers, [], key)
+    slots = _device_slots(move.slot_mapping, geo.device)
+    args = None if move.checks is Checks.NONE else (move.slot_mapping, move.host_slots)
     mv = MoveCheck(
-        kv_caches, layout, layers, span_list, skips, slots, geo.n_slots, skip_prefix is not None, key, args
+        kv_caches,
+        move.layout,
+        layers,
+        list(move.spans),
+        list(move.span_skips),
+        slots,
+        geo.n_slots,
+        move.is_scatter,
+        key,
+        args,
     )
     mv.geos[16] = geo  # staging views are 256-byte aligned: the groups' plans reuse this geometry
     return mv
 
 
-def _plan(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    objs: Sequence[torch.Tensor],
-    layers: range,
-    skip_prefix: int | Sequence[int] | None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate one move (``check_move``) and plan it as a single launch; ``launch`` queues its slot checks
-    when ``check``, ``finish`` reads them."""
-    mv = check_move(
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        objs,
-        layers,
-        skip_prefix,
-        trusted=not check,
-        host_slots=host_slots,
+def plan(kv_caches: KVCaches, move: Move, *, host: bool = False) -> MovePlan:
+    """``move`` (device objects, or pinned host objects with ``host``) as one launch: ``launch`` queues its
+    slot checks (or sets the fused flags), ``finish`` reads them."""
+    mv = check_move(kv_caches, move)
+    p = mv.plan(range(len(mv.span_list)), move.objects, host=host)
+    p.move = mv
+    return p
+
+
+class BoundMove:
+    """A move prepared once for one KV-caches object (kept on the ``Move``): the pre-bound launch with its
+    arguments and, for device-checked slots, the pinned flags the kernel sets. ``run()`` costs one launch,
+    and a wait for the kernel when the flags must be read or the objects are in host memory (``wait``: the
+    caller may read them, or release them, once the call returns)."""
+
+    __slots__ = ("count", "flags", "flags_np", "go", "index", "kv_caches", "mv", "plan", "reg", "wait")
+
+    def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig, *, wait: bool = False) -> None:
+        mv = p.move
+        assert mv is not None
+        self.kv_caches = kv_caches
+        self.reg = _register(kv_caches, mv.layout, mv.layers)
+        self.plan = p  # holds the span table, the slots and the geometry the launch points into
+        self.mv = mv
+        self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
+        self.flags: torch.Tensor | None = None
+        self.flags_np: Any = None
+        if mv.check_args is not None:
+            self.flags = torch.zeros((max(1, len(mv.span_list)), 4), dtype=torch.int64, pin_memory=True)
+            self.flags_np = self.flags.numpy()
+        self.wait = wait or self.flags is not None
+        self.go = p.bound(cfg, self.flags)
+        self.index = p.geo.device.index or 0
+
+    def valid_for(self, kv_caches: KVCaches) -> bool:
+        """True while ``kv_caches`` is the object prepared for, holding the same layer tensors."""
+        return kv_caches is self.kv_caches and _same_layers(self.reg, kv_caches)
+
+    def run(self) -> int:
+        """Launch; with flags, wait for the kernel and count exactly on the host only if one is set
+        (``ValueError`` for bad slots). Returns the tokens written (every token past the skips when none is
+        flagged or the move is trusted)."""
+        flags = self.flags_np
+        if flags is not None:
+            flags.fill(0)
+        self.go()
+        if not self.wait:
+            return self.count
+        current_stream(self.index).synchronize()  # the move is the stream's last work: it waits for it only
+        if flags is not None and flags[:, :2].any():
+            return exact_count(self.mv)
+        return self.count
+
+
+def registration(kv_caches: KVCaches, mv: MoveCheck) -> _Registered:
+    """The registration of ``kv_caches`` for ``mv``'s layers (what ``same_layers`` re-checks)."""
+    return _register(kv_caches, mv.layout, mv.layers)
+
+
+def same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
+    """True when ``kv_caches`` still holds exactly the registered layer tensors (identity)."""
+    return _same_layers(reg, kv_caches)
+
+
+def exact_count(mv: MoveCheck) -> int:
+    """The slot checks of ``mv`` counted exactly on a host copy of its slot mapping (after a flagged run)."""
+    assert mv.check_args is not None
+    mapping = mv.check_args[0]
+    sc = _slot_check(mapping, mv.slots, mv.span_list, mv.skips, mv.n_slots, mapping.cpu())
+    sc.queue()
+    return sc.check(scatter=mv.scatter)
+
+
+_BOUND_MOVES_MAX = 64  # bound launches kept per KV-caches registration (they live as long as it does)
+
+
+def _launch_key(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> tuple[Any, ...]:
+    """Everything a bound launch of ``move`` depends on: the KV caches, the addresses of the slot mapping
+    and of the objects (not the tensor objects), spans, skips, layers, checks and tile."""
+    sm = move.slot_mapping
+    return (
+        id(kv_caches),
+        move.layout,
+        sm.data_ptr(),
+        sm.dtype,
+        sm.shape[0],
+        move.spans,
+        tuple(o.data_ptr() for o in move.objects),
+        move.skips,
+        move.layers.start,
+        move.layers.stop,
+        move.checks,
+        cfg,
     )
-    plan = mv.plan(range(len(mv.span_list)), objs)
-    plan.move = mv
-    return plan
 
 
-def plan_gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    layers: range | None = None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate a gather (slot checks queued when ``check``, on the host with ``host_slots``) and return its
-    launch plan."""
-    layers = range(layout.num_layers) if layers is None else layers
-    return _plan(
-        kv_caches, layout, slot_mapping, spans, out, layers, None, check=check, host_slots=host_slots
-    )
+def pinned_objects(objs: Sequence[torch.Tensor]) -> bool:
+    """True when every object lies in pinned host memory (one query per storage: L1 objects share one)."""
+    seen: set[int] = set()
+    for o in objs:
+        if o.is_cuda:
+            return False
+        base = o.untyped_storage().data_ptr()
+        if base not in seen:
+            if not o.is_pinned():
+                return False
+            seen.add(base)
+    return True
 
 
-def plan_scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    layers: range | None = None,
-    *,
-    check: bool = True,
-    host_slots: torch.Tensor | None = None,
-) -> MovePlan:
-    """Validate a scatter (slot checks queued when ``check``: they also count the tokens written)."""
-    layers = range(layout.num_layers) if layers is None else layers
-    return _plan(
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        objects,
-        layers,
-        skip_prefix,
-        check=check,
-        host_slots=host_slots,
-    )
+def bind(
+    kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG, *, host: bool = False
+) -> BoundMove | None:
+    """The ``BoundMove`` of ``move`` on ``kv_caches``, or None when this move takes the general path
+    (checks on the host, a slot mapping that is not a contiguous int tensor on the KV device, launches not
+    pre-bound, objects not on the device; with ``host``, objects not all in pinned host memory: the kernel
+    then reads / writes them in place and every run waits for it). Kept on the move; and across moves of
+    the same request shape (a new ``Move`` of the same KV caches, slot-mapping and object addresses, spans,
+    skips, layers and checks reuses the launch prepared for an earlier one). ``Unsupported`` as
+    ``check_move``."""
+    key = ("bound", id(kv_caches), cfg)
+    b = move.prepared.get(key)
+    if b is not None and b.valid_for(kv_caches):
+        return b  # type: ignore[no-any-return]
+    sm = move.slot_mapping
+    if (
+        move.checks is Checks.HOST
+        or not prebound_enabled()
+        or not _ZERO_COPY[0]
+        or not move.objects
+        or not sm.is_cuda
+        or sm.dtype not in (torch.int32, torch.int64)
+        or not sm.is_contiguous()
+        or not (pinned_objects(move.objects) if host else all(o.is_cuda for o in move.objects))
+    ):
+        return None
+    lkey = _launch_key(kv_caches, move, cfg)
+    shared = _register(kv_caches, move.layout, move.layers).bound
+    b = shared.get(lkey)
+    if b is None or not b.valid_for(kv_caches):
+        p = plan(kv_caches, move, host=host)
+        if p.slots is not sm or (not host and any(o.device != p.geo.device for o in move.objects)):
+            return None
+        b = BoundMove(kv_caches, p, cfg, wait=host)
+        if len(shared) >= _BOUND_MOVES_MAX:
+            del shared[next(iter(shared))]
+        shared[lkey] = b
+    if len(move.prepared) > 8:
+        move.prepared.clear()
+    move.prepared[key] = b
+    return b
 
 
-def gather(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    layers: range | None = None,
-    cfg: TileConfig = DEFAULT_CONFIG,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """One-launch gather into device objects (same contract as ``reference.gather``).
-
-    ``host_slots``: a CPU copy of a device ``slot_mapping`` (engines have one), checked on the host instead
-    of by device reductions. ``trusted``: the caller vouches that every slot is in ``[0, slots)``, no check
-    runs (the kernel still never touches a bad slot: its rows are left as they were).
-    """
-    plan = plan_gather(
-        kv_caches, layout, slot_mapping, spans, out, layers, check=not trusted, host_slots=host_slots
-    )
-    plan.launch(cfg)
-    plan.finish()
+def _run(kv_caches: KVCaches, move: Move, cfg: TileConfig) -> int:
+    b = bind(kv_caches, move, cfg)
+    if b is not None:
+        return b.run()
+    p = plan(kv_caches, move)
+    p.launch(cfg)
+    return p.finish()
 
 
-def scatter(
-    objects: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    layers: range | None = None,
-    cfg: TileConfig = DEFAULT_CONFIG,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """One-launch scatter from device objects; returns the tokens written per layer (reference contract).
-    ``trusted`` / ``host_slots`` as in ``gather`` (trusted: every token past the skips counts as written)."""
-    plan = plan_scatter(
-        objects,
-        kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        skip_prefix,
-        layers,
-        check=not trusted,
-        host_slots=host_slots,
-    )
-    plan.launch(cfg)
-    return plan.finish()
+def gather(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> None:
+    """Run a gather ``move`` into device objects in one launch (``reference.gather`` contract); a repeated
+    run of the same move costs one pre-bound launch (and, unless trusted, a wait for the slot flags)."""
+    if move.is_scatter:
+        raise ValueError(f"{move!r} is a scatter")
+    _run(kv_caches, move, cfg)
+
+
+def scatter(kv_caches: KVCaches, move: Move, cfg: TileConfig = DEFAULT_CONFIG) -> int:
+    """Run a scatter ``move`` from device objects in one launch; returns the tokens written per layer
+    (``reference.scatter`` contract; a trusted move counts every token past the skips)."""
+    if not move.is_scatter:
+        raise ValueError(f"{move!r} is a gather")
+    return _run(kv_caches, move, cfg)
 
 
 # --------------------------------------------------------------------------------------------- fp8

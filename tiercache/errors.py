@@ -39,7 +39,8 @@ class AdapterTimeout(AdapterError):
 
 
 class Unsupported(AdapterError):
-    """The adapter lacks the capability the caller asked for (see Capabilities)."""
+    """The adapter lacks the capability the caller asked for (see Capabilities); also raised inside
+    ``tiercache.gpu`` when the kernels cannot do a move (the dispatch then runs the torch reference)."""
 
 
 class FrameError(TiercacheError):

@@ -6,6 +6,8 @@ reference (which runs on the same CUDA tensors).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,8 +15,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from tiercache.errors import Unsupported
 from tiercache.gpu import (
     LayoutKind,
+    Move,
     PagedLayout,
     dispatch,
     object_spec,
@@ -34,6 +38,45 @@ KINDS = [
     pytest.param(LayoutKind.VLLM_MLA, False, id="mla"),
 ]
 DEV = torch.device("cuda")
+
+
+# the entry points called through a Move built from each case's arguments
+def ref_gather(
+    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, layers: Any = None
+) -> None:
+    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=layers))
+
+
+def ref_scatter(
+    objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip: Any = 0
+) -> int:
+    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip))
+
+
+def k_gather(
+    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, cfg: Any = tk.DEFAULT_CONFIG
+) -> None:
+    tk.gather(kv, Move.gather(layout, slots, spans, out), cfg)
+
+
+def k_scatter(
+    objs: Any,
+    kv: Any,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: Any,
+    skip: Any = 0,
+    cfg: Any = tk.DEFAULT_CONFIG,
+) -> int:
+    return tk.scatter(kv, Move.scatter(layout, slots, spans, objs, skip), cfg)
+
+
+def d_gather(kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, **kw: Any) -> None:
+    dispatch.gather(kv, Move.gather(layout, slots, spans, out, **kw))
+
+
+def d_scatter(objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip: Any = 0) -> int:
+    return dispatch.scatter(kv, Move.scatter(layout, slots, spans, objs, skip))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +153,8 @@ def test_kernels_match_reference(
     layout, kv, slots = make_kv(kind, dtype, strided, seed=1, tokens=n, heads=6)
     want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in spans]
     got = [poisoned(w.shape, dtype) for w in want]
-    reference.gather(kv, layout, slots, spans, want)
-    tk.gather(kv, layout, slots, spans, got, cfg=cfg)
+    ref_gather(kv, layout, slots, spans, want)
+    k_gather(kv, layout, slots, spans, got, cfg=cfg)
     for a, b in zip(want, got, strict=True):
         assert not sentinel_left(b)
         assert torch.equal(bits(a), bits(b))
@@ -120,8 +163,8 @@ def test_kernels_match_reference(
     other[300] = -1
     skips = [37, 0, 5]
     assert (
-        reference.scatter(got, dst_ref, layout, other, spans, skips)
-        == tk.scatter(got, dst_ker, layout, other, spans, skips, cfg=cfg)
+        ref_scatter(got, dst_ref, layout, other, spans, skips)
+        == k_scatter(got, dst_ker, layout, other, spans, skips, cfg=cfg)
         == n - 37 - 5 - 1
     )
     for a, b in zip(dst_ref, dst_ker, strict=True):
@@ -130,7 +173,9 @@ def test_kernels_match_reference(
 
 @pytest.mark.parametrize("coalesce", [False, True], ids=["per-object", "coalesced"])
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
-def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: bool) -> None:
+def test_dispatch_through_pinned_l1(
+    kind: LayoutKind, strided: bool, coalesce: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CUDA KV <-> L1 objects (pinned pool views) through the staged pipeline, small staging (many groups)."""
     n = 1000
     spans = spans_of(n, 128)
@@ -146,37 +191,38 @@ def test_dispatch_through_pinned_l1(kind: LayoutKind, strided: bool, coalesce: b
     old, old_co = xfer.staging_bytes, xfer.coalesce
     xfer.staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
     xfer.coalesce = coalesce
+    monkeypatch.setattr(dispatch, "ZERO_COPY_BYTES", 0)  # these small moves would go over the bus
     try:
-        dispatch.gather(kv, layout, slots, spans, outs)
+        d_gather(kv, layout, slots, spans, outs)
         want = [poisoned(o.shape, o.dtype, torch.device("cpu")) for o in outs]
-        reference.gather(kv, layout, slots, spans, want)
+        ref_gather(kv, layout, slots, spans, want)
         for a, b in zip(want, outs, strict=True):
             assert not sentinel_left(b)
             assert torch.equal(bits(a), bits(b))
         _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=4, tokens=n, nb=80)
         dst_ref = [t.clone() for t in dst]
         other[700] = -1
-        assert dispatch.scatter(outs, dst, layout, other, spans, 40) == n - 41
-        assert reference.scatter(outs, dst_ref, layout, other, spans, 40) == n - 41
+        assert d_scatter(outs, dst, layout, other, spans, 40) == n - 41
+        assert ref_scatter(outs, dst_ref, layout, other, spans, 40) == n - 41
         for a, b in zip(dst_ref, dst, strict=True):
             assert torch.equal(bits(a), bits(b))
         # layerwise entry points
         spec1 = object_spec(layout, 128).with_layers(2, 3)
         one = poisoned(spec1.shape, torch.bfloat16, torch.device("cpu"), pin=True)
         ref1 = poisoned(spec1.shape, torch.bfloat16, torch.device("cpu"))
-        dispatch.gather_layer(2, kv, layout, slots, [(128, 256)], [one])
-        reference.gather_layer(2, kv, layout, slots, [(128, 256)], [ref1])
+        d_gather(kv, layout, slots, [(128, 256)], [one], layers=range(2, 3))
+        ref_gather(kv, layout, slots, [(128, 256)], [ref1], range(2, 3))
         assert torch.equal(bits(one), bits(ref1))
         # host-checked and trusted moves through the pipeline
         for kw in ({"host_slots": slots.cpu()}, {"trusted": True}):
             for o in outs:
                 bits(o).fill_(-1)
-            dispatch.gather(kv, layout, slots, spans, outs, **kw)  # type: ignore[arg-type]
+            d_gather(kv, layout, slots, spans, outs, **kw)  # type: ignore[arg-type]
             assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, outs, strict=True))
         bad = slots.cpu()
         bad[5] = -1
         with pytest.raises(ValueError, match="slots < 0"):
-            dispatch.gather(kv, layout, slots, spans, outs, host_slots=bad)
+            d_gather(kv, layout, slots, spans, outs, host_slots=bad)
     finally:
         xfer.staging_bytes, xfer.coalesce = old, old_co
 
@@ -187,16 +233,16 @@ def test_gather_errors_and_fallback() -> None:
     bad = slots.clone()
     bad[10] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        dispatch.gather(kv, layout, bad, [(0, 256)], out)
+        d_gather(kv, layout, bad, [(0, 256)], out)
     bad[10] = 10**6
     with pytest.raises(ValueError, match="outside the paged KV"):
-        dispatch.gather(kv, layout, bad, [(0, 256)], out)
+        d_gather(kv, layout, bad, [(0, 256)], out)
     kv[1] = kv[1].contiguous()  # strides differ between layers: the reference runs instead
-    with pytest.raises(tk.Unsupported):
-        tk.gather(kv, layout, slots, [(0, 256)], out)
+    with pytest.raises(Unsupported):
+        k_gather(kv, layout, slots, [(0, 256)], out)
     want = [poisoned(out[0].shape, torch.bfloat16)]
-    dispatch.gather(kv, layout, slots, [(0, 256)], out)
-    reference.gather(kv, layout, slots, [(0, 256)], want)
+    d_gather(kv, layout, slots, [(0, 256)], out)
+    ref_gather(kv, layout, slots, [(0, 256)], want)
     assert torch.equal(bits(out[0]), bits(want[0]))
 
 
@@ -214,7 +260,7 @@ def test_fused_fp8_gather_is_the_codec_payload(
     gen = torch.Generator(device=DEV).manual_seed(7)
     kv = [torch.randn(t.shape, generator=gen, device=DEV).mul_(3).to(dtype) for t in kv]
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype, device=DEV) for s, e in spans]
-    reference.gather(kv, layout, slots, spans, objs)
+    ref_gather(kv, layout, slots, spans, objs)
     outs = [
         torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8, device=DEV)
         for s, e in spans
@@ -237,15 +283,15 @@ def test_cpu_slot_mapping_and_repeated_calls() -> None:
     spans = spans_of(n, 256)
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=9, tokens=n)
     want = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
-    reference.gather(kv, layout, slots, spans, want)
+    ref_gather(kv, layout, slots, spans, want)
     for sl in (slots, slots.cpu(), slots.to(torch.int32), slots):
         got = [poisoned(w.shape, torch.bfloat16) for w in want]
-        tk.gather(kv, layout, sl, spans, got)
+        k_gather(kv, layout, sl, spans, got)
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
     bad = slots.cpu()
     bad[300] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        tk.gather(kv, layout, bad, spans, want)
+        k_gather(kv, layout, bad, spans, want)
 
 
 def test_device_checks_refuse_and_count() -> None:
@@ -255,20 +301,20 @@ def test_device_checks_refuse_and_count() -> None:
     spans = spans_of(n, 256)
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=11, tokens=n)
     objs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
-    tk.gather(kv, layout, slots, spans, objs)
+    k_gather(kv, layout, slots, spans, objs)
     bad = slots.clone()
     bad[3] = -1
     bad[520] = -7
     dst = [t.clone() for t in kv]
     dst_ref = [t.clone() for t in kv]
-    assert tk.scatter(objs, dst, layout, bad, spans, [5, 0, 0]) == n - 5 - 1
-    reference.scatter(objs, dst_ref, layout, bad, spans, [5, 0, 0])
+    assert k_scatter(objs, dst, layout, bad, spans, [5, 0, 0]) == n - 5 - 1
+    ref_scatter(objs, dst_ref, layout, bad, spans, [5, 0, 0])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
     with pytest.raises(ValueError, match=r"span \(0, 256\) has slots < 0"):
-        tk.gather(kv, layout, bad, spans, objs)
+        k_gather(kv, layout, bad, spans, objs)
     bad[520] = 64 * 16 + 3
     with pytest.raises(ValueError, match=f"slot {64 * 16 + 3} outside"):
-        tk.scatter(objs, dst, layout, bad, spans, [5, 0, 0])
+        k_scatter(objs, dst, layout, bad, spans, [5, 0, 0])
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -325,9 +371,67 @@ def test_fp8_gather_and_dequant_scatter_match_the_reference(
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, ref, strict=True))
     back = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype, device=DEV) for s, e in spans]
     orig = [torch.empty_like(b) for b in back]
-    reference.gather(kv, layout, slots, spans, orig)
+    ref_gather(kv, layout, slots, spans, orig)
     full = [t.clone() for t in got]
     dispatch.scatter_fp8(outs, full, layout, slots, spans)
-    reference.gather(full, layout, slots, spans, back)
+    ref_gather(full, layout, slots, spans, back)
     for a, b in zip(back, orig, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03
+
+
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_a_move_run_again_reads_the_slots_of_each_run(where: str) -> None:
+    """A Move kept and run again (the pre-bound launch, or the prepared pipeline) moves the slot values of
+    each run, refuses a slot made bad in place, counts exactly a scatter slot made < 0, and works again."""
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=21, tokens=n)
+    if where == "device":
+        outs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
+    else:
+        outs = [
+            poisoned(object_spec(layout, e - s).shape, torch.bfloat16, torch.device("cpu"), pin=True)
+            for s, e in spans
+        ]
+    gather, trusted = (
+        Move.gather(layout, slots, spans, outs),
+        Move.gather(layout, slots, spans, outs, trusted=True),
+    )
+    original = slots.clone()
+    for shift in (0, 3, 0):
+        slots.copy_(original.roll(shift))  # the same tensor, new values
+        for move in (gather, trusted):
+            for o in outs:
+                bits(o).fill_(-1)
+            dispatch.gather(kv, move)
+            want = [poisoned(o.shape, torch.bfloat16) for o in outs]
+            ref_gather(kv, layout, slots, spans, want)
+            assert all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, outs, strict=True))
+    assert gather.prepared  # prepared on the first run, reused after
+    assert trusted.prepared
+    slots[300] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        dispatch.gather(kv, gather)
+    slots[300] = 10**6
+    with pytest.raises(ValueError, match="outside the paged KV"):
+        dispatch.gather(kv, gather)
+    slots.copy_(original)
+    dispatch.gather(kv, gather)  # good again: no error left behind
+    _, dst, other = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=22, tokens=n)
+    dst_ref = [t.clone() for t in dst]
+    scatter = Move.scatter(layout, other, spans, outs, [7, 0, 0])
+    assert dispatch.scatter(dst, scatter) == n - 7
+    assert ref_scatter(outs, dst_ref, layout, other, spans, [7, 0, 0]) == n - 7
+    other[100] = -1  # in place: the same move now skips that token
+    bits(dst[0]).neg_()  # the second run must rewrite every layer but that token's slot
+    bits(dst_ref[0]).neg_()
+    assert dispatch.scatter(dst, scatter) == n - 7 - 1
+    assert ref_scatter(outs, dst_ref, layout, other, spans, [7, 0, 0]) == n - 7 - 1
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    assert dispatch.scatter(dst, Move.scatter(layout, other, spans, outs, [7, 0, 0], trusted=True)) == n - 7
+    # the same move on other KV caches: prepared for those, bit-exact
+    _, kv2, _ = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=23, tokens=n)
+    dispatch.gather(kv2, gather)
+    want = [poisoned(o.shape, torch.bfloat16) for o in outs]
+    ref_gather(kv2, layout, slots, spans, want)
+    assert all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, outs, strict=True))

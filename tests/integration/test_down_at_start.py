@@ -13,6 +13,7 @@ from servers import ServerProcess, free_port, port_open, start_process
 from tiercache.config import config_from_dict
 from tiercache.errors import AdapterUnavailable, ConfigError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store._reopen import ReopeningAdapter
 from tiercache.store.engine import CacheEngine
@@ -41,7 +42,7 @@ def _paged(seed: int, tokens: int) -> tuple[list[torch.Tensor], torch.Tensor, to
     kv = torch.randn(object_spec(LAYOUT, tokens).shape, generator=gen).to(torch.bfloat16)
     cache = [torch.zeros(LAYOUT.layer_shape(BLOCKS), dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
     slots = torch.arange(tokens)
-    scatter([kv], cache, LAYOUT, slots, [(0, tokens)])
+    scatter(cache, Move.scatter(LAYOUT, slots, [(0, tokens)], [kv]))
     return cache, slots, kv
 
 
@@ -93,7 +94,7 @@ async def test_redis_down_at_open_then_up_is_used(redis_binary: str, tmp_path: P
         target = [torch.full_like(c, float("nan")) for c in cache_b]
         assert bool((await decode.retrieve(tokens_b, target, slots_b)).all())
         out = torch.empty(object_spec(LAYOUT, 512).shape, dtype=torch.bfloat16)
-        gather(target, LAYOUT, slots_b, [(0, 512)], [out])
+        gather(target, Move.gather(LAYOUT, slots_b, [(0, 512)], [out]))
         assert torch.equal(out.view(torch.int16), kv_b.view(torch.int16))
         assert decode.manager.metrics.value("tiercache_prefetched_total", tier="redis") == 2
     finally:

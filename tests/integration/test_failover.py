@@ -17,6 +17,7 @@ from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.config import config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
 
@@ -86,7 +87,7 @@ def _prompt(i: int) -> tuple[list[int], torch.Tensor, list[torch.Tensor], torch.
     kv = torch.randn(object_spec(LAYOUT, TOKENS).shape, generator=gen).to(torch.bfloat16)
     cache = [torch.zeros(LAYOUT.layer_shape(TOKENS // 16), dtype=torch.bfloat16) for _ in range(2)]
     slots = torch.arange(TOKENS)
-    scatter([kv], cache, LAYOUT, slots, [(0, TOKENS)])
+    scatter(cache, Move.scatter(LAYOUT, slots, [(0, TOKENS)], [kv]))
     return [i * 100_000 + t for t in range(TOKENS)], kv, cache, slots
 
 
@@ -102,7 +103,7 @@ async def _restore(
     mask = await engine.retrieve(tokens, target, slots)
     restored = int(mask.sum())
     out = torch.empty(object_spec(LAYOUT, TOKENS).shape, dtype=torch.bfloat16)
-    gather(target, LAYOUT, slots, [(0, TOKENS)], [out])
+    gather(target, Move.gather(LAYOUT, slots, [(0, TOKENS)], [out]))
     assert torch.equal(out[:, :, :restored].view(torch.int16), kv[:, :, :restored].view(torch.int16))
     assert bool(mask[:restored].all())
     return restored

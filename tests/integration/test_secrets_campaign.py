@@ -22,6 +22,7 @@ from tiercache._open import open_adapter
 from tiercache.config import config_from_dict, load_config
 from tiercache.errors import AdapterError, FrameError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import scatter
 from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
@@ -154,7 +155,7 @@ async def test_metrics_logs_and_errors_hold_no_secret(
         kv = torch.randn(object_spec(LAYOUT, 512).shape, generator=gen).to(torch.bfloat16)
         cache = [torch.zeros(LAYOUT.layer_shape(32), dtype=torch.bfloat16) for _ in range(2)]
         slots = torch.arange(512)
-        scatter([kv], cache, LAYOUT, slots, [(0, 512)])
+        scatter(cache, Move.scatter(LAYOUT, slots, [(0, 512)], [kv]))
         assert await engine.store(list(range(512)), cache, slots) == 512
         await engine.drain()
         metrics = engine.manager.metrics
@@ -188,7 +189,7 @@ async def test_a_frame_of_one_tenant_or_aes_key_never_decodes_under_another(
     kv = torch.randn(object_spec(LAYOUT, 256).shape, generator=gen).to(torch.bfloat16)
     cache = [torch.zeros(LAYOUT.layer_shape(16), dtype=torch.bfloat16) for _ in range(2)]
     slots = torch.arange(256)
-    scatter([kv], cache, LAYOUT, slots, [(0, 256)])
+    scatter(cache, Move.scatter(LAYOUT, slots, [(0, 256)], [kv]))
     tokens = list(range(256))
     a = await CacheEngine.open(config, LAYOUT, model="t/tenants")
     try:

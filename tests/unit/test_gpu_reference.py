@@ -4,24 +4,41 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.gpu import (
-    LayoutKind,
-    PagedLayout,
-    gather,
-    gather_layer,
-    object_spec,
-    plan_read,
-    scatter,
-    scatter_layer,
-)
+from tiercache.gpu import LayoutKind, Move, PagedLayout, object_spec, plan_read, reference
 
 L, H, D = 3, 2, 8
+
+
+# the reference's entry points, called through a Move built from the arguments of each case
+def gather(kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any) -> None:
+    reference.gather(kv, Move.gather(layout, slots, spans, out))
+
+
+def gather_layer(layer: int, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any) -> None:
+    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=range(layer, layer + 1)))
+
+
+def scatter(
+    objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip_prefix: Any = 0
+) -> int:
+    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip_prefix))
+
+
+def scatter_layer(
+    layer: int, objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip_prefix: Any = 0
+) -> int:
+    return reference.scatter(
+        kv, Move.scatter(layout, slots, spans, objs, skip_prefix, layers=range(layer, layer + 1))
+    )
+
+
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 

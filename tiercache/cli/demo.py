@@ -170,21 +170,23 @@ class _PagedKV:
 
     def write(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``[2, L, T, H*D]`` KV into the slots (what the model's forward pass would do)."""
-        from tiercache.gpu import reference
+        from tiercache.gpu import Move, reference
 
-        reference.scatter([kv], self.caches, self.layout, slot_mapping[: kv.shape[2]], [(0, kv.shape[2])])
+        reference.scatter(
+            self.caches, Move.scatter(self.layout, slot_mapping[: kv.shape[2]], [(0, kv.shape[2])], [kv])
+        )
 
     def read(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The KV at the slots as ``[2, L, T, H*D]``."""
         import torch
 
-        from tiercache.gpu import reference
+        from tiercache.gpu import Move, reference
         from tiercache.gpu.layouts import object_spec
 
         t = int(slot_mapping.shape[0])
         out = torch.empty(object_spec(self.layout, t).shape, dtype=getattr(torch, self.layout.dtype))
         if t:
-            reference.gather(self.caches, self.layout, slot_mapping, [(0, t)], [out])
+            reference.gather(self.caches, Move.gather(self.layout, slot_mapping, [(0, t)], [out]))
         return out
 
     def untouched(self, slot_mapping: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
+from tiercache.gpu.move import Move
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
 from tiercache.spec import KVFormat
 from tiercache.store.manager import L1_TIER, StorageManager, TierHit
@@ -238,13 +239,9 @@ class CacheEngine:
             async with self.manager.writing(keys, specs) as objects:
                 todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
                 if todo:
-                    dispatch.gather(
-                        kv_caches,
-                        self.layout,
-                        slot_mapping,
-                        [(s.start, s.end) for s, _ in todo],
-                        [o.tensor() for _, o in todo],
-                    )
+                    spans_ = [(s.start, s.end) for s, _ in todo]
+                    outs = [o.tensor() for _, o in todo]
+                    dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, spans_, outs))
             fresh = [o is not None for o in objects]
         return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
 
@@ -258,14 +255,14 @@ class CacheEngine:
         async with self.manager.writing(keys, [self._spec(s, layer) for s in spans]) as objects:
             todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
             if todo:
-                dispatch.gather_layer(
-                    layer,
-                    kv_caches,
+                move = Move.gather(
                     self.layout,
                     slot_mapping,
                     [(s.start, s.end) for s, _ in todo],
                     [o.tensor() for _, o in todo],
+                    layers=range(layer, layer + 1),
                 )
+                dispatch.gather(kv_caches, move)
         return [o is not None for o in objects]
 
     async def store_layers(
@@ -486,9 +483,8 @@ class PreparedRetrieve:
                 self.scatter_layer(layer, kv_caches, slot_mapping)
             return
         plan = self.plan
-        dispatch.scatter(
-            self._objects(None), kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
-        )
+        move = Move.scatter(self.engine.layout, slot_mapping, plan.spans, self._objects(None), plan.skips)
+        dispatch.scatter(kv_caches, move)
 
     def scatter_layer(self, layer: int, kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
         """Write one layer of the prefix into the paged KV (layer-by-layer loading)."""
@@ -497,10 +493,15 @@ class PreparedRetrieve:
         if not self.chunks:
             return
         plan = self.plan
-        objects = self._objects(layer)
-        dispatch.scatter_layer(
-            layer, objects, kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
+        move = Move.scatter(
+            self.engine.layout,
+            slot_mapping,
+            plan.spans,
+            self._objects(layer),
+            plan.skips,
+            layers=range(layer, layer + 1),
         )
+        dispatch.scatter(kv_caches, move)
 
     def finish(self) -> RetrieveResult:
         """Check the leases, release them and report what was retrieved; idempotent."""

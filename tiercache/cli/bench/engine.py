@@ -25,6 +25,7 @@ from tiercache.adapters.posix import PosixAdapter
 from tiercache.cli.bench.measure import Row, atimes, best_median, gbps, percentiles
 from tiercache.config import ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import KeySpace
 from tiercache.serde import build_pipeline
@@ -149,12 +150,14 @@ async def bench_layout(
 
     # bare gather/scatter into warm objects (no engine)
     bare_objs = [torch.zeros(object_spec(layout, e - s).shape, dtype=DTYPE) for s, e in spans]
+    bare_store = Move.gather(layout, src_slots, spans, bare_objs)
+    bare_load = Move.scatter(layout, dst_slots, spans, bare_objs)
 
     def bare_gather() -> None:
-        gather(src_kv, layout, src_slots, spans, bare_objs)
+        gather(src_kv, bare_store)
 
     def bare_scatter() -> None:
-        scatter(bare_objs, dst_kv, layout, dst_slots, spans)
+        scatter(dst_kv, bare_load)
 
     def drop() -> None:
         for k in keys:

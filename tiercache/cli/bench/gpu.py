@@ -29,6 +29,7 @@ async def gpu_suite(ctx: SuiteContext) -> list[Row]:
         ctx.skip("no CUDA device (torch.cuda.is_available() is False)")
         return []
     from tiercache.gpu.dispatch import gather, scatter
+    from tiercache.gpu.move import Move
 
     layers = 8 if ctx.quick else 32
     sizes = ctx.token_sizes(quick=(1024, 4096), full=(1024, 4096, 16384))
@@ -60,8 +61,10 @@ async def gpu_suite(ctx: SuiteContext) -> list[Row]:
 
             return run
 
-        do_gather = synced(lambda: gather(kv, layout, slots, spans, objs, host_slots=host_slots))
-        do_scatter = synced(lambda: scatter(objs, kv, layout, slots, spans, host_slots=host_slots))
+        g_move = Move.gather(layout, slots, spans, objs, host_slots=host_slots)
+        s_move = Move.scatter(layout, slots, spans, objs, host_slots=host_slots)
+        do_gather = synced(lambda: gather(kv, g_move))
+        do_scatter = synced(lambda: scatter(kv, s_move))
         d2h = synced(lambda: host.copy_(dev, non_blocking=True))
         h2d = synced(lambda: dev.copy_(host, non_blocking=True))
         t: dict[str, list[float]] = {"gather": [], "scatter": [], "d2h": [], "h2d": []}
