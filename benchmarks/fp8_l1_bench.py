@@ -109,6 +109,8 @@ def main() -> None:
         )
         res["sizes"][f"{n}_tokens"] = row
         gb.log(f"fp8 L1 {n}", json.dumps(row))
+    res["staging_sweep_4096"] = staging_sweep(layout, kv, slots, kv2, slots2)
+    gb.log("sweep", json.dumps(res["staging_sweep_4096"]))
     res["engine"] = engine_rounds(layout, kv, slots, kv2, slots2)
     gb.log("engine", json.dumps(res["engine"]))
     res["note"] = (
@@ -117,6 +119,39 @@ def main() -> None:
         "per object), fp8_inplace_* are written / read over the bus by the fused kernels (the previous path)"
     )
     print(json.dumps(res, indent=2))
+
+
+def staging_sweep(
+    layout: Any, kv: list[torch.Tensor], slots: torch.Tensor, kv2: list[torch.Tensor], slots2: torch.Tensor
+) -> dict[str, Any]:
+    """The staged fp8 pipeline at 4096 tokens per staging size and copy coalescing (interleaved rounds):
+    GB/s of bf16 KV per whole call, store / retrieve."""
+    from tiercache.gpu import fp8_transfer, transfer
+
+    n = gb.SIZES[-1]
+    sp = [(s, s + gb.CHUNK) for s in range(0, n, gb.CHUNK)]
+    nbytes = object_spec(layout, n).nbytes
+    pay = fp8_payload_nbytes(layout, gb.CHUNK)
+    pool = torch.empty(len(sp) * pay, dtype=torch.uint8, pin_memory=True)
+    payloads = [pool[i * pay : (i + 1) * pay] for i in range(len(sp))]
+    variants = {
+        f"staging{mib}MiB_{'coalesce' if co else 'per_object'}": (transfer.Transfer(gb.DEV, mib << 20), co)
+        for mib in (32, 64, 128, 256)
+        for co in (True, False)
+    }
+    fns: dict[str, Any] = {}
+    for name, (x, co) in variants.items():
+        fns[f"{name}_store"] = lambda x=x, co=co: fp8_transfer.store_fp8_to_host(
+            kv, layout, slots[:n], sp, payloads, xfer=x, coalesce=co
+        )
+        fns[f"{name}_retrieve"] = lambda x=x, co=co: fp8_transfer.load_fp8_from_host(
+            payloads, kv2, layout, slots2[:n], sp, xfer=x, coalesce=co
+        )
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(5):
+        for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            times[k].append(gb.wall_time(fns[k], reps=15, warmup=2))
+    return {k: nbytes / statistics.median(t) / gb.GB for k, t in times.items()}
 
 
 def engine_rounds(

@@ -28,7 +28,11 @@ from tiercache.gpu.layouts import PagedLayout, layer_tensors
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["load_fp8_from_host", "store_fp8_to_host"]
+__all__ = ["FP8_COALESCE", "load_fp8_from_host", "store_fp8_to_host"]
+
+FP8_COALESCE = True
+"""Payloads that lie back to back in host memory (L1 slots handed out in order) and in staging move as one
+copy per run (``transfer._runs``) instead of one per object."""
 
 
 def _staging_views(
@@ -44,6 +48,24 @@ def _staging_views(
     return groups, views
 
 
+def _pairs(
+    idx: Sequence[int], host: Sequence[torch.Tensor], views: Sequence[torch.Tensor], coalesce: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host, staging) pairs to copy for payloads ``idx`` of one group: one per object, or one per run of
+    back-to-back payloads with ``coalesce``."""
+    objs = [host[i] for i in idx]
+    vs = [views[i] for i in idx]
+    if not coalesce or len(idx) < 2:
+        return list(zip(objs, vs, strict=True))
+    base = vs[0].data_ptr()
+    pairs = []
+    for a, z, n in transfer._runs(objs, [v.data_ptr() - base for v in vs]):
+        pairs.append(
+            (objs[a], vs[a]) if z - a == 1 else (transfer._flat(objs[a], n), transfer._flat(vs[a], n))
+        )
+    return pairs
+
+
 def store_fp8_to_host(
     kv_caches: KVCaches,
     layout: PagedLayout,
@@ -54,13 +76,16 @@ def store_fp8_to_host(
     trusted: bool = False,
     host_slots: torch.Tensor | None = None,
     check_finite: bool = True,
+    xfer: transfer.Transfer | None = None,
+    coalesce: bool = FP8_COALESCE,
 ) -> None:
     """Quantize the spans of CUDA paged KV into host payloads (``fp8_payload_nbytes`` uint8 each) through
-    the staging pipeline (``reference.gather_fp8`` contract)."""
+    the staging pipeline (``reference.gather_fp8`` contract); ``xfer``: the staging to use (default: the
+    device's ``transfer.transfer_for``)."""
     if not host_outs:
         return
     device = layer_tensors(kv_caches)[0].device
-    t = transfer.transfer_for(device)
+    t = xfer or transfer.transfer_for(device)
     cur = torch.cuda.current_stream(device)
     with t.lock:
         groups, views = _staging_views(t, host_outs)
@@ -81,8 +106,8 @@ def store_fp8_to_host(
             t.ready[b].record(cur)
             t.stream.wait_event(t.ready[b])
             with torch.cuda.stream(t.stream):
-                for i in idx:
-                    host_outs[i].copy_(views[i], non_blocking=True)
+                for h, v in _pairs(idx, host_outs, views, coalesce):
+                    h.copy_(v, non_blocking=True)
             t.free[b].record(t.stream)
         plan.queue_checks()  # after the last launch: the next group's quantize never waits for them
         t.stream.synchronize()
@@ -99,11 +124,13 @@ def load_fp8_from_host(
     *,
     trusted: bool = False,
     host_slots: torch.Tensor | None = None,
+    xfer: transfer.Transfer | None = None,
+    coalesce: bool = FP8_COALESCE,
 ) -> int:
     """Dequantize host payloads into CUDA paged KV through the staging pipeline (``reference.scatter_fp8``
-    contract); returns the tokens written."""
+    contract); returns the tokens written (``xfer``: as ``store_fp8_to_host``)."""
     device = layer_tensors(kv_caches)[0].device
-    t = transfer.transfer_for(device)
+    t = xfer or transfer.transfer_for(device)
     cur = torch.cuda.current_stream(device)
     if not host_payloads:
         return tk.scatter_fp8(host_payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
@@ -116,8 +143,8 @@ def load_fp8_from_host(
             b = g % 2
             t.stream.wait_event(t.free[b])
             with torch.cuda.stream(t.stream):
-                for i in idx:
-                    views[i].copy_(host_payloads[i], non_blocking=True)
+                for h, v in _pairs(idx, host_payloads, views, coalesce):
+                    v.copy_(h, non_blocking=True)
             t.ready[b].record(t.stream)
             if g == 0:
                 plan.queue_checks()  # while the first copy runs, ahead of the scatters

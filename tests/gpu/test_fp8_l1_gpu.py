@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tiercache.config import Config, L1Config
-from tiercache.gpu import LayoutKind, PagedLayout, dispatch, fp8_transfer, object_spec, reference, transfer
+from tiercache.gpu import LayoutKind, PagedLayout, fp8_transfer, object_spec, reference, transfer
 from tiercache.gpu import triton_kernels as tk
 from tiercache.store.engine import CacheEngine
 
@@ -41,14 +41,19 @@ def small_staging(monkeypatch: pytest.MonkeyPatch) -> transfer.Transfer:
     return t
 
 
-def test_staged_fp8_store_and_load_match_the_reference(small_staging: transfer.Transfer) -> None:
+@pytest.mark.parametrize("pooled", [True, False], ids=["back-to-back", "separate"])
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_staged_fp8_store_and_load_match_the_reference(
+    small_staging: transfer.Transfer, pooled: bool, coalesce: bool
+) -> None:
+    """Payloads back to back in one pinned pool (as L1 slots handed out in order: coalesced runs) or apart."""
     kv, slots = make_kv(1)
     spans = [(0, 96), (96, 192), (192, 288), (288, 384), (384, 480), (480, 500)]
-    outs = [
-        torch.full((tk.fp8_payload_nbytes(LAYOUT, e - s),), 255, dtype=torch.uint8, pin_memory=True)
-        for s, e in spans
-    ]
-    dispatch.gather_fp8(kv, LAYOUT, slots, spans, outs)
+    sizes = [tk.fp8_payload_nbytes(LAYOUT, e - s) for s, e in spans]
+    pool = torch.full((sum(sizes) + 4096,), 255, dtype=torch.uint8, pin_memory=True)
+    starts = [sum(sizes[:i]) + (0 if pooled else 512 * i) for i in range(len(sizes))]
+    outs = [pool[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+    fp8_transfer.store_fp8_to_host(kv, LAYOUT, slots, spans, outs, coalesce=coalesce)
     assert len(transfer._groups([o.numel() for o in outs], small_staging.staging_bytes)) >= 4
     want = [torch.empty_like(o) for o in outs]
     reference.gather_fp8(kv, LAYOUT, slots, spans, want)
@@ -59,7 +64,7 @@ def test_staged_fp8_store_and_load_match_the_reference(small_staging: transfer.T
     skips = [0, 7, 0, 0, 3, 0]
     got = [torch.full_like(t, float("nan")) for t in kv]
     ref = [t.clone() for t in got]
-    n = fp8_transfer.load_fp8_from_host(outs, got, LAYOUT, slots2, spans, skips)
+    n = fp8_transfer.load_fp8_from_host(outs, got, LAYOUT, slots2, spans, skips, coalesce=coalesce)
     assert n == reference.scatter_fp8(want, ref, LAYOUT, slots2, spans, skips)
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, ref, strict=True))
 
