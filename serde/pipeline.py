@@ -390,29 +390,8 @@ class CodecPipeline:
         widths = self.itemsizes(spec)
         data = mv[header.header_len :]
         codec = self._codecs[-1]
-        if last > 0:
-            try:
-                for i in range(len(self._codecs) - 1, last - 1, -1):
-                    codec = self._codecs[i]
-                    scratch = _scratch(i % 2, bounds[i])
-                    n = codec.decode_into(data, scratch, spec, dataclasses.replace(ctx, itemsize=widths[i]))
-                    if not 0 <= n <= bounds[i]:
-                        raise FrameError(
-                            f"codec {codec.codec_id!r} decoded {n} bytes, over its bound {bounds[i]}"
-                        )
-                    data = scratch[:n]
-            except FrameError:
-                raise
-            except Exception as exc:
-                raise FrameError(f"codec {codec.codec_id!r} failed to decode the frame: {exc}") from exc
-            if len(data) != len(dst):
-                raise FrameError(
-                    f"the frame's {self._chain[last - 1]!r} payload is {len(data)} bytes, expected {len(dst)}"
-                )
-            dst[:] = data
-            return len(data)
         try:
-            for i in range(len(self._codecs) - 1, 0, -1):
+            for i in range(len(self._codecs) - 1, max(last, 1) - 1, -1):
                 codec = self._codecs[i]
                 scratch = _scratch(i % 2, bounds[i])
                 n = codec.decode_into(data, scratch, spec, dataclasses.replace(ctx, itemsize=widths[i]))
@@ -421,6 +400,12 @@ class CodecPipeline:
                         f"codec {codec.codec_id!r} decoded {n} bytes, over its bound {bounds[i]}"
                     )
                 data = scratch[:n]
+            if last > 0:  # stop before codec ``last``: its input, as it is
+                if len(data) != len(dst):
+                    what = self._chain[last - 1]
+                    raise FrameError(f"the frame's {what!r} output is {len(data)} bytes, not {len(dst)}")
+                dst[:] = data
+                return len(data)
             codec = self._codecs[0]
             n = codec.decode_into(data, dst, spec, dataclasses.replace(ctx, itemsize=widths[0]))
         except FrameError:

