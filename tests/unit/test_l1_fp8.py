@@ -300,7 +300,7 @@ def test_connector_l1_codec_overrides_the_config_and_is_checked_against_its_tier
     assert ConnectorSettings.from_extra({"l1_codec": "fp8"}).load_config().l1.codec == "fp8"  # L1 only
     with pytest.raises(ConfigError, match=r"l1_codec.*tier 'disk' has codecs \['raw'\]"):
         ConnectorSettings.from_extra({"config": str(raw), "l1_codec": "fp8"}).load_config()
-    with pytest.raises(ConfigError, match="l1.codec must be one of"):
+    with pytest.raises(ConfigError, match=r"l1\.codec must be one of"):
         ConnectorSettings.from_extra({"l1_codec": "fp16"}).load_config()
     with pytest.raises(ValueError, match="l1_codec"):
         ConnectorSettings.from_extra({"l1_codec": 8})
