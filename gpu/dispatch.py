@@ -139,15 +139,28 @@ def gather_fp8(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
-    """``reference.gather_fp8`` contract (``out[i]``: span i's fp8 codec payload); the fused kernel on CUDA,
-    writing device memory or pinned host memory (an fp8 L1) in place."""
+    """``reference.gather_fp8`` contract (``out[i]``: span i's fp8 codec payload); on CUDA the fused kernel
+    into device outputs, or, for host outputs (an fp8 L1), the staged pipeline of
+    ``tiercache.gpu.fp8_transfer`` (quantize into device staging, large copies to host)."""
     if out and kernels_enabled(kv_caches, layout):
-        from tiercache.gpu import triton_kernels
+        from tiercache.gpu import fp8_transfer, triton_kernels
 
+        where = _where(out, layer_tensors(kv_caches)[0].device)
         try:
-            triton_kernels.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
-            return
+            if where == "device":
+                triton_kernels.gather_fp8(
+                    kv_caches, layout, slot_mapping, spans, out, trusted=trusted, host_slots=host_slots
+                )
+                return
+            if where == "host":
+                fp8_transfer.store_fp8_to_host(
+                    kv_caches, layout, slot_mapping, spans, out, trusted=trusted, host_slots=host_slots
+                )
+                return
         except Unsupported:
             pass
     reference.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
@@ -160,14 +173,39 @@ def scatter_fp8(
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     skip_prefix: int | Sequence[int] = 0,
+    *,
+    trusted: bool = False,
+    host_slots: torch.Tensor | None = None,
 ) -> int:
-    """``reference.scatter_fp8`` contract; the fused dequantize-scatter kernel on CUDA (payloads on the
-    device or in pinned host memory, read in place)."""
+    """``reference.scatter_fp8`` contract; on CUDA the fused dequantize-scatter kernel from device payloads,
+    or the staged pipeline (large copies to device staging, then the kernel) from host payloads."""
     if payloads and kernels_enabled(kv_caches, layout):
-        from tiercache.gpu import triton_kernels
+        from tiercache.gpu import fp8_transfer, triton_kernels
 
+        where = _where(payloads, layer_tensors(kv_caches)[0].device)
         try:
-            return triton_kernels.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
+            if where == "device":
+                return triton_kernels.scatter_fp8(
+                    payloads,
+                    kv_caches,
+                    layout,
+                    slot_mapping,
+                    spans,
+                    skip_prefix,
+                    trusted=trusted,
+                    host_slots=host_slots,
+                )
+            if where == "host":
+                return fp8_transfer.load_fp8_from_host(
+                    payloads,
+                    kv_caches,
+                    layout,
+                    slot_mapping,
+                    spans,
+                    skip_prefix,
+                    trusted=trusted,
+                    host_slots=host_slots,
+                )
         except Unsupported:
             pass
     return reference.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)

@@ -1400,16 +1400,32 @@ def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
 
 @dataclass
 class Fp8Plan:
-    """One fused-fp8 launch, ready to go (``plan_fp8``): ``launch()`` is the kernel alone (no host work but
-    the launch); ``finish()`` reads the slot checks and, if asked, checks the scales for non-finite input."""
+    """One fused-fp8 launch, ready to go (``plan_fp8``, ``plan_fp8_scatter``): ``launch()`` is the kernel
+    alone over every span (no host work but the launch), then the checks are queued; ``launch_rows(a, b)``
+    launches spans ``a..b`` only (a pipeline launches its groups so, then ``queue_checks()`` once);
+    ``finish()`` reads the slot checks and, if asked, checks the scales for non-finite input."""
 
     launch_fn: Any
     checks: SlotCheck | None
+    rows: int = 0
+    after: Any = None
+    """Queued after the last launch besides ``checks`` (a scatter's ``MoveCheck.queue_checks``)."""
 
     def launch(self) -> None:
-        self.launch_fn()
+        self.launch_rows(0, self.rows)
+        self.queue_checks()
+
+    def launch_rows(self, a: int, b: int) -> None:
+        """Launch the kernel over spans ``a..b`` (rows of the plan's span table) only."""
+        if b > a:
+            self.launch_fn(a, b)
+
+    def queue_checks(self) -> None:
+        """Queue the slot checks (after the last launch that writes the spans' status)."""
         if self.checks is not None:
             self.checks.queue()
+        if self.after is not None:
+            self.after()
 
     def finish(self) -> None:
         """``ValueError`` for bad slots (unless trusted) or non-finite input (when planned with
@@ -1419,6 +1435,32 @@ class Fp8Plan:
         self.checks.check(scatter=False)
         if self.checks.nonfinite():
             raise ValueError("fp8 gather needs finite input (found NaN or inf)")
+
+
+def _row_launcher(
+    kernel: Any,
+    grid: tuple[int, int, int],
+    ch_fast: bool,
+    args: tuple[Any, ...],
+    table_at: int,
+    status_at: int | None,
+    meta: dict[str, Any],
+    device: torch.device,
+) -> Any:
+    """A ``launch_fn(a, b)`` of the fused fp8 kernels: the span table (``args[table_at]``) and the status
+    (``args[status_at]``) seen from row ``a``, ``b - a`` spans in the grid's span dimension."""
+
+    def run(a: int, b: int) -> None:
+        call = list(args)
+        if a:
+            call[table_at] = args[table_at][a:]
+            if status_at is not None:
+                call[status_at] = args[status_at][a:]
+        g = (grid[0], grid[1], b - a) if ch_fast else (b - a, grid[1], grid[2])
+        with _on(device):
+            launch(kernel, g, tuple(call), meta, device)
+
+    return run
 
 
 def plan_fp8(
@@ -1458,7 +1500,7 @@ def plan_fp8(
     rows = [(s, e - s, 0, o.data_ptr() - base_ptr) for (s, e), o in zip(span_list, out, strict=True)]
     max_tok = max((r[1] for r in rows), default=0)
     if max_tok == 0:
-        return Fp8Plan(lambda: None, None)
+        return Fp8Plan(lambda a, b: None, None)
     slots = _device_slots(slot_mapping, geo.device)
     skips = [0] * len(span_list)
     checks: SlotCheck | None = None
@@ -1517,13 +1559,9 @@ def plan_fp8(
         "CH_FAST": ch_fast,
         "num_warps": num_warps,
     }
-    device = geo.device
-
-    def run() -> None:
-        with _on(device):
-            launch(k.fp8, grid, args, meta, device)
-
-    return Fp8Plan(run, checks)
+    status_at = 5 if checks is not None and checks.status is not None else None
+    run = _row_launcher(k.fp8, grid, ch_fast, args, 3, status_at, meta, geo.device)
+    return Fp8Plan(run, checks, len(rows))
 
 
 def gather_fp8(
@@ -1637,7 +1675,7 @@ def plan_fp8_scatter(
     ]
     max_tok = max((r[1] for r in rows), default=0)
     if max_tok == 0:
-        return Fp8Plan(lambda: None, None), mv
+        return Fp8Plan(lambda a, b: None, None, after=mv.queue_checks), mv
     table = _device_ints(rows, geo.device)
     scale = geo.word // geo.es
     d = layout.head_dim
@@ -1679,14 +1717,8 @@ def plan_fp8_scatter(
         "CH_FAST": ch_fast,
         "num_warps": num_warps,
     }
-    device = geo.device
-
-    def run() -> None:
-        with _on(device):
-            launch(k.fp8_scatter, grid, args, meta, device)
-        mv.queue_checks()
-
-    return Fp8Plan(run, None), mv
+    run = _row_launcher(k.fp8_scatter, grid, ch_fast, args, 3, None, meta, geo.device)
+    return Fp8Plan(run, None, len(rows), after=mv.queue_checks), mv
 
 
 def scatter_fp8(

@@ -175,6 +175,19 @@ class Fp8Codec(Codec):
             q_out[a : a + rows].copy_(x.div_(scale).clamp_(-FP8_MAX, FP8_MAX))
         return n
 
+    def check_payload(self, payload: memoryview, spec: KVSpec) -> None:
+        """``ValueError`` unless ``payload`` is a well-formed payload of ``spec`` (its length, and every scale
+        finite and positive): what ``decode_into`` checks before it decodes (an fp8 L1 keeps payloads as they
+        are and dequantizes them later, on the GPU)."""
+        import torch
+
+        n_scales = self.num_scales(spec)
+        if len(payload) != 4 * n_scales + self._elements(spec):
+            raise ValueError(f"fp8 payload of {len(payload)} bytes does not match {spec}")
+        scale = _tensor_from(payload[: 4 * n_scales], torch.float32)
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ValueError("fp8 payload holds an invalid scale")
+
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
         """Dequantize scales + e4m3 bytes into ``dst`` (``spec.nbytes`` bytes of ``spec.dtype``)."""
         import torch

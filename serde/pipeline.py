@@ -222,8 +222,37 @@ class CodecPipeline:
             raise ValueError(f"destination of {len(out)} bytes is smaller than max_frame_size {need}")
         return self._encode_to(array, spec, key, out)
 
-    def _encode_to(self, array: object, spec: KVSpec, key: str, out: bytearray | memoryview) -> int:
-        src = self._source(array, spec)
+    def encode_stage_output(self, data: object, spec: KVSpec, key: str) -> bytearray:
+        """The frame ``encode`` would write for an array whose first (array-to-bytes) codec produced ``data``
+        (its exact output, e.g. an fp8 L1's payload): only the later codecs run, so the frame is identical
+        to ``encode(array, ...)`` (for codecs without random nonces, byte for byte)."""
+        src = as_readable_bytes(data)
+        frame = bytearray(self.max_frame_size(spec))
+        n = self._encode_to(src, spec, key, frame, first=1)
+        del frame[n:]
+        return frame
+
+    def decode_stage_input(
+        self,
+        frame: object,
+        key: str,
+        dst: object,
+        expected_spec: KVSpec | None = None,
+        *,
+        header: FrameHeader,
+    ) -> int:
+        """Run every codec but the first on ``frame`` (checked as ``decode_into`` checks it; ``header`` is
+        ``read_header(frame)``) and write what the first codec would decode into ``dst`` (e.g. an fp8 L1's
+        payload); returns its length. FrameError on any fault, and when ``dst`` is not exactly that long."""
+        out = as_writable_bytes(dst)
+        mv = self._frame_view(frame)
+        header = self._verify(mv, key, expected_spec, header)
+        return self._decode_payload(mv, header, key, out, last=1)
+
+    def _encode_to(
+        self, array: object, spec: KVSpec, key: str, out: bytearray | memoryview, first: int = 0
+    ) -> int:
+        src = self._source(array, spec) if first == 0 else as_readable_bytes(array)
         static = self.static_header(spec, key)
         header_len = len(static) + TRAILER_SIZE
         assert header_len == self._header_len
@@ -232,19 +261,34 @@ class CodecPipeline:
         with memoryview(out) as mv:
             mv[: len(static)] = static
             payload = mv[header_len : header_len + bounds[-1]]
-            n = self._encode_payload(src, payload, spec, ctx, bounds)
+            n = self._encode_payload(src, payload, spec, ctx, bounds, first)
             seal_header_into(mv, len(static), n, payload_checksum(payload[:n]))
             payload.release()
         return header_len + n
 
     def _encode_payload(
-        self, src: memoryview, out: memoryview, spec: KVSpec, ctx: CodecContext, bounds: list[int]
+        self,
+        src: memoryview,
+        out: memoryview,
+        spec: KVSpec,
+        ctx: CodecContext,
+        bounds: list[int],
+        first: int = 0,
     ) -> int:
+        """Run codecs ``first..`` on ``src`` (codec ``first - 1``'s output, or the array) into ``out``."""
         data = src
         n = len(src)
         last = len(self._codecs) - 1
         widths = self.itemsizes(spec)
-        for i, codec in enumerate(self._codecs):
+        if first > 0 and n > bounds[first]:
+            raise ValueError(
+                f"{n} bytes of codec {self._chain[first - 1]!r} output, over its bound {bounds[first]}"
+            )
+        if first > last:
+            out[:n] = data
+            return n
+        for i in range(first, last + 1):
+            codec = self._codecs[i]
             dst = out if i == last else _scratch(i % 2, bounds[i + 1])
             n = codec.encode_into(data, dst, spec, dataclasses.replace(ctx, itemsize=widths[i]))
             if not 0 <= n <= bounds[i + 1]:
@@ -335,7 +379,11 @@ class CodecPipeline:
             raise FrameError("frame payload checksum mismatch")
         return header
 
-    def _decode_payload(self, mv: memoryview, header: FrameHeader, key: str, dst: memoryview) -> None:
+    def _decode_payload(
+        self, mv: memoryview, header: FrameHeader, key: str, dst: memoryview, last: int = 0
+    ) -> int:
+        """Decode the payload into ``dst``: the array (``last`` 0), or what codec ``last - 1`` wrote (then
+        ``dst`` must be exactly that long); returns the bytes written."""
         spec = header.spec
         ctx = CodecContext(key=key, aad=bytes(mv[: header.static_len]))
         bounds = self.bounds(spec)
@@ -343,7 +391,7 @@ class CodecPipeline:
         data = mv[header.header_len :]
         codec = self._codecs[-1]
         try:
-            for i in range(len(self._codecs) - 1, 0, -1):
+            for i in range(len(self._codecs) - 1, max(last, 1) - 1, -1):
                 codec = self._codecs[i]
                 scratch = _scratch(i % 2, bounds[i])
                 n = codec.decode_into(data, scratch, spec, dataclasses.replace(ctx, itemsize=widths[i]))
@@ -352,6 +400,12 @@ class CodecPipeline:
                         f"codec {codec.codec_id!r} decoded {n} bytes, over its bound {bounds[i]}"
                     )
                 data = scratch[:n]
+            if last > 0:  # stop before codec ``last``: its input, as it is
+                if len(data) != len(dst):
+                    what = self._chain[last - 1]
+                    raise FrameError(f"the frame's {what!r} output is {len(data)} bytes, not {len(dst)}")
+                dst[:] = data
+                return len(data)
             codec = self._codecs[0]
             n = codec.decode_into(data, dst, spec, dataclasses.replace(ctx, itemsize=widths[0]))
         except FrameError:
@@ -360,3 +414,4 @@ class CodecPipeline:
             raise FrameError(f"codec {codec.codec_id!r} failed to decode the frame: {exc}") from exc
         if n != spec.nbytes:
             raise FrameError(f"codec {codec.codec_id!r} decoded {n} bytes, the array has {spec.nbytes}")
+        return n

@@ -23,6 +23,7 @@ __all__ = [
     "ManagerConfig",
     "ServerConfig",
     "TierConfig",
+    "check_l1_codec",
     "check_url_secrets",
     "config_from_dict",
     "load_config",
@@ -165,6 +166,10 @@ class L1Config:
     """Bytes of host memory for KV objects (``"8GiB"`` accepted in files). Default 1 GiB."""
     pinned: bool | None = None
     """Pin the pool (page-locked) for fast GPU copies; None = pin when CUDA is available."""
+    codec: str = "raw"
+    """What L1 holds: ``"raw"`` KV bytes, or ``"fp8"``: the ``fp8`` codec's payload (e4m3 + float32 channel
+    scales, about half the bytes), quantized while gathered and dequantized while scattered. With ``"fp8"``
+    every tier's chain must start with ``fp8`` (channel granularity): tiers store L1's bytes as they are."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +413,41 @@ def _validate_chain(codecs: list[str | Mapping[str, Any]], where: str) -> None:
         raise ConfigError(f"{where}: invalid codec chain: {exc}") from None
 
 
+def _fp8_first(chain: tuple[str | Mapping[str, Any], ...]) -> bool:
+    """Whether ``chain`` starts with the fp8 codec at channel granularity (the fp8 L1's own bytes)."""
+    first = chain[0] if chain else None
+    if isinstance(first, str):
+        return first == "fp8"
+    return (
+        isinstance(first, Mapping)
+        and first.get("id") == "fp8"
+        and first.get("granularity", "channel") == "channel"
+    )
+
+
+def check_l1_codec(codec: str, tiers: tuple[TierConfig, ...], source: str = "<config>") -> None:
+    """ConfigError unless ``codec`` is a known L1 codec and, for ``"fp8"``, every tier's chain starts with
+    ``fp8`` at channel granularity (such a tier stores the fp8 L1's bytes as they are; any other chain would
+    store dequantized, already lossy KV under a lossless-looking chain, so it is refused)."""
+    from tiercache.store.l1 import L1_CODECS
+
+    if codec not in L1_CODECS:
+        raise ConfigError(
+            f"{source}: l1.codec must be one of {', '.join(map(repr, L1_CODECS))}, not {codec!r}"
+        )
+    if codec != "fp8":
+        return
+    for tier in tiers:
+        if not _fp8_first(tier.codecs):
+            chain = [c if isinstance(c, str) else dict(c) for c in tier.codecs]
+            raise ConfigError(
+                f'{source}: l1.codec = "fp8" keeps quantized KV, but tier {tier.name!r} has codecs {chain}: '
+                'with an fp8 L1 every tier\'s chain must start with "fp8" (channel granularity), e.g. '
+                '["fp8"] or ["fp8", "shuffle", "zstd"], so it stores the L1 bytes as they are; '
+                'or keep l1.codec = "raw"'
+            )
+
+
 def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     """Build a Config from parsed TOML/YAML data (the same checks as ``load_config``)."""
     r = _Reader(data, "", source)
@@ -424,6 +464,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         if l1_capacity is None
         else _parse_size(l1_capacity, f"{source}: l1.capacity"),
         pinned=l1r.take("pinned", (bool,), None),
+        codec=l1r.take("codec", (str,), "raw"),
     )
     l1r.finish()
 
@@ -451,6 +492,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))
     server = _server_config(r.take("server", (dict,), {}), source)
     r.finish()
+    check_l1_codec(l1.codec, tiers, source)
     return Config(chunk_size, save_unfull, l1, tiers, manager, cache_salt_env, source, server=server)
 
 

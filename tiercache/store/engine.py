@@ -16,6 +16,8 @@ from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.gpu.move import Move
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
 from tiercache.spec import KVFormat
+from tiercache.store.l1 import stored_nbytes
+from tiercache.store.l1_frames import l1_codec
 from tiercache.store.manager import L1_TIER, StorageManager, TierHit
 
 if TYPE_CHECKING:
@@ -83,13 +85,21 @@ class CacheEngine:
         self.token_db = TokenDatabase(keyspace, chunk_size, save_unfull_chunk)
         self.chunk_size = chunk_size
         self.layerwise = layerwise
+        self.l1_codec = l1_codec(manager.l1)
+        """What L1 holds (``[l1] codec``); ``"fp8"``: quantized on gather, dequantized on scatter."""
+        if self.l1_codec == "fp8":
+            if layerwise:
+                raise ValueError('an fp8 L1 (l1.codec = "fp8") does not support layerwise objects yet')
+            if layout.dtype not in ("bfloat16", "float16", "float32"):
+                raise ValueError(f"an fp8 L1 quantizes bfloat16, float16 or float32 KV, not {layout.dtype}")
         self._specs: dict[tuple[int, int | None], KVSpec] = {}
 
     @staticmethod
-    def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False) -> int:
-        """L1 slot size: one full-chunk object (per layer in layerwise mode)."""
+    def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False, codec: str = "raw") -> int:
+        """L1 slot size: one full-chunk object (per layer in layerwise mode) as an L1 of ``codec`` stores it
+        (``"fp8"``: its fp8 payload, about half)."""
         spec = object_spec(layout, chunk_size)
-        return spec.with_layers(0, 1).nbytes if layerwise else spec.nbytes
+        return stored_nbytes(codec, spec.with_layers(0, 1) if layerwise else spec)
 
     @classmethod
     async def open(
@@ -119,7 +129,7 @@ class CacheEngine:
             rank=rank,
             key_source=key_source,
         )
-        slot = cls.slot_bytes(layout, config.chunk_size, layerwise)
+        slot = cls.slot_bytes(layout, config.chunk_size, layerwise, config.l1.codec)
         manager = await StorageManager.open(config, slot, metrics=metrics)
         return cls(
             manager,
@@ -238,10 +248,13 @@ class CacheEngine:
             keys, specs = self._object_keys(spans)
             async with self.manager.writing(keys, specs) as objects:
                 todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
-                if todo:
-                    spans_ = [(s.start, s.end) for s, _ in todo]
+                ranges = [(s.start, s.end) for s, _ in todo]
+                if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
+                    outs = [o.payload() for _, o in todo]
+                    dispatch.gather_fp8(kv_caches, self.layout, slot_mapping, ranges, outs)
+                elif todo:
                     outs = [o.tensor() for _, o in todo]
-                    dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, spans_, outs))
+                    dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, ranges, outs))
             fresh = [o is not None for o in objects]
         return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
 
@@ -483,6 +496,12 @@ class PreparedRetrieve:
                 self.scatter_layer(layer, kv_caches, slot_mapping)
             return
         plan = self.plan
+        if self.engine.l1_codec == "fp8":  # dequantized while scattered
+            payloads = [lease.obj.payload() for lease in self.leases]
+            dispatch.scatter_fp8(
+                payloads, kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
+            )
+            return
         move = Move.scatter(self.engine.layout, slot_mapping, plan.spans, self._objects(None), plan.skips)
         dispatch.scatter(kv_caches, move)
 
@@ -492,6 +511,8 @@ class PreparedRetrieve:
 
         if not self.chunks:
             return
+        if self.engine.l1_codec == "fp8":
+            raise ValueError("an fp8 L1's objects are scattered whole (scatter), not layer by layer")
         plan = self.plan
         move = Move.scatter(
             self.engine.layout,

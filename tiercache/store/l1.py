@@ -31,10 +31,25 @@ if TYPE_CHECKING:
 
     from tiercache.spec import KVSpec
 
-__all__ = ["KVObject", "L1Cache", "L1Lease", "L1Stats", "ObjectState"]
+__all__ = ["L1_CODECS", "KVObject", "L1Cache", "L1Lease", "L1Stats", "ObjectState", "stored_nbytes"]
 
 # Slot stride alignment (bytes): every slot starts at a multiple of this, so any KV dtype view is aligned.
 _SLOT_ALIGN = 8
+
+L1_CODECS = ("raw", "fp8")
+"""What an L1 slot may hold: the KV's bytes, or its fp8 (e4m3, float32 channel scales) payload."""
+
+
+def stored_nbytes(codec: str, spec: KVSpec) -> int:
+    """Bytes an object of ``spec`` takes in an L1 of ``codec``: ``spec.nbytes`` (raw) or the size of
+    ``Fp8Codec("channel")``'s payload (4 bytes per channel scale plus one per element)."""
+    if codec == "raw":
+        return spec.nbytes
+    if codec == "fp8":
+        from tiercache.serde.fp8 import Fp8Codec
+
+        return Fp8Codec("channel").max_encoded_size(spec.nbytes, spec)
+    raise ValueError(f"L1 codec must be one of {', '.join(L1_CODECS)}, not {codec!r}")
 
 
 class ObjectState(enum.Enum):
@@ -63,30 +78,39 @@ class L1Stats:
 class KVObject:
     """A view on one L1 slot holding ``spec``; created by :meth:`L1Cache.reserve_write`, never by users."""
 
-    __slots__ = ("_cache", "_gen", "_leases", "_slot", "key", "spec", "state")
+    __slots__ = ("_cache", "_gen", "_leases", "_slot", "key", "nbytes", "spec", "state")
 
-    def __init__(self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int) -> None:
-        """Bind ``key``/``spec`` to ``slot`` at generation ``gen`` (internal)."""
+    def __init__(self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int, nbytes: int) -> None:
+        """Bind ``key``/``spec`` to ``slot`` at generation ``gen``, ``nbytes`` stored bytes (internal)."""
         self._cache = cache
         self.key = key
         self.spec = spec
+        self.nbytes = nbytes
+        """Bytes the object takes in its slot: ``spec.nbytes`` in a raw L1, the fp8 payload in an fp8 L1."""
         self.state = ObjectState.WRITING
         self._slot = slot
         self._gen = gen
         self._leases: dict[int, float] = {}  # lease id -> expires_at (unreleased, not yet seen expired)
 
     def tensor(self) -> torch.Tensor:
-        """A no-copy view shaped ``spec.shape``, torch dtype of ``spec.dtype``, on the slot's memory."""
+        """A no-copy view shaped ``spec.shape``, torch dtype of ``spec.dtype``, on the slot's memory (a raw
+        L1 only: ``ValueError`` in an fp8 L1, whose objects hold the fp8 payload, see ``payload``)."""
         import torch
 
+        if self._cache.codec != "raw":
+            raise ValueError(f"{self!r} holds the {self._cache.codec} payload of its KV: use payload()")
+        return self.payload().view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+
+    def payload(self) -> torch.Tensor:
+        """The stored bytes (``nbytes``) as a no-copy uint8 tensor on the slot's memory: the KV's bytes in a
+        raw L1, ``Fp8Codec("channel")``'s payload of it in an fp8 L1."""
         off = self._slot * self._cache._stride
-        raw = self._cache._pool[off : off + self.spec.nbytes]
-        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+        return self._cache._pool[off : off + self.nbytes]
 
     def buffer(self) -> memoryview:
-        """A writable uint8 memoryview of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
+        """A writable uint8 memoryview of exactly the stored bytes (``nbytes``) of the slot (no copy)."""
         off = self._slot * self._cache._stride
-        return self._cache._mv[off : off + self.spec.nbytes]
+        return self._cache._mv[off : off + self.nbytes]
 
     def __repr__(self) -> str:
         """Debug representation."""
@@ -146,6 +170,10 @@ class L1Cache:
 
     ``num_slots = capacity // slot_bytes`` (slots start at multiples of 8 bytes, so a ``slot_bytes`` that is
     not a multiple of 8 is rounded up for the stride). Objects larger than ``slot_bytes`` are refused.
+
+    ``codec``: what a slot holds. ``"raw"``: the KV's bytes; ``"fp8"``: the ``Fp8Codec("channel")`` payload
+    of the KV (float32 channel scales + e4m3 bytes, about half), filled by ``gpu.dispatch.gather_fp8``.
+    Sizes (``slot_bytes``, ``capacity``, ``used_bytes``) count stored bytes (``stored_nbytes``).
     """
 
     def __init__(
@@ -156,8 +184,12 @@ class L1Cache:
         pinned: bool | None = None,
         default_lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        codec: str = "raw",
     ) -> None:
-        """Preallocate the pool; ValueError when it would hold no slot or a parameter is non-positive."""
+        """Preallocate the pool; ValueError when it would hold no slot, a parameter is non-positive or the
+        codec is unknown."""
+        if codec not in L1_CODECS:
+            raise ValueError(f"L1 codec must be one of {', '.join(L1_CODECS)}, not {codec!r}")
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive: {slot_bytes}")
         if default_lease_s <= 0:
@@ -172,6 +204,7 @@ class L1Cache:
             pinned = bool(torch.cuda.is_available())
         self.capacity = capacity
         self.slot_bytes = slot_bytes
+        self.codec = codec
         self.num_slots = num_slots
         self.pinned = pinned
         self.default_lease_s = default_lease_s
@@ -223,7 +256,7 @@ class L1Cache:
             self._leased_objs.discard(obj)
         self._owner[slot] = None
         self._gens[slot] += 1
-        self._used_bytes -= obj.spec.nbytes
+        self._used_bytes -= obj.nbytes
         self._free.append(slot)
 
     def _evict_one(self, now: float) -> bool:
@@ -262,9 +295,13 @@ class L1Cache:
 
     # ------------------------------------------------------------------ public API
 
+    def stored_nbytes(self, spec: KVSpec) -> int:
+        """Bytes an object of ``spec`` takes in a slot (``spec.nbytes``, or its fp8 payload's size)."""
+        return stored_nbytes(self.codec, spec)
+
     def reserve_write(self, key: str, spec: KVSpec) -> KVObject | None:
         """Reserve a slot for ``key`` in WRITING state; None if the key exists or no slot can be freed."""
-        nbytes = spec.nbytes
+        nbytes = self.stored_nbytes(spec)
         with self._lock:
             if key in self._objects:
                 return None  # first writer wins
@@ -275,7 +312,7 @@ class L1Cache:
                 self._alloc_failures += 1
                 return None
             slot = self._free.pop()
-            obj = KVObject(self, key, spec, slot, self._gens[slot])
+            obj = KVObject(self, key, spec, slot, self._gens[slot], nbytes)
             self._owner[slot] = obj
             self._objects[key] = obj
             self._used_bytes += nbytes

@@ -24,6 +24,7 @@ from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
 from tiercache.metrics import Metrics
 from tiercache.store.circuit import CircuitBreaker
+from tiercache.store.l1_frames import check_tier, decode_into_l1, encode_from_l1, l1_codec
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter, Buffer
@@ -114,7 +115,9 @@ class StorageManager:
         self.store_batch = store_batch
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
         self.tiers: list[L2Tier] = []
+        self._l1_codec = l1_codec(l1)
         for name, adapter, pipeline in tiers:
+            check_tier(self._l1_codec, name, pipeline)
             tier = L2Tier(
                 name,
                 adapter,
@@ -145,7 +148,7 @@ class StorageManager:
         from tiercache.serde import build_pipeline
         from tiercache.store.l1 import L1Cache
 
-        l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned)
+        l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned, codec=config.l1.codec)
         opened: list[tuple[str, Adapter, CodecPipeline]] = []
         try:
             for tier in config.tiers:
@@ -302,7 +305,7 @@ class StorageManager:
             nonlocal too_large
             frames = []
             for key, lease in batch:
-                frame = tier.pipeline.encode(lease.obj.buffer(), lease.obj.spec, key)
+                frame = encode_from_l1(tier.pipeline, lease.obj, self._l1_codec)
                 if not lease.valid():  # the slot was reused while we read it
                     continue
                 if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
@@ -541,11 +544,7 @@ class StorageManager:
         if obj is None:
             return self.l1.contains(key)
         try:
-            await self._run(
-                lambda: tier.pipeline.decode_into(
-                    frame, key, obj.buffer(), expected_spec=target, header=header
-                )
-            )
+            await self._run(lambda: decode_into_l1(tier.pipeline, frame, obj, self._l1_codec, target, header))
         except FrameError:
             self.l1.abort_write(obj)
             self.metrics.frames_rejected.labels(tier.name).inc()

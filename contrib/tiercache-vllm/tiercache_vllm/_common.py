@@ -59,6 +59,7 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "save_timeout_s": (int, float),
     "open_timeout_s": (int, float),
     "key_source": (str,),
+    "l1_codec": (str,),
 }
 
 
@@ -86,6 +87,9 @@ class ConnectorSettings:
     """``auto``: chunk keys from vLLM's block hashes when they are stable across processes (SHA-256 family
     ``prefix_caching_hash_algo``), else from the tokens; ``tokens``: always from the tokens. Both processes
     of a prefill/decode pair must resolve to the same source (each logs its own once)."""
+    l1_codec: str | None = None
+    """``"raw"`` or ``"fp8"``: overrides the config's ``[l1] codec`` (fp8: KV quantized while gathered into
+    L1, dequantized while restored; every tier's chain must then start with ``fp8``). None: the config's."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -105,15 +109,21 @@ class ConnectorSettings:
         return cls(**values)
 
     def load_config(self) -> Config:
-        """The tiercache config named by ``config`` (or the L1-only default)."""
-        from tiercache.config import Config, load_config
+        """The tiercache config named by ``config`` (or the L1-only default), with ``l1_codec`` applied
+        (``ConfigError`` when the tiers cannot store it)."""
+        from tiercache.config import Config, check_l1_codec, load_config
 
-        return load_config(self.config) if self.config else Config()
+        config = load_config(self.config) if self.config else Config()
+        if self.l1_codec is None:
+            return config
+        check_l1_codec(self.l1_codec, config.tiers, "kv_connector_extra_config['l1_codec']")
+        return dataclasses.replace(config, l1=dataclasses.replace(config.l1, codec=self.l1_codec))
 
     @property
     def config_id(self) -> str:
         """Identity of the config file for the engine registry."""
-        return str(Path(self.config).resolve()) if self.config else "<default>"
+        base = str(Path(self.config).resolve()) if self.config else "<default>"
+        return base if self.l1_codec is None else f"{base}|l1_codec={self.l1_codec}"
 
 
 # ----- scheduler -> worker metadata ------------------------------------------------------------
@@ -423,8 +433,9 @@ def open_engine(
     from tiercache.store.engine import CacheEngine
 
     if lookup_only:
-        slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
-        config = dataclasses.replace(config, l1=L1Config(capacity=2 * slot + 64, pinned=False))
+        codec = config.l1.codec
+        slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise, codec)
+        config = dataclasses.replace(config, l1=L1Config(capacity=2 * slot + 64, pinned=False, codec=codec))
 
     def opener(cfg: Config) -> Coroutine[Any, Any, CacheEngine]:
         return CacheEngine.open(
