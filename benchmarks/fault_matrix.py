@@ -10,7 +10,7 @@ its L1 with filler prompts and loads back. The first cell starts both vLLMs whil
 
 1. ``P`` (3 fresh prompts): prefill computes them (the cold run, the reference greedy tokens) and stores them.
 2. Inject the fault; at the same time prefill computes and stores 3 fresh prompts ``N`` and decode runs
-   ``P`` (loads during the fault), timed.
+   ``P`` (loads during the fault), timed; end the fault, wait for the stores started during it.
 3. Recover; then, up to 25 rounds: prefill 3 fresh prompts, decode them, until decode loads them from
    the tier.
 
@@ -61,6 +61,8 @@ LOOKUP_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 3.0
 SLOW_DELAY_S = 1.5
 """Added per chunk and direction by the ``slow`` fault: above the 1 s lookup deadline, below load's 3 s."""
+DRAIN_IN_FAULT_S = 10.0
+"""How long stores started during a fault may take before the fault ends (a paused backend's hang longer)."""
 CHUNK = 64
 PROMPT_TOKENS = 256
 MAX_TOKENS = 8
@@ -255,17 +257,20 @@ class Slab(Backend):
             os.truncate(self.path, 4096)
             return 1
         flipped = 0
-        with self.path.open(
-            "r+b"
-        ) as f:  # one byte in every 4 KiB: every object and every record table is hit
-            for offset in range(2048, size, 4096):
-                f.seek(offset)
-                byte = f.read(1)
-                if not byte:
+        fd = os.open(self.path, os.O_RDWR)
+        try:  # one byte in every written 4 KiB (holes stay holes): every object and record table is hit
+            offset = 0
+            while offset < size:
+                try:
+                    start = os.lseek(fd, offset, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data past offset
                     break
-                f.seek(offset)
-                f.write(bytes([byte[0] ^ 0x10]))
-                flipped += 1
+                offset = os.lseek(fd, start, os.SEEK_HOLE)
+                for at in range(start + 2048, offset, 4096):
+                    os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+                    flipped += 1
+        finally:
+            os.close(fd)
         return flipped
 
     def fill(self) -> None:
@@ -625,22 +630,29 @@ class Mooncake(Backend):
         return done
 
     def fill(self) -> None:
-        """Hard-pinned ballast objects (never evicted) put until even a chunk-sized one finds no space: the
-        store's unpinned objects are evicted on the way, then every put is refused."""
+        """Hard-pinned ballast objects (never evicted) put until even a chunk-sized one finds no space. The
+        master evicts unpinned objects in the background when a put finds none: fill again after each
+        eviction, until a round adds nothing (every object left is ballast; every put is refused)."""
         from mooncake.store import ReplicateConfig
 
         pinned = ReplicateConfig()
         pinned.with_hard_pin = True
         with self.raw_store() as store:
-            for size in (1 << 20, 64 << 10):
-                refused = 0
-                while refused < 3 and len(self.ballast) < 4096:
-                    key = f"ballast-{len(self.ballast)}"
-                    if store.put(key, b"\0" * size, pinned) == 0:
-                        self.ballast.append(key)
-                        refused = 0
-                    else:
-                        refused += 1
+            for _ in range(20):
+                added = 0
+                for size in (1 << 20, 64 << 10):
+                    refused = 0
+                    while refused < 3:
+                        key = f"ballast-{len(self.ballast)}"
+                        if store.put(key, b"\0" * size, pinned) == 0:
+                            self.ballast.append(key)
+                            added, refused = added + 1, 0
+                        else:
+                            refused += 1
+                if not added:
+                    return
+                time.sleep(0.5)  # the master's eviction pass
+            raise RuntimeError("the Mooncake segment never filled up")
 
     def unfill(self) -> None:
         with self.raw_store() as store:
@@ -942,9 +954,12 @@ class Driver:
             self.drain()
         return out
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float = 120.0, check: bool = True) -> None:
+        """Wait for every pending store; ``check``: one still pending after ``timeout_s`` is an error."""
         for proc in self.procs:
-            proc.call("drain", timeout_s=60.0)
+            reply = proc.call("drain", timeout_s=timeout_s)
+            if check and "error" in reply:
+                raise RuntimeError(f"{proc.name}: pending stores did not finish: {reply['error']}")
 
     def metrics(self) -> dict[str, float]:
         """The tier's metrics: counters summed over the processes, the ``tier_down`` gauge their maximum."""
@@ -1047,10 +1062,11 @@ def run_cell(driver: Driver, backend: Backend, fault: str, action: Action) -> di
         fresh = driver.prompts(3)
         (stored, stored_s, store_err), (out, loaded_s, err) = driver.both(fresh, prompts)
         faulted_s = stored_s + loaded_s if driver.shared else max(stored_s, loaded_s)
-        driver.drain()
-        after = driver.metrics()
+        driver.drain(DRAIN_IN_FAULT_S, check=False)  # stores that fail fast fail during the fault
     finally:
         recover()
+    driver.drain()  # the stores still hanging (paused, slow backend) end: stored, or dropped
+    after = driver.metrics()
     bound = cold_s * 2 + len(prompts + fresh) * 2 * (LOOKUP_TIMEOUT_S + LOAD_TIMEOUT_S)
     cell.row.update(cold_s=round(cold_s, 2), faulted_s=round(faulted_s, 2), bound_s=round(bound, 2))
     cell.row["fault_metrics"] = {

@@ -154,8 +154,8 @@ def serve(llm: object) -> None:
 
     Commands: ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"tokens", "cached", "s"}``
     (or ``{"error", "s"}``: a failed request); ``{"op": "drain"}`` -> ``{}`` (pending saves and stores done);
-    ``{"op": "snapshot"}`` -> the connector's ``snapshot()``. First line ``{"ready": init seconds}``; stdin
-    closed ends the process."""
+    ``{"op": "snapshot"}`` -> the connector's ``snapshot()``; a command that raises -> ``{"error", "s"}``.
+    First line ``{"ready": true}``; stdin closed ends the process."""
     from tiercache_vllm.connector import drain_all, snapshot
     from vllm import SamplingParams
 
@@ -164,22 +164,22 @@ def serve(llm: object) -> None:
         cmd = json.loads(line)
         started = time.perf_counter()
         reply: dict[str, object] = {}
-        if cmd["op"] == "generate":
-            sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
-            try:
+        try:
+            if cmd["op"] == "generate":
+                sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
                 outs = llm.generate(  # type: ignore[attr-defined]
                     [{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False
                 )
                 reply["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
                 reply["cached"] = [o.num_cached_tokens for o in outs]
-            except Exception as exc:  # a failed request is what the caller counts
-                reply["error"] = repr(exc)
-        elif cmd["op"] == "drain":
-            drain_all(cmd.get("timeout_s", 60.0))
-        elif cmd["op"] == "snapshot":
-            reply = snapshot()
-        else:
-            reply["error"] = f"unknown op {cmd['op']!r}"
+            elif cmd["op"] == "drain":
+                drain_all(cmd.get("timeout_s", 60.0))
+            elif cmd["op"] == "snapshot":
+                reply = snapshot()
+            else:
+                reply["error"] = f"unknown op {cmd['op']!r}"
+        except Exception as exc:  # a failed request (or drain) is what the caller counts
+            reply["error"] = repr(exc)
         reply["s"] = time.perf_counter() - started
         print(REPLY + json.dumps(reply, default=str), flush=True)
     sys.stdout.flush()
