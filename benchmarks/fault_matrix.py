@@ -424,6 +424,11 @@ class RedisCluster(Backend):
             timeout=60,
         )
         _until(lambda: all(_cluster_ok(cli, n.port) for n in self.nodes))
+        if self.proxies:  # the slot map clients get must name the proxies, else they bypass them
+            slots = self.nodes[0].client().execute_command("CLUSTER SLOTS")
+            announced = {int(entry[2][1]) for entry in slots}
+            if announced != {p.port for p in self.proxies}:
+                raise RuntimeError(f"cluster announces {announced}, not its proxies' ports")
 
     def stop(self) -> None:
         for node in self.nodes:
