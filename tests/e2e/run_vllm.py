@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -149,7 +150,7 @@ REPLY = "@@tiercache-reply "
 """Prefix of ``serve``'s answer lines on stdout (vLLM's own log lines go there too)."""
 
 
-def serve(llm: object) -> None:
+def serve(llm: Any) -> None:
     """One vLLM kept up across phases: a JSON command per stdin line, one ``REPLY`` + JSON line each.
 
     Commands: ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"tokens", "cached", "s"}``
@@ -167,9 +168,7 @@ def serve(llm: object) -> None:
         try:
             if cmd["op"] == "generate":
                 sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
-                outs = llm.generate(  # type: ignore[attr-defined]
-                    [{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False
-                )
+                outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
                 reply["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
                 reply["cached"] = [o.num_cached_tokens for o in outs]
             elif cmd["op"] == "drain":
