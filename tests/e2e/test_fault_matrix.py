@@ -1,5 +1,6 @@
-"""The short fault matrix on the real vLLM path (``make faults`` runs every backend x fault): Redis down
-when vLLM starts, killed mid-run, objects corrupted -- 0 failed requests, greedy tokens identical to the cold
+"""The short fault matrix on the real vLLM path (``make faults`` runs every backend x fault): a prefill
+(``kv_producer``) and a decode (``kv_consumer``) vLLM process on one Redis tier; Redis down when they start,
+killed while they run, objects corrupted -- 0 failed requests, decode's greedy tokens identical to the cold
 run, the fault in the metrics, the tier used again after recovery."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     matrix = _load()
     faults = ["down_at_start", "kill", "corrupt"]
     (result,) = matrix.run_matrix(["redis"], faults, tiny_model, timeout_s=600)
+    assert result["processes"] == "kv_producer + kv_consumer"
     cells = {c["fault"]: c for c in result["cells"]}
     assert sorted(cells) == sorted(faults)
     for fault, cell in cells.items():
@@ -53,3 +55,13 @@ def test_update_replaces_only_the_cells_it_ran() -> None:
     assert merged["cells"] == [{"fault": "kill", "outcome": "pass"}, {"fault": "slow", "outcome": "pass"}]
     assert merged["vllm_start_s"] == 8.0
     assert matrix._merge_row(old, None) is old
+
+
+def test_every_backend_has_an_action_or_a_reason_per_fault() -> None:
+    """The (backend, fault) table covers the whole matrix; a cell without an action says why in words."""
+    matrix = _load()
+    for backend in matrix.BACKENDS:
+        row = matrix.ACTIONS[backend]
+        assert tuple(row) == matrix.FAULTS, backend
+        for fault, action in row.items():
+            assert callable(action) or len(action) > 20, (backend, fault, action)

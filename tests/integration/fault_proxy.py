@@ -18,6 +18,9 @@ Modes:
   that connection, then close it (FIN). With ``strip_content_length`` (HTTP/1.1 servers) the answer's
   ``Content-Length`` header is removed first and ``truncate_after`` counts body bytes: a valid response whose
   body ends early, which a client can only catch by knowing the object's length.
+- ``http_503``: answer each HTTP/1.1 request (read up to the end of its head, and its body unless the client
+  waits for ``100 Continue``) with ``503 Slow Down`` and an S3 ``SlowDown`` error body, then close; open
+  connections too, at their next request. An S3 service out of capacity, as clients see it.
 
 The proxy runs its own event loop on a daemon thread, so it serves sync and async clients, and clients whose
 blocking calls run in threads. Self-contained (standard library only), loadable by path like ``s3_servers``.
@@ -34,9 +37,20 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable
 
-__all__ = ["FaultProxy", "ProcessFaultProxy"]
+__all__ = ["SLOW_DOWN", "FaultProxy", "ProcessFaultProxy"]
 
 _CHUNK = 64 << 10
+_SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>"
+)
+SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+    + f"Content-Length: {len(_SLOW_DOWN_BODY)}\r\n".encode()
+    + b"Connection: close\r\n\r\n"
+    + _SLOW_DOWN_BODY
+)
+"""What ``http_503`` answers: S3's reply when a bucket's request rate or capacity is exceeded."""
 
 
 class FaultProxy:
@@ -128,6 +142,29 @@ class FaultProxy:
             except TimeoutError:
                 continue
 
+    @staticmethod
+    async def _slow_down(reader: asyncio.StreamReader, data: bytes, writer: asyncio.StreamWriter) -> None:
+        """Read one HTTP request (``data`` is its start) and answer ``SLOW_DOWN``; the caller closes."""
+        while b"\r\n\r\n" not in data:
+            more = await reader.read(_CHUNK)
+            if not more:
+                return
+            data += more
+        head, _, body = data.partition(b"\r\n\r\n")
+        fields = {
+            name.strip().lower(): value.strip().lower()
+            for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        }
+        if fields.get(b"expect") != b"100-continue":
+            missing = int(fields.get(b"content-length", b"0") or b"0") - len(body)
+            while missing > 0:
+                more = await reader.read(min(missing, _CHUNK))
+                if not more:
+                    return
+                missing -= len(more)
+        writer.write(SLOW_DOWN)
+        await writer.drain()
+
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
         self._writers.add(client_w)
@@ -138,6 +175,9 @@ class FaultProxy:
                 return
             if self.mode == "stall":
                 await self._hold(client_r)
+                return
+            if self.mode == "http_503":
+                await self._slow_down(client_r, b"", client_w)
                 return
             upstream_r, upstream_w = await asyncio.open_connection(*self.target)
             self._writers.add(upstream_w)
@@ -180,6 +220,9 @@ class FaultProxy:
                 return
             if mode == "reset":
                 self._reset(client_w)
+                return
+            if mode == "http_503" and upstream:
+                await self._slow_down(reader, data, client_w)
                 return
             if mode == "truncate" and not upstream:
                 if head is not None:

@@ -143,6 +143,25 @@ async def test_s3_truncated_answers(moto: Any, fault_proxy: Any, op: str) -> Non
         await adapter.aclose()
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+async def test_s3_slow_down_is_a_miss_or_refused_store(moto: Any, fault_proxy: Any, op: str) -> None:
+    """Every request answered ``503 SlowDown`` (S3 out of capacity): an AdapterError, a miss or a refused
+    put; nothing reaches the server; once it answers again the stored object is intact."""
+    proxy = fault_proxy(moto.port)
+    adapter = await _s3(moto, proxy)
+    try:
+        assert await adapter.batched_put(["a"], [SMALL]) == [True]
+        proxy.mode = "http_503"
+        result = await _outcome(OPS[op](adapter))
+        ok = isinstance(result, AdapterError) or result in ([None], [False], [False, False])
+        assert ok, f"{op} under 503 SlowDown: {result!r}"
+        proxy.mode = "pass"
+        assert await adapter.batched_get(["a", "c", "d"]) == [SMALL, None, None]
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
+
+
 # -- Redis ------------------------------------------------------------------------------------------------
 
 
