@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiercache.gpu import cpu_rows
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 
 if TYPE_CHECKING:
@@ -336,6 +337,8 @@ def _gather(
     kv, n_slots = _layers(kv_caches, layout)
     device = kv[0].device
     span_list = check_spans(spans, slot_mapping.shape[0], len(out))
+    geo = _native_geometry(kv, layers, layout)
+    jobs: list[cpu_rows.RowJob] = []
     for i, (start, end) in enumerate(span_list):
         obj = out[i]
         _check_object(obj, layout, end - start, layers, f"out[{i}]")
@@ -346,15 +349,25 @@ def _gather(
             firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
             blocks = firsts // layout.block_size
             pages = _object_pages(stage, len(layers), blocks.numel())
+            job = _native_job(geo, [pages], blocks, 0)
+            if job is not None and stage is obj:
+                jobs.append(job)
+                continue
             for j, layer in enumerate(layers):
                 paged, dst = _page_pair(kv[layer], pages[j])
                 torch.index_select(paged, 0, blocks, out=dst)
         else:
             if slots.numel() and int(slots.min()) < 0:
                 raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
+            job = _native_job(geo, _object_planes(obj, layout), slots, 0)
+            if job is not None:
+                jobs.append(job)
+                continue
             _gather_tokens(layers, kv, layout, slots, stage)
         if stage is not obj:
             obj.copy_(stage)
+    if jobs and geo is not None:
+        cpu_rows.copy(True, geo, jobs)
 
 
 def _scatter(
@@ -372,6 +385,8 @@ def _scatter(
     span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
     skips = span_skips(skip_prefix, span_list)
     written = 0
+    geo = _native_geometry(kv, layers, layout)
+    jobs: list[cpu_rows.RowJob] = []
     for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
         obj = objects[i]
         _check_object(obj, layout, end - start, layers, f"objects[{i}]")
@@ -381,7 +396,13 @@ def _scatter(
         _check_range(slots, n_slots)
         src_obj = _bits(obj.to(device))
         if layout.block_aligned:
-            written += _scatter_pages(layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping)
+            written += _scatter_pages(
+                layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping, geo, jobs
+            )
+            continue
+        job = _native_job(geo, _object_planes(src_obj, layout), slots, skip)
+        if job is not None:
+            jobs.append(job)
             continue
         keep = slots >= 0
         n_keep = int(keep.sum())
@@ -401,7 +422,54 @@ def _scatter(
             dst_planes = _planes(_bits(kv[layer]), layout)
             for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
                 _write_rows(dst, rows, src.index_select(0, sel))
+    if jobs and geo is not None:
+        covered = cpu_rows.copy(False, geo, jobs)
+        if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
+            written += covered
     return written
+
+
+# ----- CPU tensors: the native row kernel (``cpu_rows``), one call for every span and layer ------------
+
+
+def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout) -> cpu_rows.Geometry | None:
+    """Row geometry of ``layers`` for the native kernel, or None (not CPU, no kernel, rows not dense).
+
+    Token layouts: a row is one head's K, V or latent of one token. CPU_BLOCKS: a row is a whole page
+    (blocks are addressed by block id, block size 1)."""
+    if kv[0].device.type != "cpu" or cpu_rows.native() is None:
+        return None
+    if layout.block_aligned:
+        pages = []
+        for layer in layers:
+            bits = _bits(kv[layer])
+            try:
+                pages.append([bits.view(bits.shape[0], 1, 1, -1)])
+            except RuntimeError:
+                return None
+        return cpu_rows.geometry(pages, 1, layout.page_elems)
+    return cpu_rows.geometry(
+        [_planes(kv[layer], layout) for layer in layers], layout.block_size, layout.head_dim
+    )
+
+
+def _object_planes(obj: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
+    """An object's planes as ``[layers, tokens, heads * head_dim]`` views (K and V, or the MLA latent)."""
+    return [obj] if layout.planes == 1 else [obj[0], obj[1]]
+
+
+def _native_job(
+    geo: cpu_rows.Geometry | None, planes: list[torch.Tensor], slots: torch.Tensor, tok0: int
+) -> cpu_rows.RowJob | None:
+    """A kernel job for one span when ``geo`` is set and the object's rows are dense; else None."""
+    if geo is None:
+        return None
+    row = geo.row_bytes // planes[0].element_size()
+    if not all(cpu_rows.object_fits(p, row, geo.heads) for p in planes):
+        return None
+    if len(planes) > 1 and planes[1].stride() != planes[0].stride():
+        return None
+    return cpu_rows.RowJob(planes, slots, tok0)
 
 
 # ----- token layouts: whole blocks in one op per layer, the ragged ends row by row ----------------------
@@ -556,8 +624,12 @@ def _scatter_pages(
     span: tuple[int, int],
     skip: int,
     slot_mapping: torch.Tensor,
+    geo: cpu_rows.Geometry | None = None,
+    jobs: list[cpu_rows.RowJob] | None = None,
 ) -> int:
-    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens."""
+    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens.
+
+    With a native ``geo`` the pages are queued on ``jobs`` (pages < 0 skipped by the kernel) instead."""
     bs = layout.block_size
     start, end = span
     if skip % bs:
@@ -566,11 +638,16 @@ def _scatter_pages(
         )
     firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
     total_pages = -(-(end - start) // bs)
-    pages = _object_pages(src_obj, len(layers), total_pages)[:, skip // bs :]
+    all_pages = _object_pages(src_obj, len(layers), total_pages)
+    pages = all_pages[:, skip // bs :]
     keep = firsts >= 0
     n_keep = int(keep.sum())
     if n_keep == 0:
         return 0
+    job = _native_job(geo, [all_pages], firsts // bs, skip // bs)
+    if job is not None and jobs is not None:
+        jobs.append(job)
+        return int((slots >= 0).sum())
     if n_keep == firsts.numel():
         blocks, sel = firsts // bs, None
     else:
