@@ -13,7 +13,11 @@ PACKAGES = [p for pkg, src in ROOTS.items() for p in (pkg, *(f"{pkg}.{s}" for s 
 # The CPU row-copy kernel: plain C loaded with ctypes (no Python headers needed); optional, so an install
 # without a C compiler still succeeds and the torch reference path runs instead.
 ROWCOPY = Extension(
-    "tiercache.gpu._rowcopy", sources=["gpu/_rowcopy.c"], extra_compile_args=["-O2"], optional=True
+    "tiercache.gpu._rowcopy",
+    sources=["gpu/_rowcopy.c"],
+    extra_compile_args=["-O2", "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
 )
 
 setup(package_dir=ROOTS, packages=PACKAGES, ext_modules=[ROWCOPY])

@@ -1,8 +1,9 @@
 """Native row copies between CPU paged KV and CPU objects: one C call per gather/scatter (``_rowcopy.c``).
 
 The C kernel (built by setup.py as an optional extension, loaded with ctypes) walks every span, layer,
-token, head and plane and copies whole rows with ``memcpy`` or streaming stores; the torch reference path
-runs instead when it is missing or ``TIERCACHE_CPU_KERNELS=0``. Callers validate slots and shapes first:
+token, head and plane and copies whole rows with ``memcpy`` or streaming stores, on up to torch's
+intra-op thread count (threads take (span, layer) tasks in turn); the torch reference path runs instead
+when it is missing or ``TIERCACHE_CPU_KERNELS=0``. Callers validate slots and shapes first:
 this module only describes tensors to the kernel and trusts the indices it is given.
 """
 
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Geometry", "RowJob", "copy", "geometry", "native"]
+__all__ = ["Geometry", "RowJob", "copy", "geometry", "native", "object_fits", "threads"]
 
 _SPAN_FIELDS = 7
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
+_BYTES_PER_THREAD = 8 << 20  # a smaller call runs on the caller's thread alone
 
 
 def native() -> ctypes.CDLL | None:
@@ -38,7 +40,7 @@ def native() -> ctypes.CDLL | None:
                 fn = lib.tc_copy_rows
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P]
-                fn.argtypes += [ctypes.c_int64] * 6 + [_I64P, ctypes.c_int64]
+                fn.argtypes += [ctypes.c_int64] * 6 + [_I64P, ctypes.c_int64, ctypes.c_int64]
                 _LIB = lib
         except (ImportError, OSError, AttributeError):
             _LIB = None
@@ -120,6 +122,7 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob]) -> int:
         n = j.slots.numel()
         table += [p0.data_ptr(), o_plane, p0.stride(0) * e, p0.stride(1) * e, at, n, j.tok0]
         at += n
+    moved = at * len(geo.layers) * geo.heads * len(geo.plane_offsets) * geo.row_bytes
     layers = (ctypes.c_int64 * len(geo.layers))(*geo.layers)
     spans = (ctypes.c_int64 * len(table))(*table)
     poff = (ctypes.c_int64 * len(geo.plane_offsets))(*geo.plane_offsets)
@@ -139,5 +142,11 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob]) -> int:
             len(geo.plane_offsets),
             poff,
             geo.row_bytes,
+            threads(moved),
         )
     )
+
+
+def threads(nbytes: int) -> int:
+    """Threads for a copy of ``nbytes``: torch's intra-op count, at most one per 8 MiB."""
+    return max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_THREAD))

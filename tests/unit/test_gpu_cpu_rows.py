@@ -241,3 +241,34 @@ def test_bad_slots_leave_every_object_untouched() -> None:
             gather(kv, layout, s, spans, out)
         assert spy.call_count == 0
         assert all(bool((bits(o) == -1).all()) for o in out)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 64])
+def test_threads_split_spans_and_layers(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Several threads taking (span, layer) tasks in turn write what one thread (and the torch path)
+    writes, gather and scatter, with more threads than tasks too."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=9)
+    spans = [(0, 30), (30, 64), (64, 100)]
+    with torch_path():
+        want = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in spans]
+        gather(kv, layout, slots, spans, want)
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: threads)
+    got = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in spans]
+    gather(kv, layout, slots, spans, got)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    _, dst, _ = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=10)
+    _, dst_ref, _ = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=10)
+    sslots = slots.clone()
+    sslots[50] = -1
+    assert scatter(got, dst, layout, sslots, spans, skip_prefix=[3, 0, 5]) == 100 - 8 - 1
+    with torch_path():
+        scatter(want, dst_ref, layout, sslots, spans, skip_prefix=[3, 0, 5])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst, dst_ref, strict=True))
+
+
+def test_thread_count_follows_torch_and_size() -> None:
+    """Small copies stay on the caller's thread; large ones use up to torch's intra-op thread count."""
+    assert cpu_rows.threads(1 << 20) == 1
+    assert cpu_rows.threads(1 << 40) == torch.get_num_threads()
