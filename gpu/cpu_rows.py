@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Geometry", "RowJob", "copy", "geometry", "native", "object_fits", "threads"]
+__all__ = ["Geometry", "RowJob", "copy", "native", "object_fits", "threads"]
 
 _SPAN_FIELDS = 7
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -49,7 +49,8 @@ def native() -> ctypes.CDLL | None:
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """Byte offsets of a paged row: block, in-block offset, head and plane strides; row length."""
+    """Where paged rows lie: each layer's address; block size; byte strides of a block, an in-block
+    offset and a head; each plane's byte offset; bytes per row (rows must be dense)."""
 
     layers: tuple[int, ...]
     block_size: int
@@ -59,35 +60,6 @@ class Geometry:
     heads: int
     plane_offsets: tuple[int, ...]
     row_bytes: int
-
-
-def geometry(planes: Sequence[Sequence[torch.Tensor]], block_size: int, row_elems: int) -> Geometry | None:
-    """Geometry of per-layer plane views ``[NB, BS, H, row]`` (outer list: layers; inner: K, V or latent),
-    or None when a row is not contiguous or the layers differ in strides (the torch path then runs)."""
-    first = planes[0]
-    base = first[0]
-    if base.device.type != "cpu" or (row_elems > 1 and base.stride(3) != 1):
-        return None
-    strides = tuple(base.stride())
-    e = base.element_size()
-    ptrs = []
-    for layer in planes:
-        if any(tuple(p.stride()) != strides for p in layer):
-            return None
-        ptrs.append(layer[0].data_ptr())
-    offsets = tuple(p.data_ptr() - first[0].data_ptr() for p in first)
-    if any(tuple(p.data_ptr() - layer[0].data_ptr() for p in layer) != offsets for layer in planes):
-        return None
-    return Geometry(
-        tuple(ptrs),
-        block_size,
-        strides[0] * e,
-        strides[1] * e,
-        strides[2] * e,
-        base.shape[2],
-        offsets,
-        row_elems * e,
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,10 +156,14 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
     layers = layer_tensors(kv_caches)
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} KV cache tensors for a layout of {layout.num_layers} layers")
-    nb = {layout.num_blocks_of(t) for t in layers}
-    if len(nb) != 1:
-        raise ValueError(f"layers hold different block counts: {sorted(nb)}")
-    return layers, nb.pop() * layout.block_size
+    first = layers[0]
+    nb = layout.num_blocks_of(first)
+    shape, dtype = first.shape, first.dtype
+    for t in layers:  # equal shapes and dtypes need no second check (32+ layers per call)
+        if t.shape != shape or t.dtype != dtype:
+            counts = {layout.num_blocks_of(u) for u in layers}  # raises for a bad shape or dtype
+            raise ValueError(f"layers hold different block counts: {sorted(counts)}")
+    return layers, nb * layout.block_size
 
 
 def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
@@ -433,23 +437,36 @@ def _scatter(
 
 
 def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout) -> cpu_rows.Geometry | None:
-    """Row geometry of ``layers`` for the native kernel, or None (not CPU, no kernel, rows not dense).
+    """Row geometry of ``layers`` for the native kernel, read from the layers' strides; None when not on
+    the CPU, no kernel is loaded, the layers differ in strides or a row is not dense.
 
     Token layouts: a row is one head's K, V or latent of one token. CPU_BLOCKS: a row is a whole page
     (blocks are addressed by block id, block size 1)."""
-    if kv[0].device.type != "cpu" or cpu_rows.native() is None:
+    first = kv[layers.start]
+    if first.device.type != "cpu" or cpu_rows.native() is None:
         return None
+    st = first.stride()
+    if any(kv[layer].stride() != st for layer in layers):
+        return None
+    e = first.element_size()
+    ptrs = tuple(kv[layer].data_ptr() for layer in layers)
     if layout.block_aligned:
-        pages = []
-        for layer in layers:
-            bits = _bits(kv[layer])
-            try:
-                pages.append([bits.view(bits.shape[0], 1, 1, -1)])
-            except RuntimeError:
-                return None
-        return cpu_rows.geometry(pages, 1, layout.page_elems)
-    return cpu_rows.geometry(
-        [_planes(kv[layer], layout) for layer in layers], layout.block_size, layout.head_dim
+        try:
+            _bits(first).view(first.shape[0], -1)  # pages dense (every layer: same strides)
+        except RuntimeError:
+            return None
+        return cpu_rows.Geometry(ptrs, 1, st[0] * e, 0, 0, 1, (0,), layout.page_elems * e)
+    d = layout.head_dim
+    if layout.kind is LayoutKind.VLLM_LEGACY:  # [2, NB, BS, H, D]: V one stride(0) after K
+        _, s_blk, s_off, s_head, inner = st
+        offsets: tuple[int, ...] = (0, st[0] * e)
+    else:  # [NB, H, BS, C]: C = K | V, or the MLA latent
+        s_blk, s_head, s_off, inner = st
+        offsets = (0,) if layout.planes == 1 else (0, d * inner * e)
+    if inner != 1 and d > 1:
+        return None
+    return cpu_rows.Geometry(
+        ptrs, layout.block_size, s_blk * e, s_off * e, s_head * e, layout.num_kv_heads, offsets, d * e
     )
 
 
@@ -477,8 +494,9 @@ def _native_job(
 # For chunk-aligned spans the slots of a block are contiguous (block_id * BS + 0..BS-1), so the tokens of
 # whole blocks move with one index op over the block dim per layer (slices of a whole block instead of one
 # row per token and head). Gather: one ``index_select`` straight into the object view (native width). Scatter:
-# one ``index_copy_`` over the block dim at the widest integer width the head dim allows (int64: ~1.4x the
-# native width on CPU; the former page scratch cost a 5-d permuted ``copy_`` that ran at ~0.5 GB/s).
+# one ``copy_`` per run of consecutive blocks: a multi-threaded ``index_copy_`` over the block dim ran at
+# 0.05-0.3 of a bare copy on a loaded 2-core box, the copies of 64 KiB blocks (single-threaded) at ~0.6.
+# (CPU tensors take the native kernel of ``cpu_rows`` when it is built; this is the path without it.)
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tensor] | None:
@@ -505,6 +523,17 @@ def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tens
     if int(firsts[0]) % block_size:
         return None
     return k0, firsts // block_size
+
+
+def _block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """``(index, block, length)`` of each run of consecutive block ids in ``blocks``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def _widened_pair(
@@ -581,10 +610,12 @@ def _scatter_tokens(
         nb = blocks.numel()
         k1 = k0 + nb * layout.block_size
         parts = [(0, k0), (k1, t)]
+        runs = _block_runs(blocks.tolist())
         for j, layer in enumerate(layers):
             lw, ow = _widened_pair(kv[layer], src_obj, layout)
-            paged, src = _widen(_paged5(lw, layout), _object5(ow, layout, j, skip + k0, nb))
-            paged.index_copy_(1, blocks, src)
+            paged, src = _paged5(lw, layout), _object5(ow, layout, j, skip + k0, nb)
+            for i, b, n in runs:
+                paged[:, b : b + n].copy_(src[:, i : i + n])
     for a, b in parts:
         if a == b:
             continue

@@ -87,8 +87,9 @@ def _token_cases(draw: st.DrawFn) -> TokenCase:
     cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=4)))) if n > 1 else []
     bounds = [0, *cuts, n]
     skips = [draw(st.integers(0, b - a)) for a, b in itertools.pairwise(bounds)]
-    # blocks: a shuffled block table (runs of whole blocks); tokens: every token anywhere (no runs at all)
-    slot_style = draw(st.sampled_from(["blocks", "tokens"]))
+    # blocks: a shuffled block table; runs: consecutive blocks from an offset inside a block (the torch
+    # path merges them into one copy); tokens: every token anywhere (no whole block at all)
+    slot_style = draw(st.sampled_from(["blocks", "runs", "tokens"]))
     negative = draw(st.lists(st.integers(0, n - 1), max_size=3))
     layer = draw(st.none() | st.integers(0, L - 1))
     return variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, draw(st.integers(0, 2**16))
@@ -119,6 +120,8 @@ def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
     if slot_style == "tokens":
         gen = torch.Generator().manual_seed(seed)
         slots = torch.randperm(nblocks * bs, generator=gen)[:n]
+    elif slot_style == "runs":
+        slots = torch.arange(n) + (seed % (2 * bs + 1))  # fits: nblocks * bs >= n + 3 * bs
     spans = list(itertools.pairwise(bounds))
 
     def objects() -> list[torch.Tensor]:
