@@ -4,6 +4,7 @@ Per span and layer this is one vectorized index op per KV plane (``index_select`
 ``index_copy_`` into the paged view); there is no per-token Python loop. Data moves as same-width integer bit
 patterns, so every dtype (fp8 included) round-trips exactly. Slots are ``block_id * block_size + offset``.
 CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``index_copy_`` per layer.
+CPU tensors take the native row kernel when it is built (``cpu_rows``: one call for all spans and layers).
 """
 
 from __future__ import annotations
