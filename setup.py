@@ -1,6 +1,6 @@
 """Map the card's top-level folders into the ``tiercache`` namespace (metadata lives in pyproject.toml)."""
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOTS = {
     "tiercache": "tiercache",
@@ -10,4 +10,14 @@ ROOTS = {
 }
 PACKAGES = [p for pkg, src in ROOTS.items() for p in (pkg, *(f"{pkg}.{s}" for s in find_packages(src)))]
 
-setup(package_dir=ROOTS, packages=PACKAGES)
+# The CPU row-copy kernel: plain C loaded with ctypes (no Python headers needed); optional, so an install
+# without a C compiler still succeeds and the torch reference path runs instead.
+ROWCOPY = Extension(
+    "tiercache.gpu._rowcopy",
+    sources=["gpu/_rowcopy.c"],
+    extra_compile_args=["-O2", "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)
+
+setup(package_dir=ROOTS, packages=PACKAGES, ext_modules=[ROWCOPY])

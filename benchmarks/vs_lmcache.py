@@ -16,6 +16,14 @@ whole-call wall time. LMCache moves one contiguous object per call (its best cas
 256-token chunk, as its engine stores them.
 
 Usage: ``python benchmarks/vs_lmcache.py gpu --lmcache-src DIR > benchmarks/results/vs_lmcache_gpu.json``.
+
+``cpu``: L1 store / retrieve through tiercache's engine (native CPU row kernel, ``gpu/_rowcopy.c``) beside
+LMCache's standalone engine, in a venv that has both (``pip install -e '.[vs-lmcache]'``; LMCache keeps the
+CPU torch). Run here from a separate venv holding LMCache, with the working tree on ``PYTHONPATH`` as a
+package tree: ``PYTHONPATH=TREE [OMP_NUM_THREADS=1] python benchmarks/vs_lmcache.py cpu [--tokens 256]
+[--layout cpu_blocks] [--lookup-tokens 0] > benchmarks/results/vs_lmcache_cpu*.json``, where
+``TREE/tiercache`` holds links to ``tiercache/*`` plus ``gpu``, ``serde`` and ``adapters`` (the ``_rowcopy``
+library built in place by the editable install sits in ``gpu/``).
 """
 
 from __future__ import annotations
@@ -241,14 +249,16 @@ LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
 
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
-    """L1 store / retrieve of the same KV, tiercache (paged FLASH KV, CPU reference copies) beside LMCache
-    (contiguous KV), interleaved and bit-exact; a bare copy of the same bytes; lookup of a long prompt."""
+    """L1 store / retrieve of the same KV, tiercache (paged FLASH or CPU_BLOCKS KV, the engine's CPU copies)
+    beside LMCache (contiguous KV), interleaved and bit-exact; a bare copy of the same bytes; lookup of a
+    long prompt."""
     import asyncio
 
     import numpy as np
     import torch
 
     from tiercache.config import ManagerConfig
+    from tiercache.gpu import cpu_rows, reference
     from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
     from tiercache.keys import KeySpace
     from tiercache.store.engine import CacheEngine
@@ -258,18 +268,23 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     tokens_n = args.tokens
     nb = tokens_n // BLOCK + 8
-    layout = PagedLayout(LayoutKind.VLLM_FLASH, LAYERS, HEADS, HEAD_DIM, BLOCK, "bfloat16")
-    raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
-    kv = [r.permute(0, 2, 1, 3) for r in raw]  # vLLM's NHD allocation seen as [NB, H, BS, 2D]
-    kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
-    table = torch.randperm(nb - 1)[: tokens_n // BLOCK] + 1
+    pages = args.layout == "cpu_blocks"
+    kind = LayoutKind.CPU_BLOCKS if pages else LayoutKind.VLLM_FLASH
+    layout = PagedLayout(kind, LAYERS, HEADS, HEAD_DIM, BLOCK, "bfloat16")
+    table = torch.randperm(nb - 1)[: tokens_n // BLOCK] + 1  # a shuffled block table: no two blocks adjacent
     pos = torch.arange(tokens_n)
     slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
     # LMCache's side: the same KV as one contiguous [2, L, T, H*D] tensor
     src = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
-    from tiercache.gpu import reference
-
-    reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
+    if pages:  # vLLM's CPU attention backend: contiguous [NB, H, BS, 2D], opaque pages (random bytes here)
+        kv = [torch.randn(nb, HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+        kv_back = [torch.empty_like(t) for t in kv]
+        src.copy_(torch.randn(src.shape))
+    else:
+        raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+        kv = [r.permute(0, 2, 1, 3) for r in raw]  # vLLM's NHD allocation seen as [NB, H, BS, 2D]
+        kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
+        reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
     gib = 2 * nbytes / 2**30 + 1
@@ -312,8 +327,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     bare_dst = torch.empty_like(src)
     times: dict[str, list[float]] = {"tiercache": [], "lmcache": [], "bare_copy": []}
     fns = {"tiercache": t_store, "lmcache": l_store}
-    for fn in fns.values():  # warm-up: first touch of every buffer, pools, lazy imports
-        fn()
+    chunks = -(-tokens_n // CHUNK)
+    for _ in range(-(-l1.num_slots // chunks) + 1):  # warm-up: every L1 slot written once (first touch of
+        for fn in fns.values():  # the pool's pages; steady state = a full L1), pools, lazy imports
+            fn()
     bare_dst.copy_(src)
     t_ret.clear()
     lmc_ret.clear()
@@ -324,15 +341,24 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         bare_dst.copy_(src)
         times["bare_copy"].append(time.perf_counter() - t0)
     ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
-    back = torch.empty_like(src)
-    reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
-    ok_tc = torch.equal(back.view(torch.int16), src.view(torch.int16))
+    if pages:
+        ok_tc = all(
+            torch.equal(b[table].view(torch.int16), a[table].view(torch.int16))
+            for a, b in zip(kv, kv_back, strict=True)
+        )
+    else:
+        back = torch.empty_like(src)
+        reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
+        ok_tc = torch.equal(back.view(torch.int16), src.view(torch.int16))
 
     def gbps(ts: list[float]) -> float:
         return nbytes / statistics.median(ts) / 1e9
 
     res: dict[str, Any] = {
         "workload": f"{tokens_n} tokens, Llama-8B shape, bf16, {CHUNK}-token chunks, {nbytes} bytes",
+        "layout": kind.name,
+        "torch_threads": torch.get_num_threads(),
+        "native_cpu_kernel": cpu_rows.native() is not None,
         "rounds": args.rounds,
         "bare_copy_GBps": gbps(times["bare_copy"]),
         "tiercache": {
@@ -345,13 +371,15 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
             "retrieve_GBps": gbps(lmc_ret),
             "bit_exact": ok_lmc,
         },
-        "note": "tiercache gathers from / scatters to paged FLASH KV; LMCache copies contiguous token ranges",
+        "note": f"tiercache gathers from / scatters to paged {kind.name} KV (a shuffled block table); "
+        "LMCache copies contiguous token ranges",
     }
     res["store_tiercache_vs_lmcache"] = res["tiercache"]["store_GBps"] / res["lmcache"]["store_GBps"]
     res["retrieve_tiercache_vs_lmcache"] = res["tiercache"]["retrieve_GBps"] / res["lmcache"]["retrieve_GBps"]
     res["store_tiercache_vs_bare_copy"] = res["tiercache"]["store_GBps"] / res["bare_copy_GBps"]
     res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
-    res["lookup"] = _lookup(args.lookup_tokens, args.rounds * 4, engine, lmc, loop, rng)
+    if args.lookup_tokens:
+        res["lookup"] = _lookup(args.lookup_tokens, args.rounds * 4, engine, lmc, loop, rng)
     return res
 
 
@@ -408,7 +436,8 @@ def main() -> None:
         "cpu", help="L1 store/retrieve and lookup beside LMCache (its venv: the vs-lmcache extra)"
     )
     c.add_argument("--tokens", type=int, default=4096)
-    c.add_argument("--lookup-tokens", type=int, default=131072)
+    c.add_argument("--layout", choices=["flash", "cpu_blocks"], default="flash", help="tiercache's paged KV")
+    c.add_argument("--lookup-tokens", type=int, default=131072, help="0: no lookup part")
     c.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     if args.part == "cpu" and os.environ.get("PYTHONHASHSEED") != "0":  # LMCache hashes with hash()

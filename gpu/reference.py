@@ -4,6 +4,7 @@ Per span and layer this is one vectorized index op per KV plane (``index_select`
 ``index_copy_`` into the paged view); there is no per-token Python loop. Data moves as same-width integer bit
 patterns, so every dtype (fp8 included) round-trips exactly. Slots are ``block_id * block_size + offset``.
 CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``index_copy_`` per layer.
+CPU tensors take the native row kernel when it is built (``cpu_rows``: one call for all spans and layers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiercache.gpu import cpu_rows
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
 from tiercache.gpu.move import Move
 
@@ -116,10 +118,14 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
     layers = layer_tensors(kv_caches)
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} KV cache tensors for a layout of {layout.num_layers} layers")
-    nb = {layout.num_blocks_of(t) for t in layers}
-    if len(nb) != 1:
-        raise ValueError(f"layers hold different block counts: {sorted(nb)}")
-    return layers, nb.pop() * layout.block_size
+    first = layers[0]
+    nb = layout.num_blocks_of(first)
+    shape, dtype = first.shape, first.dtype
+    for t in layers:  # equal shapes and dtypes need no second check (32+ layers per call)
+        if t.shape != shape or t.dtype != dtype:
+            counts = {layout.num_blocks_of(u) for u in layers}  # raises for a bad shape or dtype
+            raise ValueError(f"layers hold different block counts: {sorted(counts)}")
+    return layers, nb * layout.block_size
 
 
 def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
@@ -297,6 +303,8 @@ def _gather(
     kv, n_slots = _layers(kv_caches, layout)
     device = kv[0].device
     span_list = check_spans(spans, slot_mapping.shape[0], len(out))
+    geo = _native_geometry(kv, layers, layout)
+    jobs: list[cpu_rows.RowJob] = []
     for i, (start, end) in enumerate(span_list):
         obj = out[i]
         _check_object(obj, layout, end - start, layers, f"out[{i}]")
@@ -307,15 +315,25 @@ def _gather(
             firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
             blocks = firsts // layout.block_size
             pages = _object_pages(stage, len(layers), blocks.numel())
+            job = _native_job(geo, [pages], blocks, 0)
+            if job is not None and stage is obj:
+                jobs.append(job)
+                continue
             for j, layer in enumerate(layers):
                 paged, dst = _page_pair(kv[layer], pages[j])
                 torch.index_select(paged, 0, blocks, out=dst)
         else:
             if slots.numel() and int(slots.min()) < 0:
                 raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
+            job = _native_job(geo, _object_planes(obj, layout), slots, 0)
+            if job is not None:
+                jobs.append(job)
+                continue
             _gather_tokens(layers, kv, layout, slots, stage)
         if stage is not obj:
             obj.copy_(stage)
+    if jobs and geo is not None:
+        cpu_rows.copy(True, geo, jobs)
 
 
 def _scatter(
@@ -333,6 +351,8 @@ def _scatter(
     span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
     skips = span_skips(skip_prefix, span_list)
     written = 0
+    geo = _native_geometry(kv, layers, layout)
+    jobs: list[cpu_rows.RowJob] = []
     for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
         obj = objects[i]
         _check_object(obj, layout, end - start, layers, f"objects[{i}]")
@@ -342,7 +362,13 @@ def _scatter(
         _check_range(slots, n_slots)
         src_obj = _bits(obj.to(device))
         if layout.block_aligned:
-            written += _scatter_pages(layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping)
+            written += _scatter_pages(
+                layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping, geo, jobs
+            )
+            continue
+        job = _native_job(geo, _object_planes(src_obj, layout), slots, skip)
+        if job is not None:
+            jobs.append(job)
             continue
         keep = slots >= 0
         n_keep = int(keep.sum())
@@ -362,7 +388,67 @@ def _scatter(
             dst_planes = _planes(_bits(kv[layer]), layout)
             for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
                 _write_rows(dst, rows, src.index_select(0, sel))
+    if jobs and geo is not None:
+        covered = cpu_rows.copy(False, geo, jobs)
+        if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
+            written += covered
     return written
+
+
+# ----- CPU tensors: the native row kernel (``cpu_rows``), one call for every span and layer ------------
+
+
+def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout) -> cpu_rows.Geometry | None:
+    """Row geometry of ``layers`` for the native kernel, read from the layers' strides; None when not on
+    the CPU, no kernel is loaded, the layers differ in strides or a row is not dense.
+
+    Token layouts: a row is one head's K, V or latent of one token. CPU_BLOCKS: a row is a whole page
+    (blocks are addressed by block id, block size 1)."""
+    first = kv[layers.start]
+    if first.device.type != "cpu" or cpu_rows.native() is None:
+        return None
+    st = first.stride()
+    if any(kv[layer].stride() != st for layer in layers):
+        return None
+    e = first.element_size()
+    ptrs = tuple(kv[layer].data_ptr() for layer in layers)
+    if layout.block_aligned:
+        try:
+            _bits(first).view(first.shape[0], -1)  # pages dense (every layer: same strides)
+        except RuntimeError:
+            return None
+        return cpu_rows.Geometry(ptrs, 1, st[0] * e, 0, 0, 1, (0,), layout.page_elems * e)
+    d = layout.head_dim
+    if layout.kind is LayoutKind.VLLM_LEGACY:  # [2, NB, BS, H, D]: V one stride(0) after K
+        _, s_blk, s_off, s_head, inner = st
+        offsets: tuple[int, ...] = (0, st[0] * e)
+    else:  # [NB, H, BS, C]: C = K | V, or the MLA latent
+        s_blk, s_head, s_off, inner = st
+        offsets = (0,) if layout.planes == 1 else (0, d * inner * e)
+    if inner != 1 and d > 1:
+        return None
+    return cpu_rows.Geometry(
+        ptrs, layout.block_size, s_blk * e, s_off * e, s_head * e, layout.num_kv_heads, offsets, d * e
+    )
+
+
+def _object_planes(obj: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
+    """An object's planes as ``[layers, tokens, heads * head_dim]`` views (K and V, or the MLA latent)."""
+    return [obj] if layout.planes == 1 else [obj[0], obj[1]]
+
+
+def _native_job(
+    geo: cpu_rows.Geometry | None, planes: list[torch.Tensor], slots: torch.Tensor, tok0: int
+) -> cpu_rows.RowJob | None:
+    """A kernel job for one span when ``geo`` is set and the object's rows are dense; else None."""
+    if geo is None:
+        return None
+    row = geo.row_bytes // planes[0].element_size()
+    if not all(cpu_rows.object_fits(p, row, geo.heads) for p in planes):
+        return None
+    if len(planes) > 1 and planes[1].stride() != planes[0].stride():
+        return None
+    return cpu_rows.RowJob(planes, slots, tok0)
 
 
 # ----- token layouts: whole blocks in one op per layer, the ragged ends row by row ----------------------
@@ -370,8 +456,9 @@ def _scatter(
 # For chunk-aligned spans the slots of a block are contiguous (block_id * BS + 0..BS-1), so the tokens of
 # whole blocks move with one index op over the block dim per layer (slices of a whole block instead of one
 # row per token and head). Gather: one ``index_select`` straight into the object view (native width). Scatter:
-# one ``index_copy_`` over the block dim at the widest integer width the head dim allows (int64: ~1.4x the
-# native width on CPU; the former page scratch cost a 5-d permuted ``copy_`` that ran at ~0.5 GB/s).
+# one ``copy_`` per run of consecutive blocks: a multi-threaded ``index_copy_`` over the block dim ran at
+# 0.05-0.3 of a bare copy on a loaded 2-core box, the copies of 64 KiB blocks (single-threaded) at ~0.6.
+# (CPU tensors take the native kernel of ``cpu_rows`` when it is built; this is the path without it.)
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tensor] | None:
@@ -398,6 +485,17 @@ def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tens
     if int(firsts[0]) % block_size:
         return None
     return k0, firsts // block_size
+
+
+def _block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """``(index, block, length)`` of each run of consecutive block ids in ``blocks``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def _widened_pair(
@@ -474,10 +572,12 @@ def _scatter_tokens(
         nb = blocks.numel()
         k1 = k0 + nb * layout.block_size
         parts = [(0, k0), (k1, t)]
+        runs = _block_runs(blocks.tolist())
         for j, layer in enumerate(layers):
             lw, ow = _widened_pair(kv[layer], src_obj, layout)
-            paged, src = _widen(_paged5(lw, layout), _object5(ow, layout, j, skip + k0, nb))
-            paged.index_copy_(1, blocks, src)
+            paged, src = _paged5(lw, layout), _object5(ow, layout, j, skip + k0, nb)
+            for i, b, n in runs:
+                paged[:, b : b + n].copy_(src[:, i : i + n])
     for a, b in parts:
         if a == b:
             continue
@@ -517,8 +617,12 @@ def _scatter_pages(
     span: tuple[int, int],
     skip: int,
     slot_mapping: torch.Tensor,
+    geo: cpu_rows.Geometry | None = None,
+    jobs: list[cpu_rows.RowJob] | None = None,
 ) -> int:
-    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens."""
+    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens.
+
+    With a native ``geo`` the pages are queued on ``jobs`` (pages < 0 skipped by the kernel) instead."""
     bs = layout.block_size
     start, end = span
     if skip % bs:
@@ -527,11 +631,16 @@ def _scatter_pages(
         )
     firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
     total_pages = -(-(end - start) // bs)
-    pages = _object_pages(src_obj, len(layers), total_pages)[:, skip // bs :]
+    all_pages = _object_pages(src_obj, len(layers), total_pages)
+    pages = all_pages[:, skip // bs :]
     keep = firsts >= 0
     n_keep = int(keep.sum())
     if n_keep == 0:
         return 0
+    job = _native_job(geo, [all_pages], firsts // bs, skip // bs)
+    if job is not None and jobs is not None:
+        jobs.append(job)
+        return int((slots >= 0).sum())
     if n_keep == firsts.numel():
         blocks, sel = firsts // bs, None
     else:

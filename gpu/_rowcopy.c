@@ -1,0 +1,121 @@
+/* Row copies between paged KV layers and L1 objects on the CPU, for tiercache.gpu.cpu_rows (ctypes).
+ *
+ * Plain C (no Python or torch headers): setup.py builds it as an optional extension with the system
+ * compiler; without it the torch reference path runs. Bit-exact byte copies of whole rows.
+ *
+ * A row is the contiguous run of one (token, head, plane) of one layer: ``row_bytes`` bytes.
+ * For span i (7 int64 fields: obj, o_plane, o_layer, o_tok, slot0, n_tok, tok0), layer j, token t, head h,
+ * plane p, with slot = slots[slot0 + t]:
+ *   paged  = layers[j] + (slot / bs) * s_blk + (slot % bs) * s_off + h * s_head + poff[p]
+ *   object = obj + p * o_plane + j * o_layer + (tok0 + t) * o_tok + h * row_bytes
+ * dir 0 (gather) copies paged -> object; dir 1 (scatter) object -> paged. Slots < 0 are skipped (the
+ * caller has rejected them for a gather). Tokens are walked in order and, within a token, heads then
+ * planes, so a token's paged bytes are touched in address order. Stores bypass the cache (streaming)
+ * when rows and addresses are 16-byte aligned: the data is not read back soon and it saves the
+ * read-for-ownership traffic. Returns the number of slots >= 0 over all spans. Threads take (span, layer)
+ * tasks in turn; two spans that write one slot (never in a request) race.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+enum { SPAN_OBJ, SPAN_O_PLANE, SPAN_O_LAYER, SPAN_O_TOK, SPAN_SLOT0, SPAN_N_TOK, SPAN_TOK0, SPAN_FIELDS };
+
+static inline void copy_row(char *dst, const char *src, int64_t n, int stream) {
+#if defined(__SSE2__)
+  if (stream && (((uintptr_t)dst | (uintptr_t)src) & 15) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      __m128i a = _mm_load_si128((const __m128i *)(src + i));
+      __m128i b = _mm_load_si128((const __m128i *)(src + i + 16));
+      __m128i c = _mm_load_si128((const __m128i *)(src + i + 32));
+      __m128i d = _mm_load_si128((const __m128i *)(src + i + 48));
+      _mm_stream_si128((__m128i *)(dst + i), a);
+      _mm_stream_si128((__m128i *)(dst + i + 16), b);
+      _mm_stream_si128((__m128i *)(dst + i + 32), c);
+      _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    for (; i < n; i += 16) _mm_stream_si128((__m128i *)(dst + i), _mm_load_si128((const __m128i *)(src + i)));
+    return;
+  }
+#endif
+  (void)stream;
+  memcpy(dst, src, (size_t)n);
+}
+
+struct job {
+  int dir, stream;
+  int64_t n_layers, n_tasks;
+  const int64_t *layers, *spans, *slots, *poff;
+  int64_t bs, s_blk, s_off, s_head, heads, planes, row_bytes;
+  int64_t next; /* next task (span * n_layers + layer), taken atomically */
+};
+
+/* One task: every token, head and plane of one span in one layer. */
+static void run_task(const struct job *g, int64_t k) {
+  const int64_t *sp = g->spans + (k / g->n_layers) * SPAN_FIELDS;
+  int64_t j = k % g->n_layers;
+  const int64_t *sl = g->slots + sp[SPAN_SLOT0];
+  const char *layer = (const char *)(intptr_t)g->layers[j];
+  char *obj = (char *)(intptr_t)sp[SPAN_OBJ] + j * sp[SPAN_O_LAYER] + sp[SPAN_TOK0] * sp[SPAN_O_TOK];
+  for (int64_t t = 0; t < sp[SPAN_N_TOK]; t++) {
+    int64_t slot = sl[t];
+    if (slot < 0) continue;
+    char *page = (char *)layer + (slot / g->bs) * g->s_blk + (slot % g->bs) * g->s_off;
+    char *orow = obj + t * sp[SPAN_O_TOK];
+    for (int64_t h = 0; h < g->heads; h++) {
+      for (int64_t p = 0; p < g->planes; p++) {
+        char *a = page + h * g->s_head + g->poff[p];
+        char *b = orow + p * sp[SPAN_O_PLANE] + h * g->row_bytes;
+        if (g->dir == 0)
+          copy_row(b, a, g->row_bytes, g->stream);
+        else
+          copy_row(a, b, g->row_bytes, g->stream);
+      }
+    }
+  }
+}
+
+static void *worker(void *arg) {
+  struct job *g = (struct job *)arg;
+  for (;;) {
+    int64_t k = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
+    if (k >= g->n_tasks) break;
+    run_task(g, k);
+  }
+#if defined(__SSE2__)
+  if (g->stream) _mm_sfence(); /* streaming stores visible before the join */
+#endif
+  return NULL;
+}
+
+/* ``threads`` > 1: that many threads (the caller's included) take (span, layer) tasks in turn. */
+int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n_spans, const int64_t *spans,
+                     const int64_t *slots, int64_t bs, int64_t s_blk, int64_t s_off, int64_t s_head,
+                     int64_t heads, int64_t planes, const int64_t *poff, int64_t row_bytes, int64_t threads) {
+  struct job g = {dir, 0, n_layers, n_spans * n_layers, layers, spans, slots, poff,
+                  bs, s_blk, s_off, s_head, heads, planes, row_bytes, 0};
+#if defined(__SSE2__)
+  g.stream = (row_bytes % 16) == 0;
+#endif
+  int64_t valid = 0;
+  for (int64_t i = 0; i < n_spans; i++) {
+    const int64_t *sp = spans + i * SPAN_FIELDS;
+    for (int64_t t = 0; t < sp[SPAN_N_TOK]; t++) valid += slots[sp[SPAN_SLOT0] + t] >= 0;
+  }
+  enum { MAX_THREADS = 64 };
+  pthread_t tids[MAX_THREADS];
+  int64_t started = 0;
+  if (threads > g.n_tasks) threads = g.n_tasks;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  for (int64_t i = 1; i < threads; i++) {
+    if (pthread_create(&tids[started], NULL, worker, &g) != 0) break; /* fewer threads: still complete */
+    started++;
+  }
+  worker(&g);
+  for (int64_t i = 0; i < started; i++) pthread_join(tids[i], NULL);
+  return valid;
+}

@@ -1,0 +1,307 @@
+"""The native CPU row kernel (gpu/_rowcopy.c via cpu_rows) against the torch path, bit for bit, every layout.
+
+Each case runs the same gather / scatter twice on identical inputs: once through the kernel, once with
+``TIERCACHE_CPU_KERNELS=0`` (the torch path, itself checked against a per-token loop in test_gpu_reference),
+and asserts equal objects, equal KV and equal token counts, and that the kernel was the path taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiercache.gpu import LayoutKind, Move, PagedLayout, cpu_rows, dispatch, object_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gpu_reference import DTYPES, L, bits, make_engine, poisoned, random_tensor
+
+# The moves of these cases, spelled as the cases read (one layer: ``layers=range(layer, layer + 1)``).
+
+
+def gather(
+    kv: object, layout: PagedLayout, slots: torch.Tensor, spans: object, out: list[torch.Tensor]
+) -> None:
+    dispatch.gather(kv, Move.gather(layout, slots, spans, out))  # type: ignore[arg-type]
+
+
+def gather_layer(
+    layer: int, kv: object, layout: PagedLayout, slots: torch.Tensor, spans: object, out: list[torch.Tensor]
+) -> None:
+    move = Move.gather(layout, slots, spans, out, layers=range(layer, layer + 1))  # type: ignore[arg-type]
+    dispatch.gather(kv, move)  # type: ignore[arg-type]
+
+
+def scatter(
+    objs: list[torch.Tensor],
+    kv: object,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: object,
+    skip_prefix: object = 0,
+) -> int:
+    return dispatch.scatter(kv, Move.scatter(layout, slots, spans, objs, skip_prefix))  # type: ignore[arg-type]
+
+
+def scatter_layer(
+    layer: int,
+    objs: list[torch.Tensor],
+    kv: object,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: object,
+    skip_prefix: object = 0,
+) -> int:
+    move = Move.scatter(layout, slots, spans, objs, skip_prefix, layers=range(layer, layer + 1))  # type: ignore[arg-type]
+    return dispatch.scatter(kv, move)  # type: ignore[arg-type]
+
+
+@contextmanager
+def torch_path() -> Iterator[None]:
+    """Run the body with the native kernel switched off."""
+    old = os.environ.get("TIERCACHE_CPU_KERNELS")
+    os.environ["TIERCACHE_CPU_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIERCACHE_CPU_KERNELS"]
+        else:
+            os.environ["TIERCACHE_CPU_KERNELS"] = old
+
+
+@contextmanager
+def kernel_calls() -> Iterator[mock.MagicMock]:
+    """Count the kernel calls made in the body (the real kernel still runs)."""
+    with mock.patch.object(cpu_rows, "copy", wraps=cpu_rows.copy) as spy:
+        yield spy
+
+
+def test_kernel_is_built_where_a_compiler_is() -> None:
+    """The editable / wheel install compiles the kernel with the system C compiler when there is one."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    assert cpu_rows.native() is not None
+    with torch_path():
+        assert cpu_rows.native() is None
+
+
+VARIANTS = ["flash-strided", "flash-contiguous", "flash-padded", "legacy", "mla"]
+KIND = {
+    "flash-strided": LayoutKind.VLLM_FLASH,
+    "flash-contiguous": LayoutKind.VLLM_FLASH,
+    "flash-padded": LayoutKind.VLLM_FLASH,
+    "legacy": LayoutKind.VLLM_LEGACY,
+    "mla": LayoutKind.VLLM_MLA,
+}
+
+TokenCase = tuple[str, torch.dtype, int, int, list[int], list[int], str, list[int], int | None, int]
+
+
+@st.composite
+def _token_cases(draw: st.DrawFn) -> TokenCase:
+    variant = draw(st.sampled_from(VARIANTS))
+    dtype = draw(st.sampled_from(DTYPES))
+    bs = draw(st.sampled_from([2, 3, 4, 16]))
+    n = draw(st.integers(1, 80))
+    cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=4)))) if n > 1 else []
+    bounds = [0, *cuts, n]
+    skips = [draw(st.integers(0, b - a)) for a, b in itertools.pairwise(bounds)]
+    # blocks: a shuffled block table; runs: consecutive blocks from an offset inside a block (the torch
+    # path merges them into one copy); tokens: every token anywhere (no whole block at all)
+    slot_style = draw(st.sampled_from(["blocks", "runs", "tokens"]))
+    negative = draw(st.lists(st.integers(0, n - 1), max_size=3))
+    layer = draw(st.none() | st.integers(0, L - 1))
+    return variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, draw(st.integers(0, 2**16))
+
+
+def _engine_kv(variant: str, dtype: torch.dtype, nblocks: int, bs: int, n: int, seed: int) -> tuple:
+    eng = make_engine(
+        KIND[variant],
+        dtype,
+        nblocks,
+        bs,
+        n,
+        seed,
+        strided=variant != "flash-contiguous",
+        padded=variant == "flash-padded",
+    )
+    return eng.layout, eng.kv, eng.slots(n)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_token_cases())
+def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
+    """Any spans, skips, shuffled or scattered slots, slots < 0 in a scatter, one layer or all: the kernel
+    writes exactly the bytes the torch path writes, and counts the same tokens."""
+    variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, seed = case
+    nblocks = -(-n // bs) + 3
+    layout, src_kv, slots = _engine_kv(variant, dtype, nblocks, bs, n, seed)
+    if slot_style == "tokens":
+        gen = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(nblocks * bs, generator=gen)[:n]
+    elif slot_style == "runs":
+        slots = torch.arange(n) + (seed % (2 * bs + 1))  # fits: nblocks * bs >= n + 3 * bs
+    spans = list(itertools.pairwise(bounds))
+
+    def objects() -> list[torch.Tensor]:
+        shapes = [object_spec(layout, b - a) for a, b in spans]
+        if layer is None:
+            return [poisoned(s.shape, dtype) for s in shapes]
+        return [poisoned(s.with_layers(layer, layer + 1).shape, dtype) for s in shapes]
+
+    def run_gather(out: list[torch.Tensor]) -> None:
+        if layer is None:
+            gather(src_kv, layout, slots, spans, out)
+        else:
+            gather_layer(layer, src_kv, layout, slots, spans, out)
+
+    fast, slow = objects(), objects()
+    with kernel_calls() as spy:
+        run_gather(fast)
+    assert spy.call_count == (1 if cpu_rows.native() is not None else 0)
+    with torch_path():
+        run_gather(slow)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+    # scatter: full objects (their layer view for scatter_layer, as the engine passes it) into a fresh KV
+    full = [poisoned(object_spec(layout, b - a).shape, dtype) for a, b in spans]
+    gather(src_kv, layout, slots, spans, full)
+    if layer is None:
+        sources = full
+    elif layout.planes == 1:
+        sources = [t[layer : layer + 1] for t in full]
+    else:
+        sources = [t[:, layer : layer + 1] for t in full]
+    sslots = slots.clone()
+    sslots[negative] = -1
+    _, dst_fast, _ = _engine_kv(variant, dtype, nblocks, bs, n, seed + 1)  # same seed: same KV and strides
+    _, dst_slow, _ = _engine_kv(variant, dtype, nblocks, bs, n, seed + 1)
+
+    def run_scatter(kv: list[torch.Tensor]) -> int:
+        if layer is None:
+            return scatter(sources, kv, layout, sslots, spans, skip_prefix=skips)
+        return scatter_layer(layer, sources, kv, layout, sslots, spans, skip_prefix=skips)
+
+    with kernel_calls() as spy:
+        written_fast = run_scatter(dst_fast)
+    with torch_path():
+        written_slow = run_scatter(dst_slow)
+    assert written_fast == written_slow
+    kept = sum(int((sslots[a + s : b] >= 0).sum()) for (a, b), s in zip(spans, skips, strict=True))
+    assert written_fast == kept
+    moved = any(s < b - a for (a, b), s in zip(spans, skips, strict=True))
+    assert spy.call_count == (1 if cpu_rows.native() is not None and moved else 0)
+    for a, b in zip(dst_fast, dst_slow, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
+BlockCase = tuple[torch.dtype, int, int, list[int], list[int], list[int], int]
+
+
+@st.composite
+def _block_cases(draw: st.DrawFn) -> BlockCase:
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]))
+    bs = draw(st.sampled_from([1, 2, 8]))
+    pages = draw(st.integers(1, 9))
+    n = (pages - 1) * bs + draw(st.integers(1, bs))  # last page partial or whole
+    cuts = sorted(set(draw(st.lists(st.integers(1, pages - 1), max_size=3)))) if pages > 1 else []
+    bounds = [0, *(c * bs for c in cuts), n]
+    # whole pages, or the whole span (a partial last page is then skipped too)
+    skips = [min(draw(st.integers(0, -(-(b - a) // bs))) * bs, b - a) for a, b in itertools.pairwise(bounds)]
+    negative_pages = draw(st.lists(st.integers(0, pages - 1), max_size=2))
+    return dtype, bs, n, bounds, skips, negative_pages, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_block_cases())
+def test_cpu_blocks_kernel_equals_torch_path(case: BlockCase) -> None:
+    """CPU_BLOCKS: whole pages from a shuffled block table, a partial last page, whole-page skips and
+    pages < 0 in a scatter: the kernel's objects and KV equal the torch path's, token counts too."""
+    dtype, bs, n, bounds, skips, negative_pages, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    h, d = 2, 4
+    pages = -(-n // bs)
+    nblocks = pages + 3
+    layout = PagedLayout(LayoutKind.CPU_BLOCKS, L, h, d, bs, str(dtype))
+    src_kv = [random_tensor(layout.layer_shape(nblocks), dtype, gen) for _ in range(L)]
+    table = torch.randperm(nblocks - 1, generator=gen)[:pages] + 1
+    pos = torch.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    spans = list(itertools.pairwise(bounds))
+    fast = [poisoned(object_spec(layout, b - a).shape, dtype) for a, b in spans]
+    slow = [poisoned(object_spec(layout, b - a).shape, dtype) for a, b in spans]
+    with kernel_calls() as spy:
+        gather(src_kv, layout, slots, spans, fast)
+    assert spy.call_count == (1 if cpu_rows.native() is not None else 0)
+    with torch_path():
+        gather(src_kv, layout, slots, spans, slow)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(bits(a), bits(b))
+    sslots = slots.clone()
+    for p in negative_pages:
+        sslots[p * bs : (p + 1) * bs] = -1
+    dst_kv = [random_tensor(layout.layer_shape(nblocks), dtype, gen) for _ in range(L)]
+    dst_fast, dst_slow = [t.clone() for t in dst_kv], [t.clone() for t in dst_kv]
+    written_fast = scatter(fast, dst_fast, layout, sslots, spans, skip_prefix=skips)
+    with torch_path():
+        written_slow = scatter(fast, dst_slow, layout, sslots, spans, skip_prefix=skips)
+    assert written_fast == written_slow
+    for a, b in zip(dst_fast, dst_slow, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
+def test_bad_slots_leave_every_object_untouched() -> None:
+    """A bad slot in a later span is rejected before the kernel copies anything (no half-filled objects)."""
+    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 12, 4, 32, seed=5)
+    spans = [(0, 16), (16, 32)]
+    for bad in (-1, 12 * 4):
+        s = slots.clone()
+        s[20] = bad
+        out = [poisoned(object_spec(layout, 16).shape, torch.bfloat16) for _ in spans]
+        with kernel_calls() as spy, pytest.raises(ValueError, match="slot"):
+            gather(kv, layout, s, spans, out)
+        assert spy.call_count == 0
+        assert all(bool((bits(o) == -1).all()) for o in out)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 64])
+def test_threads_split_spans_and_layers(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Several threads taking (span, layer) tasks in turn write what one thread (and the torch path)
+    writes, gather and scatter, with more threads than tasks too."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=9)
+    spans = [(0, 30), (30, 64), (64, 100)]
+    with torch_path():
+        want = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in spans]
+        gather(kv, layout, slots, spans, want)
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: threads)
+    got = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in spans]
+    gather(kv, layout, slots, spans, got)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    _, dst, _ = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=10)
+    _, dst_ref, _ = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=10)
+    sslots = slots.clone()
+    sslots[50] = -1
+    assert scatter(got, dst, layout, sslots, spans, skip_prefix=[3, 0, 5]) == 100 - 8 - 1
+    with torch_path():
+        scatter(want, dst_ref, layout, sslots, spans, skip_prefix=[3, 0, 5])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst, dst_ref, strict=True))
+
+
+def test_thread_count_follows_torch_and_size() -> None:
+    """Small copies stay on the caller's thread; large ones use up to torch's intra-op thread count."""
+    assert cpu_rows.threads(1 << 20) == 1
+    assert cpu_rows.threads(1 << 40) == torch.get_num_threads()
