@@ -4,9 +4,7 @@ abort, create-only puts, addressing, credentials, and live failures (server kill
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ import xxhash
 pytest.importorskip("aioboto3")
 pytest.importorskip("moto")
 
+import s3_servers as servers  # tests/integration, on the path through the integration conftest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 import tiercache
@@ -31,21 +30,6 @@ if TYPE_CHECKING:
     from tiercache.testing.adapters import AdapterFactory
 
 
-def _load_helpers() -> Any:
-    """tests/integration/s3_servers.py, loaded by path (importlib mode puts no test dir on sys.path)."""
-    name = "tiercache_tests_s3_servers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("s3_servers.py"))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-servers = _load_helpers()
 BUCKET = "tc-test"
 
 
