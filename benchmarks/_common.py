@@ -15,7 +15,7 @@ if _SERVERS not in sys.path:
 
 from s3_servers import TEST_ENV as S3_TEST_ENV  # noqa: E402
 from s3_servers import MotoServer  # noqa: E402
-from servers import ServerProcess, free_port, port_open, start_process  # noqa: E402
+from servers import ServerProcess, free_port, load_by_path, port_open, start_process  # noqa: E402
 
 from tiercache.cli.bench.measure import best, best_median, gbps, host_info, paired, percentiles, ratio  # noqa: E402
 
@@ -29,6 +29,7 @@ __all__ = [
     "free_port",
     "gbps",
     "host_info",
+    "load_by_path",
     "paired",
     "percentiles",
     "port_open",

@@ -668,30 +668,16 @@ class Mooncake(Backend):
 
 def _fault_proxy_class() -> Any:
     """``FaultProxy`` from tests/integration/fault_proxy.py (standard library only, loaded by path)."""
-    import importlib.util
+    from _common import load_by_path
 
-    path = ROOT / "tests" / "integration" / "fault_proxy.py"
-    spec = importlib.util.spec_from_file_location("tiercache_fault_proxy", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.FaultProxy
+    return load_by_path(ROOT / "tests" / "integration" / "fault_proxy.py", "tiercache_fault_proxy").FaultProxy
 
 
 def _integration_conftest() -> Any:
     """tests/integration/conftest.py as a plain module (its Mooncake launcher)."""
-    import importlib.util
+    from _common import load_by_path
 
-    path = ROOT / "tests" / "integration" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("tiercache_integration_conftest", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_by_path(ROOT / "tests" / "integration" / "conftest.py", "tiercache_integration_conftest")
 
 
 def _process_fault_proxy_class() -> Any:

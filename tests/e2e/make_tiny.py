@@ -63,18 +63,34 @@ def _complete(out: Path) -> bool:
     return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
 
-def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
-    """Write the tokenizer and the tiny Llama to ``out`` (idempotent: reuses a complete directory)."""
+def _build(out: str | Path, family: str, std: float, **arch: Any) -> Path:
+    """The builder core: the tokenizer, then ``family``'s config with ``arch`` (vocabulary, special tokens,
+    fp32 and untied embeddings added), weights seeded 0 and drawn with ``std``; idempotent."""
     out = Path(out)
     if _complete(out):
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     hf_tok = _tokenizer(out)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    cfg = getattr(transformers, f"{family}Config")(
         vocab_size=len(hf_tok),
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **arch,
+    )
+    return _init_and_save(getattr(transformers, f"{family}ForCausalLM")(cfg), out, std)
+
+
+def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
+    """Write the tokenizer and the tiny Llama to ``out`` (idempotent: reuses a complete directory)."""
+    return _build(
+        out,
+        "Llama",
+        0.12,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -82,26 +98,17 @@ def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=max_position_embeddings,
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
     )
-    return _init_and_save(LlamaForCausalLM(cfg), out, 0.12)
 
 
 def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
     """Write the tokenizer and a tiny DeepSeek-V2-style model (2 dense layers, MLA latent 576) to ``out``."""
-    out = Path(out)
-    if _complete(out):
-        return out
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    hf_tok = _tokenizer(out)
-    torch.manual_seed(0)
-    cfg = DeepseekV2Config(
-        vocab_size=len(hf_tok),
+    # std 0.08, not the Llama's 0.12: at 0.12 the 512-wide latent makes attention so sharp that vLLM's own
+    # cached-context path (its prefix cache, ExampleConnector) already diverges from a cold prefill.
+    return _build(
+        out,
+        "DeepseekV2",
+        0.08,
         hidden_size=256,
         intermediate_size=512,
         moe_intermediate_size=128,
@@ -118,14 +125,7 @@ def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
         n_shared_experts=1,
         num_experts_per_tok=2,
         max_position_embeddings=max_position_embeddings,
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
     )
-    # std 0.08, not the Llama's 0.12: at 0.12 the 512-wide latent makes attention so sharp that vLLM's own
-    # cached-context path (its prefix cache, ExampleConnector) already diverges from a cold prefill.
-    return _init_and_save(DeepseekV2ForCausalLM(cfg), out, 0.08)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def test_metric_names_match_tiercache_metrics() -> None:
 
 
 def _e2e_helpers() -> ModuleType:
-    """run()/spec()/PROMPTS of test_vllm_e2e.py (one vLLM instance per OS process)."""
+    """spec()/PROMPTS of test_vllm_e2e.py (the vllm_run fixture runs one vLLM instance per OS process)."""
     path = Path(__file__).with_name("test_vllm_e2e.py")
     spec = importlib.util.spec_from_file_location("tiercache_e2e_vllm_helpers", path)
     assert spec is not None
@@ -207,15 +207,17 @@ def _e2e_helpers() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_stats_reach_vllm_prometheus_end_to_end(tiny_model: Path, write_config: Any, tmp_path: Path) -> None:
+def test_stats_reach_vllm_prometheus_end_to_end(
+    tiny_model: Path, write_config: Any, vllm_run: Any, tmp_path: Path
+) -> None:
     """A real vLLM (LLM, stat loggers on): a consumer's hits per tier land in vLLM's Prometheus registry
     with the same count the tiercache engine itself recorded."""
     e2e = _e2e_helpers()
     config = write_config(tmp_path / "disk.toml", [("disk", f"file://{tmp_path}/l2")])
     producer = {"role": "kv_producer", "extra": {"config": str(config)}}
-    e2e.run(tmp_path, "prefill", e2e.spec(tiny_model, ["A", "B"], producer))
+    vllm_run(tmp_path, "prefill", e2e.spec(tiny_model, ["A", "B"], producer))
     consumer = {"role": "kv_consumer", "extra": {"config": str(config)}}
-    result = e2e.run(tmp_path, "decode", e2e.spec(tiny_model, ["C", "D"], consumer, log_stats=True))
+    result = vllm_run(tmp_path, "decode", e2e.spec(tiny_model, ["C", "D"], consumer, log_stats=True))
     prom = result["prom"]
     engine_hits = sum(
         w["metrics"].get("tiercache_hits_total", {}).get("tier=disk", 0.0)

@@ -6,7 +6,8 @@
 - LoRA: a producer under adapter A stores a prompt; a consumer serving both adapters restores it for A only,
   and its tokens under B equal a cold run under B (the adapters are random rank-8 PEFT directories).
 
-Reuses the two-process harness of ``test_vllm_e2e.py`` (``run_vllm.py`` in its own process per instance).
+Reuses the prompts and specs of ``test_vllm_e2e.py`` and the ``vllm_run`` fixture (``run_vllm.py`` in its
+own process per instance).
 """
 
 from __future__ import annotations
@@ -45,16 +46,16 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 
 
 def test_salted_prompt_is_served_to_its_tenant_only(
-    tiny_model: Path, write_config: Any, tmp_path: Path
+    tiny_model: Path, write_config: Any, vllm_run: Any, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path / "disk.toml", [("disk", f"file://{tmp_path}/l2")])
-    cold = e2e.run(tmp_path, "cold", e2e.spec(tiny_model, [PROMPT]))
-    stored = e2e.run(
+    cold = vllm_run(tmp_path, "cold", e2e.spec(tiny_model, [PROMPT]))
+    stored = vllm_run(
         tmp_path, "prefill", e2e.spec(tiny_model, [PROMPT], producer(config), salts=["tenant-a"])
     )
     assert tokens(stored) == tokens(cold)
     assert stored["connector"]["scheduler"][0]["saves"] >= 1
-    result = e2e.run(
+    result = vllm_run(
         tmp_path,
         "decode",
         e2e.spec(
@@ -101,16 +102,18 @@ def make_adapter(path: Path, seed: int) -> str:
     return str(path)
 
 
-def test_lora_adapters_never_share_kv(tiny_model: Path, write_config: Any, tmp_path: Path) -> None:
+def test_lora_adapters_never_share_kv(
+    tiny_model: Path, write_config: Any, vllm_run: Any, tmp_path: Path
+) -> None:
     config = write_config(tmp_path / "disk.toml", [("disk", f"file://{tmp_path}/l2")])
     adapter_a = make_adapter(tmp_path / "adapter-a", seed=1)
     adapter_b = make_adapter(tmp_path / "adapter-b", seed=2)
-    cold_b = e2e.run(tmp_path, "cold_b", e2e.spec(tiny_model, [PROMPT], loras=[adapter_b]))
-    stored_a = e2e.run(
+    cold_b = vllm_run(tmp_path, "cold_b", e2e.spec(tiny_model, [PROMPT], loras=[adapter_b]))
+    stored_a = vllm_run(
         tmp_path, "prefill_a", e2e.spec(tiny_model, [PROMPT], producer(config), loras=[adapter_a])
     )
     assert tokens(stored_a) != tokens(cold_b)  # the adapters change the output: wrong KV would show
-    result = e2e.run(
+    result = vllm_run(
         tmp_path,
         "decode_ab",
         e2e.spec(tiny_model, [PROMPT, PROMPT], e2e.consumer(config), loras=[adapter_a, adapter_b]),

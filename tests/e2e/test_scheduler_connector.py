@@ -393,6 +393,61 @@ def test_short_load_replans_saves_from_the_failed_block(tiny_model: Path, posix_
     assert saves == [(64, 128, 1), (128, 256, 1), (256, 356, 1)]
 
 
+def test_load_in_the_schedulers_process_reuses_its_lookup(tiny_model: Path, posix_config: Path) -> None:
+    """With the worker's engine in this process, its load reuses the scheduler's lookup: no second hash of
+    the prompt and no second L2 query (counted on the real engine and its POSIX adapter); a load without it
+    does both."""
+    import dataclasses
+    from collections import Counter
+
+    s = make_scheduler(tiny_model, posix_config)
+    prompt = tokens(31, 300)
+    close(fill_cache(s, [prompt]))  # stored in the POSIX tier only
+    worker = make_worker(s, posix_config)  # registered: the scheduler looks up in the worker's engine
+    engine = worker.engine
+    calls: Counter[str] = Counter()
+
+    def counted(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    db, adapter = engine.token_db, engine.manager.tiers[0].adapter
+    db.prefix_hashes = counted("hash", db.prefix_hashes)
+    db.process_tokens = counted("hash", db.process_tokens)
+    adapter.batched_contains = counted("contains", adapter.batched_contains)
+
+    async def evict_from_l1(keys: list[str]) -> None:
+        """Wait for the lookup's prefetch, then drop its objects from L1: the load must read L2."""
+        for lease in await engine.manager.batched_get(keys):
+            if lease is not None:
+                lease.release()
+        assert [engine.manager.l1.delete(k) for k in keys] == [True] * len(keys)
+
+    s.add_request(make_request("r", prompt))
+    (op,) = meta_of(s.schedule()).loads
+    assert s.connector.scheduler_side.shares_worker_engine  # type: ignore[union-attr]
+    assert (op.load_end, len(op.token_ids)) == (299, 300)
+    assert op.lookup is not None
+    assert calls == {"hash": 1, "contains": 1}  # the scheduler's lookup
+    keys = list(op.lookup.keys)
+    _loop.call(evict_from_l1(keys), 30)
+    calls.clear()
+    worker.start_load_kv(TierCacheMetadata(loads=[op]))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.stats.tokens_loaded == 299
+    assert calls == {}  # no hash, no contains: the chunks came from the tier the lookup named
+    # the same load without the lookup hashes the prompt and asks L2 again
+    _loop.call(evict_from_l1(keys), 30)
+    worker.start_load_kv(TierCacheMetadata(loads=[dataclasses.replace(op, req_id="r2", lookup=None)]))
+    assert worker.stats.tokens_loaded == 2 * 299
+    assert calls == {"hash": 2, "contains": 1}  # process_tokens and the prefix_hashes it calls
+    worker.shutdown()
+    s.connector.shutdown()  # type: ignore[union-attr]
+
+
 def test_worker_saves_nothing_computed_after_a_short_load(tiny_model: Path, posix_config: Path) -> None:
     from tiercache_vllm._common import LoadOp, SaveOp
 

@@ -9,11 +9,7 @@ default multi-process engine (scheduler and worker in separate processes); Redis
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +37,6 @@ STORED = ["A", "B"]  # what the prefill instance sees
 DECODE = ["C", "D", "A", "B"]  # C extends A; D shares only the long prefix
 
 
-def run(workdir: Path, name: str, spec: dict[str, Any], timeout: int = 300) -> dict[str, Any]:
-    """Run tests/e2e/run_vllm.py in its own process; return its JSON result."""
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-6000:]}"
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
-
-
 def spec(
     model: Path, names: list[str], connector: dict[str, Any] | None = None, **extra: Any
 ) -> dict[str, Any]:
@@ -85,7 +62,11 @@ def metric(result: dict[str, Any], name: str, label: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack(
-    tiny_model: Path, redis_server: Any, write_config: Any, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path,
+    redis_server: Any,
+    write_config: Any,
+    vllm_run: Any,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Any:
     """Cold reference tokens, then a prefill instance storing A and B into Redis + POSIX."""
     work = tmp_path_factory.mktemp("vllm_e2e")
@@ -95,9 +76,9 @@ def stack(
         "redis": write_config(work / "redis.toml", [("redis", redis_server.url)]),
         "disk": write_config(work / "disk.toml", [("disk", disk)]),
     }
-    cold = run(work, "cold", spec(tiny_model, DECODE))
+    cold = vllm_run(work, "cold", spec(tiny_model, DECODE))
     producer = {"role": "kv_producer", "extra": {"config": str(configs["both"])}}
-    prefill = run(work, "prefill", spec(tiny_model, STORED, producer))
+    prefill = vllm_run(work, "prefill", spec(tiny_model, STORED, producer))
     expected = tokens_by_name(cold, DECODE)
     assert tokens_by_name(prefill, STORED) == {n: expected[n] for n in STORED}
     assert all(
@@ -118,8 +99,8 @@ def consumer(config: Path, **extra: Any) -> dict[str, Any]:
     return {"role": "kv_consumer", "extra": {"config": str(config), **extra}}
 
 
-def test_decode_from_redis_async_load(stack: Any) -> None:
-    result = run(
+def test_decode_from_redis_async_load(stack: Any, vllm_run: Any) -> None:
+    result = vllm_run(
         stack["work"],
         "decode_redis",
         spec(stack["model"], DECODE, consumer(stack["configs"]["redis"], load_async=True)),
@@ -134,9 +115,9 @@ def test_decode_from_redis_async_load(stack: Any) -> None:
     assert sched["loads"] >= 1
 
 
-def test_decode_multiprocess_engine(stack: Any) -> None:
+def test_decode_multiprocess_engine(stack: Any, vllm_run: Any) -> None:
     """Default engine: EngineCore (scheduler side) and the worker in separate processes; lookups see L2."""
-    result = run(
+    result = vllm_run(
         stack["work"],
         "decode_mp",
         spec(stack["model"], DECODE, consumer(stack["configs"]["disk"]), multiprocess=True),
@@ -147,10 +128,10 @@ def test_decode_multiprocess_engine(stack: Any) -> None:
     assert all(v > 0 for v in cached.values()), cached
 
 
-def test_decode_with_redis_killed(stack: Any) -> None:
+def test_decode_with_redis_killed(stack: Any, vllm_run: Any) -> None:
     """Redis dies after the decode engine started: its calls fail fast, count as misses, disk still serves."""
     redis = stack["redis"]
-    result = run(
+    result = vllm_run(
         stack["work"],
         "decode_redis_killed",
         spec(
@@ -169,14 +150,14 @@ def test_decode_with_redis_killed(stack: Any) -> None:
     assert all(r["num_cached_tokens"] > 0 for r in result["results"])  # from the disk tier
 
 
-def test_corrupt_frame_is_recomputed(stack: Any) -> None:
+def test_corrupt_frame_is_recomputed(stack: Any, vllm_run: Any) -> None:
     frames = sorted(p for p in (stack["work"] / "l2").rglob("*") if p.is_file() and p.name.startswith("tc"))
     assert len(frames) >= 9
     victim = frames[0]
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF  # one payload byte: the frame fails its checksum
     victim.write_bytes(bytes(data))
-    result = run(
+    result = vllm_run(
         stack["work"], "decode_corrupt", spec(stack["model"], DECODE, consumer(stack["configs"]["disk"]))
     )
     assert tokens_by_name(result, DECODE) == stack["expected"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,34 +11,21 @@ import pytest
 pytest.importorskip("aioboto3")
 pytest.importorskip("moto")
 
+from s3_servers import TEST_ENV, MotoServer  # tests/integration, on the path through the integration conftest
+
 from tiercache.cli.bench.runner import SuiteContext, run_suite
 from tiercache.config import config_from_dict
 
 BUCKET = "tc-bench-suite"
 
 
-def _moto_helpers() -> Any:
-    """tests/integration/s3_servers.py, loaded by path (importlib mode puts no test dir on sys.path)."""
-    name = "tiercache_tests_s3_servers_bench"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("s3_servers.py"))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def moto_endpoint(tmp_path: Path) -> Iterator[str]:
     """A private moto server with the bench bucket; dummy credentials in the environment."""
-    helpers = _moto_helpers()
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in helpers.TEST_ENV.items():
+        for key, value in TEST_ENV.items():
             mp.setenv(key, value)
-        server = helpers.MotoServer(log=tmp_path / "moto.log").start()
+        server = MotoServer(log=tmp_path / "moto.log").start()
         try:
             server.boto3_client().create_bucket(Bucket=BUCKET)
             yield server.endpoint

@@ -5,15 +5,14 @@ bytes, and every call ends within the adapter's own timeouts, with or without th
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import load_by_path  # tests/integration, on the path through the integration conftest
 
 from tiercache.adapters import Adapter
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable
@@ -25,15 +24,7 @@ SAFETY_NET_S = 60
 
 
 def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_by_path(Path(__file__).with_name(f"{name}.py"), name)
 
 
 s3_servers = _load("s3_servers")

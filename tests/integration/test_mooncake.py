@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,8 @@ from tiercache.testing.adapters import AdapterConformance, AdapterFactory
 pytestmark = pytest.mark.asyncio
 
 MiB = 1 << 20
+SAFETY_NET_S = 60
+"""Only there so that a hung call fails the test instead of hanging it; never reached when correct."""
 KIT_BUFFER = "72MiB"  # the kit's largest object is 64 MiB (+1 trailer byte)
 
 
@@ -166,14 +167,13 @@ async def test_foreign_object_is_a_miss(mooncake_cluster: Any) -> None:
 async def test_unreachable_master_fails_at_open() -> None:
     from servers import free_port
 
-    started = time.perf_counter()
-    with pytest.raises(AdapterError):
-        await MooncakeAdapter.open(
-            f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata",
-            buffer_size="4MiB",
-            timeout=2,
-        )
-    assert time.perf_counter() - started < 2.5
+    opening = MooncakeAdapter.open(
+        f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata",
+        buffer_size="4MiB",
+        timeout=2,
+    )
+    with pytest.raises(AdapterUnavailable, match="cannot connect"):  # the probe, before Mooncake's setup
+        await asyncio.wait_for(opening, SAFETY_NET_S)
 
 
 # -- failures: killed master ------------------------------------------------------------------------------
@@ -193,20 +193,19 @@ async def test_killed_master_is_unavailable_then_recovers(mooncake_factory: Call
             lambda: adapter.batched_put(keys, [b"w"] * 4),
             lambda: adapter.batched_delete(keys),
         ):
-            started = time.perf_counter()
-            with pytest.raises((AdapterUnavailable, asyncio.TimeoutError, AdapterError)):
-                await call()
-            assert time.perf_counter() - started < timeout + 0.5
+            # the adapter's own timeout or error ends the call (the safety net raises a plain TimeoutError)
+            with pytest.raises(AdapterError):
+                await asyncio.wait_for(call(), SAFETY_NET_S)
         cluster.restart_master()  # same ports, empty; the client and the store client re-register
-        deadline = time.monotonic() + 20
-        while True:
+        for _ in range(40):  # bounded poll: the client re-registers with the restarted master
             try:
                 if await adapter.batched_put(keys[:1], [b"again"]) == [True]:
                     break
             except AdapterError:
                 pass
-            assert time.monotonic() < deadline, "no recovery within 20 s of the master restart"
             await asyncio.sleep(0.5)
+        else:
+            pytest.fail("no recovery after 40 polls following the master restart")
         # The master came back empty. The calls that timed out above may still land afterwards (their
         # Mooncake call retries in its thread), so the other keys hold nothing or the late b"w".
         got = await adapter.batched_get(keys)
@@ -214,9 +213,7 @@ async def test_killed_master_is_unavailable_then_recovers(mooncake_factory: Call
         assert all(g in (None, b"w") for g in got[1:]), got
         assert (await adapter.batched_contains(keys))[0] is True
     finally:
-        started = time.perf_counter()
-        await adapter.aclose()
-        assert time.perf_counter() - started < 6
+        await asyncio.wait_for(adapter.aclose(), SAFETY_NET_S)
 
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens=8)
@@ -241,10 +238,8 @@ async def test_manager_turns_a_killed_master_into_misses(mooncake_factory: Calla
     async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("mc", reader, raw)], POLICY) as m:
         assert (await m.lookup_prefix(keys, [SPEC] * 4, prefetch=False)).chunks == 4
         cluster.master.kill()
-        started = time.perf_counter()
-        hit = await m.lookup_prefix(keys, [SPEC] * 4)
+        hit = await asyncio.wait_for(m.lookup_prefix(keys, [SPEC] * 4), SAFETY_NET_S)
         assert hit.chunks == 0
-        leases = await m.batched_get(keys, [SPEC] * 4)
+        leases = await asyncio.wait_for(m.batched_get(keys, [SPEC] * 4), SAFETY_NET_S)
         assert leases == [None] * 4
-        assert time.perf_counter() - started < POLICY.lookup_deadline_s + POLICY.l2_deadline_s + 0.3
         assert m.metrics.value("tiercache_tier_errors_total", tier="mc", op="contains") >= 1

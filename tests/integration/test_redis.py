@@ -101,13 +101,27 @@ async def test_unreachable_server_fails_at_open() -> None:
 
 
 async def test_ttl_expires_objects(redis_server: Any) -> None:
-    async with await RedisAdapter.open(redis_server.url, prefix=_prefix(), ttl=0.3) as adapter:
+    """Every put carries the TTL (read back with PTTL); once the server expires a key it is a miss (the
+    test shortens the TTLs with PEXPIRE and polls, bounded, instead of sleeping out the real one)."""
+    import redis.asyncio as aredis
+
+    prefix = _prefix()
+    raw = aredis.Redis(host="127.0.0.1", port=redis_server.port)
+    async with await RedisAdapter.open(redis_server.url, prefix=prefix, ttl=3600) as adapter:
         keys = _keys(3)
         assert await adapter.batched_put(keys, [b"a", b"b" * 300_000, b"c"]) == [True] * 3
         assert await adapter.batched_contains(keys) == [True] * 3
-        await asyncio.sleep(0.6)
-        assert await adapter.batched_contains(keys) == [False] * 3
+        for key in keys:  # set with SET PX 3600000: left between an hour and a few minutes less
+            assert 3_000_000 < await raw.pttl(prefix + key) <= 3_600_000
+        assert [await raw.pexpire(prefix + key, 1) for key in keys] == [True] * 3
+        for _ in range(1000):
+            if await adapter.batched_contains(keys) == [False] * 3:
+                break
+            await asyncio.sleep(0.001)
+        else:
+            pytest.fail("keys with a 1 ms TTL were still there after 1000 polls")
         assert await adapter.batched_get(keys) == [None] * 3
+    await raw.aclose()
 
 
 async def test_prefix_isolation(redis_server: Any) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import statistics
-import sys
 from types import ModuleType
 
 import pytest
+from servers import load_by_path  # tests/integration, on the path through the integration conftest
 
 SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
@@ -16,13 +15,7 @@ pytestmark = pytest.mark.asyncio
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak", SOAK)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path(SOAK, "soak")
 
 
 async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(

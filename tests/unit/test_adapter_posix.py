@@ -312,8 +312,12 @@ async def test_get_returns_fresh_buffers(tmp_path: Path) -> None:
 async def test_close_waits_for_inflight_and_rejects_later_calls(tmp_path: Path) -> None:
     adapter = await PosixAdapter.open(f"file://{tmp_path}")
     put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))
-    while not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")):  # noqa: ASYNC110, ASYNC240
-        await asyncio.sleep(0.001)  # until the write has started
+    for _ in range(10_000):  # bounded poll: until the write has started
+        if any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")):  # noqa: ASYNC240
+            break
+        await asyncio.sleep(0.001)
+    else:
+        pytest.fail("the put never started writing")
     await adapter.aclose()  # waits for the in-flight write
     assert await put == [True]
     with pytest.raises(AdapterUnavailable):

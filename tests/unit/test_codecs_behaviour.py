@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tiercache.serde.lz4 as lz4_codec_module
+from tiercache.adapters.memory import MemoryAdapter
 from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.aesgcm import OVERHEAD, AesGcmCodec, key_id
@@ -27,7 +28,6 @@ from tiercache.spec import KVFormat, KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
 from tiercache.testing.codecs import golden_array, random_array
-from tiercache.testing.fakes import InMemoryAdapter
 
 SAMPLE = Path(__file__).resolve().parent.parent / "fixtures" / "kv_sample"
 KEY1 = bytes(range(32))
@@ -310,7 +310,7 @@ async def test_wrong_key_or_moved_frame_is_a_miss_in_the_manager() -> None:
     static = same_key.static_header(spec, "obj-b")
     moved = bytearray(static) + bytearray(20) + payload
     seal_header_into(moved, len(static), len(payload), payload_checksum(payload))
-    stores = [InMemoryAdapter(), InMemoryAdapter()]  # closing a manager closes its adapters
+    stores = [MemoryAdapter(), MemoryAdapter()]  # closing a manager closes its adapters
     for store in stores:
         await store.batched_put(["obj-a", "obj-b"], [frame, bytes(moved)])
     async with StorageManager(L1Cache(spec.nbytes * 4, spec.nbytes), [("enc", stores[0], reader)]) as manager:

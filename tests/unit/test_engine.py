@@ -447,6 +447,12 @@ async def test_retrieve_reuses_its_lookup_no_second_hash_no_second_l2_query(
         assert same_bits(decode.read(0, 512), kv[:, :, :512])
         assert decode.read(512, 600).isnan().all()
         with pytest.raises(ValueError, match="lookup was of 600 tokens"):
-            await engine.prepare_retrieve(tokens[:300], lookup=hit)
+            await engine.prepare_retrieve(tokens[:300], lookup=hit)  # not at a chunk boundary
+        with pytest.raises(ValueError, match="lookup was of 600 tokens"):
+            await engine.prepare_retrieve([*tokens, 1], lookup=hit)  # longer than the lookup
+        # a retrieve of a prefix ending at a chunk boundary (the connector's load) reuses the first keys
+        shorter = await engine.prepare_retrieve(tokens[:256], lookup=hit)
+        assert (shorter.tokens_to_write, contains_calls) == (256, 0)
+        assert shorter.finish().tokens_read == 256
     finally:
         await engine.aclose()

@@ -1,4 +1,4 @@
-"""The reference fakes: InMemoryAdapter passes the kit; FaultInjectingAdapter injects what it is told to."""
+"""The fault-injection wrapper: transparent without faults, injects exactly what it is told to."""
 
 from __future__ import annotations
 
@@ -7,21 +7,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
+from tiercache.adapters.memory import MemoryAdapter
+from tiercache.errors import AdapterTimeout, AdapterUnavailable, Unsupported
 from tiercache.testing.adapters import AdapterConformance
-from tiercache.testing.fakes import ALL_OPS, FaultInjectingAdapter, InMemoryAdapter
+from tiercache.testing.fakes import ALL_OPS, FaultInjectingAdapter
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from tiercache.adapters import Adapter
     from tiercache.testing.adapters import AdapterFactory
-
-
-class TestInMemoryConformance(AdapterConformance):
-    @pytest.fixture
-    def adapter_factory(self) -> AdapterFactory:
-        return lambda: InMemoryAdapter.open("fake-memory://")
 
 
 class TestFaultWrapperPassThroughConformance(AdapterConformance):
@@ -32,7 +27,7 @@ class TestFaultWrapperPassThroughConformance(AdapterConformance):
     @pytest.fixture
     def adapter_factory(self) -> AdapterFactory:
         async def factory() -> Adapter:
-            return FaultInjectingAdapter(InMemoryAdapter())
+            return FaultInjectingAdapter()  # around a new MemoryAdapter
 
         return factory
 
@@ -46,22 +41,15 @@ def test_lazy_exports_do_not_import_pytest(tmp_path: Path) -> None:
         "import tiercache.testing.fakes; assert 'pytest' not in sys.modules; "
         "import tiercache.testing.plugin, tiercache.testing as t; "
         "assert 'tiercache.adapters.posix' not in sys.modules and 'torch' not in sys.modules; "
-        "assert t.InMemoryAdapter.scheme == 'fake-memory'"
+        "from tiercache.adapters.memory import MemoryAdapter; "
+        "assert t.InMemoryAdapter is MemoryAdapter and t.FaultInjectingAdapter().wrapped.scheme == 'memory'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # cwd: not the source tree
 
 
 @pytest.mark.asyncio
-async def test_inmemory_open_rejects_options() -> None:
-    with pytest.raises(ConfigError, match="'x'"):
-        await InMemoryAdapter.open("fake-memory://", x=1)
-    with pytest.raises(ConfigError):
-        await InMemoryAdapter.open("memory://")
-
-
-@pytest.mark.asyncio
 async def test_fail_rate_switchable_at_runtime() -> None:
-    fake = FaultInjectingAdapter(InMemoryAdapter(), seed=1)
+    fake = FaultInjectingAdapter(seed=1)
     assert await fake.batched_put(["k"], [b"v"]) == [True]
     fake.fail_rate = 1.0
     with pytest.raises(AdapterUnavailable, match="injected"):
@@ -80,21 +68,19 @@ async def test_fail_rate_switchable_at_runtime() -> None:
 
 @pytest.mark.asyncio
 async def test_fail_ops_and_error_type() -> None:
-    fake = FaultInjectingAdapter(
-        InMemoryAdapter(), fail_rate=1.0, fail_ops=frozenset({"put"}), error=AdapterTimeout
-    )
+    fake = FaultInjectingAdapter(fail_rate=1.0, fail_ops=frozenset({"put"}), error=AdapterTimeout)
     with pytest.raises(AdapterTimeout):
         await fake.batched_put(["k"], [b"v"])
     assert await fake.batched_get(["k"]) == [None]  # get is not in fail_ops
     with pytest.raises(ValueError, match="fail_ops"):
-        FaultInjectingAdapter(InMemoryAdapter(), fail_ops=frozenset({"gett"}))
+        FaultInjectingAdapter(fail_ops=frozenset({"gett"}))
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("op", sorted(ALL_OPS))
 async def test_each_op_name_fails_exactly_its_own_method(op: str) -> None:
     """Every name in ALL_OPS selects one batched method; the others keep working."""
-    fake = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=1.0, fail_ops=frozenset({op}))
+    fake = FaultInjectingAdapter(fail_rate=1.0, fail_ops=frozenset({op}))
     calls = {
         "contains": lambda: fake.batched_contains(["k"]),
         "get": lambda: fake.batched_get(["k"]),
@@ -114,7 +100,7 @@ async def test_each_op_name_fails_exactly_its_own_method(op: str) -> None:
 @pytest.mark.asyncio
 async def test_fail_rate_is_probabilistic_and_seeded() -> None:
     async def count(seed: int) -> int:
-        fake = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=0.3, seed=seed)
+        fake = FaultInjectingAdapter(fail_rate=0.3, seed=seed)
         failures = 0
         for _ in range(1000):
             try:
@@ -130,29 +116,38 @@ async def test_fail_rate_is_probabilistic_and_seeded() -> None:
 
 
 @pytest.mark.asyncio
-async def test_latency() -> None:
-    fake = FaultInjectingAdapter(InMemoryAdapter(), latency=0.05)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+async def test_latency_waits_before_every_call() -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    fake = FaultInjectingAdapter(latency=0.05, fail_ops=frozenset({"get"}), sleep=sleep)
     await fake.batched_contains(["k"])
-    assert loop.time() - t0 >= 0.04
-    assert fake.faults["latency"] == 1
+    await fake.batched_put(["k"], [b"v"])
+    assert slept == [0.05, 0.05]  # every op, also those not in fail_ops
+    assert fake.faults["latency"] == 2
 
 
 @pytest.mark.asyncio
 async def test_hang_until_cancelled() -> None:
-    fake = FaultInjectingAdapter(InMemoryAdapter(), hang=True, fail_ops=frozenset({"get"}))
+    fake = FaultInjectingAdapter(hang=True, fail_ops=frozenset({"get"}))
     assert await fake.batched_put(["k"], [b"v"]) == [True]
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(fake.batched_get(["k"]), 0.05)
+    hung = asyncio.ensure_future(fake.batched_get(["k"]))
+    for _ in range(100):  # bounded: the call reaches its hang within a few loop turns
+        await asyncio.sleep(0)
+    assert not hung.done()
     assert fake.faults["hang"] == 1
+    hung.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await hung
     fake.hang = False
     assert await fake.batched_get(["k"]) == [b"v"]
 
 
 @pytest.mark.asyncio
 async def test_corrupt_rate_flips_one_byte() -> None:
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     fake = FaultInjectingAdapter(inner, corrupt_rate=1.0)
     value = bytes(range(256)) * 4
     assert await fake.batched_put(["k", "e"], [value, b""]) == [True, True]
@@ -161,13 +156,13 @@ async def test_corrupt_rate_flips_one_byte() -> None:
     assert empty == b""
     assert len(got) == len(value)
     assert sum(a != b for a, b in zip(got, value, strict=True)) == 1
-    assert inner.data["k"] == value  # the stored object is untouched
+    assert await inner.batched_get(["k"]) == [value]  # the stored object is untouched
     assert fake.faults["corrupt"] == 1
 
 
 @pytest.mark.asyncio
 async def test_capabilities_mirror_wrapped() -> None:
-    class NoDelete(InMemoryAdapter):
+    class NoDelete(MemoryAdapter):
         from tiercache.adapters import Capabilities
 
         capabilities = Capabilities(delete=False, persistent=True)
@@ -178,7 +173,7 @@ async def test_capabilities_mirror_wrapped() -> None:
     fake = FaultInjectingAdapter(NoDelete())
     assert fake.capabilities.delete is False
     assert fake.capabilities.persistent is True
-    assert fake.scheme == "fake-memory"
+    assert fake.scheme == "memory"
     with pytest.raises(Unsupported):
         await fake.batched_delete(["k"])
     with pytest.raises(Unsupported):

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ _CHILD = textwrap.dedent(
     """
     import asyncio, importlib.abc, json, sys
 
-    BLOCKED = set(sys.argv[1].split(","))
+    KIND, BLOCKED, CONFIG, ITEMS = sys.argv[1], set(sys.argv[2].split(",")), sys.argv[3], sys.argv[4:]
 
     class Blocker(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -49,25 +50,51 @@ _CHILD = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Blocker())
-    from tiercache import open_adapter
-    from tiercache.cli import main
     from tiercache.errors import PluginError
 
-    out = {}
-    for url in sys.argv[3:]:
-        try:
+    if KIND == "adapter":
+        from tiercache import open_adapter
+        from tiercache.cli import main
+
+        def attempt(url):
             asyncio.run(open_adapter(url))
+            return "opened"
+    else:
+        from tiercache.serde import build_pipeline
+
+        def attempt(codec):
+            build_pipeline(["raw", codec])
+            return "built"
+
+    out = {}
+    for item in ITEMS:
+        try:
+            out[item] = attempt(item)
         except PluginError as exc:
-            out[url] = str(exc)
+            out[item] = str(exc)
         except BaseException as exc:
-            out[url] = f"NOT A PluginError: {type(exc).__name__}: {exc}"
-        else:
-            out[url] = "opened"
+            out[item] = f"NOT A PluginError: {type(exc).__name__}: {exc}"
     print(json.dumps(out))
     sys.stdout.flush()
-    main(["check", sys.argv[2], "--json"])
+    if KIND == "adapter":
+        main(["check", CONFIG, "--json"])
     """
 )
+"""Child process: with the packages of argv[2] blocked, open each adapter URL (then ``tiercache check``
+argv[3]) or build each codec (argv[1] is ``adapter`` or ``codec``); prints what each attempt raised."""
+
+
+def _run_child(
+    kind: str, blocked: Sequence[str], config: str, items: Sequence[str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _CHILD, kind, ",".join(blocked), config, *items],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=cwd,
+    )
 
 
 def _builtin_extras() -> dict[str, list[str]]:
@@ -94,14 +121,7 @@ def test_missing_extra_gives_the_install_hint(extra: str, tmp_path: Path) -> Non
     urls = [URLS[s] for s in schemes]
     config = tmp_path / "tiers.toml"
     config.write_text(f'[[tiers]]\nname = "t"\nurl = "{urls[0]}"\n')
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, ",".join(EXTRA_MODULES[extra]), str(config), *urls],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
+    done = _run_child("adapter", EXTRA_MODULES[extra], str(config), urls, tmp_path)
     first, _, rest = done.stdout.partition("\n")
     assert first.startswith("{"), done.stdout + done.stderr
     results = json.loads(first)
@@ -115,35 +135,6 @@ def test_missing_extra_gives_the_install_hint(extra: str, tmp_path: Path) -> Non
     assert hint in report["tiers"][0]["error"]
 
 
-_CODEC_CHILD = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-
-    BLOCKED = set(sys.argv[1].split(","))
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] in BLOCKED:
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    sys.meta_path.insert(0, Blocker())
-    from tiercache.errors import PluginError
-    from tiercache.serde import build_pipeline
-
-    out = {}
-    for codec in sys.argv[2:]:
-        try:
-            build_pipeline(["raw", codec])
-        except PluginError as exc:
-            out[codec] = str(exc)
-        except BaseException as exc:
-            out[codec] = f"NOT A PluginError: {type(exc).__name__}: {exc}"
-        else:
-            out[codec] = "built"
-    print(json.dumps(out))
-    """
-)
 CODEC_MODULES = {"lz4": "lz4", "zstd": "zstandard", "aesgcm": "cryptography"}
 
 
@@ -152,14 +143,7 @@ def test_missing_codec_extra_gives_the_install_hint(tmp_path: Path) -> None:
     registry = Registry(entry_points=False)
     with_extra = {r.name: r.extra for r in registry.codecs() if r.extra is not None}
     assert with_extra == dict.fromkeys(CODEC_MODULES, "codecs")
-    done = subprocess.run(
-        [sys.executable, "-c", _CODEC_CHILD, ",".join(CODEC_MODULES.values()), *CODEC_MODULES],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
+    done = _run_child("codec", list(CODEC_MODULES.values()), "-", list(CODEC_MODULES), tmp_path)
     results = json.loads(done.stdout or "{}")
     assert set(results) == set(CODEC_MODULES), done.stderr
     for codec, module in CODEC_MODULES.items():

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 
-from tiercache.adapters._base import Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Buffer, Capabilities, check_lengths
+from tiercache.adapters.memory import MemoryAdapter
 from tiercache.testing.adapters import AdapterConformance
-from tiercache.testing.fakes import InMemoryAdapter
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -22,42 +22,44 @@ if TYPE_CHECKING:
 pytest_plugins = ["pytester"]
 
 
-# -- broken adapters ----------------------------------------------------------------------------------
+# -- broken adapters: each is the real MemoryAdapter with one bug ----------------------------------------
 
 
-class StaleOverwrite(InMemoryAdapter):
+class StaleOverwrite(MemoryAdapter):
     """Keeps serving the first value written under a key (a stale cache)."""
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         check_lengths(keys, values)
-        for k, v in zip(keys, values, strict=True):
-            self.data.setdefault(check_key(k), bytes(v))
+        stored = await self.batched_contains(keys)
+        for k, v, old in zip(keys, values, stored, strict=True):
+            if not old:
+                await super().batched_put([k], [v])
         return [True] * len(keys)
 
 
-class TornWrite(InMemoryAdapter):
-    """Writes the value into the live dict piece by piece, yielding in between (readers see prefixes)."""
+class TornWrite(MemoryAdapter):
+    """Writes the value piece by piece, yielding in between (readers see prefixes)."""
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         check_lengths(keys, values)
         for k, v in zip(keys, values, strict=True):
             data = bytes(v)
             step = max(1, len(data) // 8)
-            self.data[check_key(k)] = b""
+            await super().batched_put([k], [b""])
             for i in range(0, len(data), step):
-                self.data[k] = data[: i + step]
+                await super().batched_put([k], [data[: i + step]])
                 await asyncio.sleep(0)
         return [True] * len(keys)
 
 
-class WrongOrder(InMemoryAdapter):
+class WrongOrder(MemoryAdapter):
     """Returns get results sorted by key instead of in the order asked."""
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
-        return [self.data.get(check_key(k)) for k in sorted(keys)]
+        return await super().batched_get(sorted(keys))
 
 
-class DropsLastByte(InMemoryAdapter):
+class DropsLastByte(MemoryAdapter):
     """Loses the last byte of values of 1 MiB and more."""
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
@@ -65,92 +67,105 @@ class DropsLastByte(InMemoryAdapter):
         return [v[:-1] if v is not None and len(v) >= 1 << 20 else v for v in out]
 
 
-class RaisesOnMiss(InMemoryAdapter):
+class RaisesOnMiss(MemoryAdapter):
     """Raises KeyError for a missing key instead of returning None."""
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
-        return [self.data[check_key(k)] for k in keys]
+        out = await super().batched_get(keys)
+        if None in out:
+            raise KeyError(keys[out.index(None)])
+        return out
 
-
-class AliasesBuffers(InMemoryAdapter):
-    """Keeps references to the caller's buffers instead of copying them."""
-
-    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        check_lengths(keys, values)
-        for k, v in zip(keys, values, strict=True):
-            self.data[check_key(k)] = v  # type: ignore[assignment]
+    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        await self.batched_get(keys)
         return [True] * len(keys)
 
 
-class NoKeyChecks(InMemoryAdapter):
+class AliasesBuffers(MemoryAdapter):
+    """Keeps references to the caller's buffers instead of copying them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, Buffer] = {}
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        self.held.update(zip(keys, values, strict=True))
+        return await super().batched_put(keys, values)
+
+    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        out = await super().batched_get(keys)
+        return [bytes(self.held[k]) if v is not None else None for k, v in zip(keys, out, strict=True)]
+
+
+class NoKeyChecks(MemoryAdapter):
     """Accepts any key (e.g. '../x'), as a path-based store with a traversal bug would."""
 
     async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return [k in self.data for k in keys]
-
-
-class DeleteDropsAll(InMemoryAdapter):
-    """Delete clears every key, not only the ones named."""
-
-    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
-        out = [check_key(k) in self.data for k in keys]
-        self.data.clear()
+        out: list[bool] = []
+        for k in keys:
+            try:
+                out += await super().batched_contains([k])
+            except ValueError:
+                out.append(False)
         return out
 
 
-class UsableAfterClose(InMemoryAdapter):
+class DeleteDropsAll(MemoryAdapter):
+    """Delete clears every key, not only the ones named."""
+
+    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
+        out = await self.batched_contains(keys)
+        await super().batched_delete(list(self._data))
+        return out
+
+
+class UsableAfterClose(MemoryAdapter):
     """aclose does nothing: later calls still work instead of raising AdapterUnavailable."""
 
     async def aclose(self) -> None:
         return None
 
 
-class ClaimsPersistence(InMemoryAdapter):
+class ClaimsPersistence(MemoryAdapter):
     """Says it is persistent but every open starts empty."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(persistent=True)
 
 
-class NotesDeleteButLacksIt(InMemoryAdapter):
+class NotesDeleteButLacksIt(MemoryAdapter):
     """Capabilities say delete=False but the inherited delete works (kit expects Unsupported)."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(delete=False)
 
 
-class LeaksOnCancel(InMemoryAdapter):
+class LeaksOnCancel(MemoryAdapter):
     """Reserves space before writing; a cancelled put never gives it back (like a leaked slab slot)."""
 
-    capacity = 2 << 20
-
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(capacity=2 << 20)
         self.reserved = 0
 
     @property
     def used_bytes(self) -> int:
-        return sum(len(v) for v in self.data.values()) + self.reserved
+        return super().used_bytes + self.reserved
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         check_lengths(keys, values)
-        out = []
+        out: list[bool] = []
         for k, v in zip(keys, values, strict=True):
             data = bytes(v)
-            self.data.pop(check_key(k), None)
-            while self.data and self.used_bytes + len(data) > self.capacity:
-                self.data.pop(next(iter(self.data)))  # evict the oldest
-            if self.used_bytes + len(data) > self.capacity:
+            if self.reserved + len(data) > self.capacity:
                 out.append(False)
                 continue
             self.reserved += len(data)
             for _ in range(4):  # the write; a cancel here skips the release below
                 await asyncio.sleep(0)
             self.reserved -= len(data)
-            self.data[k] = data
-            out.append(True)
+            out += await super().batched_put([k], [data])
         return out
 
 
-class HalfWriteOnCancel(InMemoryAdapter):
+class HalfWriteOnCancel(MemoryAdapter):
     """A cancelled put leaves the first half of the new value under the key."""
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
@@ -160,9 +175,9 @@ class HalfWriteOnCancel(InMemoryAdapter):
             try:
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
-                self.data[check_key(k)] = data[: len(data) // 2]
+                await super().batched_put([k], [data[: len(data) // 2]])
                 raise
-            self.data[check_key(k)] = data
+            await super().batched_put([k], [data])
         return [True] * len(keys)
 
 
@@ -173,7 +188,7 @@ class _Kit(AdapterConformance):
     max_object_bytes = 2 << 20
 
 
-async def _outcome(test: str, cls: type[InMemoryAdapter], **params: object) -> str:
+async def _outcome(test: str, cls: type[MemoryAdapter], **params: object) -> str:
     """Run one kit test against a fresh ``cls`` the way pytest would; 'passed', 'failed' or 'skipped'."""
 
     async def factory() -> Adapter:
@@ -207,7 +222,7 @@ KIT_TESTS = sorted(name for name in dir(AdapterConformance) if name.startswith("
 async def test_reference_fake_passes_every_kit_test(test: str) -> None:
     params: dict[str, object] = {"size": "max"} if test == "test_round_trip" else {}
     expected = "skipped" if test == "test_persistence_across_reopen" else "passed"
-    assert await _outcome(test, InMemoryAdapter, **params) == expected
+    assert await _outcome(test, MemoryAdapter, **params) == expected
 
 
 @pytest.mark.asyncio
@@ -234,12 +249,12 @@ async def test_reference_fake_passes_every_kit_test(test: str) -> None:
     ids=lambda v: v.__name__ if isinstance(v, type) else (str(v) if isinstance(v, str) else ""),
 )
 async def test_kit_fails_broken_adapter(
-    cls: type[InMemoryAdapter], test: str, params: dict[str, object]
+    cls: type[MemoryAdapter], test: str, params: dict[str, object]
 ) -> None:
     assert await _outcome(test, cls, **params) == "failed"
 
 
-class SlowReadsCountedPuts(InMemoryAdapter):
+class SlowReadsCountedPuts(MemoryAdapter):
     """A correct adapter whose gets take longer than a whole put (a watcher's read started before the put
     ends after it), recording for each put how many gets started while it was in flight."""
 
@@ -289,21 +304,20 @@ async def test_torn_write_still_passes_serial_tests(test: str) -> None:
 _SUITE = """
 import asyncio
 import pytest
-from tiercache.adapters import check_key, check_lengths
+from tiercache.adapters import check_lengths
+from tiercache.testing import InMemoryAdapter  # the kit's old name of MemoryAdapter
 from tiercache.testing.adapters import AdapterConformance
-from tiercache.testing.fakes import InMemoryAdapter
 
 
 class TornWrite(InMemoryAdapter):
     async def batched_put(self, keys, values):
-        self._check_open()
         check_lengths(keys, values)
         for k, v in zip(keys, values):
             data = bytes(v)
             step = max(1, len(data) // 8)
-            self.data[check_key(k)] = b""
+            await super().batched_put([k], [b""])
             for i in range(0, len(data), step):
-                self.data[check_key(k)] = data[: i + step]
+                await super().batched_put([k], [data[: i + step]])
                 await asyncio.sleep(0)
         return [True] * len(keys)
 
@@ -313,7 +327,7 @@ class TestGood(AdapterConformance):
 
     @pytest.fixture
     def adapter_factory(self):
-        return lambda: InMemoryAdapter.open("fake-memory://")
+        return lambda: InMemoryAdapter.open("memory://good")
 
 
 class TestTorn(AdapterConformance):
@@ -321,7 +335,7 @@ class TestTorn(AdapterConformance):
 
     @pytest.fixture
     def adapter_factory(self):
-        return lambda: TornWrite.open("fake-memory://")
+        return lambda: TornWrite.open("memory://torn")
 """
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tiercache.spec import KVFormat, KVSpec
 from tiercache.store.l1 import KVObject, L1Cache, L1Lease, L1Stats, ObjectState
 
-# [2, L=2, T=4, H*D=8] bf16 -> 256 bytes
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens=4)
-SLOT = SPEC.nbytes
+sys.path.insert(0, str(Path(__file__).parent))
+from _l1_helpers import SLOT, SPEC, pattern, put, read
 
 
 class FakeClock:
@@ -36,32 +35,8 @@ class FakeClock:
         self.now += dt
 
 
-def pattern(key: str, n: int) -> bytes:
-    """A key-derived byte pattern of length n."""
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (n // len(seed) + 1))[:n]
-
-
 def make(slots: int = 4, slot_bytes: int = SLOT, **kw: object) -> L1Cache:
     return L1Cache(slots * slot_bytes, slot_bytes, pinned=False, **kw)  # type: ignore[arg-type]
-
-
-def put(cache: L1Cache, key: str, spec: KVSpec = SPEC) -> KVObject:
-    obj = cache.reserve_write(key, spec)
-    assert obj is not None, key
-    obj.buffer()[:] = pattern(key, spec.nbytes)
-    cache.finish_write(obj)
-    return obj
-
-
-def read(cache: L1Cache, key: str) -> bytes | None:
-    lease = cache.acquire(key)
-    if lease is None:
-        return None
-    with lease:
-        data = bytes(lease.obj.buffer())
-        assert lease.valid()
-    return data
 
 
 def check_invariants(cache: L1Cache) -> None:

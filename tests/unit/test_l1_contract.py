@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,15 +19,10 @@ from tiercache.server.client import SharedL1
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache, ObjectState
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens=4)  # 256 bytes
-SLOT = SPEC.nbytes
+sys.path.insert(0, str(Path(__file__).parent))
+from _l1_helpers import SLOT, SPEC, pattern, put, read
 
 Factory = Callable[[int], Any]
-
-
-def pattern(key: str, n: int) -> bytes:
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (n // len(seed) + 1))[:n]
 
 
 @pytest.fixture(params=["in_process", "shared"])
@@ -52,24 +47,6 @@ def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
         proc.terminate()
         proc.wait(timeout=60)
     os.rmdir(tmp)
-
-
-def put(c: Any, key: str) -> Any:
-    obj = c.reserve_write(key, SPEC)
-    assert obj is not None, key
-    obj.buffer()[:] = pattern(key, SLOT)
-    c.finish_write(obj)
-    return obj
-
-
-def read(c: Any, key: str) -> bytes | None:
-    lease = c.acquire(key)
-    if lease is None:
-        return None
-    with lease:
-        data = bytes(lease.obj.buffer())
-        assert lease.valid()
-    return data
 
 
 def test_writing_is_invisible_until_finish(make: Factory) -> None:

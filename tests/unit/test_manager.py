@@ -12,13 +12,14 @@ import pytest
 import pytest_asyncio
 
 from tiercache.adapters import Adapter
+from tiercache.adapters.memory import MemoryAdapter
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import ManagerConfig
 from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import L1_TIER, StorageManager
-from tiercache.testing.fakes import FaultInjectingAdapter, InMemoryAdapter
+from tiercache.testing.fakes import FaultInjectingAdapter
 
 pytestmark = pytest.mark.asyncio
 
@@ -81,7 +82,7 @@ async def test_store_then_fresh_node_restores_from_l2_bit_exact(posix_dir: str) 
 
 async def test_multi_tier_prefix_stops_at_the_gap() -> None:
     raw = build_pipeline(["raw"])
-    a, b = InMemoryAdapter(), InMemoryAdapter()
+    a, b = MemoryAdapter(), MemoryAdapter()
     keys = keys_of(5)
     frames = {k: raw.encode(payload(k), SPEC, k) for k in keys}
     await a.batched_put([keys[0], keys[1]], [frames[keys[0]], frames[keys[1]]])
@@ -96,7 +97,7 @@ async def test_multi_tier_prefix_stops_at_the_gap() -> None:
 
 async def test_l1_first_then_l2_in_order() -> None:
     raw = build_pipeline(["raw"])
-    a, b = InMemoryAdapter(), InMemoryAdapter()
+    a, b = MemoryAdapter(), MemoryAdapter()
     keys = keys_of(3)
     await b.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
     await a.batched_put(keys[1:2], [raw.encode(payload(keys[1]), SPEC, keys[1])])
@@ -108,7 +109,7 @@ async def test_l1_first_then_l2_in_order() -> None:
 
 async def test_dead_tier_is_a_miss_within_the_deadline_and_opens_the_circuit() -> None:
     raw = build_pipeline(["raw"])
-    dead = FaultInjectingAdapter(InMemoryAdapter(), hang=True)
+    dead = FaultInjectingAdapter(hang=True)
     clock = FakeClock()
     async with StorageManager(make_l1(), [("dead", dead, raw)], POLICY, clock=clock) as manager:
         hit = await manager.lookup_prefix(keys_of(4))  # the call hangs forever: only the deadline ends it
@@ -133,7 +134,7 @@ async def test_dead_tier_is_a_miss_within_the_deadline_and_opens_the_circuit() -
 
 async def test_failing_tier_errors_are_misses_not_exceptions() -> None:
     raw = build_pipeline(["raw"])
-    broken = FaultInjectingAdapter(InMemoryAdapter(), fail_rate=1.0)
+    broken = FaultInjectingAdapter(fail_rate=1.0)
     async with StorageManager(make_l1(), [("broken", broken, raw)], POLICY) as manager:
         await put_all(manager, keys_of(3))
         await manager.drain()
@@ -147,7 +148,7 @@ async def test_failing_tier_errors_are_misses_not_exceptions() -> None:
 
 async def test_a_failed_store_leaves_no_visible_object() -> None:
     raw = build_pipeline(["raw"])
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     flaky = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"put"}))
     async with StorageManager(make_l1(), [("flaky", flaky, raw)], POLICY) as manager:
         await put_all(manager, keys_of(2))
@@ -158,7 +159,7 @@ async def test_a_failed_store_leaves_no_visible_object() -> None:
 
 async def test_corrupt_frame_is_a_miss_and_ends_the_prefix() -> None:
     raw = build_pipeline(["raw"])
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     keys = keys_of(3)
     await inner.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
     corrupting = FaultInjectingAdapter(inner)
@@ -173,14 +174,14 @@ async def test_corrupt_frame_is_a_miss_and_ends_the_prefix() -> None:
 
 async def test_frame_stored_under_another_key_is_rejected() -> None:
     raw = build_pipeline(["raw"])
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     await inner.batched_put(["victim"], [raw.encode(payload("other"), SPEC, "other")])
     async with StorageManager(make_l1(), [("m", inner, raw)], POLICY) as manager:
         assert await manager.batched_get(["victim"]) == [None]
         assert manager.metrics.value("tiercache_frames_rejected_total", tier="m") == 1
 
 
-class _Blocking(InMemoryAdapter):
+class _Blocking(MemoryAdapter):
     """Puts never finish (until cancelled): the store queue fills up."""
 
     async def batched_put(
@@ -212,7 +213,7 @@ async def test_l1_under_pressure_refuses_cleanly() -> None:
 
 async def test_metrics_render_prometheus_text() -> None:
     async with StorageManager(
-        make_l1(), [("m", InMemoryAdapter(), build_pipeline(["raw"]))], POLICY
+        make_l1(), [("m", MemoryAdapter(), build_pipeline(["raw"]))], POLICY
     ) as manager:
         await manager.lookup_prefix(keys_of(2))
         text = manager.metrics.render()
@@ -260,7 +261,7 @@ class FakeClock:
 async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> None:
     """Issue 11 #1: a probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
     raw = build_pipeline(["raw"])
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     await inner.batched_put(["k0000"], [raw.encode(payload("k0000"), SPEC, "k0000")])
     tier = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"contains"}))
     clock = FakeClock()
@@ -291,7 +292,7 @@ async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> Non
         assert [h.tier if h else None for h in await manager.batched_contains(["k0000"])] == ["t"]
 
 
-class SlowPuts(InMemoryAdapter):
+class SlowPuts(MemoryAdapter):
     """Puts land only when the test opens the gate, and cannot be stopped once started (like a thread)."""
 
     def __init__(self) -> None:
@@ -343,7 +344,7 @@ class FailsToEncode:
 
 async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 11 (suspected): a codec exception no longer kills the store worker or strands leases."""
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     pipeline = FailsToEncode("k0000", "k0002")
     async with StorageManager(
         make_l1(),
@@ -389,7 +390,7 @@ async def test_posix_stores_past_the_deadline_stay_within_capacity_and_are_count
 
 async def test_writing_session_publishes_on_exit_and_aborts_on_error() -> None:
     raw = build_pipeline(["raw"])
-    tier = InMemoryAdapter()
+    tier = MemoryAdapter()
     async with StorageManager(make_l1(slots=2), [("m", tier, raw)], POLICY) as manager:
         keys = keys_of(2)
 
@@ -414,7 +415,7 @@ async def test_writing_session_publishes_on_exit_and_aborts_on_error() -> None:
 
 async def test_batched_get_reuses_the_lookup_hits_without_asking_l2_again() -> None:
     raw = build_pipeline(["raw"])
-    inner = InMemoryAdapter()
+    inner = MemoryAdapter()
     keys = keys_of(3)
     await inner.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
     tier = FaultInjectingAdapter(inner)
@@ -441,7 +442,7 @@ async def test_each_frame_is_decoded_in_one_executor_job_with_one_header_parse(
     import tiercache.serde.pipeline as pipeline_module
 
     raw = build_pipeline(["raw"])
-    tier = InMemoryAdapter()
+    tier = MemoryAdapter()
     keys = keys_of(4)
     frames = [raw.encode(payload(k), SPEC, k) for k in keys]
     frames[2] = bytearray(frames[2])
@@ -475,11 +476,11 @@ async def test_each_frame_is_decoded_in_one_executor_job_with_one_header_parse(
         assert manager.metrics.value("tiercache_prefetched_total", tier="m") == 3
 
 
-class SmallValues(InMemoryAdapter):
+class SmallValues(MemoryAdapter):
     """An in-memory tier whose values are limited to one byte less than a raw frame of SPEC."""
 
     capabilities = dataclasses.replace(
-        InMemoryAdapter.capabilities,
+        MemoryAdapter.capabilities,
         max_value_bytes=len(build_pipeline(["raw"]).encode(bytes(SPEC.nbytes), SPEC, "k")) - 1,
     )
 
@@ -496,7 +497,7 @@ class SmallValues(InMemoryAdapter):
 
 async def test_a_frame_over_the_tiers_max_value_bytes_is_skipped_and_counted_not_sent() -> None:
     raw = build_pipeline(["raw"])
-    small, roomy = SmallValues(), InMemoryAdapter()
+    small, roomy = SmallValues(), MemoryAdapter()
     async with StorageManager(make_l1(), [("small", small, raw), ("roomy", roomy, raw)], POLICY) as manager:
         await put_all(manager, keys_of(3))
         await manager.drain()
@@ -509,12 +510,11 @@ async def test_a_frame_over_the_tiers_max_value_bytes_is_skipped_and_counted_not
 # ----- streaming L2 reads: chunk gets in prefix order, a deadline scaled with the bytes keeps what landed ---
 
 
-class GatedAdapter(InMemoryAdapter):
+class GatedAdapter(FaultInjectingAdapter):
     """Fault injection: each key's get waits until the test opens its gate; records the order of requests."""
 
-    def __init__(self, inner: InMemoryAdapter) -> None:
-        super().__init__()
-        self.data = inner.data
+    def __init__(self, inner: MemoryAdapter) -> None:
+        super().__init__(inner)
         self.gates: dict[str, asyncio.Event] = {}
         self.requested: list[str] = []
         self.in_flight: set[str] = set()
@@ -557,14 +557,14 @@ STREAM_POLICY = ManagerConfig(
 )
 
 
-async def stored_in_memory(n: int) -> InMemoryAdapter:
-    writer_side = await InMemoryAdapter.open()
-    reader_side = await InMemoryAdapter.open()
+async def stored_in_memory(n: int) -> MemoryAdapter:
+    writer_side, reader_side = MemoryAdapter(), MemoryAdapter()
     async with StorageManager(make_l1(), [("mem", writer_side, build_pipeline(["raw"]))], POLICY) as writer:
         await put_all(writer, keys_of(n))
         await writer.drain()
-        reader_side.data.update(writer_side.data)
-    assert len(reader_side.data) == n
+        frames = await writer_side.batched_get(keys_of(n))  # the writer's manager closes writer_side
+    assert all(frame is not None for frame in frames)
+    assert await reader_side.batched_put(keys_of(n), [f for f in frames if f is not None]) == [True] * n
     return reader_side
 
 

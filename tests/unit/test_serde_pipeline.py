@@ -5,14 +5,12 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from tiercache.errors import ConfigError, FrameError
 from tiercache.hookspecs import CodecRegistrar, hookimpl
@@ -505,33 +503,27 @@ def test_import_serde_does_not_import_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], cwd="/", check=False).returncode == 0
 
 
-# ----- speed -----------------------------------------------------------------------------------------------
-def test_raw_decode_runs_near_memcpy_speed() -> None:
+# ----- copies (speed is measured by benchmarks/codec_bench.py, not asserted here) ------------------------
+def test_raw_decode_copies_the_payload_straight_into_the_destination() -> None:
+    """A 32 MiB raw decode allocates no intermediate buffer (traced allocations stay far below one copy)."""
+    import tracemalloc
+
     spec = KVSpec(32, 8, 128, "bfloat16", tokens=256)  # 32 MiB
     assert spec.nbytes == 32 << 20
     pipe = build_pipeline(["raw"])
     src = torch.ones(spec.shape, dtype=torch.bfloat16)
     frame = pipe.encode(src, spec, KEY)
     dst = torch.empty(spec.shape, dtype=torch.bfloat16)
-    ref = np.empty(spec.nbytes, np.uint8)
-    payload = memoryview(frame)[read_header(frame).header_len :]
-
-    def best(fn: object) -> float:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()  # type: ignore[operator]
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def baseline() -> None:
-        ref.data[:] = payload
-        xxhash.xxh3_64_intdigest(payload)
-
-    base = best(baseline)
-    dec = best(lambda: pipe.decode_into(frame, KEY, dst))
+    pipe.decode_into(frame, KEY, dst)  # warm: one-off imports and caches are not the decode's copies
+    dst.zero_()
+    tracemalloc.start()
+    try:
+        pipe.decode_into(frame, KEY, dst)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
     assert torch.equal(dst, src)
-    assert dec < 3 * base + 0.005, f"decode {dec * 1e3:.1f} ms vs memcpy+xxh3 {base * 1e3:.1f} ms"
+    assert peak < (1 << 20), f"decode allocated {peak} bytes (one copy of the payload is {spec.nbytes})"
 
 
 def test_pipeline_constructor_validates_directly() -> None:

@@ -351,20 +351,31 @@ class CacheEngine:
         The engine holds the first ``max(skip_tokens, mask's False count)`` tokens: chunks wholly below
         that are not read, the chunk containing it is read whole and only its tail will be written. L2
         chunks are loaded into L1 first (contiguous prefix only). Always ``finish()`` the result.
-        ``lookup``: this engine's ``lookup_hit`` of the same tokens and identity: its keys and hits are
-        reused (no second hash of the tokens, no second L2 query).
+        ``lookup``: this engine's ``lookup_hit`` of the same tokens and identity, or of a longer prompt
+        that ``tokens`` start at a chunk boundary: its keys and hits are reused (no second hash of the
+        tokens, no second L2 query).
         """
         num_tokens = len(tokens)  # type: ignore[arg-type]
         layers = self.layout.num_layers if self.layerwise else 1
-        if lookup is not None and lookup.num_tokens != num_tokens:
-            raise ValueError(f"the lookup was of {lookup.num_tokens} tokens, this retrieve has {num_tokens}")
+        chunk = self.chunk_size
+        if (
+            lookup is not None
+            and lookup.num_tokens != num_tokens
+            and (num_tokens > lookup.num_tokens or num_tokens % chunk)
+        ):
+            raise ValueError(
+                f"the lookup was of {lookup.num_tokens} tokens, this retrieve has {num_tokens} (a shorter "
+                f"retrieve must end at a chunk boundary, a multiple of {chunk})"
+            )
         if lookup is not None:
-            keys, specs, hits = list(lookup.keys), list(lookup.specs), list(lookup.hits)
+            n = (
+                -(-num_tokens // chunk) * layers
+            )  # the keys of the retrieve's chunks: a prefix of the lookup's
+            keys, specs, hits = list(lookup.keys[:n]), list(lookup.specs[:n]), list(lookup.hits[:n])
         else:
             spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
             keys, specs = self._object_keys(spans)
             hits = None
-        chunk = self.chunk_size
         all_chunks = [(c * chunk, min((c + 1) * chunk, num_tokens)) for c in range(len(keys) // layers)]
         local = skip_tokens
         if mask is not None:
@@ -400,11 +411,12 @@ class CacheEngine:
         skip_tokens: int = 0,
         identity: RequestIdentity | None = None,
         block_hashes: BlockHashes | None = None,
+        lookup: LookupResult | None = None,
     ) -> RetrieveResult:
         """Restore the cached prefix of ``tokens`` beyond what the engine holds into its paged KV
-        (``prepare_retrieve``, then every layer at once, then ``finish``)."""
+        (``prepare_retrieve``, reusing ``lookup`` when given, then every layer at once, then ``finish``)."""
         prepared = await self.prepare_retrieve(
-            tokens, mask, skip_tokens=skip_tokens, identity=identity, block_hashes=block_hashes
+            tokens, mask, skip_tokens=skip_tokens, identity=identity, block_hashes=block_hashes, lookup=lookup
         )
         try:
             prepared.scatter(kv_caches, slot_mapping)

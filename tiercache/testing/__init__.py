@@ -1,6 +1,9 @@
-"""Conformance kit for adapter and codec packages, and reference fakes. Importing it does not import pytest.
+"""Conformance kit for adapter and codec packages, and the fault-injection wrapper. Importing it does not
+import pytest.
 
-Third parties subclass ``AdapterConformance`` / ``CodecConformance`` in their own test suites.
+Third parties subclass ``AdapterConformance`` / ``CodecConformance`` in their own test suites;
+``FaultInjectingAdapter`` injects faults around a real adapter (``InMemoryAdapter`` is the old name of
+``tiercache.adapters.memory.MemoryAdapter``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Reference fakes for tests without services: an unbounded dict adapter and a fault-injecting wrapper.
+"""Fault injection for tests without services: a wrapper that adds latency, errors, hangs and corrupt reads.
 
-``FaultInjectingAdapter``'s constructor is a stable test API (storage-manager tests build on it). Neither fake
-imports pytest.
+The store underneath is a real adapter, usually ``MemoryAdapter`` (``memory://``): there is one in-memory
+adapter, and this module only injects faults around it. ``FaultInjectingAdapter``'s constructor is a stable
+test API (storage-manager tests build on it). ``InMemoryAdapter`` is the kit's old name of ``MemoryAdapter``,
+kept so third-party suites keep importing. Nothing here imports pytest.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
-from urllib.parse import urlsplit
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.errors import AdapterUnavailable, ConfigError, Unsupported
+from tiercache.adapters._base import Adapter, Buffer
+from tiercache.adapters.memory import MemoryAdapter
+from tiercache.errors import AdapterUnavailable, Unsupported
 
 if TYPE_CHECKING:
     from typing import Self
@@ -22,65 +24,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ALL_OPS", "FaultInjectingAdapter", "InMemoryAdapter"]
 
+InMemoryAdapter = MemoryAdapter
+"""The old kit name of ``tiercache.adapters.memory.MemoryAdapter`` (``memory://``; no ``fake-memory://``)."""
+
 ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete"})
 """Operation names ``FaultInjectingAdapter`` can fail: one per batched method."""
-
-
-class InMemoryAdapter(Adapter):
-    """An unbounded dict of immutable byte copies; process-local, not persistent (``fake-memory://``)."""
-
-    scheme: ClassVar[str] = "fake-memory"
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=False, shared=False)
-
-    def __init__(self) -> None:
-        """An empty store."""
-        self.data: dict[str, bytes] = {}
-        self.closed = False
-
-    @classmethod
-    async def open(cls, url: str = "fake-memory://", **options: object) -> Self:
-        """A new empty store; the URL is only checked for its scheme and no options are accepted."""
-        if urlsplit(url).scheme != cls.scheme:
-            raise ConfigError(f"fake-memory: expected a fake-memory:// URL, got {url!r}")
-        if options:
-            raise ConfigError(f"fake-memory: unknown option(s) {', '.join(map(repr, sorted(options)))}")
-        return cls()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise AdapterUnavailable("fake-memory adapter is closed")
-
-    async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        """For each key, whether it is stored."""
-        self._check_open()
-        return [check_key(k) in self.data for k in keys]
-
-    async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """For each key, its bytes or None."""
-        self._check_open()
-        return [self.data.get(check_key(k)) for k in keys]
-
-    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        """Store a copy of each value; always True."""
-        self._check_open()
-        check_lengths(keys, values)
-        for k in keys:
-            check_key(k)
-        for k, v in zip(keys, values, strict=True):
-            self.data[k] = bytes(v)
-        return [True] * len(keys)
-
-    async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
-        """Remove each key; True where it was stored."""
-        self._check_open()
-        for k in keys:
-            check_key(k)
-        return [self.data.pop(k, None) is not None for k in keys]
-
-    async def aclose(self) -> None:
-        """Mark closed (data is dropped); idempotent."""
-        self.closed = True
-        self.data.clear()
 
 
 class FaultInjectingAdapter(Adapter):
@@ -96,6 +44,8 @@ class FaultInjectingAdapter(Adapter):
     - ``hang``: if true, calls of ops in ``fail_ops`` wait forever (until cancelled, e.g. by a deadline).
     - ``corrupt_rate``: probability that each non-empty value ``batched_get`` returns has one byte flipped.
     - ``seed``: seed of the private random generator (runs are reproducible).
+    - ``sleep``: the coroutine function that waits out ``latency`` (default ``asyncio.sleep``; tests inject
+      one).
 
     Counters: ``calls[op]`` (every call), ``faults["latency" | "error" | "hang" | "corrupt"]``.
     ``capabilities`` and ``scheme`` mirror the wrapped adapter's; ``aclose`` is never faulted and
@@ -106,7 +56,7 @@ class FaultInjectingAdapter(Adapter):
 
     def __init__(
         self,
-        wrapped: Adapter,
+        wrapped: Adapter | None = None,
         *,
         latency: float = 0.0,
         fail_rate: float = 0.0,
@@ -115,12 +65,14 @@ class FaultInjectingAdapter(Adapter):
         hang: bool = False,
         corrupt_rate: float = 0.0,
         seed: int = 0,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
-        """Wrap ``wrapped`` (which stays owned by this object: ``aclose`` closes it)."""
+        """Wrap ``wrapped`` (default: a new ``MemoryAdapter``), owned by this object: ``aclose`` closes it."""
         unknown = set(fail_ops) - ALL_OPS
         if unknown:
             raise ValueError(f"unknown op(s) in fail_ops: {sorted(unknown)}; known: {sorted(ALL_OPS)}")
-        self.wrapped = wrapped
+        self.wrapped: Adapter = MemoryAdapter() if wrapped is None else wrapped
+        self.sleep = sleep
         self.latency = latency
         self.fail_rate = fail_rate
         self.fail_ops = frozenset(fail_ops)
@@ -131,8 +83,8 @@ class FaultInjectingAdapter(Adapter):
         self.calls: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         # An instance attribute shadows the ClassVar so the kit and the manager gate on the real capabilities.
-        setattr(self, "capabilities", wrapped.capabilities)  # noqa: B010
-        setattr(self, "scheme", wrapped.scheme)  # noqa: B010
+        setattr(self, "capabilities", self.wrapped.capabilities)  # noqa: B010
+        setattr(self, "scheme", self.wrapped.scheme)  # noqa: B010
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -143,7 +95,7 @@ class FaultInjectingAdapter(Adapter):
         self.calls[op] += 1
         if self.latency > 0:
             self.faults["latency"] += 1
-            await asyncio.sleep(self.latency)
+            await self.sleep(self.latency)
         if op not in self.fail_ops:
             return
         if self.hang:

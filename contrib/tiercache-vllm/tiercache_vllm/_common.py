@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.gpu.layouts import PagedLayout
-    from tiercache.store.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine, LookupResult
 
 __all__ = [
     "ConnectorSettings",
@@ -145,6 +145,9 @@ class LoadOp:
     """The request's identity and block hashes, as the scheduler keyed its lookup (None: tokens alone)."""
     epoch: int = 0
     """The request's save epoch when the load was planned (see ``SaveOp.epoch``)."""
+    lookup: LookupResult | None = None
+    """The scheduler's lookup of the whole prompt, set only when it ran on this process's worker engine:
+    the load reuses its keys and hits (no second hash, no second L2 query)."""
 
 
 @dataclass(slots=True)

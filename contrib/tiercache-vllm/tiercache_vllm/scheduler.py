@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from tiercache.config import Config
-    from tiercache.store.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine, LookupResult
 
 __all__ = ["KEYSPACE_PARAM", "SchedulerSide"]
 
@@ -67,6 +67,8 @@ class _Lookup:
     hit: int
     local: int = 0
     count: int = 0
+    result: LookupResult | None = None
+    """The engine's answer, kept only when the lookup ran on the worker's engine (same process)."""
 
 
 @dataclass(slots=True)
@@ -170,14 +172,16 @@ class SchedulerSide:
         """True when lookups go to the worker's engine in this process (they then see its L1)."""
         return self._shared
 
-    async def _lookup(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> int:
+    async def _lookup(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
         hits = [
             await e.lookup_hit(
                 tokens, prefetch=self._shared, identity=keys.identity, block_hashes=keys.block_hashes
             )
             for e in engines
         ]
-        return min(h.tokens for h in hits)
+        # On the worker's own engine (one, in this process) the load reuses the lookup (no second hash/query).
+        reusable = hits[0] if self._shared and len(hits) == 1 else None
+        return _Lookup(min(h.tokens for h in hits), result=reusable)
 
     # ----- request identity ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -235,11 +239,11 @@ class SchedulerSide:
             return cached.hit
         keys = self.request_keys(request)
         engines = self._get_engines() if keys is not None else None
-        hit = 0
+        found = _Lookup(0)
         if engines and keys is not None:
             self.stats.lookups += 1
             try:
-                hit = _loop.call(
+                found = _loop.call(
                     self._lookup(engines, request.prompt_token_ids or [], keys),
                     self.settings.lookup_timeout_s,
                 )
@@ -248,9 +252,8 @@ class SchedulerSide:
                 logger.warning(
                     "tiercache: lookup for %s failed (%s); treated as a miss", request.request_id, exc
                 )
-                hit = 0
-        self._lookups[request.request_id] = _Lookup(hit)
-        return hit
+        self._lookups[request.request_id] = found
+        return found.hit
 
     # ----- vLLM scheduler API --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -287,6 +290,7 @@ class SchedulerSide:
             load_end=load_end,
             is_async=self.settings.load_async,
             epoch=self._epochs.get(request.request_id, 0),
+            lookup=cached.result,
         )
         keys = self.request_keys(request)
         op.key_args = None if keys is None else keys.up_to(read_end)

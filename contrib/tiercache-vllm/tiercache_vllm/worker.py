@@ -156,7 +156,12 @@ class WorkerSide:
             if self.engine is not None and self.can_load:
                 self.stats.loads += 1
                 retrieve = self.engine.retrieve_result(
-                    op.token_ids, self.kv_caches, slots, skip_tokens=op.skip_tokens, **_keying(op)
+                    op.token_ids,
+                    self.kv_caches,
+                    slots,
+                    skip_tokens=op.skip_tokens,
+                    lookup=op.lookup,
+                    **_keying(op),
                 )
                 job = _loop.start(retrieve)
             pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s)
