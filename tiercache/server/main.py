@@ -7,16 +7,32 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tiercache.server.segment import SlotClass
 from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOptions
 
+if TYPE_CHECKING:
+    from tiercache.config import Config
+
 __all__ = ["main", "run_server"]
 
 
-async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
-    server = L1Server(options)
-    await server.start()
+async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: Config | None) -> None:
+    tiers = []
+    if config is not None and config.tiers:
+        from tiercache.store.manager import open_tiers
+
+        tiers = await open_tiers(
+            config
+        )  # a tier down now is kept as a down tier, re-opened in the background
+    try:
+        server = L1Server(options, tiers=tiers, policy=None if config is None else config.manager)
+        await server.start()
+    except BaseException:
+        for _, adapter, _ in tiers:
+            await adapter.aclose()
+        raise
     if metrics is not None:
         from tiercache.server.metrics import serve_metrics
 
@@ -32,11 +48,14 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
         await server.stop()
 
 
-def run_server(options: ServerOptions, *, metrics: tuple[str, int] | None = None) -> int:
-    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``); 0 on a clean stop, 2 when
-    another server holds the socket path. Prints the metrics line first, then the ready line."""
+def run_server(
+    options: ServerOptions, *, metrics: tuple[str, int] | None = None, config: Config | None = None
+) -> int:
+    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``; ``config``: its L2 tiers and
+    manager policy run in the server); 0 on a clean stop, 2 when another server holds the socket path.
+    Prints the metrics line first, then the ready line."""
     try:
-        asyncio.run(_run(options, metrics))
+        asyncio.run(_run(options, metrics, config))
     except ServerAlreadyRunning as exc:
         print(f"tiercache serve: {exc}", file=sys.stderr)
         return 2

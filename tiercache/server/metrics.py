@@ -51,7 +51,8 @@ class ServerCollector(Collector):
 
 def serve_metrics(server: L1Server, host: str, port: int) -> int:
     """Start the ``/metrics`` HTTP endpoint in a daemon thread; returns the bound port (``port`` 0 = any)."""
-    registry = CollectorRegistry()
+    storage = server.storage
+    registry = CollectorRegistry() if storage is None else storage.manager.metrics.registry  # tier metrics
     registry.register(ServerCollector(server))
     httpd, _ = start_http_server(port, addr=host, registry=registry)
     return int(httpd.server_port)
