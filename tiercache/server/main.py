@@ -39,8 +39,17 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         port = serve_metrics(server, *metrics)
         print(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics", flush=True)
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def stop() -> None:
+        if stopping:
+            return  # already stopping (draining): a second signal changes nothing
+        pending = 0 if server.storage is None else server.storage.pending_stores()
+        print(f"tiercache server stopping; draining {pending} pending L2 stores", flush=True)
+        stopping.append(loop.create_task(server.stop()))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+        loop.add_signal_handler(sig, stop)
     print(f"tiercache server listening on {options.socket_path} epoch {server.epoch}", flush=True)
     try:
         await server.serve_forever()

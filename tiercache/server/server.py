@@ -121,7 +121,8 @@ class L1Server:
         self._cids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._pidfds: dict[int, int] = {}  # cid -> pidfd waited on for freeing reservations
-        self._stopped = asyncio.Event()
+        self._stopped = asyncio.Event()  # stop() began
+        self._finished = asyncio.Event()  # stop() completed (drained, closed)
         self.counters = {"protocol_errors": 0, "refused_peers": 0, "connections": 0, "drain_timeouts": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,13 +148,14 @@ class L1Server:
         log.info("tiercache server epoch %d on %s (%d slots)", self.epoch, path, self.segment.num_slots)
 
     async def serve_forever(self) -> None:
-        """Wait until :meth:`stop` was called."""
-        await self._stopped.wait()
+        """Wait until :meth:`stop` was called and has finished (its drain included)."""
+        await self._finished.wait()
 
     async def stop(self) -> None:
         """Close the listener and every connection, unlink the socket, drain the write-behind to L2 (at most
         ``drain_s``), close the tiers and the memfds; idempotent."""
         if self._stopped.is_set():
+            await self._finished.wait()
             return
         self._stopped.set()
         loop = asyncio.get_running_loop()
@@ -186,6 +188,7 @@ class L1Server:
             await self.storage.aclose()
         os.close(self._data_fd)
         os.close(self._header_fd)
+        self._finished.set()
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)

@@ -149,10 +149,12 @@ class StoreController:
                 self.metrics.stores_dropped.labels(tier.name, "refused").inc()
 
     async def drain(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued store has finished (TimeoutError past ``timeout_s``)."""
+        """Wait until every queued store has finished; TimeoutError past ``timeout_s`` (the stores go on)."""
         workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
         if workers:
-            await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout_s)
+            _, running = await asyncio.wait(workers, timeout=timeout_s)
+            if running:
+                raise TimeoutError(f"{len(running)} tier(s) still storing after {timeout_s} s")
 
     async def aclose(self) -> None:
         """Cancel the workers and release the leases of stores still queued (dropped)."""
