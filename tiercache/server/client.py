@@ -10,6 +10,7 @@ connection are never valid again, and slot generations are checked in the header
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import itertools
 import logging
@@ -77,6 +78,8 @@ class ServerConnection:
         self.closed = False
         self.epoch = 0
         self._timeout_s = timeout_s
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Round trips made, by op name (after HELLO)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(timeout_s)
         try:
@@ -134,6 +137,7 @@ class ServerConnection:
             if self.closed:
                 raise ServerUnavailable("connection closed")
             req_id = next(self._req_ids)
+            self.requests[op.name] += 1
             try:
                 self._sock.settimeout(self._timeout_s + wait_s)
                 self._sock.send(encode(op, self.epoch, req_id, body))
@@ -249,6 +253,8 @@ class SharedL1:
         self._next_attempt = 0.0
         self._lock = threading.Lock()
         self._conn: ServerConnection | None = None
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Round trips to the server by op name, over every connection this L1 made."""
         self.reconnects = 0
         self.offline_misses = 0
         self.skipped_stores = 0
@@ -276,6 +282,7 @@ class SharedL1:
                 return None
             if self._conn is not None:
                 self.reconnects += 1
+            conn.requests = self.requests  # one tally across reconnects
             self._conn = conn
             self._backoff = self._backoff_initial
             seg = conn.segment
