@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +192,12 @@ async def test_the_client_never_writes_to_l2_itself(sock: str, tmp_path: Path, r
         server.terminate()
 
 
-def _gate() -> tuple[threading.Event, Callable[[float], Any]]:
-    """A 'slow' proxy wait that holds every forwarded chunk until the event is set (no timing)."""
+def serve_behind_a_gate(
+    proxy: Any, tmp_path: Path, sock: str, prefix: str, drain_s: float
+) -> tuple[Serve, threading.Event]:
+    """A server whose Redis is behind ``proxy``; once started every request to Redis is held until the
+    returned event is set (the proxy's 'slow' wait, no timing)."""
+    server = Serve(write_config(tmp_path, proxy.port, prefix, drain_s=drain_s), sock)
     released = threading.Event()
 
     async def wait(_delay: float) -> None:
@@ -202,18 +205,16 @@ def _gate() -> tuple[threading.Event, Callable[[float], Any]]:
 
         await asyncio.get_running_loop().run_in_executor(None, released.wait)
 
-    return released, wait
+    proxy.sleep = wait
+    proxy.delay_direction = "up"
+    proxy.mode = "slow"
+    return server, released
 
 
 async def test_sigterm_drains_the_write_behind_into_redis(
     redis_server: Any, fault_proxy: Any, tmp_path: Path, sock: str, prefix: str
 ) -> None:
-    proxy = fault_proxy(redis_server.port)
-    server = Serve(write_config(tmp_path, proxy.port, prefix, drain_s=120.0), sock)
-    released, wait = _gate()
-    proxy.sleep = wait
-    proxy.delay_direction = "up"
-    proxy.mode = "slow"  # from now on every request to Redis waits for the gate
+    server, released = serve_behind_a_gate(fault_proxy(redis_server.port), tmp_path, sock, prefix, 120.0)
     try:
         keys = await store_prompt(sock, LONG)  # 12 chunks: two put batches (8 + 4), the first held
         stats = SharedL1(sock).server_stats()
@@ -238,12 +239,7 @@ async def test_sigterm_drains_the_write_behind_into_redis(
 async def test_sigterm_with_a_short_drain_deadline_exits_and_reports_the_drop(
     redis_server: Any, fault_proxy: Any, tmp_path: Path, sock: str, prefix: str
 ) -> None:
-    proxy = fault_proxy(redis_server.port)
-    server = Serve(write_config(tmp_path, proxy.port, prefix, drain_s=0.0), sock)
-    released, wait = _gate()
-    proxy.sleep = wait
-    proxy.delay_direction = "up"
-    proxy.mode = "slow"
+    server, released = serve_behind_a_gate(fault_proxy(redis_server.port), tmp_path, sock, prefix, 0.0)
     try:
         keys = await store_prompt(sock)
         code, err = server.terminate()  # the gate stays shut: the stores cannot finish

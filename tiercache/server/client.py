@@ -32,13 +32,11 @@ from tiercache.server.protocol import (
     meta_spec,
     spec_meta,
 )
-from tiercache.server.segment import PUBLISHED, Segment, SlotClass
+from tiercache.server.segment import PUBLISHED, Segment, SlotClass, SlotObject
 from tiercache.store.hits import L1_TIER, TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 
 if TYPE_CHECKING:
-    import torch
-
     from tiercache.spec import KVSpec
 
 __all__ = [
@@ -160,35 +158,16 @@ class ServerConnection:
             self._close_locked()
 
 
-class SharedObject:
-    """A slot of the shared segment holding ``spec`` (WRITING after reserve_write, READY when leased)."""
+class SharedObject(SlotObject):
+    """A slot of the shared segment, reached through connection ``_conn`` (its objects die with it)."""
 
-    __slots__ = ("_conn", "gen", "key", "slot", "spec", "state")
+    __slots__ = ("_conn",)
 
     def __init__(
         self, conn: ServerConnection, key: str, spec: KVSpec, slot: int, gen: int, state: ObjectState
     ):
+        super().__init__(conn.segment, key, spec, slot, gen, state)
         self._conn = conn
-        self.key = key
-        self.spec = spec
-        self.slot = slot
-        self.gen = gen
-        self.state = state
-
-    def buffer(self) -> memoryview:
-        """A writable uint8 view of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
-        return self._conn.segment.buffer(self.slot, self.spec.nbytes)
-
-    def tensor(self) -> torch.Tensor:
-        """A no-copy view shaped ``spec.shape`` with the spec's dtype on the slot's memory."""
-        import torch
-
-        raw = torch.frombuffer(self.buffer(), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
-
-    def __repr__(self) -> str:
-        """Debug representation."""
-        return f"SharedObject(key={self.key!r}, state={self.state.name}, slot={self.slot}, gen={self.gen})"
 
 
 class SharedLease:

@@ -16,15 +16,13 @@ from typing import TYPE_CHECKING
 
 from tiercache.keys import contiguous_prefix
 from tiercache.server.protocol import meta_spec, spec_meta
-from tiercache.server.segment import PUBLISHED, Segment
+from tiercache.server.segment import PUBLISHED, SlotObject
 from tiercache.server.slots import SlotTable
 from tiercache.store.hits import TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 from tiercache.store.manager import StorageManager
 
 if TYPE_CHECKING:
-    import torch
-
     from tiercache.adapters import Adapter
     from tiercache.config import ManagerConfig
     from tiercache.metrics import Metrics
@@ -37,29 +35,8 @@ SERVER_CONN = 0
 """Connection id of the server's own reservations and leases."""
 
 
-class ServerObject:
-    """A slot of the server's segment holding ``spec``."""
-
-    __slots__ = ("gen", "key", "seg", "slot", "spec", "state")
-
-    def __init__(self, seg: Segment, key: str, spec: KVSpec, slot: int, gen: int, state: ObjectState):
-        self.seg = seg
-        self.key = key
-        self.spec = spec
-        self.slot = slot
-        self.gen = gen
-        self.state = state
-
-    def buffer(self) -> memoryview:
-        """A writable view of exactly ``spec.nbytes`` bytes of the slot."""
-        return self.seg.buffer(self.slot, self.spec.nbytes)
-
-    def tensor(self) -> torch.Tensor:
-        """A no-copy view shaped ``spec.shape`` with the spec's dtype."""
-        import torch
-
-        raw = torch.frombuffer(self.buffer(), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+ServerObject = SlotObject
+"""An object of the server's own (a prefetch's reservation, a leased slot)."""
 
 
 class ServerLease:
@@ -222,9 +199,12 @@ class ServerStorage:
         return [-1 if h is None else h.level for h in hits]
 
     async def load(self, keys: Sequence[str], wait_s: float) -> None:
-        """Bring the L2 part of ``keys``' contiguous prefix into L1, waiting at most about ``wait_s``."""
+        """Bring the L2 part of ``keys``' contiguous prefix into L1, waiting at most ``wait_s`` in all (the
+        client's socket waits that long more than usual; loads still running go on in the background)."""
         if self.manager.tiers:
-            await self.manager.load_into_l1(keys, None, wait_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self.manager.load_into_l1(keys, None, wait_s)
 
     def pending_stores(self) -> int:
         """Write-behind stores queued or in flight."""
