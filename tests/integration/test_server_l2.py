@@ -50,6 +50,10 @@ class Serve:
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
+        self.metrics_url = ""
+        if line.startswith("tiercache server metrics on "):
+            self.metrics_url = line.split()[-1]
+            line = self.proc.stdout.readline()
         assert line.startswith("tiercache server listening"), (
             self.proc.stderr.read() if self.proc.stderr else ""
         )
@@ -67,14 +71,17 @@ class Serve:
         return self.proc.returncode, err
 
 
-def write_config(directory: Path, port: int, prefix: str, *, drain_s: float = 30.0) -> Path:
+def write_config(
+    directory: Path, port: int, prefix: str, *, drain_s: float = 30.0, metrics: bool = False
+) -> Path:
     stride = SlotClass(SLOT_BYTES, 1).stride
     cfg = directory / "serve.toml"
     cfg.write_text(
         f"chunk_size = {CHUNK}\n"
         f"[l1]\ncapacity = {stride * SLOTS}\n"
         f"[server]\nslot_bytes = {SLOT_BYTES}\ndrain_s = {drain_s}\n"
-        "[manager]\nl2_deadline_s = 60.0\n"
+        + ("metrics_port = 0\n" if metrics else "")
+        + "[manager]\nl2_deadline_s = 60.0\n"
         f'[[tiers]]\nname = "redis"\nurl = "redis://127.0.0.1:{port}/0"\ncodecs = ["raw", "zstd"]\n'
         f'[tiers.options]\nprefix = "{prefix}"\n'
     )
@@ -124,6 +131,14 @@ async def read_back(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         await engine.aclose()
 
 
+def scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text: str = response.read().decode()
+    return text
+
+
 @pytest.fixture
 def sock(tmp_path: Path) -> str:
     return str(tmp_path / "l1.sock")
@@ -165,17 +180,21 @@ async def test_write_behind_then_prefetch_after_a_restart(
 async def test_clear_then_a_lookup_prefetches_from_redis(
     redis_server: Any, tmp_path: Path, sock: str, prefix: str
 ) -> None:
-    server = Serve(write_config(tmp_path, redis_server.port, prefix), sock)
+    server = Serve(write_config(tmp_path, redis_server.port, prefix, metrics=True), sock)
     try:
         await store_prompt(sock)
         admin = SharedL1(sock, role="admin")
         assert admin.drain(60.0)
+        metrics = scrape(server.metrics_url)
+        assert 'tiercache_stores_total{tier="redis"} 3.0' in metrics  # the server's tier metrics
+        assert "tiercache_server_pending_stores 0.0" in metrics
         assert admin.clear() == 3  # CLEAR: every unleased published chunk dropped
         worker = SharedL1(sock)
         assert worker.clear() is None  # CLEAR needs the admin role: refused (cache-off answer, no raise)
         tiers_then, tiers_now = await read_back(sock)
         assert tiers_then == ("redis",) * 3
         assert tiers_now == ("L1",) * 3
+        assert 'tiercache_prefetched_total{tier="redis"} 3.0' in scrape(server.metrics_url)
     finally:
         code, err = server.terminate()
     assert code == 0, err[-2000:]

@@ -41,7 +41,14 @@ class ServerCollector(Collector):
             "ALLOC keys refused for lack of room",
             value=stats["alloc_failures"],
         )
+        storage = self.server.storage
+        yield GaugeMetricFamily(
+            "tiercache_server_pending_stores",
+            "write-behind stores to L2 queued or in flight",
+            value=0 if storage is None else storage.pending_stores(),
+        )
         for name, help_text in (
+            ("drain_timeouts", "stops whose L2 drain passed drain_s (stores dropped)"),
             ("protocol_errors", "connections dropped for a malformed message"),
             ("refused_peers", "connections refused by the uid/gid check"),
             ("connections", "connections accepted"),
