@@ -127,10 +127,11 @@ class StorageManager:
 
     async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[Any]:
         """Reserve L1 objects to write into (one call); None where the key is already stored or L1 has no
-        room."""
+        room (counted in ``tiercache_l1_alloc_failures``; in server mode the server counts them, as
+        ``tiercache_server_alloc_failures``, and no second round trip tells the two apart)."""
         objects = self.l1.batched_reserve_write(keys, specs)
         refused = [key for obj, key in zip(objects, keys, strict=True) if obj is None]
-        if refused:
+        if refused and not self.remote:
             failures = sum(not present for present in self.l1.batched_contains(refused))
             if failures:
                 self.metrics.l1_alloc_failures.inc(failures)
