@@ -220,8 +220,7 @@ class ServerStorage:
 
     async def aclose(self) -> None:
         """Stop the controllers (stores still queued are dropped) and close the tiers."""
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.manager.aclose()
+        await self.manager.aclose()
 
 
 def _tier(hit: TierHit | None) -> str:
