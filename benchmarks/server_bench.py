@@ -1,6 +1,7 @@
 """Server mode on CPU: control-plane round trips and the engine's data path through the shared L1.
 
-    python benchmarks/server_bench.py [--samples 2000] [--repeats 7] [--out benchmarks/results]
+    python benchmarks/server_bench.py [--samples 2000] [--repeats 7] [--clients-repeats 5] [--rounds 4]
+                                         [--out benchmarks/results]
 
 A ``python -m tiercache.server`` child process serves the shared L1; measured in the same run:
 
@@ -11,9 +12,16 @@ A ``python -m tiercache.server`` child process serves the shared L1; measured in
 - ``store`` / ``retrieve``: ``CacheEngine.store`` and ``lookup_hit`` + ``retrieve_result`` of a prompt
   (8 chunks of 256 tokens, 16 layers x 8 heads x 128 bf16: 16 MiB per chunk) on the shared L1 and on the
   in-process ``L1Cache`` (both 16 slots, warmed, so every store evicts), interleaved, alternating which
-  goes first; ``ratio`` = in-process time / shared time (goal >= 0.9).
+  goes first; ``ratio`` = in-process time / shared time (goal >= 0.9);
+- ``round_trips``: requests to the server per engine call of that 8-chunk prompt (store, deduplicated store,
+  lookup, retrieve): one per batch, not one per chunk;
+- ``clients``: one vs two concurrent client processes on one server, each storing then retrieving its own
+  prompts (8 chunks, 16 MiB each) in a loop: aggregate GB/s (bytes stored + retrieved by all clients / wall
+  time from a common start to the last client's end), the runs interleaved (1, 2, 1, 2, ...), medians;
+  ``scaling`` = two-client aggregate / one-client aggregate.
 
-Prints JSON and writes ``server_bench_cpu.json`` to ``--out``.
+Prints JSON, writes ``server_bench_cpu.json`` and ``server_bench_cpu.png`` (the figures of that JSON) to
+``--out``.
 """
 
 from __future__ import annotations
@@ -170,10 +178,12 @@ async def data_path(path: str, repeats: int) -> dict[str, Any]:
             if rep > 0:
                 times[name]["store"].append(t_store)
                 times[name]["retrieve"].append(t_retrieve)
+    trips = await round_trips(engines["shared"], kv, slots, (repeats + 3) * tokens_n)
     for engine in engines.values():
         await engine.aclose()
     nbytes = object_spec(layout, CHUNK).nbytes * CHUNKS
     out: dict[str, Any] = {"bytes_per_op": nbytes, "repeats": repeats, "correct": correct, "ms": {}}
+    out["round_trips"] = trips
     for name, ops in times.items():
         out["ms"][name] = {op: round(statistics.median(v) * 1e3, 2) for op, v in ops.items()}
     out["ratio_in_process_time_over_shared_time"] = {
@@ -184,6 +194,163 @@ async def data_path(path: str, repeats: int) -> dict[str, Any]:
     return out
 
 
+async def round_trips(
+    engine: CacheEngine, kv: list[torch.Tensor], slots: torch.Tensor, first: int
+) -> dict[str, Any]:
+    """Requests to the server per engine call of one CHUNKS-chunk prompt on the shared L1."""
+    l1 = engine.manager.l1
+    assert isinstance(l1, SharedL1)
+    tokens = list(range(first, first + CHUNK * CHUNKS))
+    out: dict[str, Any] = {"chunks": CHUNKS}
+
+    async def count(name: str, call: Any) -> None:
+        l1.requests.clear()
+        await call()
+        out[name] = dict(l1.requests)
+
+    await count("store", lambda: engine.store(tokens, kv, slots))
+    await count("store_again_deduplicated", lambda: engine.store(tokens, kv, slots))
+    await count("lookup", lambda: engine.lookup_hit(tokens))
+    dst = [torch.empty_like(t) for t in kv]
+    await count("retrieve", lambda: engine.retrieve_result(tokens, dst, slots))
+    return out
+
+
+def worker(path: str, seed: int, rounds: int) -> None:
+    """One client process of ``clients``: waits for "go" on stdin, then stores and retrieves ``rounds``
+    prompts of its own; prints {"bytes": ..., "correct": ...}."""
+    layout = _layout()
+    keyspace = KeySpace("bench/model", layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    tokens_n = CHUNK * CHUNKS
+    kv = [
+        torch.randn(layout.layer_shape(tokens_n // BLOCK)).to(torch.bfloat16)
+        for _ in range(layout.num_layers)
+    ]
+    slots = torch.arange(tokens_n)
+    out = [torch.empty_like(t) for t in kv]
+    engine = CacheEngine(
+        StorageManager(SharedL1(path), [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK
+    )
+    nbytes = object_spec(layout, CHUNK).nbytes * CHUNKS
+
+    async def run() -> tuple[int, bool]:
+        done, correct = 0, True
+        for r in range(rounds):
+            base = (seed * 1000 + r + 1) * tokens_n
+            tokens = list(range(base, base + tokens_n))
+            stored = await engine.store(tokens, kv, slots)
+            result = await engine.retrieve_result(tokens, out, slots)
+            correct &= stored == result.tokens_read == tokens_n
+            done += 2 * nbytes
+        await engine.aclose()
+        return done, correct
+
+    print("ready", flush=True)
+    sys.stdin.readline()
+    done, correct = asyncio.run(run())
+    print(json.dumps({"bytes": done, "correct": correct}), flush=True)
+
+
+def clients(path: str, repeats: int, rounds: int) -> dict[str, Any]:
+    """Aggregate store+retrieve GB/s of one and of two concurrent client processes (interleaved runs)."""
+    gbps: dict[str, list[float]] = {"1": [], "2": []}
+    correct = True
+    for rep in range(repeats + 1):  # the first round warms both (touches the segment)
+        for n in (1, 2) if rep % 2 else (2, 1):
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        path,
+                        "--seed",
+                        str(rep * 100 + n * 10 + i),
+                        "--rounds",
+                        str(rounds),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in range(n)
+            ]
+            for proc in procs:
+                assert proc.stdout is not None
+                assert proc.stdout.readline().strip() == "ready"
+            t0 = time.perf_counter()
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            results = []
+            for proc in procs:
+                assert proc.stdout is not None
+                results.append(json.loads(proc.stdout.readline()))
+            elapsed = time.perf_counter() - t0
+            for proc in procs:
+                proc.wait(timeout=120)
+            correct &= all(r["correct"] for r in results)
+            if rep > 0:
+                gbps[str(n)].append(sum(r["bytes"] for r in results) / elapsed / 1e9)
+    med = {n: round(statistics.median(v), 3) for n, v in gbps.items()}
+    return {
+        "repeats": repeats,
+        "rounds_per_client": rounds,
+        "correct": correct,
+        "aggregate_GBps": med,
+        "all_GBps": {n: [round(x, 3) for x in v] for n, v in gbps.items()},
+        "scaling_two_over_one": round(med["2"] / med["1"], 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Three panels: control-plane round trips, shared vs in-process L1, one vs two clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cp, dp, cl = result["control_plane"], result["data_path"], result["clients"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = ["lookup_100_us", "lookup_100_pinned_us", "alloc_32_us", "raw_roundtrip_same_bytes_us"]
+    labels = ["LOOKUP 100", "LOOKUP 100\npinned", "ALLOC 32", "raw echo\n(same bytes)"]
+    xs = range(len(names))
+    ax1.bar([x - 0.2 for x in xs], [cp[n]["p50"] for n in names], 0.4, label="p50")
+    ax1.bar([x + 0.2 for x in xs], [cp[n]["p99"] for n in names], 0.4, label="p99")
+    ax1.set_xticks(list(xs), labels)
+    ax1.set_ylabel("round trip (µs)")
+    ax1.set_title("control plane (Unix SEQPACKET, msgpack)")
+    ax1.legend()
+    ops = ["store", "retrieve"]
+    ms = dp["ms"]
+    gb = dp["bytes_per_op"] / 1e9
+    ax2.bar(
+        [x - 0.2 for x in range(2)],
+        [gb / (ms["in_process"][o] / 1e3) for o in ops],
+        0.4,
+        label="in-process L1",
+    )
+    ax2.bar(
+        [x + 0.2 for x in range(2)],
+        [gb / (ms["shared"][o] / 1e3) for o in ops],
+        0.4,
+        label="shared L1 (server)",
+    )
+    ratio = dp["ratio_in_process_time_over_shared_time"]
+    ax2.set_xticks([0, 1], [f"{o}\nratio {ratio[o]}" for o in ops])
+    ax2.set_ylabel("GB/s (8 chunks x 16 MiB)")
+    ax2.set_title("engine data path, goal ratio >= 0.9")
+    ax2.legend()
+    agg = cl["aggregate_GBps"]
+    ax3.bar(["1 client", "2 clients"], [agg["1"], agg["2"]], color=["tab:blue", "tab:orange"])
+    ax3.set_ylabel("aggregate store+retrieve GB/s")
+    ax3.set_title(f"one server, concurrent clients (x{cl['scaling_two_over_one']}, {cl['cpu_count']} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -191,20 +358,30 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--clients-repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4, help="prompts per client and run (clients)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one client process of `clients`
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.seed, args.rounds)
+        return
     layout = _layout()
     slot_bytes = CacheEngine.slot_bytes(layout, CHUNK)
     with tempfile.TemporaryDirectory(prefix="tc-bench-") as tmp:
         small, big = os.path.join(tmp, "small.sock"), os.path.join(tmp, "big.sock")
+        two = os.path.join(tmp, "two.sock")
         serve = [sys.executable, "-m", "tiercache.server", "--socket"]
         servers = [
             _start([*serve, small, "--slot-bytes", "64", "--slots", "256"], tmp),
             _start([*serve, big, "--slot-bytes", str(slot_bytes), "--slots", str(CHUNKS * 2)], tmp),
+            _start([*serve, two, "--slot-bytes", str(slot_bytes), "--slots", str(CHUNKS * 4)], tmp),
         ]
         try:
             result = {
                 "control_plane": control_plane(small, tmp, args.samples),
                 "data_path": asyncio.run(data_path(big, args.repeats)),
+                "clients": clients(two, args.clients_repeats, args.rounds),
                 "host": host_info(),
             }
         finally:
@@ -215,6 +392,7 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_bench_cpu.json").write_text(text + "\n")
+    plot(result, args.out / "server_bench_cpu.png")
 
 
 if __name__ == "__main__":

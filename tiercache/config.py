@@ -190,6 +190,8 @@ class ServerConfig:
     """Serve Prometheus ``/metrics`` on this port (0 = any free port); None = off."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds."""
+    drain_s: float = 10.0
+    """On SIGTERM, how long the write-behind of chunks to the L2 tiers may take to drain before exit."""
 
 
 def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
@@ -214,8 +216,11 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
         allowed_uids=tuple(uids),
         metrics_port=r.take("metrics_port", (int,), None),
         metrics_host=r.take("metrics_host", (str,), "127.0.0.1"),
+        drain_s=float(r.take("drain_s", (int, float), 10.0)),
     )
     r.finish()
+    if not 0 <= out.drain_s <= 3600:
+        raise ConfigError(f"{source}: server.drain_s must be in [0, 3600] seconds, got {out.drain_s}")
     if not 0 <= out.mode <= 0o777:
         raise ConfigError(f"{source}: server.mode {oct(out.mode)} is not a file mode")
     if out.metrics_port is not None and not 0 <= out.metrics_port < 65536:

@@ -273,15 +273,16 @@ async def test_expired_lease_during_retrieve_is_not_served(tmp_path: Path) -> No
     engine = await open_engine(layout, None)
     try:
         await engine.store(tokens, src.kv, src.slots(512))
-        original = engine.manager.l1.acquire
+        original = engine.manager.l1.batched_acquire
 
-        def short_lease(key: str, lease_s: float | None = None):  # type: ignore[no-untyped-def]
-            lease = original(key, lease_s)
-            if lease is not None:
-                lease.release()  # behaves like a lease that expired mid-copy
-            return lease
+        def short_leases(keys, lease_s=None):  # type: ignore[no-untyped-def]
+            leases = original(keys, lease_s)
+            for lease in leases:
+                if lease is not None:
+                    lease.release()  # behaves like a lease that expired mid-copy
+            return leases
 
-        engine.manager.l1.acquire = short_lease  # type: ignore[method-assign]
+        engine.manager.l1.batched_acquire = short_leases  # type: ignore[method-assign]
         dst = Engine(layout, 64, seed=15)
         result = await engine.retrieve_result(tokens, dst.kv, dst.slots(512))
         assert not result.ret_mask.any()

@@ -145,3 +145,28 @@ def test_tensor_view_is_bit_exact(make: Factory, dtype: str) -> None:
     assert torch.equal(got, src)
     assert bytes(lease.obj.buffer()) == src.reshape(-1).view(torch.uint8).numpy().tobytes()
     lease.release()
+
+
+def test_batched_forms_match_the_single_ones(make: Factory) -> None:
+    """The L1Surface batch calls the manager uses (one round trip each on the shared L1)."""
+    c = make(4)
+    objs = c.batched_reserve_write(["a", "b", "c"], [SPEC] * 3)
+    assert all(o is not None for o in objs)
+    for obj in objs:
+        obj.buffer()[:] = pattern(obj.key, SLOT)
+    c.batched_abort_write([objs[2]])
+    c.batched_finish_write(objs[:2])
+    assert [o.state for o in objs[:2]] == [ObjectState.READY] * 2
+    assert c.batched_contains(["a", "b", "c"]) == [True, True, False]
+    again = c.batched_reserve_write(["a", "d"], [SPEC] * 2)
+    assert again[0] is None  # present: first writer wins
+    assert again[1] is not None
+    c.batched_abort_write([again[1]])
+    leases = c.batched_acquire(["a", "b", "c", "d"])
+    assert [lease is not None for lease in leases] == [True, True, False, False]
+    held = [lease for lease in leases if lease is not None]
+    assert [bytes(x.obj.buffer()) for x in held] == [pattern("a", SLOT), pattern("b", SLOT)]
+    assert c.stats().leased == 2
+    c.batched_release(held)
+    assert not any(x.valid() for x in held)
+    assert c.stats().leased == 0

@@ -459,14 +459,14 @@ async def test_each_frame_is_decoded_in_one_executor_job_with_one_header_parse(
     monkeypatch.setattr(pipeline_module, "read_header", counting_read_header)
     async with StorageManager(make_l1(), [("m", tier, raw)], POLICY) as manager:
         jobs = 0
-        real_run = manager._run
+        real_run = manager.prefetch._run
 
         async def counting_run(fn: Any) -> Any:
             nonlocal jobs
             jobs += 1
             return await real_run(fn)
 
-        monkeypatch.setattr(manager, "_run", counting_run)
+        monkeypatch.setattr(manager.prefetch, "_run", counting_run)
         loaded = await manager.start_prefetch(keys, ["m"] * 4, [SPEC] * 4)
         assert loaded == 2
         assert jobs == 4  # streaming reads: each frame decodes as it lands, one job each (the bad one too)

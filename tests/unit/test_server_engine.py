@@ -135,3 +135,32 @@ async def test_dead_server_means_cache_off(server: Server, producer: CacheEngine
     assert l1.skipped_stores >= 1
     assert not l1.connected()
     assert torch.isnan(dst.kv[0]).all()
+
+
+async def test_one_round_trip_per_batch_not_per_chunk(server: Server, producer: CacheEngine) -> None:
+    """ALLOC, COMMIT, LOOKUP and RELEASE go once per engine call whatever the number of chunks."""
+    l1 = producer.manager.l1
+    assert isinstance(l1, SharedL1)
+    tokens = list(range(5000, 6800))  # 8 chunks (7 x 256 + 8)
+    kv = expected_kv(LAYOUT, len(tokens))
+    src = Engine(LAYOUT, num_blocks=128, seed=1)
+    src.write(kv, 0, len(tokens))
+
+    def trips() -> dict[str, int]:
+        out = dict(l1.requests)
+        l1.requests.clear()
+        return out
+
+    trips()
+    assert await producer.store(tokens, src.kv, src.slots(len(tokens))) == len(tokens)
+    assert trips() == {"ALLOC": 1, "COMMIT": 1}
+    assert await producer.store(tokens, src.kv, src.slots(len(tokens))) == 0  # all present: deduplicated
+    assert trips() == {"ALLOC": 1}  # "present" or "no room": the server counts, no second round trip
+    hit = await producer.lookup_hit(tokens)
+    assert hit.tokens == len(tokens)
+    assert trips() == {"LOOKUP": 1}  # one round trip per scheduler step
+    dst = Engine(LAYOUT, num_blocks=128, seed=2)
+    result = await producer.retrieve_result(tokens, dst.kv, dst.slots(len(tokens)))
+    assert result.tokens_read == len(tokens)
+    assert same_bits(dst.read(0, len(tokens)), kv)
+    assert trips() == {"LOOKUP": 1, "RELEASE": 1}  # pinned lookup, then one release of all 8 leases

@@ -11,6 +11,7 @@ from tiercache.server.protocol import (
     MAX_KEY_LEN,
     MAX_KEYS,
     MAX_MESSAGE,
+    MAX_WAIT_S,
     PROTOCOL_VERSION,
     Message,
     Op,
@@ -28,18 +29,41 @@ def _raw(*fields: object) -> bytes:
 def test_round_trip_of_every_request() -> None:
     bodies = {
         Op.HELLO: {"role": "worker"},
-        Op.LOOKUP: {"keys": ["a", "b"], "pin": True, "prefix": False},
+        Op.LOOKUP: {
+            "keys": ["a", "b"],
+            "pin": True,
+            "prefix": False,
+            "l2": True,
+            "prefetch": False,
+            "wait_s": 1.5,
+        },
         Op.ALLOC: {"keys": ["a"], "nbytes": [64], "meta": [b"\x01"]},
         Op.COMMIT: {"slots": [[3, 7]]},
         Op.ABORT: {"slots": [[0, 0], [1, 2]]},
         Op.RELEASE: {"leases": [5, 6]},
         Op.END: {},
         Op.STATS: {},
+        Op.CLEAR: {},
+        Op.DRAIN: {"timeout_s": 2.5},
     }
     for op, body in bodies.items():
         msg = decode(encode(op, 42, 9, body))
         expected = {**body, "slots": [tuple(r) for r in body["slots"]]} if "slots" in body else body
         assert msg == Message(42, op, 9, expected)
+
+
+def test_lookup_l2_fields_are_optional_with_defaults() -> None:
+    """An L1-only client leaves l2 / prefetch / wait_s out: no L2, no wait."""
+    msg = decode(encode(Op.LOOKUP, 1, 2, {"keys": ["a"], "pin": False, "prefix": True}))
+    assert msg.body == {
+        "keys": ["a"],
+        "pin": False,
+        "prefix": True,
+        "l2": False,
+        "prefetch": False,
+        "wait_s": 0.0,
+    }
+    assert decode(encode(Op.DRAIN, 1, 2, {"timeout_s": 3})).body == {"timeout_s": 3.0}
 
 
 @pytest.mark.parametrize(
@@ -73,6 +97,35 @@ def test_round_trip_of_every_request() -> None:
         (_raw(PROTOCOL_VERSION, 0, 4, 1, {"slots": [[1, True]]}), "generation"),
         (_raw(PROTOCOL_VERSION, 0, 6, 1, {"leases": ["x"]}), "lease"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {}), "HELLO needs role"),
+        (
+            _raw(PROTOCOL_VERSION, 0, 2, 1, {"keys": ["a"], "pin": True, "prefix": False, "l2": 1}),
+            "l2 must be a bool",
+        ),
+        (
+            _raw(PROTOCOL_VERSION, 0, 2, 1, {"keys": ["a"], "pin": True, "prefix": False, "prefetch": "y"}),
+            "prefetch must be a bool",
+        ),
+        (
+            _raw(PROTOCOL_VERSION, 0, 2, 1, {"keys": ["a"], "pin": True, "prefix": False, "wait_s": -1}),
+            "wait_s",
+        ),
+        (
+            _raw(
+                PROTOCOL_VERSION,
+                0,
+                2,
+                1,
+                {"keys": ["a"], "pin": True, "prefix": False, "wait_s": float("nan")},
+            ),
+            "wait_s",
+        ),
+        (
+            _raw(PROTOCOL_VERSION, 0, 2, 1, {"keys": ["a"], "pin": True, "prefix": False, "wait_s": True}),
+            "wait_s",
+        ),
+        (_raw(PROTOCOL_VERSION, 0, 10, 1, {}), "timeout_s"),
+        (_raw(PROTOCOL_VERSION, 0, 10, 1, {"timeout_s": 1e9}), "timeout_s"),
+        (_raw(PROTOCOL_VERSION, 0, 10, 1, {"timeout_s": "1"}), "timeout_s"),
         (_raw(PROTOCOL_VERSION, 0, 8, 1, {}) + b"\x00", "not a msgpack"),
         (b"\x00" * (MAX_MESSAGE + 1), "exceeds"),
     ],
@@ -136,6 +189,17 @@ def test_fuzz_random_bytes_only_raise_protocol_error(data: bytes) -> None:
         ),
         st.fixed_dictionaries({"keys": _msgpack_values, "nbytes": _msgpack_values, "meta": _msgpack_values}),
         st.fixed_dictionaries({"slots": _msgpack_values, "leases": _msgpack_values}),
+        st.fixed_dictionaries(
+            {
+                "keys": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+                "pin": st.booleans(),
+                "prefix": st.booleans(),
+                "l2": _msgpack_values,
+                "prefetch": _msgpack_values,
+                "wait_s": _msgpack_values,
+                "timeout_s": _msgpack_values,
+            }
+        ),
     ),
 )
 def test_fuzz_structured_messages_validate_or_raise_protocol_error(
@@ -156,3 +220,10 @@ def test_fuzz_structured_messages_validate_or_raise_protocol_error(
     for slot, gen in msg.body.get("slots", []):
         assert type(slot) is int
         assert type(gen) is int
+    for flag in ("l2", "prefetch", "pin", "prefix"):
+        if flag in msg.body:
+            assert type(msg.body[flag]) is bool
+    for seconds in ("wait_s", "timeout_s"):
+        if seconds in msg.body:
+            assert type(msg.body[seconds]) is float
+            assert 0 <= msg.body[seconds] <= MAX_WAIT_S

@@ -8,6 +8,8 @@ import pytest
 
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, SlotClass
 from tiercache.server.slots import SlotTable
+from tiercache.server.storage import ServerL1
+from tiercache.spec import KVSpec
 
 A, B = 1, 2  # connection ids
 
@@ -120,3 +122,33 @@ def test_connection_cleanup_leases_then_reservations() -> None:
         "num_slots": 3, "free": 2, "reserved": 0, "published": 1, "leases": 0, "leased_slots": 0,
         "evictions": 0, "alloc_failures": 0,
     }  # fmt: skip
+
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 31 + j) % 251 for j in range(SPEC.nbytes))
+
+
+def test_server_l1_surface_on_a_slot_table() -> None:
+    """ServerL1 (the controllers' L1 inside the server) and CLEAR, which never frees a leased slot."""
+    seg, data_fd, header_fd = Segment.create([SlotClass(4096, 2)], epoch=3)
+    os.close(data_fd)
+    os.close(header_fd)
+    l1 = ServerL1(SlotTable(seg))
+    obj = l1.reserve_write("k", SPEC)
+    assert obj is not None
+    assert l1.reserve_write("k", SPEC) is None  # first writer wins
+    obj.buffer()[:] = payload(1)
+    assert not l1.contains("k")
+    l1.finish_write(obj)
+    lease = l1.acquire("k")
+    assert lease is not None
+    assert bytes(lease.obj.buffer()) == payload(1)
+    assert lease.obj.spec == SPEC  # from the slot metadata
+    assert l1.table.clear() == 0  # leased: CLEAR keeps it
+    lease.release()
+    assert not lease.valid()
+    assert l1.table.clear() == 1
+    assert l1.stats().ready == 0

@@ -11,7 +11,11 @@ __all__ = ["add_serve_command"]
 def add_serve_command(sub: Any) -> None:
     """Register ``serve`` on the CLI's subparsers (``sub`` is argparse's subparsers action)."""
     p = sub.add_parser("serve", help="run the node's shared-L1 server on a Unix socket (server mode)")
-    p.add_argument("--config", required=True, help="config file: l1.capacity and the [server] table")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="config file: l1.capacity, the [server] table and the L2 [[tiers]] the server runs",
+    )
     p.add_argument("--socket", help="Unix socket path (wins over server.socket)")
     p.set_defaults(func=_cmd_serve)
 
@@ -49,6 +53,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         mode=srv.mode,
         group=group,
         allowed_uids=frozenset(srv.allowed_uids),
+        drain_s=srv.drain_s,
     )
     metrics = None if srv.metrics_port is None else (srv.metrics_host, srv.metrics_port)
-    return run_server(options, metrics=metrics)
+    return run_server(options, metrics=metrics, config=config)

@@ -10,6 +10,7 @@ connection are never valid again, and slot generations are checked in the header
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import itertools
 import logging
@@ -20,15 +21,22 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
-from tiercache.server.protocol import MAX_MESSAGE, Op, ProtocolError, decode, encode
-from tiercache.server.segment import PUBLISHED, Segment, SlotClass
+from tiercache.server.protocol import (
+    MAX_KEYS,
+    MAX_MESSAGE,
+    MAX_WAIT_S,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    meta_spec,
+    spec_meta,
+)
+from tiercache.server.segment import PUBLISHED, Segment, SlotClass, SlotObject
+from tiercache.store.hits import L1_TIER, TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 
 if TYPE_CHECKING:
-    import torch
-
     from tiercache.spec import KVSpec
 
 __all__ = [
@@ -43,6 +51,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOOKUP_BATCH = 128  # keys per LOOKUP: 128 keys of MAX_KEY_LEN fit MAX_MESSAGE, and so do their hits
+ALLOC_BATCH = 128  # keys per ALLOC (keys + 256-byte metadata each fit MAX_MESSAGE)
 
 
 class ServerUnavailable(ConnectionError):
@@ -66,6 +75,9 @@ class ServerConnection:
         self._req_ids = itertools.count(1)
         self.closed = False
         self.epoch = 0
+        self._timeout_s = timeout_s
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Round trips made, by op name (after HELLO)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(timeout_s)
         try:
@@ -91,6 +103,7 @@ class ServerConnection:
             self.segment = Segment(classes, fds[0], fds[1], writable_header=False)
             self.epoch = int(body["epoch"])
             self.server_pid = int(body["pid"])
+            self.tiers = [str(t) for t in body.get("tiers", [])]
         except (ServerUnavailable, KeyError, TypeError, ValueError) as exc:
             self.close()
             raise (
@@ -115,13 +128,16 @@ class ServerConnection:
             raise ServerUnavailable(f"reply to request {msg.req_id}, expected {req_id}")
         return msg.body
 
-    def request(self, op: Op, body: dict[str, Any]) -> dict[str, Any]:
-        """Send one request and return the reply body; the connection is closed on any failure."""
+    def request(self, op: Op, body: dict[str, Any], *, wait_s: float = 0.0) -> dict[str, Any]:
+        """Send one request and return the reply body; the connection is closed on any failure.
+        ``wait_s``: how long the server may work on it (LOOKUP's ``wait_s``, DRAIN) beyond the timeout."""
         with self._lock:
             if self.closed:
                 raise ServerUnavailable("connection closed")
             req_id = next(self._req_ids)
+            self.requests[op.name] += 1
             try:
+                self._sock.settimeout(self._timeout_s + wait_s)
                 self._sock.send(encode(op, self.epoch, req_id, body))
                 return self._reply(self._sock.recv(MAX_MESSAGE + 1), req_id)
             except ServerUnavailable:
@@ -142,61 +158,16 @@ class ServerConnection:
             self._close_locked()
 
 
-def _spec_meta(spec: KVSpec) -> bytes:
-    meta: bytes = msgpack.packb(
-        [
-            spec.num_layers,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.dtype,
-            int(spec.format),
-            spec.tokens,
-            spec.layer_start,
-            spec.layer_end,
-        ]
-    )
-    return meta
+class SharedObject(SlotObject):
+    """A slot of the shared segment, reached through connection ``_conn`` (its objects die with it)."""
 
-
-def _meta_spec(meta: bytes) -> KVSpec | None:
-    from tiercache.spec import KVFormat, KVSpec
-
-    try:
-        f = msgpack.unpackb(meta)
-        return KVSpec(f[0], f[1], f[2], f[3], KVFormat(f[4]), f[5], f[6], f[7])
-    except Exception:  # another client's garbage metadata is a miss, never a crash
-        return None
-
-
-class SharedObject:
-    """A slot of the shared segment holding ``spec`` (WRITING after reserve_write, READY when leased)."""
-
-    __slots__ = ("_conn", "gen", "key", "slot", "spec", "state")
+    __slots__ = ("_conn",)
 
     def __init__(
         self, conn: ServerConnection, key: str, spec: KVSpec, slot: int, gen: int, state: ObjectState
     ):
+        super().__init__(conn.segment, key, spec, slot, gen, state)
         self._conn = conn
-        self.key = key
-        self.spec = spec
-        self.slot = slot
-        self.gen = gen
-        self.state = state
-
-    def buffer(self) -> memoryview:
-        """A writable uint8 view of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
-        return self._conn.segment.buffer(self.slot, self.spec.nbytes)
-
-    def tensor(self) -> torch.Tensor:
-        """A no-copy view shaped ``spec.shape`` with the spec's dtype on the slot's memory."""
-        import torch
-
-        raw = torch.frombuffer(self.buffer(), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
-
-    def __repr__(self) -> str:
-        """Debug representation."""
-        return f"SharedObject(key={self.key!r}, state={self.state.name}, slot={self.slot}, gen={self.gen})"
 
 
 class SharedLease:
@@ -222,7 +193,7 @@ class SharedLease:
         if self._released:
             return
         self._released = True
-        self._owner._release(self.obj._conn, self._id)
+        self._owner._release(self.obj._conn, [self._id])
 
     def __enter__(self) -> SharedLease:
         """Return the lease itself."""
@@ -261,6 +232,8 @@ class SharedL1:
         self._next_attempt = 0.0
         self._lock = threading.Lock()
         self._conn: ServerConnection | None = None
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Round trips to the server by op name, over every connection this L1 made."""
         self.reconnects = 0
         self.offline_misses = 0
         self.skipped_stores = 0
@@ -288,6 +261,7 @@ class SharedL1:
                 return None
             if self._conn is not None:
                 self.reconnects += 1
+            conn.requests = self.requests  # one tally across reconnects
             self._conn = conn
             self._backoff = self._backoff_initial
             seg = conn.segment
@@ -295,12 +269,14 @@ class SharedL1:
             self.slot_bytes = max(c.slot_bytes for c in seg.classes)
             return conn
 
-    def _call(self, op: Op, body: dict[str, Any]) -> tuple[ServerConnection, dict[str, Any]] | None:
+    def _call(
+        self, op: Op, body: dict[str, Any], *, wait_s: float = 0.0
+    ) -> tuple[ServerConnection, dict[str, Any]] | None:
         conn = self._connection()
         if conn is None:
             return None
         try:
-            return conn, conn.request(op, body)
+            return conn, conn.request(op, body, wait_s=wait_s)
         except ServerUnavailable as exc:
             log.warning("tiercache server request %s failed: %s; cache off", op.name, exc)
             with self._lock:
@@ -322,92 +298,193 @@ class SharedL1:
     # ------------------------------------------------------------------ writes
     def reserve_write(self, key: str, spec: KVSpec) -> SharedObject | None:
         """Reserve a slot for ``key`` (WRITING); None if present, no room, or cache-off."""
-        got = self._call(Op.ALLOC, {"keys": [key], "nbytes": [spec.nbytes], "meta": [_spec_meta(spec)]})
-        if got is None:
-            self.skipped_stores += 1
-            return None
-        conn, body = got
-        ref = body["slots"][0]
-        if not isinstance(ref, list):
-            return None
-        return SharedObject(conn, key, spec, int(ref[0]), int(ref[1]), ObjectState.WRITING)
+        return self.batched_reserve_write([key], [spec])[0]
 
-    def _settle(self, obj: SharedObject, op: Op) -> bool:
-        if obj.state is not ObjectState.WRITING:
-            raise ValueError(f"{obj!r} is not a WRITING object")
-        if obj._conn is not self._conn or obj._conn.closed:
-            return False  # its connection is gone: the server frees the slot once we exit, never publishes it
-        try:
-            ok = bool(obj._conn.request(op, {"slots": [[obj.slot, obj.gen]]})["ok"][0])
-        except ServerUnavailable:
-            return False
-        if ok and op is Op.COMMIT:
-            obj.state = ObjectState.READY
-        return ok
+    def batched_reserve_write(
+        self, keys: Sequence[str], specs: Sequence[KVSpec]
+    ) -> list[SharedObject | None]:
+        """One ALLOC per ALLOC_BATCH keys: a WRITING object per key, None where present, no room or
+        cache-off."""
+        out: list[SharedObject | None] = []
+        conn = None
+        for start in range(0, len(keys), ALLOC_BATCH):
+            batch = list(keys[start : start + ALLOC_BATCH])
+            batch_specs = specs[start : start + ALLOC_BATCH]
+            body = {
+                "keys": batch,
+                "nbytes": [s.nbytes for s in batch_specs],
+                "meta": [spec_meta(s) for s in batch_specs],
+            }
+            got = self._call(Op.ALLOC, body)
+            if got is None or (conn is not None and got[0] is not conn):
+                self.skipped_stores += len(keys) - len(out)
+                return out + [None] * (len(keys) - len(out))  # reservations of a lost connection are void
+            conn = got[0]
+            for key, spec, ref in zip(batch, batch_specs, got[1]["slots"], strict=True):
+                ok = isinstance(ref, list)
+                out.append(
+                    SharedObject(conn, key, spec, int(ref[0]), int(ref[1]), ObjectState.WRITING)
+                    if ok
+                    else None
+                )
+        return out
+
+    def _settle(self, objs: Sequence[SharedObject], op: Op) -> list[bool]:
+        """COMMIT or ABORT ``objs`` in one request; False for those whose connection is gone or stale."""
+        for obj in objs:
+            if obj.state is not ObjectState.WRITING:
+                raise ValueError(f"{obj!r} is not a WRITING object")
+        live = [i for i, obj in enumerate(objs) if obj._conn is self._conn and not obj._conn.closed]
+        # objects of a lost connection: the server frees their slots once we exit, never publishes them
+        done = [False] * len(objs)
+        for start in range(0, len(live), ALLOC_BATCH):
+            idx = live[start : start + ALLOC_BATCH]
+            conn = objs[idx[0]]._conn
+            try:
+                oks = conn.request(op, {"slots": [[objs[i].slot, objs[i].gen] for i in idx]})["ok"]
+            except ServerUnavailable:
+                break
+            for i, ok in zip(idx, oks, strict=True):
+                done[i] = bool(ok)
+                if ok and op is Op.COMMIT:
+                    objs[i].state = ObjectState.READY
+        return done
 
     def finish_write(self, obj: SharedObject) -> None:
         """Publish ``obj`` (COMMIT); a lost connection or stale generation drops it silently."""
-        self._settle(obj, Op.COMMIT)
+        self._settle([obj], Op.COMMIT)
+
+    def batched_finish_write(self, objs: Sequence[SharedObject]) -> None:
+        """Publish every object in one COMMIT (the server then writes them behind to its L2 tiers)."""
+        self._settle(objs, Op.COMMIT)
 
     def abort_write(self, obj: SharedObject) -> None:
         """Free the reservation (ABORT); nothing to do when the connection is gone."""
-        self._settle(obj, Op.ABORT)
+        self._settle([obj], Op.ABORT)
+
+    def batched_abort_write(self, objs: Sequence[SharedObject]) -> None:
+        """Free every reservation in one ABORT."""
+        self._settle(objs, Op.ABORT)
 
     # ------------------------------------------------------------------ reads
-    def _lookup(self, keys: Sequence[str], pin: bool) -> tuple[ServerConnection, list[Any]] | None:
-        """LOOKUP in batches of LOOKUP_BATCH keys (each request and reply fits one message)."""
-        hits: list[Any] = []
+    def _lookup(
+        self, keys: Sequence[str], pin: bool, **extra: Any
+    ) -> tuple[ServerConnection, list[dict[str, Any]]] | None:
+        """LOOKUP in batches of LOOKUP_BATCH keys (each request and reply fits one message); the replies."""
+        replies: list[dict[str, Any]] = []
         conn = None
         for start in range(0, len(keys), LOOKUP_BATCH):
             batch = list(keys[start : start + LOOKUP_BATCH])
-            got = self._call(Op.LOOKUP, {"keys": batch, "pin": pin, "prefix": False})
+            got = self._call(
+                Op.LOOKUP,
+                {"keys": batch, "pin": pin, "prefix": False, **extra},
+                wait_s=extra.get("wait_s", 0.0),
+            )
             if got is None or (conn is not None and got[0] is not conn):
                 self.offline_misses += len(keys)
                 return None  # leases of earlier batches went with their connection
             conn = got[0]
-            hits.extend(got[1]["hits"])
-        return None if conn is None else (conn, hits)  # None for no keys: callers answer [] either way
+            replies.append(got[1])
+        return None if conn is None else (conn, replies)  # None for no keys: callers answer [] either way
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        """Per key whether it is published (False for all when cache-off)."""
+        """Per key whether it is published in the shared L1 (False for all when cache-off)."""
         got = self._lookup(keys, False)
-        return [False] * len(keys) if got is None else [h is not None for h in got[1]]
+        return [False] * len(keys) if got is None else [h is not None for r in got[1] for h in r["hits"]]
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is published."""
         return self.batched_contains([key])[0]
 
-    def batched_acquire(self, keys: Sequence[str], lease_s: float | None = None) -> list[SharedLease | None]:
-        """Lease each published key (``lease_s`` is ignored: leases live with the connection)."""
-        got = self._lookup(keys, True)
+    def batched_locate(self, keys: Sequence[str], *, prefetch: bool) -> list[TierHit | None]:
+        """Per key where the server has it: L1 (level 0), one of its L2 tiers (level >= 1; with
+        ``prefetch`` the server is loading the contiguous prefix's L2 part into the shared L1), or None.
+        One LOOKUP per LOOKUP_BATCH keys; all None when cache-off."""
+        got = self._lookup(keys, False, l2=True, prefetch=prefetch)
         if got is None:
             return [None] * len(keys)
-        conn, hits = got
+        conn, replies = got
+        l1_hit = TierHit(L1_TIER, 0)
+        out: list[TierHit | None] = []
+        for reply in replies:
+            levels = reply.get("levels") or [0] * len(reply["hits"])
+            for hit, level in zip(reply["hits"], levels, strict=True):
+                if hit is not None:
+                    out.append(l1_hit)
+                elif 1 <= level <= len(conn.tiers):
+                    out.append(TierHit(conn.tiers[level - 1], level))
+                else:
+                    out.append(None)
+        return out
+
+    def _leases(
+        self, conn: ServerConnection, keys: Sequence[str], hits: list[Any]
+    ) -> list[SharedLease | None]:
         out: list[SharedLease | None] = []
         for key, hit in zip(keys, hits, strict=True):
-            spec = None if hit is None else _meta_spec(hit[3])
+            spec = None if hit is None else meta_spec(hit[3])
             if hit is None or spec is None or spec.nbytes != hit[2]:
                 if hit is not None:
-                    self._release(conn, int(hit[4]))
+                    self._release(conn, [int(hit[4])])
                 out.append(None)
                 continue
             obj = SharedObject(conn, key, spec, int(hit[0]), int(hit[1]), ObjectState.READY)
             out.append(SharedLease(self, obj, int(hit[4])))
         return out
 
+    def batched_acquire(self, keys: Sequence[str], lease_s: float | None = None) -> list[SharedLease | None]:
+        """Lease each published key (``lease_s`` is ignored: leases live with the connection)."""
+        got = self._lookup(keys, True)
+        if got is None:
+            return [None] * len(keys)
+        return self._leases(got[0], keys, [h for r in got[1] for h in r["hits"]])
+
+    def batched_acquire_loaded(self, keys: Sequence[str], wait_s: float) -> list[SharedLease | None]:
+        """Lease each key after the server loaded the L2 part of its contiguous prefix into the shared L1
+        (waiting for prefetches in flight, at most about ``wait_s``); one LOOKUP per LOOKUP_BATCH keys."""
+        got = self._lookup(keys, True, l2=True, wait_s=min(max(wait_s, 0.0), MAX_WAIT_S))
+        if got is None:
+            return [None] * len(keys)
+        return self._leases(got[0], keys, [h for r in got[1] for h in r["hits"]])
+
     def acquire(self, key: str, lease_s: float | None = None) -> SharedLease | None:
         """Lease the published ``key``; None on a miss or cache-off."""
         return self.batched_acquire([key], lease_s)[0]
+
+    def batched_release(self, leases: Sequence[SharedLease]) -> None:
+        """Release every lease in one RELEASE per connection (never raises)."""
+        by_conn: dict[int, tuple[ServerConnection, list[int]]] = {}
+        for lease in leases:
+            if lease._released:
+                continue
+            lease._released = True
+            conn = lease.obj._conn
+            by_conn.setdefault(id(conn), (conn, []))[1].append(lease._id)
+        for conn, ids in by_conn.values():
+            self._release(conn, ids)
 
     def delete(self, key: str) -> bool:
         """Not supported on the shared L1 (eviction is the server's): always False."""
         return False
 
-    def _release(self, conn: ServerConnection, lease_id: int) -> None:
+    def _release(self, conn: ServerConnection, lease_ids: list[int]) -> None:
         if conn.closed:
             return
-        with contextlib.suppress(ServerUnavailable):
-            conn.request(Op.RELEASE, {"leases": [lease_id]})
+        for start in range(0, len(lease_ids), MAX_KEYS):
+            with contextlib.suppress(ServerUnavailable):
+                conn.request(Op.RELEASE, {"leases": lease_ids[start : start + MAX_KEYS]})
+
+    # ------------------------------------------------------------------ admin
+    def clear(self) -> int | None:
+        """CLEAR (admin role): drop every unleased published object; how many, None when cache-off."""
+        got = self._call(Op.CLEAR, {})
+        return None if got is None else int(got[1]["cleared"])
+
+    def drain(self, timeout_s: float) -> bool:
+        """DRAIN (admin role): wait until the server's write-behind queue to L2 is empty (at most
+        ``timeout_s``); False on timeout or cache-off."""
+        got = self._call(Op.DRAIN, {"timeout_s": timeout_s}, wait_s=timeout_s)
+        return got is not None and bool(got[1]["drained"])
 
     def server_stats(self) -> dict[str, Any] | None:
         """The server's STATS reply, None when cache-off."""

@@ -7,24 +7,49 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tiercache.server.segment import SlotClass
 from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOptions
 
+if TYPE_CHECKING:
+    from tiercache.config import Config
+
 __all__ = ["main", "run_server"]
 
 
-async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
-    server = L1Server(options)
-    await server.start()
+async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: Config | None) -> None:
+    tiers = []
+    if config is not None and config.tiers:
+        from tiercache.store.manager import open_tiers
+
+        tiers = await open_tiers(
+            config
+        )  # a tier down now is kept as a down tier, re-opened in the background
+    try:
+        server = L1Server(options, tiers=tiers, policy=None if config is None else config.manager)
+        await server.start()
+    except BaseException:
+        for _, adapter, _ in tiers:
+            await adapter.aclose()
+        raise
     if metrics is not None:
         from tiercache.server.metrics import serve_metrics
 
         port = serve_metrics(server, *metrics)
         print(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics", flush=True)
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def stop() -> None:
+        if stopping:
+            return  # already stopping (draining): a second signal changes nothing
+        pending = 0 if server.storage is None else server.storage.pending_stores()
+        print(f"tiercache server stopping; draining {pending} pending L2 stores", flush=True)
+        stopping.append(loop.create_task(server.stop()))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+        loop.add_signal_handler(sig, stop)
     print(f"tiercache server listening on {options.socket_path} epoch {server.epoch}", flush=True)
     try:
         await server.serve_forever()
@@ -32,11 +57,14 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None) -> None:
         await server.stop()
 
 
-def run_server(options: ServerOptions, *, metrics: tuple[str, int] | None = None) -> int:
-    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``); 0 on a clean stop, 2 when
-    another server holds the socket path. Prints the metrics line first, then the ready line."""
+def run_server(
+    options: ServerOptions, *, metrics: tuple[str, int] | None = None, config: Config | None = None
+) -> int:
+    """Serve until a stop signal (``metrics``: (host, port) of ``/metrics``; ``config``: its L2 tiers and
+    manager policy run in the server); 0 on a clean stop, 2 when another server holds the socket path.
+    Prints the metrics line first, then the ready line."""
     try:
-        asyncio.run(_run(options, metrics))
+        asyncio.run(_run(options, metrics, config))
     except ServerAlreadyRunning as exc:
         print(f"tiercache serve: {exc}", file=sys.stderr)
         return 2

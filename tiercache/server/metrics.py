@@ -41,7 +41,14 @@ class ServerCollector(Collector):
             "ALLOC keys refused for lack of room",
             value=stats["alloc_failures"],
         )
+        storage = self.server.storage
+        yield GaugeMetricFamily(
+            "tiercache_server_pending_stores",
+            "write-behind stores to L2 queued or in flight",
+            value=0 if storage is None else storage.pending_stores(),
+        )
         for name, help_text in (
+            ("drain_timeouts", "stops whose L2 drain passed drain_s (stores dropped)"),
             ("protocol_errors", "connections dropped for a malformed message"),
             ("refused_peers", "connections refused by the uid/gid check"),
             ("connections", "connections accepted"),
@@ -51,7 +58,8 @@ class ServerCollector(Collector):
 
 def serve_metrics(server: L1Server, host: str, port: int) -> int:
     """Start the ``/metrics`` HTTP endpoint in a daemon thread; returns the bound port (``port`` 0 = any)."""
-    registry = CollectorRegistry()
+    storage = server.storage
+    registry = CollectorRegistry() if storage is None else storage.manager.metrics.registry  # tier metrics
     registry.register(ServerCollector(server))
     httpd, _ = start_http_server(port, addr=host, registry=registry)
     return int(httpd.server_port)

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:
+    from tiercache.spec import KVSpec
 
 __all__ = [
     "MAX_KEYS",
     "MAX_MESSAGE",
+    "MAX_WAIT_S",
     "PROTOCOL_VERSION",
     "Message",
     "Op",
     "ProtocolError",
     "decode",
     "encode",
+    "meta_spec",
+    "spec_meta",
 ]
 
 PROTOCOL_VERSION = 1
@@ -28,6 +34,7 @@ MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit 
 MAX_KEYS = 1024  # keys/slots/leases in one request
 MAX_KEY_LEN = 512
 MAX_META_LEN = 256  # a KV spec takes ~30 bytes
+MAX_WAIT_S = 3600.0  # longest wait a request may ask for (LOOKUP wait_s, DRAIN timeout_s)
 
 
 class ProtocolError(ValueError):
@@ -45,6 +52,8 @@ class Op(enum.IntEnum):
     RELEASE = 6
     END = 7
     STATS = 8
+    CLEAR = 9
+    DRAIN = 10
     OK = 64
     ERR = 65
 
@@ -93,6 +102,12 @@ def _bool(v: object, what: str) -> bool:
     return v
 
 
+def _seconds(v: object, what: str) -> float:
+    if type(v) not in (int, float) or not 0 <= v <= MAX_WAIT_S:  # type: ignore[operator]
+        raise ProtocolError(f"{what} must be a number of seconds in [0, {MAX_WAIT_S:g}]")
+    return float(v)  # type: ignore[arg-type]
+
+
 def _slot_refs(v: object) -> list[tuple[int, int]]:
     out = []
     for ref in _list(v, "slots"):
@@ -109,11 +124,14 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
         if type(role) is not str or len(role) > 32:
             raise ProtocolError("HELLO needs role: str")
         return {"role": role}
-    if op is Op.LOOKUP:
+    if op is Op.LOOKUP:  # l2 / prefetch / wait_s are optional (L1-only clients leave them out)
         return {
             "keys": _keys(body.get("keys")),
             "pin": _bool(body.get("pin"), "pin"),
             "prefix": _bool(body.get("prefix"), "prefix"),
+            "l2": _bool(body.get("l2", False), "l2"),
+            "prefetch": _bool(body.get("prefetch", False), "prefetch"),
+            "wait_s": _seconds(body.get("wait_s", 0.0), "wait_s"),
         }
     if op is Op.ALLOC:
         keys = _keys(body.get("keys"))
@@ -129,8 +147,10 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
         return {"slots": _slot_refs(body.get("slots"))}
     if op is Op.RELEASE:
         return {"leases": [_u64(x, "lease") for x in _list(body.get("leases"), "leases")]}
-    if op in (Op.END, Op.STATS):
+    if op in (Op.END, Op.STATS, Op.CLEAR):
         return {}
+    if op is Op.DRAIN:
+        return {"timeout_s": _seconds(body.get("timeout_s"), "timeout_s")}
     raise ProtocolError(f"{op.name} is not a request")
 
 
@@ -159,3 +179,31 @@ def decode(data: bytes, *, request: bool = True) -> Message:
     if op not in (Op.OK, Op.ERR):
         raise ProtocolError(f"{op.name} is not a reply")
     return Message(epoch, op, req_id, body)
+
+
+def spec_meta(spec: KVSpec) -> bytes:
+    """A KV spec as the slot metadata of ALLOC (msgpack, ~30 bytes)."""
+    meta: bytes = msgpack.packb(
+        [
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            int(spec.format),
+            spec.tokens,
+            spec.layer_start,
+            spec.layer_end,
+        ]
+    )
+    return meta
+
+
+def meta_spec(meta: bytes) -> KVSpec | None:
+    """The KV spec in slot metadata; None for anything else (another client's garbage is a miss)."""
+    from tiercache.spec import KVFormat, KVSpec
+
+    try:
+        f = msgpack.unpackb(meta)
+        return KVSpec(f[0], f[1], f[2], f[3], KVFormat(f[4]), f[5], f[6], f[7])
+    except Exception:
+        return None

@@ -8,10 +8,17 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["FREE", "PUBLISHED", "RESERVED", "SLOT_ALIGN", "Segment", "SlotClass"]
+if TYPE_CHECKING:
+    import torch
+
+    from tiercache.spec import KVSpec
+    from tiercache.store.l1 import ObjectState
+
+__all__ = ["FREE", "PUBLISHED", "RESERVED", "SLOT_ALIGN", "Segment", "SlotClass", "SlotObject"]
 
 SLOT_ALIGN = 64  # every slot starts on a cache line
 FREE, RESERVED, PUBLISHED = 0, 1, 2
@@ -87,3 +94,34 @@ class Segment:
         """A writable view of the first ``nbytes`` of ``slot`` (no copy)."""
         off = self.offsets[slot]
         return self.view[off : off + nbytes]
+
+
+class SlotObject:
+    """A slot of a segment holding ``spec`` at generation ``gen`` (WRITING after a reservation, READY when
+    published); no-copy views of its memory."""
+
+    __slots__ = ("gen", "key", "seg", "slot", "spec", "state")
+
+    def __init__(self, seg: Segment, key: str, spec: KVSpec, slot: int, gen: int, state: ObjectState):
+        self.seg = seg
+        self.key = key
+        self.spec = spec
+        self.slot = slot
+        self.gen = gen
+        self.state = state
+
+    def buffer(self) -> memoryview:
+        """A writable uint8 view of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
+        return self.seg.buffer(self.slot, self.spec.nbytes)
+
+    def tensor(self) -> torch.Tensor:
+        """A no-copy view shaped ``spec.shape`` with the spec's dtype on the slot's memory."""
+        import torch
+
+        raw = torch.frombuffer(self.buffer(), dtype=torch.uint8)
+        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+
+    def __repr__(self) -> str:
+        """Debug representation."""
+        name = type(self).__name__
+        return f"{name}(key={self.key!r}, state={self.state.name}, slot={self.slot}, gen={self.gen})"

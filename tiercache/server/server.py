@@ -2,7 +2,9 @@
 
 HELLO hands out the segment fds (SCM_RIGHTS) and the epoch. A connection's leases drop when it closes; its
 reservations are freed only once its process has exited (pidfd readable): no late copy lands in a reused
-slot.
+slot. With L2 tiers (:class:`~tiercache.server.storage.ServerStorage`) a COMMIT queues the chunks for the
+write-behind to L2, a LOOKUP with ``l2`` answers across L1 + L2 and starts the L2 -> L1 prefetch, and a stop
+drains the write-behind for at most ``drain_s``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,17 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiercache.server.protocol import MAX_MESSAGE, Message, Op, ProtocolError, decode, encode
 from tiercache.server.segment import Segment, SlotClass
 from tiercache.server.slots import SlotTable
+
+if TYPE_CHECKING:
+    from tiercache.adapters import Adapter
+    from tiercache.config import ManagerConfig
+    from tiercache.serde import CodecPipeline
+    from tiercache.server.storage import ServerStorage
 
 __all__ = ["L1Server", "ServerAlreadyRunning", "ServerOptions", "claim_socket_path"]
 
@@ -50,6 +58,7 @@ class ServerOptions:
     mode: int = 0o600
     group: int | None = None  # gid that owns the socket (mode then usually 0o660); its members are allowed
     allowed_uids: frozenset[int] = field(default_factory=frozenset)
+    drain_s: float = 10.0  # on stop, how long the write-behind to L2 may take to drain
 
 
 def claim_socket_path(path: str) -> None:
@@ -86,20 +95,35 @@ class _Conn:
 class L1Server:
     """Owns one epoch's segment and slot table and serves clients until :meth:`stop`."""
 
-    def __init__(self, options: ServerOptions, *, epoch: int | None = None) -> None:
-        """Create the segment (memfd) for a new epoch; nothing listens until :meth:`start`."""
+    def __init__(
+        self,
+        options: ServerOptions,
+        *,
+        epoch: int | None = None,
+        tiers: Sequence[tuple[str, Adapter, CodecPipeline]] = (),
+        policy: ManagerConfig | None = None,
+    ) -> None:
+        """Create the segment (memfd) for a new epoch and, with ``tiers`` (opened L2 tiers, closed by
+        :meth:`stop`), the storage that runs them; nothing listens until :meth:`start`. Construct inside the
+        event loop that will serve."""
         self.options = options
         self.epoch = epoch if epoch is not None else time.time_ns() & (2**62 - 1)
         self.segment, self._data_fd, self._header_fd = Segment.create(options.slot_classes, self.epoch)
         self.table = SlotTable(self.segment)
+        self.storage: ServerStorage | None = None
+        if tiers:
+            from tiercache.server.storage import ServerStorage
+
+            self.storage = ServerStorage(self.table, tiers, policy)
         self._listener: socket.socket | None = None
         self._socket_id = (0, 0)
         self._conns: dict[int, _Conn] = {}
         self._cids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._pidfds: dict[int, int] = {}  # cid -> pidfd waited on for freeing reservations
-        self._stopped = asyncio.Event()
-        self.counters = {"protocol_errors": 0, "refused_peers": 0, "connections": 0}
+        self._stopped = asyncio.Event()  # stop() began
+        self._finished = asyncio.Event()  # stop() completed (drained, closed)
+        self.counters = {"protocol_errors": 0, "refused_peers": 0, "connections": 0, "drain_timeouts": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -124,12 +148,14 @@ class L1Server:
         log.info("tiercache server epoch %d on %s (%d slots)", self.epoch, path, self.segment.num_slots)
 
     async def serve_forever(self) -> None:
-        """Wait until :meth:`stop` was called."""
-        await self._stopped.wait()
+        """Wait until :meth:`stop` was called and has finished (its drain included)."""
+        await self._finished.wait()
 
     async def stop(self) -> None:
-        """Close the listener and every connection, unlink the socket, close the memfds; idempotent."""
+        """Close the listener and every connection, unlink the socket, drain the write-behind to L2 (at most
+        ``drain_s``), close the tiers and the memfds; idempotent."""
         if self._stopped.is_set():
+            await self._finished.wait()
             return
         self._stopped.set()
         loop = asyncio.get_running_loop()
@@ -148,8 +174,21 @@ class L1Server:
             os.close(fd)
         self._pidfds.clear()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.storage is not None:
+            pending = self.storage.pending_stores()
+            if not await self.storage.drain(self.options.drain_s):
+                self.counters["drain_timeouts"] += 1
+                log.warning(
+                    "stop: %d L2 stores still pending after %.1f s; dropped",
+                    self.storage.pending_stores(),
+                    self.options.drain_s,
+                )
+            elif pending:
+                log.info("stop: drained %d pending L2 stores", pending)
+            await self.storage.aclose()
         os.close(self._data_fd)
         os.close(self._header_fd)
+        self._finished.set()
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -201,7 +240,7 @@ class L1Server:
                     return  # EOF: the peer closed or died
                 try:
                     msg = decode(data)
-                    reply, fds = self._handle(conn, msg)
+                    reply, fds = await self._handle(conn, msg)
                 except ProtocolError as exc:
                     self.counters["protocol_errors"] += 1
                     log.warning("protocol error from pid %d: %s; dropping the connection", conn.pid, exc)
@@ -254,26 +293,41 @@ class L1Server:
         log.info("peer of connection %d exited; freed %d reservations", cid, freed)
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: _Conn, msg: Message) -> tuple[bytes, list[int]]:
+    async def _handle(self, conn: _Conn, msg: Message) -> tuple[bytes, list[int]]:
         """The reply (and fds to pass) for one validated request."""
         body = msg.body
         if msg.op is Op.HELLO:
             conn.role = body["role"]
             classes = [[c.slot_bytes, c.count] for c in self.segment.classes]
-            reply = {"epoch": self.epoch, "classes": classes, "pid": os.getpid()}
+            tiers = [] if self.storage is None else self.storage.tier_names
+            reply = {"epoch": self.epoch, "classes": classes, "pid": os.getpid(), "tiers": tiers}
             return encode(Op.OK, self.epoch, msg.req_id, reply), [self._data_fd, self._header_fd]
         if msg.epoch != self.epoch:
-            err = {"code": "stale_epoch", "message": f"epoch {msg.epoch} is not {self.epoch}"}
-            return encode(Op.ERR, self.epoch, msg.req_id, err), []
-        cid, t = conn.cid, self.table
+            return self._error(msg, "stale_epoch", f"epoch {msg.epoch} is not {self.epoch}")
+        if msg.op in (Op.CLEAR, Op.DRAIN) and conn.role != "admin":
+            return self._error(msg, "forbidden", f"{msg.op.name} needs a connection with role admin")
+        cid, t, storage = conn.cid, self.table, self.storage
         out: dict[str, Any]
         if msg.op is Op.LOOKUP:
-            hits = t.lookup(cid, body["keys"], pin=body["pin"], prefix=body["prefix"])
+            keys = body["keys"]
+            levels = None
+            if body["l2"] and storage is not None:
+                if body["pin"] and body["wait_s"] > 0:  # a read: load the L2 prefix first (bounded)
+                    await storage.load(keys, body["wait_s"])
+                else:
+                    levels = await storage.locate(keys, prefetch=body["prefetch"])
+            hits = t.lookup(cid, keys, pin=body["pin"], prefix=body["prefix"])
             out = {"hits": hits}  # a Hit is a tuple: [slot, generation, nbytes, meta, lease] on the wire
+            if levels is not None:
+                out["levels"] = levels  # per key: 0 = L1, n = L2 tier n (prefetching), -1 = nowhere
         elif msg.op is Op.ALLOC:
             out = {"slots": t.alloc(cid, body["keys"], body["nbytes"], body["meta"])}
         elif msg.op is Op.COMMIT:
-            out = {"ok": t.commit(cid, body["slots"])}
+            refs = body["slots"]
+            ok = t.commit(cid, refs)
+            if storage is not None:
+                storage.published([t.key_of(slot) for (slot, _), good in zip(refs, ok, strict=True) if good])
+            out = {"ok": ok}
         elif msg.op is Op.ABORT:
             out = {"ok": t.abort(cid, body["slots"])}
         elif msg.op is Op.RELEASE:
@@ -282,10 +336,18 @@ class L1Server:
         elif msg.op is Op.END:
             t.drop_leases(cid)
             out = {}
+        elif msg.op is Op.CLEAR:
+            out = {"cleared": t.clear()}
+        elif msg.op is Op.DRAIN:
+            drained = True if storage is None else await storage.drain(body["timeout_s"])
+            out = {"drained": drained, "pending": 0 if storage is None else storage.pending_stores()}
         else:  # STATS
             out = {**t.stats(), **self.counters, "clients": len(self._conns), "epoch": self.epoch}
+            out["pending_stores"] = 0 if storage is None else storage.pending_stores()
         try:
             return encode(Op.OK, self.epoch, msg.req_id, out), []
         except ProtocolError as exc:  # the answer is too large: the request's fault is not a protocol error
-            err = {"code": "too_large", "message": str(exc)}
-            return encode(Op.ERR, self.epoch, msg.req_id, err), []
+            return self._error(msg, "too_large", str(exc))
+
+    def _error(self, msg: Message, code: str, message: str) -> tuple[bytes, list[int]]:
+        return encode(Op.ERR, self.epoch, msg.req_id, {"code": code, "message": message}), []

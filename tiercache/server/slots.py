@@ -188,6 +188,18 @@ class SlotTable:
                 self._free_slot(slot)
         return len(slots)
 
+    def key_of(self, slot: int) -> str:
+        """The key a RESERVED or PUBLISHED ``slot`` holds ("" when FREE)."""
+        return self._slots[slot].key
+
+    def clear(self) -> int:
+        """Free every PUBLISHED slot without a lease (CLEAR); reservations and leased slots stay. The number
+        freed."""
+        unleased = [slot for lru in self._lru for slot in lru if not self._slots[slot].leases]
+        for slot in unleased:
+            self._free_slot(slot)
+        return len(unleased)
+
     def reserved_by(self, conn: int) -> int:
         """How many slots ``conn`` holds RESERVED."""
         return len(self._conn_reserved.get(conn, ()))

@@ -392,9 +392,9 @@ class CacheEngine:
         chunks = contiguous_prefix(
             all(leases[c * layers + layer] is not None for layer in range(layers)) for c in range(len(wanted))
         )
-        for lease in leases[chunks * layers :]:  # beyond the prefix: not needed
-            if lease is not None:
-                lease.release()
+        beyond = [lease for lease in leases[chunks * layers :] if lease is not None]
+        if beyond:  # beyond the prefix: not needed (one release call)
+            self.manager.l1.batched_release(beyond)
         used = [lease for lease in leases[: chunks * layers] if lease is not None]
         block = self.layout.block_size if self.layout.block_aligned else None
         hit_end = wanted[chunks - 1][1] if chunks else local
@@ -547,8 +547,8 @@ class PreparedRetrieve:
             all(self.leases[c * layers + layer].valid() for layer in range(layers))
             for c in range(len(self.chunks))
         )
-        for lease in self.leases:
-            lease.release()
+        if self.leases:
+            self.engine.manager.l1.batched_release(self.leases)  # one RELEASE round trip on the shared L1
         ret_mask = torch.zeros(self.num_tokens, dtype=torch.bool)
         good_end = self.chunks[valid - 1][1] if valid else self.local
         if good_end > self.local:

@@ -333,6 +333,25 @@ class L1Cache:
             self._current(obj, ObjectState.WRITING)
             self._free_slot(obj)
 
+    def batched_reserve_write(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[KVObject | None]:
+        """:meth:`reserve_write` for each key (one call, as on the shared L1)."""
+        return [self.reserve_write(key, spec) for key, spec in zip(keys, specs, strict=True)]
+
+    def batched_finish_write(self, objs: Sequence[KVObject]) -> None:
+        """:meth:`finish_write` for each object."""
+        for obj in objs:
+            self.finish_write(obj)
+
+    def batched_abort_write(self, objs: Sequence[KVObject]) -> None:
+        """:meth:`abort_write` for each object."""
+        for obj in objs:
+            self.abort_write(obj)
+
+    def batched_release(self, leases: Sequence[L1Lease]) -> None:
+        """Release each lease."""
+        for lease in leases:
+            lease.release()
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is READY (does not touch LRU order)."""
         with self._lock:

@@ -1,97 +1,55 @@
-"""The storage manager: L1 plus ordered L2 tiers behind one async, batched API.
+"""The storage manager: L1 plus ordered L2 tiers behind one async, batched API (a thin façade).
 
-Every L2 call has a deadline; an error or timeout is a miss for that tier and a metric, and repeated failures
-open the tier's circuit. Stores to L2 run in the background through bounded queues (full: dropped and counted,
-never blocking the caller). Lookups stop at the first miss (``contiguous_prefix``); a hit below L1 starts a
-prefetch (L2 -> decode -> L1) bounded by a deadline.
+The parts: :class:`~tiercache.store.tier.TierClient` (one L2 tier under deadlines, circuit and metrics),
+:class:`~tiercache.store.store_controller.StoreController` (write-behind L1 -> L2 through bounded queues:
+full means dropped and counted, never blocking the caller) and
+:class:`~tiercache.store.prefetch_controller.PrefetchController` (L2 -> decode -> L1). Lookups stop at the
+first miss (``contiguous_prefix``); a hit below L1 starts a prefetch bounded by a deadline.
+
+Server mode: on an L1 that :class:`~tiercache.store.l1_surface.LocatesL2` (the server's shared L1) the
+server owns the L2 tiers and both controllers; this manager then has no tiers of its own (one owner of L2).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercache.config import ManagerConfig
-from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
 from tiercache.metrics import Metrics
-from tiercache.store.circuit import CircuitBreaker
-from tiercache.store.l1_frames import check_tier, decode_into_l1, encode_from_l1, l1_codec
+from tiercache.store.hits import L1_TIER, PrefixHit, TierHit
+from tiercache.store.l1_frames import check_tier, l1_codec
+from tiercache.store.l1_surface import LocatesL2
+from tiercache.store.prefetch_controller import PrefetchController
+from tiercache.store.store_controller import STORE_LEASE_DEADLINES, StoreController
+from tiercache.store.tier import TierClient, open_tier_adapter
 
 if TYPE_CHECKING:
-    from tiercache.adapters import Adapter, Buffer
-    from tiercache.config import Config, TierConfig
+    from tiercache.adapters import Adapter
+    from tiercache.config import Config
     from tiercache.serde import CodecPipeline
     from tiercache.spec import KVSpec
-    from tiercache.store.l1 import KVObject, L1Cache, L1Lease
+    from tiercache.store.l1_surface import AnyL1
 
-__all__ = ["L1_TIER", "L2Tier", "PrefixHit", "StorageManager", "TierHit"]
+__all__ = [
+    "L1_TIER",
+    "STORE_LEASE_DEADLINES",
+    "L2Tier",
+    "PrefixHit",
+    "StorageManager",
+    "TierHit",
+]
 
-log = logging.getLogger(__name__)
-
-L1_TIER = "L1"
 T = TypeVar("T")
 
-STORE_LEASE_DEADLINES = 8
-"""A queued background store holds its L1 object for this many ``l2_deadline_s``: time to wait in the
-queue behind other batches, encode and put; past it the lease lapses and the store is dropped
-(``lease_expired``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TierHit:
-    """Where a chunk was found: tier name and level (0 = L1, 1.. = L2 tiers in order)."""
-
-    tier: str
-    level: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The contiguous cached prefix of a key list: its length in chunks and the tier serving each chunk."""
-
-    chunks: int
-    tiers: tuple[str, ...]
-    hits: tuple[TierHit | None, ...] = ()
-    """Where each key asked for was found (None: nowhere); ``batched_get(hits=...)`` reuses it."""
-
-    def count(self, tier: str) -> int:
-        """Chunks of the prefix served by ``tier``."""
-        return self.tiers.count(tier)
-
-
-@dataclass
-class L2Tier:
-    """One opened L2 tier: adapter, codec pipeline, circuit breaker and background store queue."""
-
-    name: str
-    adapter: Adapter
-    pipeline: CodecPipeline
-    breaker: CircuitBreaker
-    queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
-    worker: asyncio.Task[None] | None = None
-    late: set[asyncio.Future[Any]] = field(default_factory=set)
-    store_error_logged: bool = False
-    """Puts that outlived their deadline and are still landing (counted when they end)."""
-
-
-class _Late:
-    """Marks a call still running past its deadline (its outcome is delivered later)."""
-
-
-def _late_done(
-    pending: set[asyncio.Future[Any]], late: Callable[[T | None], None], task: asyncio.Future[T]
-) -> None:
-    pending.discard(task)
-    late(None if task.cancelled() or task.exception() is not None else task.result())
+L2Tier = TierClient
+"""The former name of :class:`~tiercache.store.tier.TierClient` (``StorageManager.tiers`` holds them)."""
 
 
 class StorageManager:
@@ -99,7 +57,7 @@ class StorageManager:
 
     def __init__(
         self,
-        l1: L1Cache,
+        l1: AnyL1,
         tiers: Sequence[tuple[str, Adapter, CodecPipeline]] = (),
         policy: ManagerConfig | None = None,
         *,
@@ -109,26 +67,25 @@ class StorageManager:
         read_timer: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.l1 = l1
-        self._read_timer = read_timer  # awaited for an L2 read's deadline (tests inject a controlled one)
+        self.remote = isinstance(l1, LocatesL2)
+        """Server mode: the L1's owner runs the L2 tiers and controllers."""
+        if self.remote and tiers:
+            raise ValueError("on a server's shared L1 the server owns the L2 tiers: pass no tiers here")
         self.policy = policy or ManagerConfig()
         self.metrics = metrics or Metrics()
-        self.store_batch = store_batch
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
-        self.tiers: list[L2Tier] = []
-        self._l1_codec = l1_codec(l1)
-        for name, adapter, pipeline in tiers:
-            check_tier(self._l1_codec, name, pipeline)
-            tier = L2Tier(
-                name,
-                adapter,
-                pipeline,
-                CircuitBreaker(self.policy.circuit_failures, self.policy.circuit_cooldown_s, clock),
-                asyncio.Queue(self.policy.store_queue_size),
-            )
-            self.tiers.append(tier)
-            self.metrics.store_queue_depth.labels(name).set_function(tier.queue.qsize)
-            self.metrics.tier_down.labels(name).set_function(partial(_is_down, adapter))
-        self._prefetching: dict[str, asyncio.Future[bool]] = {}
+        for name, _, pipeline in tiers:
+            check_tier(l1_codec(l1), name, pipeline)
+        self.tiers = [
+            TierClient(name, adapter, pipeline, self.policy, self.metrics, clock)
+            for name, adapter, pipeline in tiers
+        ]
+        self.store = StoreController(
+            l1, self.tiers, self.policy, self.metrics, self._run, store_batch=store_batch
+        )
+        self.prefetch = PrefetchController(
+            l1, self.tiers, self.policy, self.metrics, self._run, read_timer=read_timer
+        )
         self._closed = False
 
     @classmethod
@@ -145,93 +102,18 @@ class StorageManager:
         A tier whose backend is down (a transport error at open) is kept as a down tier: its calls are
         misses until a background re-open (first after ``reopen_delay_s``, then with doubling backoff)
         succeeds. Configuration errors still raise here."""
-        from tiercache.serde import build_pipeline
         from tiercache.store.l1 import L1Cache
 
         l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned, codec=config.l1.codec)
-        opened: list[tuple[str, Adapter, CodecPipeline]] = []
-        try:
-            for tier in config.tiers:
-                pipeline = build_pipeline(list(tier.codecs))
-                adapter = await _open_or_down(tier, reopen_delay_s)
-                opened.append((tier.name, adapter, pipeline))
-        except BaseException:
-            for _, adapter, _ in opened:
-                await adapter.aclose()
-            raise
-        return cls(l1, opened, config.manager, metrics=metrics)
-
-    # ----- L2 calls: deadline, circuit, metrics ------------------------------------------------------------
-    async def _call(
-        self,
-        tier: L2Tier,
-        op: str,
-        call: Callable[[], Awaitable[T]],
-        deadline_s: float,
-        late: Callable[[T | None], None] | None = None,
-    ) -> T | None:
-        """Run one adapter call under the tier's deadline and circuit; None means it failed (a miss).
-
-        With ``late``, the call's outcome (its result, or None where it failed) is also handed to ``late``,
-        and a call still running at the deadline is not cancelled (a write may be landing): it counts as a
-        timeout now and ``late`` gets its outcome when it ends."""
-        outcome = await self._attempt(tier, op, call, deadline_s, late)
-        if late is not None and not isinstance(outcome, _Late):
-            late(outcome)
-        return None if isinstance(outcome, _Late) else outcome
-
-    async def _attempt(
-        self,
-        tier: L2Tier,
-        op: str,
-        call: Callable[[], Awaitable[T]],
-        deadline_s: float,
-        late: Callable[[T | None], None] | None,
-    ) -> T | _Late | None:
-        if not tier.breaker.allow():
-            return None
-        probe = tier.breaker.probing  # this call holds the half-open probe: it must resolve it
-        started = time.perf_counter()
-        task = asyncio.ensure_future(call())
-        try:
-            done, _ = await asyncio.wait({task}, timeout=deadline_s)
-        except asyncio.CancelledError:
-            task.cancel()
-            if tier.breaker.abandon(probe):
-                self.metrics.circuit_open.labels(tier.name).set(1)
-            raise
-        finally:
-            self.metrics.latency.labels(tier.name, op).observe(time.perf_counter() - started)
-        if not done:
-            self._failed(tier, op)
-            if late is None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                return None
-            tier.late.add(task)
-            task.add_done_callback(partial(_late_done, tier.late, late))
-            return _Late()
-        if task.cancelled() or task.exception() is not None:
-            self._failed(tier, op)
-            return None
-        tier.breaker.record_success()
-        self.metrics.circuit_open.labels(tier.name).set(0)
-        return task.result()
-
-    def _failed(self, tier: L2Tier, op: str) -> None:
-        self.metrics.errors.labels(tier.name, op).inc()
-        if tier.breaker.record_failure():
-            self.metrics.circuit_open.labels(tier.name).set(1)
+        return cls(l1, await open_tiers(config, reopen_delay_s), config.manager, metrics=metrics)
 
     async def _run(self, fn: Callable[[], T]) -> T:
+        """Run a codec job on the codec threads."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ----- allocation and puts ------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def writing(
-        self, keys: Sequence[str], specs: Sequence[KVSpec]
-    ) -> AsyncIterator[list[KVObject | None]]:
+    async def writing(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> AsyncIterator[list[Any]]:
         """A write session: reserve L1 objects (None where the key is stored already or L1 is full), let the
         caller fill them, then publish and queue them for L2 on exit; on an exception every reserved object
         is aborted (never visible) and the exception propagates."""
@@ -240,118 +122,33 @@ class StorageManager:
         try:
             yield objects
         except BaseException:
-            for obj in reserved:
-                self.l1.abort_write(obj)
+            if reserved:
+                self.l1.batched_abort_write(reserved)
             raise
         if reserved:
             await self.batched_put(reserved)
 
-    async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[KVObject | None]:
-        """Reserve L1 objects to write into; None where the key is already stored or L1 has no room."""
-        objects = [self.l1.reserve_write(key, spec) for key, spec in zip(keys, specs, strict=True)]
-        failures = sum(
-            obj is None and not self.l1.contains(key) for obj, key in zip(objects, keys, strict=True)
-        )
-        if failures:
-            self.metrics.l1_alloc_failures.inc(failures)
+    async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[Any]:
+        """Reserve L1 objects to write into (one call); None where the key is already stored or L1 has no
+        room (counted in ``tiercache_l1_alloc_failures``; in server mode the server counts them, as
+        ``tiercache_server_alloc_failures``, and no second round trip tells the two apart)."""
+        objects = self.l1.batched_reserve_write(keys, specs)
+        refused = [key for obj, key in zip(objects, keys, strict=True) if obj is None]
+        if refused and not self.remote:
+            failures = sum(not present for present in self.l1.batched_contains(refused))
+            if failures:
+                self.metrics.l1_alloc_failures.inc(failures)
         return objects
 
-    async def batched_put(self, objects: Sequence[KVObject]) -> None:
-        """Publish written objects in L1 and queue them for every L2 tier (never blocks on L2)."""
-        for obj in objects:
-            self.l1.finish_write(obj)
-        for tier in self.tiers:
-            for obj in objects:
-                lease = self.l1.acquire(obj.key, lease_s=self.policy.l2_deadline_s * STORE_LEASE_DEADLINES)
-                if lease is None:
-                    self.metrics.stores_dropped.labels(tier.name, "evicted").inc()
-                    continue
-                try:
-                    tier.queue.put_nowait((obj.key, lease))
-                except asyncio.QueueFull:
-                    lease.release()
-                    self.metrics.stores_dropped.labels(tier.name, "queue_full").inc()
-                    continue
-                if tier.worker is None or tier.worker.done():
-                    tier.worker = asyncio.get_running_loop().create_task(self._store_worker(tier))
-
-    async def _store_worker(self, tier: L2Tier) -> None:
-        """Drain a tier's store queue in batches: encode off the loop, then one batched put.
-
-        Survives any exception of a codec or adapter: the batch is dropped and counted
-        (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
-        while not tier.queue.empty():
-            batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
-            try:
-                await self._store_batch(tier, batch)
-            except Exception as exc:
-                self.metrics.stores_dropped.labels(tier.name, "error").inc(len(batch))
-                if not tier.store_error_logged:
-                    tier.store_error_logged = True
-                    log.error(
-                        "tier %s: a background store failed (%r); later failures are only counted",
-                        tier.name,
-                        exc,
-                    )
-            finally:
-                for _, lease in batch:
-                    lease.release()
-
-    async def _store_batch(self, tier: L2Tier, batch: list[tuple[str, L1Lease]]) -> None:
-        limit = tier.adapter.capabilities.max_value_bytes
-        too_large = 0
-
-        def encode() -> list[tuple[str, bytearray]]:
-            nonlocal too_large
-            frames = []
-            for key, lease in batch:
-                frame = encode_from_l1(tier.pipeline, lease.obj, self._l1_codec)
-                if not lease.valid():  # the slot was reused while we read it
-                    continue
-                if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
-                    too_large += 1
-                    continue
-                frames.append((key, frame))
-            return frames
-
-        frames = await self._run(encode)
-        if too_large:
-            self.metrics.stores_dropped.labels(tier.name, "too_large").inc(too_large)
-        dropped = len(batch) - len(frames) - too_large
-        if dropped:
-            self.metrics.stores_dropped.labels(tier.name, "lease_expired").inc(dropped)
-        if not frames:
-            return
-        keys = [k for k, _ in frames]
-        values = [f for _, f in frames]
-        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
-            # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
-            await asyncio.wait(set(tier.late))
-        await self._call(
-            tier,
-            "put",
-            lambda: tier.adapter.batched_put(keys, values),
-            self.policy.l2_deadline_s,
-            late=partial(self._count_stores, tier, values),
-        )
-
-    def _count_stores(self, tier: L2Tier, values: list[bytearray], stored: list[bool] | None) -> None:
-        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
-        if stored is None:
-            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
-            return
-        for ok, value in zip(stored, values, strict=True):
-            if ok:
-                self.metrics.stores.labels(tier.name).inc()
-                self.metrics.bytes_written.labels(tier.name).inc(len(value))
-            else:
-                self.metrics.stores_dropped.labels(tier.name, "refused").inc()
+    async def batched_put(self, objects: Sequence[Any]) -> None:
+        """Publish written objects in L1 (one call) and queue them for every L2 tier (never blocks on L2)."""
+        self.l1.batched_finish_write(objects)
+        if self.tiers:
+            self.store.submit([obj.key for obj in objects])
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued background store has finished (tests, shutdown, the demo)."""
-        workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
-        if workers:
-            await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout_s)
+        await self.store.drain(timeout_s)
 
     # ----- lookups ------------------------------------------------------------------------------------------
     async def batched_contains(
@@ -359,6 +156,9 @@ class StorageManager:
     ) -> list[TierHit | None]:
         """For each key, the first tier (L1, then L2 in order) that holds it now; None where none does."""
         wanted = None if tiers is None else set(tiers)
+        if isinstance(self.l1, LocatesL2):
+            located = self.l1.batched_locate(keys, prefetch=False)
+            return [h if h is not None and (wanted is None or h.tier in wanted) else None for h in located]
         hits: list[TierHit | None] = [None] * len(keys)
         if wanted is None or L1_TIER in wanted:
             l1_hit = TierHit(L1_TIER, 0)
@@ -371,18 +171,11 @@ class StorageManager:
             todo = [i for i, hit in enumerate(hits) if hit is None]
             if not todo:
                 break
-            found = await self._contains(tier, [keys[i] for i in todo], self.policy.lookup_deadline_s)
+            found = await tier.contains([keys[i] for i in todo], self.policy.lookup_deadline_s)
             for i, present in zip(todo, found, strict=True):
                 if present:
                     hits[i] = TierHit(tier.name, level)
         return hits
-
-    async def _contains(self, tier: L2Tier, keys: list[str], deadline_s: float) -> list[bool]:
-        result = await self._call(tier, "contains", lambda: tier.adapter.batched_contains(keys), deadline_s)
-        if result is None:
-            self.metrics.misses.labels(tier.name).inc(len(keys))
-            return [False] * len(keys)
-        return result
 
     async def lookup_prefix(
         self,
@@ -396,10 +189,14 @@ class StorageManager:
 
         With ``group`` > 1, keys come in consecutive groups (one chunk's layers) and a chunk counts only when
         every key of its group is found; the chunk's tier is the slowest one serving any of its keys.
+        In server mode this is one LOOKUP: the server answers across its L1 and L2 and starts the prefetch.
         """
         if group < 1 or len(keys) % group:
             raise ValueError(f"{len(keys)} keys do not split into groups of {group}")
-        hits = await self.batched_contains(keys)
+        if isinstance(self.l1, LocatesL2):
+            hits = self.l1.batched_locate(keys, prefetch=prefetch)
+        else:
+            hits = await self.batched_contains(keys)
         per_chunk: list[TierHit | None] = hits if group == 1 else []
         for start in range(0, len(keys), group) if group > 1 else ():
             members = hits[start : start + group]
@@ -411,7 +208,7 @@ class StorageManager:
             self.metrics.hits.labels(tier_name).inc(count)
         if chunks < len(per_chunk):
             self.metrics.misses.labels("all").inc()
-        if prefetch:
+        if prefetch and self.tiers:
             below = [i for i in range(chunks * group) if (h := hits[i]) is not None and h.level > 0]
             if below:
                 self.start_prefetch(
@@ -421,140 +218,12 @@ class StorageManager:
                 )
         return PrefixHit(chunks, tuple(h.tier for h in prefix), tuple(hits))
 
-    # ----- prefetch -----------------------------------------------------------------------------------------
     def start_prefetch(
         self, keys: Sequence[str], tiers: Sequence[str], specs: Sequence[KVSpec] | None = None
     ) -> asyncio.Task[int]:
         """Load ``keys`` (from the named tier of each) into L1 in the background; the task returns the
         number of leading keys now in L1."""
-        loop = asyncio.get_running_loop()
-        futures = {}
-        for key in keys:
-            if key not in self._prefetching:
-                futures[key] = self._prefetching[key] = loop.create_future()
-        task = loop.create_task(self._prefetch(list(keys), list(tiers), specs, futures))
-        return task
-
-    async def _prefetch(
-        self,
-        keys: list[str],
-        tiers: list[str],
-        specs: Sequence[KVSpec] | None,
-        futures: dict[str, asyncio.Future[bool]],
-    ) -> int:
-        loaded = [False] * len(keys)
-        try:
-            by_tier: dict[str, list[int]] = {}
-            for i, name in enumerate(tiers):
-                if keys[i] in futures:
-                    by_tier.setdefault(name, []).append(i)
-                else:
-                    loaded[i] = True  # someone else is loading it; waited for in batched_get
-            for tier in self.tiers:
-                idx = by_tier.get(tier.name)
-                if idx:
-                    ok = await self._load_streaming(
-                        tier, [keys[i] for i in idx], None if specs is None else [specs[i] for i in idx]
-                    )
-                    for i, good in zip(idx, ok, strict=True):
-                        loaded[i] = good
-        finally:
-            for i, key in enumerate(keys):
-                future = futures.get(key)
-                if future is not None:
-                    self._prefetching.pop(key, None)
-                    if not future.done():
-                        future.set_result(loaded[i])
-        return contiguous_prefix(loaded)
-
-    def _read_bytes(self, count: int, specs: Sequence[KVSpec] | None) -> int:
-        """Bytes an L2 read of ``count`` chunks asks for (their specs, else full L1 slots)."""
-        return sum(s.nbytes for s in specs) if specs is not None else count * self.l1.slot_bytes
-
-    async def _load_streaming(self, tier: L2Tier, keys: list[str], specs: list[KVSpec] | None) -> list[bool]:
-        """Get ``keys`` from one tier chunk by chunk (``l2_read_parallel`` in flight, in prefix order), each
-        decoded into L1 as it lands, under one deadline scaled with the bytes asked for; at the deadline the
-        gets still running are cancelled and the chunks that landed stay. Returns which keys are now in L1."""
-        if not keys or not tier.breaker.allow():
-            return [False] * len(keys)
-        probe = tier.breaker.probing
-        deadline_s = self.policy.l2_read_deadline_s(self._read_bytes(len(keys), specs))
-        results = [False] * len(keys)
-        failures = 0
-        gate = asyncio.Semaphore(self.policy.l2_read_parallel)
-        started = time.perf_counter()
-
-        async def one(i: int) -> None:
-            nonlocal failures
-            try:
-                async with gate:
-                    frames = await tier.adapter.batched_get([keys[i]])
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a backend failure is a miss
-                failures += 1
-                return
-            frame = frames[0] if len(frames) == 1 else None
-            if frame is None:
-                self.metrics.misses.labels(tier.name).inc()
-                return
-            self.metrics.bytes_read.labels(tier.name).inc(len(frame))
-            spec = None if specs is None else specs[i]
-            # the decode writes into L1 from a codec thread: never cancelled half way
-            results[i] = await asyncio.shield(self._decode_into_l1(tier, keys[i], frame, spec))
-
-        gets = [asyncio.ensure_future(one(i)) for i in range(len(keys))]
-        everything = asyncio.gather(*gets, return_exceptions=True)
-        timer = asyncio.ensure_future(self._read_timer(deadline_s))
-        try:
-            waits: list[asyncio.Future[Any]] = [everything, timer]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            for g in gets:
-                g.cancel()
-            if tier.breaker.abandon(probe):
-                self.metrics.circuit_open.labels(tier.name).set(1)
-            raise
-        finally:
-            timer.cancel()
-            self.metrics.latency.labels(tier.name, "get").observe(time.perf_counter() - started)
-        timed_out = not everything.done()
-        for g in gets:
-            g.cancel()
-        with contextlib.suppress(BaseException):
-            await everything
-        if timed_out or failures:
-            self._failed(tier, "get")
-        else:
-            tier.breaker.record_success()
-            self.metrics.circuit_open.labels(tier.name).set(0)
-        return results
-
-    async def _decode_into_l1(self, tier: L2Tier, key: str, frame: Buffer, spec: KVSpec | None) -> bool:
-        """Decode one frame into a fresh L1 object (its header parsed once, here); a bad frame is a miss."""
-        from tiercache.serde import read_header
-
-        try:
-            header = read_header(frame)
-        except FrameError:
-            self.metrics.frames_rejected.labels(tier.name).inc()
-            return False
-        target = spec or header.spec
-        obj = self.l1.reserve_write(key, target)
-        if obj is None:
-            return self.l1.contains(key)
-        try:
-            await self._run(lambda: decode_into_l1(tier.pipeline, frame, obj, self._l1_codec, target, header))
-        except FrameError:
-            self.l1.abort_write(obj)
-            self.metrics.frames_rejected.labels(tier.name).inc()
-            return False
-        except BaseException:
-            self.l1.abort_write(obj)
-            raise
-        self.l1.finish_write(obj)
-        self.metrics.prefetched.labels(tier.name).inc()
-        return True
+        return self.prefetch.start(keys, tiers, specs)
 
     # ----- reads --------------------------------------------------------------------------------------------
     async def batched_get(
@@ -564,7 +233,7 @@ class StorageManager:
         *,
         deadline_s: float | None = None,
         hits: Sequence[TierHit | None] | None = None,
-    ) -> list[L1Lease | None]:
+    ) -> list[Any]:
         """Leases on L1 objects for ``keys``, loading a contiguous prefix from L2 first where needed.
 
         ``hits``: where a lookup just found each key (``PrefixHit.hits``): keys missing from L1 are loaded
@@ -574,44 +243,52 @@ class StorageManager:
         if hits is not None and len(hits) != len(keys):
             raise ValueError(f"{len(hits)} hits for {len(keys)} keys")
         deadline_s = self.policy.l2_deadline_s if deadline_s is None else deadline_s
-        pending = [self._prefetching[k] for k in keys if k in self._prefetching]
-        if pending:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending)), deadline_s)
+        if isinstance(self.l1, LocatesL2):
+            read_s = self.policy.l2_read_deadline_s(self.prefetch.read_bytes(len(keys), specs))
+            wait_s = max(deadline_s, read_s)
+            leases = self.l1.batched_acquire_loaded(keys, wait_s)
+        else:
+            await self.load_into_l1(keys, specs, deadline_s, hits)
+            leases = self.l1.batched_acquire(keys)
+        first_missing = contiguous_prefix(lease is not None for lease in leases)
+        beyond = [lease for lease in leases[first_missing:] if lease is not None]
+        if beyond:  # the answer is a prefix: leases past a hole are not needed
+            self.l1.batched_release(beyond)
+        return leases[:first_missing] + [None] * (len(keys) - first_missing)
+
+    async def load_into_l1(
+        self,
+        keys: Sequence[str],
+        specs: Sequence[KVSpec] | None,
+        deadline_s: float,
+        hits: Sequence[TierHit | None] | None = None,
+    ) -> None:
+        """Bring the contiguous L2 part after the L1 prefix of ``keys`` into L1, waiting at most about
+        ``deadline_s`` (loads in flight first; ``hits``: a lookup's answer, reused instead of asking L2)."""
+        await self.prefetch.wait(keys, deadline_s)
         present = self.l1.batched_contains(keys)
         first_missing = contiguous_prefix(present)
-        if first_missing < len(keys) and self.tiers:
-            rest = list(keys[first_missing:])
-            if hits is None:
-                found = await self.batched_contains(rest, tiers=[t.name for t in self.tiers])
-            else:  # the lookup's answer; a key it saw in L1 (since evicted) is asked for again
-                found = list(hits[first_missing:])
-                stale = [i for i, h in enumerate(found) if h is not None and h.level == 0]
-                if stale:
-                    again = await self.batched_contains(
-                        [rest[i] for i in stale], tiers=[t.name for t in self.tiers]
-                    )
-                    for i, hit in zip(stale, again, strict=True):
-                        found[i] = hit
-            n = contiguous_prefix(found)
-            if n:
-                task = self.start_prefetch(
-                    rest[:n],
-                    [h.tier for h in found[:n] if h is not None],
-                    None if specs is None else list(specs[first_missing : first_missing + n]),
-                )
-                read_s = self.policy.l2_read_deadline_s(
-                    self._read_bytes(n, None if specs is None else specs[first_missing : first_missing + n])
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(task), max(deadline_s, read_s))
-        leases: list[L1Lease | None] = []
-        for key in keys:
-            lease = self.l1.acquire(key)
-            leases.append(lease)
-            if lease is None:
-                break
-        return leases + [None] * (len(keys) - len(leases))
+        if first_missing == len(keys) or not self.tiers:
+            return
+        rest = list(keys[first_missing:])
+        names = [t.name for t in self.tiers]
+        if hits is None:
+            found = await self.batched_contains(rest, tiers=names)
+        else:  # the lookup's answer; a key it saw in L1 (since evicted) is asked for again
+            found = list(hits[first_missing:])
+            stale = [i for i, h in enumerate(found) if h is not None and h.level == 0]
+            if stale:
+                again = await self.batched_contains([rest[i] for i in stale], tiers=names)
+                for i, hit in zip(stale, again, strict=True):
+                    found[i] = hit
+        n = contiguous_prefix(found)
+        if not n:
+            return
+        chunk_specs = None if specs is None else list(specs[first_missing : first_missing + n])
+        task = self.start_prefetch(rest[:n], [h.tier for h in found[:n] if h is not None], chunk_specs)
+        read_s = self.policy.l2_read_deadline_s(self.prefetch.read_bytes(n, chunk_specs))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), max(deadline_s, read_s))
 
     # ----- lifecycle ----------------------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -619,21 +296,12 @@ class StorageManager:
         if self._closed:
             return
         self._closed = True
+        await self.store.aclose()
         for tier in self.tiers:
-            if tier.worker is not None:
-                tier.worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await tier.worker
-            while not tier.queue.empty():
-                _, lease = tier.queue.get_nowait()
-                lease.release()
             with contextlib.suppress(Exception):
                 await tier.adapter.aclose()  # waits for writes the adapter cannot stop
-            if tier.late:  # puts past their deadline: counted as they end (bounded), then stop waiting
-                _, still = await asyncio.wait(set(tier.late), timeout=self.policy.l2_deadline_s)
-                for task in still:
-                    task.cancel()
-                await asyncio.gather(*still, return_exceptions=True)
+            # puts past their deadline: counted as they end (bounded), then stop waiting
+            await tier.wait_late(self.policy.l2_deadline_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> StorageManager:
@@ -643,22 +311,18 @@ class StorageManager:
         await self.aclose()
 
 
-def _is_down(adapter: Adapter) -> float:
-    """1.0 while ``adapter`` stands for a tier not re-opened yet (the ``tier_down`` gauge)."""
-    return 0.0 if getattr(adapter, "up", True) else 1.0
+async def open_tiers(config: Config, reopen_delay_s: float = 0.5) -> list[tuple[str, Adapter, CodecPipeline]]:
+    """Open every configured L2 tier with its codec pipeline (a tier down now is kept as a down tier)."""
+    from tiercache.serde import build_pipeline
 
-
-async def _open_or_down(tier: TierConfig, reopen_delay_s: float) -> Adapter:
-    """Open one tier; a backend that is down now gives a ``ReopeningAdapter`` that keeps trying."""
-    from tiercache._open import open_adapter
-    from tiercache.store._reopen import ReopeningAdapter, is_down
-
-    def opener() -> Awaitable[Adapter]:
-        return open_adapter(tier.url, adapter=tier.adapter, **tier.adapter_options())
-
+    opened: list[tuple[str, Adapter, CodecPipeline]] = []
     try:
-        return await opener()
-    except Exception as exc:
-        if not is_down(exc):
-            raise
-        return ReopeningAdapter(tier.name, opener, exc, first_delay_s=reopen_delay_s)
+        for tier in config.tiers:
+            pipeline = build_pipeline(list(tier.codecs))
+            adapter = await open_tier_adapter(tier, reopen_delay_s)
+            opened.append((tier.name, adapter, pipeline))
+    except BaseException:
+        for _, adapter, _ in opened:
+            await adapter.aclose()
+        raise
+    return opened

@@ -1,0 +1,171 @@
+"""The StoreController: write-behind of published L1 objects to every L2 tier (L1 -> encode -> L2).
+
+Each tier has a bounded queue of (key, lease) pairs; a full queue or an evicted object drops the store
+(counted, never blocking the writer). A per-tier worker drains its queue in batches: encode off the event
+loop, then one batched put under the tier's deadline. The lease keeps the object from eviction while it waits
+(``l2_deadline_s * STORE_LEASE_DEADLINES``); it is released after the put, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
+from tiercache.store.l1_frames import encode_from_l1, l1_codec
+
+if TYPE_CHECKING:
+    from tiercache.config import ManagerConfig
+    from tiercache.metrics import Metrics
+    from tiercache.store.l1_surface import AnyL1, L1LeaseView
+    from tiercache.store.tier import JobRunner, TierClient
+
+__all__ = ["STORE_LEASE_DEADLINES", "StoreController"]
+
+log = logging.getLogger(__name__)
+
+STORE_LEASE_DEADLINES = 8
+"""A queued background store holds its L1 object for this many ``l2_deadline_s``: time to wait in the
+queue behind other batches, encode and put; past it the lease lapses and the store is dropped
+(``lease_expired``)."""
+
+
+class StoreController:
+    """Write-behind from one L1 to its L2 tiers (all on one event loop)."""
+
+    def __init__(
+        self,
+        l1: AnyL1,
+        tiers: Sequence[TierClient],
+        policy: ManagerConfig,
+        metrics: Metrics,
+        run: JobRunner,
+        *,
+        store_batch: int = 8,
+    ) -> None:
+        self.l1 = l1
+        self.tiers = tiers
+        self.policy = policy
+        self.metrics = metrics
+        self._run = run  # runs a codec job off the event loop
+        self.store_batch = store_batch
+        self._l1_codec = l1_codec(l1)
+
+    def submit(self, keys: Sequence[str]) -> None:
+        """Queue the published objects under ``keys`` for every tier (never blocks; drops are counted)."""
+        lease_s = self.policy.l2_deadline_s * STORE_LEASE_DEADLINES
+        for tier in self.tiers:
+            queued = False
+            for key in keys:
+                lease = self.l1.acquire(key, lease_s=lease_s)
+                if lease is None:
+                    self.metrics.stores_dropped.labels(tier.name, "evicted").inc()
+                    continue
+                try:
+                    tier.queue.put_nowait((key, lease))
+                except asyncio.QueueFull:
+                    lease.release()
+                    self.metrics.stores_dropped.labels(tier.name, "queue_full").inc()
+                    continue
+                queued = True
+            if queued and (tier.worker is None or tier.worker.done()):
+                tier.worker = asyncio.get_running_loop().create_task(self._worker(tier))
+
+    def pending(self) -> int:
+        """Stores queued or in flight on any tier."""
+        return sum(t.queue.qsize() for t in self.tiers) + sum(
+            1 for t in self.tiers if t.worker is not None and not t.worker.done()
+        )
+
+    async def _worker(self, tier: TierClient) -> None:
+        """Drain a tier's store queue in batches: encode off the loop, then one batched put.
+
+        Survives any exception of a codec or adapter: the batch is dropped and counted
+        (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
+        while not tier.queue.empty():
+            batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
+            try:
+                await self._store_batch(tier, batch)
+            except Exception as exc:
+                self.metrics.stores_dropped.labels(tier.name, "error").inc(len(batch))
+                if not tier.store_error_logged:
+                    tier.store_error_logged = True
+                    log.error(
+                        "tier %s: a background store failed (%r); later failures are only counted",
+                        tier.name,
+                        exc,
+                    )
+            finally:
+                for _, lease in batch:
+                    lease.release()
+
+    async def _store_batch(self, tier: TierClient, batch: list[tuple[str, L1LeaseView]]) -> None:
+        limit = tier.adapter.capabilities.max_value_bytes
+        too_large = 0
+
+        def encode() -> list[tuple[str, bytearray]]:
+            nonlocal too_large
+            frames = []
+            for key, lease in batch:
+                frame = encode_from_l1(tier.pipeline, lease.obj, self._l1_codec)
+                if not lease.valid():  # the slot was reused while we read it
+                    continue
+                if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
+                    too_large += 1
+                    continue
+                frames.append((key, frame))
+            return frames
+
+        frames = await self._run(encode)
+        if too_large:
+            self.metrics.stores_dropped.labels(tier.name, "too_large").inc(too_large)
+        dropped = len(batch) - len(frames) - too_large
+        if dropped:
+            self.metrics.stores_dropped.labels(tier.name, "lease_expired").inc(dropped)
+        if not frames:
+            return
+        keys = [k for k, _ in frames]
+        values = [f for _, f in frames]
+        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
+            # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
+            await asyncio.wait(set(tier.late))
+        await tier.call(
+            "put",
+            lambda: tier.adapter.batched_put(keys, values),
+            self.policy.l2_deadline_s,
+            late=partial(self._count_stores, tier, values),
+        )
+
+    def _count_stores(self, tier: TierClient, values: list[bytearray], stored: list[bool] | None) -> None:
+        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
+        if stored is None:
+            self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
+            return
+        for ok, value in zip(stored, values, strict=True):
+            if ok:
+                self.metrics.stores.labels(tier.name).inc()
+                self.metrics.bytes_written.labels(tier.name).inc(len(value))
+            else:
+                self.metrics.stores_dropped.labels(tier.name, "refused").inc()
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued store has finished; TimeoutError past ``timeout_s`` (the stores go on)."""
+        workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
+        if workers:
+            _, running = await asyncio.wait(workers, timeout=timeout_s)
+            if running:
+                raise TimeoutError(f"{len(running)} tier(s) still storing after {timeout_s} s")
+
+    async def aclose(self) -> None:
+        """Cancel the workers and release the leases of stores still queued (dropped)."""
+        for tier in self.tiers:
+            if tier.worker is not None:
+                tier.worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await tier.worker
+            while not tier.queue.empty():
+                _, lease = tier.queue.get_nowait()
+                lease.release()
