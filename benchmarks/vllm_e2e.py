@@ -114,7 +114,7 @@ def main() -> None:
             stored, asked = shared + ids(n - shared_n), shared + ids(n - shared_n)
             base = {
                 "model": str(model),
-                "max_model_len": 4096,
+                "max_model_len": args.prompt_tokens + 256,
                 "batched": 4096,
                 "max_tokens": 8,
                 "warmup": ids(40),
