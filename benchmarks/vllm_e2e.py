@@ -6,6 +6,11 @@ run on a cold instance without the connector. Each instance is its own process o
 Llama (tests/e2e/make_tiny.py), ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` + ``uni`` executor, block size 32.
 
     .venv/bin/python benchmarks/vllm_e2e.py [--out benchmarks/results/vllm_e2e_cpu.json] [--reps 2]
+
+``--layerwise`` also runs a layerwise prefill/decode pair (``"layerwise": true``: stored layer by layer,
+restored layer by layer while the forward pass runs) in each repetition and reports its TTFT against the
+whole-object load of the same repetition; ``--layers N`` uses a deeper random Llama (N layers, 4 KV heads of
+64) so that the per-layer pipeline has something to overlap.
 """
 
 from __future__ import annotations
@@ -43,6 +48,40 @@ def run(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def deeper_model(tiny: Path, out: Path, layers: int) -> Path:
+    """A random Llama of ``layers`` layers (4 KV heads of 64, fp32) with the tiny model's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0, 0.05)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_e2e_cpu.json"))
@@ -50,6 +89,8 @@ def main() -> None:
     ap.add_argument("--shared", type=float, default=0.9, help="shared-prefix fraction of the prompt")
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2, help="fresh prefill/decode/cold instances per repetition")
+    ap.add_argument("--layerwise", action="store_true", help="also a layerwise prefill/decode pair per rep")
+    ap.add_argument("--layers", type=int, default=2, help="model depth (2: the tests' tiny Llama)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="tiercache-vllm-bench-") as tmp:
@@ -58,6 +99,8 @@ def main() -> None:
         subprocess.run(
             [sys.executable, str(E2E / "make_tiny.py"), str(model)], check=True, capture_output=True
         )
+        if args.layers != 2:
+            model = deeper_model(model, work / f"llama{args.layers}", args.layers)
         n = args.prompt_tokens
         shared_n = int(n * args.shared)
         reps: list[dict[str, Any]] = []
@@ -69,47 +112,49 @@ def main() -> None:
 
             shared = ids(shared_n)
             stored, asked = shared + ids(n - shared_n), shared + ids(n - shared_n)
-            config = work / f"tc{rep}.toml"
-            config.write_text(
-                f'chunk_size = {args.chunk_size}\nsave_unfull_chunk = true\n[l1]\ncapacity = "256MiB"\n'
-                f'[[tiers]]\nname = "disk"\nurl = "file://{work}/l2-{rep}"\ncodecs = ["raw"]\n'
-            )
             base = {
                 "model": str(model),
-                "max_model_len": 4096,
+                "max_model_len": args.prompt_tokens + 256,
                 "batched": 4096,
                 "max_tokens": 8,
                 "warmup": ids(40),
                 "ttft": True,
             }
-            run(
-                work,
-                f"prefill{rep}",
-                {
-                    **base,
-                    "prompts": [stored],
-                    "connector": {"role": "kv_producer", "extra": {"config": str(config)}},
-                },
-            )
-            hit = run(
-                work,
-                f"hit{rep}",
-                {
-                    **base,
-                    "prompts": [asked],
-                    "connector": {"role": "kv_consumer", "extra": {"config": str(config)}},
-                },
-            )
+            rec: dict[str, Any] = {}
+            for mode in ("whole", "layerwise") if args.layerwise else ("whole",):
+                config = work / f"tc{rep}-{mode}.toml"
+                config.write_text(
+                    f'chunk_size = {args.chunk_size}\nsave_unfull_chunk = true\n[l1]\ncapacity = "256MiB"\n'
+                    f'[[tiers]]\nname = "disk"\nurl = "file://{work}/l2-{rep}-{mode}"\ncodecs = ["raw"]\n'
+                )
+                extra = {"config": str(config), "layerwise": mode == "layerwise"}
+                run(
+                    work,
+                    f"prefill{rep}-{mode}",
+                    {**base, "prompts": [stored], "connector": {"role": "kv_producer", "extra": extra}},
+                )
+                rec[mode] = run(
+                    work,
+                    f"hit{rep}-{mode}",
+                    {**base, "prompts": [asked], "connector": {"role": "kv_consumer", "extra": extra}},
+                )
             cold = run(work, f"cold{rep}", {**base, "prompts": [asked]})
-            reps.append(
-                {
-                    "hit_ttft_s": hit["ttft"][0]["ttft_s"],
-                    "cold_ttft_s": cold["ttft"][0]["ttft_s"],
-                    "hit_cached_tokens": hit["ttft"][0]["num_cached_tokens"],
-                    "cold_cached_tokens": cold["ttft"][0]["num_cached_tokens"],
-                    "tokens_identical": hit["results"][0]["tokens"] == cold["results"][0]["tokens"],
+            hit = rec["whole"]
+            entry = {
+                "hit_ttft_s": hit["ttft"][0]["ttft_s"],
+                "cold_ttft_s": cold["ttft"][0]["ttft_s"],
+                "hit_cached_tokens": hit["ttft"][0]["num_cached_tokens"],
+                "cold_cached_tokens": cold["ttft"][0]["num_cached_tokens"],
+                "tokens_identical": hit["results"][0]["tokens"] == cold["results"][0]["tokens"],
+            }
+            if "layerwise" in rec:
+                lw = rec["layerwise"]
+                entry |= {
+                    "layerwise_ttft_s": lw["ttft"][0]["ttft_s"],
+                    "layerwise_cached_tokens": lw["ttft"][0]["num_cached_tokens"],
+                    "layerwise_tokens_identical": lw["results"][0]["tokens"] == cold["results"][0]["tokens"],
                 }
-            )
+            reps.append(entry)
     import vllm
 
     hit_cached = min(r["hit_cached_tokens"] for r in reps)
@@ -146,6 +191,16 @@ def main() -> None:
         "greedy_tokens_identical": all(r["tokens_identical"] for r in reps),
         "repetitions": reps,
     }
+    if args.layerwise:
+        lw_ttft = statistics.median(r["layerwise_ttft_s"] for r in reps)
+        result["model"] = f"random Llama ({args.layers} layers), block_size 32, CPU backend"
+        result["layerwise"] = {
+            "num_cached_tokens": min(r["layerwise_cached_tokens"] for r in reps),
+            "ttft_s_median": round(lw_ttft, 4),
+            "ttft_ratio_layerwise_over_whole": round(lw_ttft / hit_ttft, 4),
+            "ttft_ratio_layerwise_over_cold": round(lw_ttft / cold_ttft, 4),
+            "greedy_tokens_identical": all(r["layerwise_tokens_identical"] for r in reps),
+        }
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -700,3 +700,98 @@ def test_timed_out_save_of_a_preempted_request_is_waited_for(tiny_model: Path, p
     assert read == [True]
     assert worker.stats.copies_stopped == 1
     worker.shutdown()
+
+
+class _LayerGate:
+    """Fault injection: the scatter of one layer holds the loop thread until ``release`` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, layer: int) -> None:
+        import threading
+
+        from tiercache.store.engine import PreparedRetrieve
+
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        real = PreparedRetrieve.scatter_layer
+
+        def gated(prepared: Any, index: int, kv: Any, slots: Any) -> None:
+            if index == layer:
+                self.entered.set()
+                self.release.wait(60)
+            real(prepared, index, kv, slots)
+
+        monkeypatch.setattr(PreparedRetrieve, "scatter_layer", gated)
+
+
+def _layerwise_worker_with_stored(
+    tiny_model: Path, posix_config: Path, prompt: list[int], **settings: Any
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A layerwise worker whose engine holds ``prompt``'s KV (blocks 1.. of the returned source tensors)."""
+    s = make_scheduler(tiny_model, posix_config, extra_config={"layerwise": True})
+    worker = make_worker(s, posix_config, layerwise=True, **settings)
+    src = {name: torch.randn_like(t) for name, t in worker.kv_caches.items()}
+    slots = slot_mapping(list(range(1, 1 + len(prompt) // BS)), len(prompt), BS)
+    assert _loop.call(worker.engine.store(prompt, src, slots), 30) == len(prompt)
+    return worker, src
+
+
+def test_layerwise_load_waits_only_for_its_own_layer(
+    tiny_model: Path, posix_config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiercache_vllm._common import LoadOp
+
+    prompt = tokens(28, 128)
+    worker, src = _layerwise_worker_with_stored(tiny_model, posix_config, prompt)
+    gate = _LayerGate(monkeypatch, layer=1)
+    meta = TierCacheMetadata(loads=[LoadOp("r", prompt, [5, 6, 7, 8], skip_tokens=0, load_end=128)])
+    first, second = LAYERS
+    worker.start_load_kv(meta)
+    worker.wait_for_layer_load(first)  # returns while layer 1's copy is still held
+    assert gate.entered.wait(30)
+    assert torch.equal(worker.kv_caches[first][5:9], src[first][1:5])
+    assert not torch.equal(worker.kv_caches[second][5:9], src[second][1:5])
+    gate.release.set()
+    worker.wait_for_layer_load(second)
+    assert torch.equal(worker.kv_caches[second][5:9], src[second][1:5])
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert (worker.stats.tokens_loaded, worker.stats.load_failures) == (128, 0)
+    worker.shutdown()
+
+
+def test_layerwise_load_past_its_deadline_is_stopped_and_recomputed_whole(
+    tiny_model: Path, posix_config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from tiercache_vllm._common import LoadOp, SaveOp
+
+    prompt = tokens(29, 128)
+    worker, _ = _layerwise_worker_with_stored(tiny_model, posix_config, prompt, load_timeout_s=0.05)
+    gate = _LayerGate(monkeypatch, layer=1)
+    blocks = [5, 6, 7, 8, 9]
+    full = [*prompt, *tokens(30, 32)]
+    meta = TierCacheMetadata(
+        loads=[LoadOp("r", prompt, blocks[:4], skip_tokens=0, load_end=128)],
+        saves=[SaveOp("r", full, blocks, skip_tokens=128)],
+    )
+    first, second = LAYERS
+    worker.start_load_kv(meta)
+    worker.wait_for_layer_load(first)
+    worker.save_kv_layer(meta, first)  # this request is still loading: its save waits for the outcome
+    step = threading.Thread(target=worker.wait_for_layer_load, args=(second,))
+    step.start()
+    assert gate.entered.wait(30)
+    step.join(1.0)
+    assert step.is_alive(), "the step went on while the timed-out copy could still write its blocks"
+    gate.release.set()
+    step.join(30)
+    assert not step.is_alive()
+    worker.save_kv_layer(meta, second)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {5, 6, 7, 8}  # every block of the load: recomputed
+    assert (worker.stats.copies_stopped, worker.stats.load_failures) == (1, 1)
+    assert (worker.stats.saves_skipped_short_load, worker.stats.saves) == (1, 0)
+    worker._wait_saves()
+    assert lookup(worker, full) == 128  # what was stored before; nothing computed on the failed load
+    worker.shutdown()

@@ -37,6 +37,7 @@ from tiercache_vllm._common import (
     open_engine,
     slot_mapping,
 )
+from tiercache_vllm._layerwise import LayerProgress, load_layers
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,7 @@ class _PendingLoad:
     slots: torch.Tensor
     job: _loop.Job[RetrieveResult] | None  # None: nothing to run (a miss)
     deadline: float = float("inf")
+    layers: LayerProgress | None = None  # layerwise: the layers already written
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._short: dict[str, int] = {}
         self._layer_saves: list[tuple[str, AsyncIterator[int], list[_loop.Job[Any]]]] = []
+        self._deferred_saves: list[SaveOp] = []
         self.disabled = False
         self.clock: Callable[[], float] = time.monotonic
         """Clock for async load deadlines (tests inject one)."""
@@ -149,22 +152,38 @@ class WorkerSide:
 
     # ----- loads ---------------------------------------------------------------------------------
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
-        """Start this step's loads; synchronous ones finish here (or, layerwise, before the first layer)."""
+        """Start this step's loads; synchronous ones finish here, or (layerwise) layer by layer while the
+        forward pass runs, each attention layer waiting only for its own layer (``wait_for_layer_load``)."""
         for op in meta.loads:
             slots = slot_mapping(op.block_ids, len(op.token_ids), self.block_size)
-            job = None
+            job, layers = None, None
             if self.engine is not None and self.can_load:
                 self.stats.loads += 1
-                retrieve = self.engine.retrieve_result(
-                    op.token_ids,
-                    self.kv_caches,
-                    slots,
-                    skip_tokens=op.skip_tokens,
-                    lookup=op.lookup,
-                    **_keying(op),
-                )
-                job = _loop.start(retrieve)
-            pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s)
+                if self.settings.layerwise and not op.is_async:
+                    layers = LayerProgress()
+                    job = _loop.start(
+                        load_layers(
+                            self.engine,
+                            op.token_ids,
+                            self.kv_caches,
+                            slots,
+                            layers,
+                            skip_tokens=op.skip_tokens,
+                            lookup=op.lookup,
+                            **_keying(op),
+                        )
+                    )
+                else:
+                    retrieve = self.engine.retrieve_result(
+                        op.token_ids,
+                        self.kv_caches,
+                        slots,
+                        skip_tokens=op.skip_tokens,
+                        lookup=op.lookup,
+                        **_keying(op),
+                    )
+                    job = _loop.start(retrieve)
+            pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s, layers)
             if op.is_async:
                 self._async_loads[op.req_id] = pending  # a miss is reported finished by get_finished
             else:
@@ -173,8 +192,24 @@ class WorkerSide:
             self._finish_sync_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Layerwise mode: the first attention layer waits for the step's synchronous loads."""
-        self._finish_sync_loads()
+        """Layerwise mode: wait until this layer of every synchronous load is written (the last layer also
+        settles the loads). A load that fails or passes its deadline is stopped and recomputed whole."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        failed = []
+        for pending in self._sync_loads:
+            if pending.layers is not None and not pending.layers.wait(layer, pending.deadline - self.clock()):
+                failed.append(pending)
+        for pending in failed:
+            self._sync_loads.remove(pending)
+            assert pending.job is not None
+            if not pending.job.finished():
+                logger.warning("tiercache: layerwise load of %s timed out; recomputing", pending.op.req_id)
+                self._stop(pending.job, "load", pending.op.req_id)
+            self._record(pending.op, pending.slots, None)
+        if layer == len(self._layer_index) - 1:
+            self._finish_sync_loads()
 
     def _finish_sync_loads(self) -> None:
         loads, self._sync_loads = self._sync_loads, []
@@ -256,26 +291,46 @@ class WorkerSide:
             self._saving[req_id].append(job)
 
     def _start_layer_saves(self, meta: TierCacheMetadata) -> None:
-        assert self.engine is not None
+        """Start this step's layerwise saves; a request still loading this step saves after the forward
+        pass (``wait_for_save``), once its load is known to be whole."""
+        loading = {p.op.req_id for p in self._sync_loads if p.layers is not None}
         self._layer_saves = []
+        self._deferred_saves = []
         for op in meta.saves:
             self._saving.setdefault(op.req_id, [])
-            if not self._may_save(op):
+            if op.req_id in loading:
+                self._deferred_saves.append(op)
                 continue
-            slots, mask = self._save_args(op)
-            agen = self.engine.store_layers(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
-            self._layer_saves.append((op.req_id, agen, []))
-            self.stats.saves += 1
-            self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
+            agen = self._layer_store(op)
+            if agen is not None:
+                self._layer_saves.append((op.req_id, agen, []))
+
+    def _layer_store(self, op: SaveOp) -> AsyncIterator[int] | None:
+        """The layerwise store of ``op`` (None: not saved, see ``_may_save``)."""
+        assert self.engine is not None
+        if not self._may_save(op):
+            return None
+        slots, mask = self._save_args(op)
+        self.stats.saves += 1
+        self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
+        return self.engine.store_layers(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
 
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
-        """Submit this step's saves (non-layerwise) or close the layerwise ones; never blocks on storage."""
+        """Submit this step's saves (non-layerwise) or close the layerwise ones; never blocks on storage.
+
+        Settles any synchronous load that no layer hook settled (it runs after the forward pass)."""
+        self._finish_sync_loads()
         if not self.can_save:
             return
         if self.settings.layerwise:
             for req_id, agen, jobs in self._layer_saves:
                 last = jobs[-1].future if jobs else None
                 self._track(req_id, _loop.start(_finish(agen, last)))
+            deferred, self._deferred_saves = self._deferred_saves, []
+            for op in deferred:
+                layers = self._layer_store(op) if self.engine is not None else None
+                if layers is not None:
+                    self._track(op.req_id, _loop.start(_finish(layers, None)))
             self._layer_saves = []
             return
         for op in meta.saves:
