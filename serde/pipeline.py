@@ -35,15 +35,9 @@ ChainEntry = str | Mapping[str, object] | Codec
 
 def _codec_class(codec_id: str) -> type[Codec] | None:
     """The class registered as ``codec_id`` (None if unknown); ConfigError if it cannot be imported."""
-    try:
-        from tiercache.registry import get_registry
+    from tiercache.registry import get_registry
 
-        registry = get_registry()
-    except ImportError:  # registry (or a built-in plugin module) not available: built-ins only
-        from tiercache.serde.raw import RawCodec
-
-        fallback: dict[str, type[Codec]] = {"raw": RawCodec}
-        return fallback.get(codec_id)
+    registry = get_registry()
     if codec_id not in registry.codec_ids():
         return None
     try:

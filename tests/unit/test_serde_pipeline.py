@@ -269,13 +269,6 @@ def test_validate_only_does_not_build_codecs(monkeypatch: pytest.MonkeyPatch) ->
         build_pipeline(["raw", {"id": "test-xor", "mask": 3}])
 
 
-def test_codec_class_falls_back_without_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tiercache.registry", None)  # makes the import fail
-    assert _codec_class("raw") is RawCodec
-    assert _codec_class("test-xor") is None
-    assert build_pipeline(["raw"]).chain == ("raw",)
-
-
 def test_codec_class_uses_registry() -> None:
     assert _codec_class("test-xor") is XorCodec
     assert _codec_class("raw") is RawCodec
