@@ -9,8 +9,8 @@ Llama (tests/e2e/make_tiny.py), ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` + ``uni`` e
 
 ``--layerwise`` also runs a layerwise prefill/decode pair (``"layerwise": true``: stored layer by layer,
 restored layer by layer while the forward pass runs) in each repetition and reports its TTFT against the
-whole-object load of the same repetition; ``--layers N`` uses a deeper random Llama (N layers, 4 KV heads of
-64) so that the per-layer pipeline has something to overlap.
+whole-object load of the same repetition; ``--layers N`` uses a deeper random Llama (``make_tiny.py``'s
+``llamaN``: N layers, 4 KV heads of 64) so that the per-layer pipeline has something to overlap.
 """
 
 from __future__ import annotations
@@ -48,40 +48,6 @@ def run(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def deeper_model(tiny: Path, out: Path, layers: int) -> Path:
-    """A random Llama of ``layers`` layers (4 KV heads of 64, fp32) with the tiny model's tokenizer."""
-    import shutil
-
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(str(tiny))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.fill_(1.0) if "norm" in name else param.normal_(0, 0.05)
-    model.save_pretrained(str(out), safe_serialization=True)
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_e2e_cpu.json"))
@@ -96,11 +62,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tiercache-vllm-bench-") as tmp:
         work = Path(tmp)
         model = work / "tiny"
+        kind = "llama" if args.layers == 2 else f"llama{args.layers}"
         subprocess.run(
-            [sys.executable, str(E2E / "make_tiny.py"), str(model)], check=True, capture_output=True
+            [sys.executable, str(E2E / "make_tiny.py"), str(model), kind], check=True, capture_output=True
         )
-        if args.layers != 2:
-            model = deeper_model(model, work / f"llama{args.layers}", args.layers)
         n = args.prompt_tokens
         shared_n = int(n * args.shared)
         reps: list[dict[str, Any]] = []

