@@ -64,6 +64,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
@@ -258,6 +259,8 @@ class RedisAdapter(Adapter):
         self.name = name
         self._closed = False
         self._mean_hit_bytes = 0.0
+        self._resp: RespPool | None = None
+        """Plain-TCP standalone servers: the zero-copy path for values over ``PIPELINE_VALUE_BYTES``."""
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -277,6 +280,16 @@ class RedisAdapter(Adapter):
         )
         client = aredis.Redis(connection_pool=pool)
         self = cls(client, common, f"{scheme}://{host}:{port}/{db}")
+        if not common.tls:
+            self._resp = RespPool(
+                host,
+                port,
+                db=db,
+                username=kwargs["username"],
+                password=kwargs["password"],
+                timeout=common.socket_timeout,
+                size=common.pool_size,
+            )
         try:
             await self._guard(client.ping())
         except BaseException:
@@ -308,6 +321,16 @@ class RedisAdapter(Adapter):
             build(pipe)
             result: list[Any] = await pipe.execute(raise_on_error=False)
             return result
+
+    @staticmethod
+    async def _all(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Await ``calls`` concurrently; every one ends before the first exception other than a server
+        refusal (``ResponseError``, returned in place) is raised."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, rexc.ResponseError):
+                raise r
+        return results
 
     def _raise_first(self, results: Sequence[Any]) -> None:
         for r in results:
@@ -342,7 +365,8 @@ class RedisAdapter(Adapter):
         if not full:
             return []
         if len(full) == 1 or self._mean_hit_bytes > PIPELINE_VALUE_BYTES:
-            results = [await self._guard(self._get_one(k)) for k in full]
+            results = await self._guard(self._all([self._get_one(k) for k in full]))
+            self._raise_first(results)
         else:
             results = await self._guard(self._pipeline(lambda p: [p.get(k) for k in full]))
             self._raise_first(results)
@@ -352,10 +376,13 @@ class RedisAdapter(Adapter):
         return list(results)
 
     async def _get_one(self, key: str) -> Any:
+        if self._resp is not None:
+            return await self._resp.get(key.encode())
         return await self._client.get(key)
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        """SET each value (small ones pipelined, large ones one by one); False if over 512 MiB or OOM."""
+        """SET each value (small ones pipelined, large ones concurrently, each its own SET, up to
+        ``pool_size`` in flight); False if over 512 MiB or OOM."""
         self._check_open()
         check_lengths(keys, values)
         full = self._keys(keys)
@@ -375,27 +402,35 @@ class RedisAdapter(Adapter):
             for i, r in zip(todo, results, strict=True):
                 out[i] = self._put_result(r)
 
+        large: list[int] = []
         for i, value in enumerate(data):
             size = memoryview(value).nbytes
             if size > MAX_VALUE_BYTES:
                 continue
-            if size <= PIPELINE_VALUE_BYTES:
-                small.append(i)
-                small_bytes += size
-                if small_bytes >= PIPELINE_BATCH_BYTES:
-                    await flush()
+            if size > PIPELINE_VALUE_BYTES:
+                large.append(i)
                 continue
-            r = await self._guard(self._set_one(full[i], value))
-            out[i] = self._put_result(r)
+            small.append(i)
+            small_bytes += size
+            if small_bytes >= PIPELINE_BATCH_BYTES:
+                await flush()
         await flush()
+        if large:
+            results = await self._guard(self._all([self._set_one(full[i], data[i]) for i in large]))
+            for i, r in zip(large, results, strict=True):
+                out[i] = self._put_result(r)
         return out
 
     async def _set_one(self, key: str, value: bytes | memoryview) -> Any:
         """One SET; a refusal by the server (e.g. OOM) is returned, not raised."""
         try:
+            if self._resp is not None:
+                return await self._resp.set(key.encode(), memoryview(value), self.ttl_ms)
             return await self._set(self._client, key, value)
         except rexc.ResponseError as exc:
             return exc
+        except RespError as exc:
+            return rexc.ResponseError(str(exc))
 
     def _put_result(self, r: Any) -> bool:
         """True for OK; False for a refused SET (OOM); raise for a transport error."""
@@ -418,6 +453,8 @@ class RedisAdapter(Adapter):
         return [bool(r) for r in results]
 
     async def _shutdown(self) -> None:
+        if self._resp is not None:
+            self._resp.close()
         with contextlib.suppress(*_TRANSPORT_ERRORS):
             await self._client.aclose()
 

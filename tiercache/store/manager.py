@@ -44,6 +44,10 @@ STORE_LEASE_DEADLINES = 8
 queue behind other batches, encode and put; past it the lease lapses and the store is dropped
 (``lease_expired``)."""
 
+STORE_BATCH_BYTES = 8 << 20
+"""A background store batch ends at ``store_batch`` objects or this many bytes, whichever comes first, so
+large objects go out one per batch and ``store_parallel`` of them are encoded and sent at once."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierHit:
@@ -76,7 +80,8 @@ class L2Tier:
     pipeline: CodecPipeline
     breaker: CircuitBreaker
     queue: asyncio.Queue[tuple[str, L1Lease]] = field(default_factory=lambda: asyncio.Queue(1))
-    worker: asyncio.Task[None] | None = None
+    workers: set[asyncio.Task[None]] = field(default_factory=set)
+    """Store workers draining ``queue`` (at most ``ManagerConfig.store_parallel``)."""
     late: set[asyncio.Future[Any]] = field(default_factory=set)
     store_error_logged: bool = False
     """Puts that outlived their deadline and are still landing (counted when they end)."""
@@ -269,8 +274,13 @@ class StorageManager:
                     lease.release()
                     self.metrics.stores_dropped.labels(tier.name, "queue_full").inc()
                     continue
-                if tier.worker is None or tier.worker.done():
-                    tier.worker = asyncio.get_running_loop().create_task(self._store_worker(tier))
+                self._start_store_workers(tier)
+
+    def _start_store_workers(self, tier: L2Tier) -> None:
+        """Run up to ``store_parallel`` workers on ``tier``'s queue (a worker finding it empty ends)."""
+        tier.workers = {w for w in tier.workers if not w.done()}
+        while len(tier.workers) < min(self.policy.store_parallel, tier.queue.qsize()):
+            tier.workers.add(asyncio.get_running_loop().create_task(self._store_worker(tier)))
 
     async def _store_worker(self, tier: L2Tier) -> None:
         """Drain a tier's store queue in batches: encode off the loop, then one batched put.
@@ -278,7 +288,11 @@ class StorageManager:
         Survives any exception of a codec or adapter: the batch is dropped and counted
         (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
         while not tier.queue.empty():
-            batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
+            batch = [tier.queue.get_nowait()]
+            size = batch[0][1].obj.spec.nbytes
+            while len(batch) < self.store_batch and size < STORE_BATCH_BYTES and not tier.queue.empty():
+                batch.append(tier.queue.get_nowait())
+                size += batch[-1][1].obj.spec.nbytes
             try:
                 await self._store_batch(tier, batch)
             except Exception as exc:
@@ -321,7 +335,7 @@ class StorageManager:
             return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
-        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
+        if tier.late:  # at most one put past its deadline per worker: wait it out before the next one (it is
             # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
             await asyncio.wait(set(tier.late))
         await self._call(
@@ -346,7 +360,7 @@ class StorageManager:
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued background store has finished (tests, shutdown, the demo)."""
-        workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
+        workers = [w for t in self.tiers for w in t.workers if not w.done()]
         if workers:
             await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout_s)
 
@@ -621,10 +635,10 @@ class StorageManager:
             return
         self._closed = True
         for tier in self.tiers:
-            if tier.worker is not None:
-                tier.worker.cancel()
+            for worker in tier.workers:
+                worker.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await tier.worker
+                    await worker
             while not tier.queue.empty():
                 _, lease = tier.queue.get_nowait()
                 lease.release()
