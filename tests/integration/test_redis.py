@@ -228,7 +228,7 @@ async def test_hung_server_times_out_at_socket_timeout(redis_factory: Callable[.
 
 
 async def test_large_values_go_to_the_selected_database(redis_server: Any) -> None:
-    """Large values take the zero-copy RESP connections: they must SELECT the URL's database as redis-py does."""
+    """Large values take the zero-copy RESP connections: they SELECT the URL's database as redis-py does."""
     url3 = redis_server.url.rsplit("/", 1)[0] + "/3"
     prefix = _prefix()
     async with (
