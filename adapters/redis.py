@@ -66,6 +66,7 @@ from redis.backoff import NoBackoff
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.options import Size, parse_options, parse_str
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -123,16 +124,6 @@ class RedisOptions:
     """TLS only: client key path."""
     ssl_cert_reqs: str | None = field(default=None, metadata={"parse": _parse_cert_reqs})
     """TLS only: required (default), optional or none."""
-
-
-def _as_bytes(value: Buffer) -> bytes | memoryview:
-    """A bytes-like redis-py sends as is (no copy): bytes, or a flat byte memoryview."""
-    if isinstance(value, bytes):
-        return value
-    view = memoryview(value)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _translate(exc: BaseException, where: str) -> AdapterError:
@@ -386,7 +377,7 @@ class RedisAdapter(Adapter):
         self._check_open()
         check_lengths(keys, values)
         full = self._keys(keys)
-        data = [_as_bytes(v) for v in values]
+        data = [as_readable_bytes(v) for v in values]
         out = [False] * len(full)
         small: list[int] = []
         small_bytes = 0
