@@ -617,3 +617,43 @@ async def test_streaming_read_requests_chunks_in_prefix_order_with_bounded_paral
             assert lease is not None
             lease.release()
         assert reader.metrics.value("tiercache_tier_errors_total", tier="mem", op="get") == 0
+
+
+class GatedPuts(InMemoryAdapter):
+    """Puts wait for the test's gate; records how many are in flight at once."""
+
+    def __init__(self, reach: int) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.reached = asyncio.Event()
+        self.reach = reach
+        self.in_flight = 0
+        self.peak = 0
+
+    async def batched_put(
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        if self.in_flight >= self.reach:
+            self.reached.set()
+        try:
+            await self.gate.wait()
+            return await super().batched_put(keys, values)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_background_puts_to_one_tier_run_concurrently_up_to_store_parallel() -> None:
+    tier = GatedPuts(reach=3)
+    policy = ManagerConfig(l2_deadline_s=30.0, lookup_deadline_s=1.0, store_queue_size=16, store_parallel=3)
+    async with StorageManager(make_l1(), [("g", tier, build_pipeline(["raw"]))], policy, store_batch=1) as manager:
+        keys = keys_of(7)
+        await put_all(manager, keys)
+        await asyncio.wait_for(tier.reached.wait(), 30)  # a deadlock guard: 3 puts in flight at once
+        tier.gate.set()
+        await manager.drain()
+        assert tier.peak == 3  # never more than store_parallel
+        frames = await tier.batched_get(keys)
+        assert all(f is not None and bytes(f).endswith(payload(k)) for f, k in zip(frames, keys, strict=True))
+        assert manager.metrics.value("tiercache_stores_total", tier="g") == 7

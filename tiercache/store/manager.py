@@ -338,11 +338,13 @@ class StorageManager:
         if tier.late:  # at most one put past its deadline per worker: wait it out before the next one (it is
             # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
             await asyncio.wait(set(tier.late))
+        # like a read, a put's deadline grows with its bytes (a 32 MiB frame is not held to a 2 s floor)
+        put_s = max(self.policy.l2_deadline_s, self.policy.l2_read_deadline_s(sum(len(v) for v in values)))
         await self._call(
             tier,
             "put",
             lambda: tier.adapter.batched_put(keys, values),
-            self.policy.l2_deadline_s,
+            put_s,
             late=partial(self._count_stores, tier, values),
         )
 
