@@ -647,7 +647,8 @@ class GatedPuts(InMemoryAdapter):
 async def test_background_puts_to_one_tier_run_concurrently_up_to_store_parallel() -> None:
     tier = GatedPuts(reach=3)
     policy = ManagerConfig(l2_deadline_s=30.0, lookup_deadline_s=1.0, store_queue_size=16, store_parallel=3)
-    async with StorageManager(make_l1(), [("g", tier, build_pipeline(["raw"]))], policy, store_batch=1) as manager:
+    tiers = [("g", tier, build_pipeline(["raw"]))]
+    async with StorageManager(make_l1(), tiers, policy, store_batch=1) as manager:
         keys = keys_of(7)
         await put_all(manager, keys)
         await asyncio.wait_for(tier.reached.wait(), 30)  # a deadlock guard: 3 puts in flight at once
