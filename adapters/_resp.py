@@ -3,13 +3,13 @@
 redis-py's asyncio path joins a command into one ``bytes`` before writing (a copy of the value), asyncio's
 transport copies what the socket did not take at once (another), and a reply is read through a stream
 buffer and joined again. Here a ``SET`` hands the caller's buffer to ``sendmsg`` beside the command's header
-and trailer, and a ``GET`` reads the bulk reply straight into one ``bytearray`` allocated for it (returned as
-a view without its CRLF). Connections are pooled (``size`` at most); a connection whose call failed, timed out
-or was cancelled part way is closed, never reused, so the server never sees half a command followed by
-another. A call on a pooled connection that finds it reset before any reply byte arrived is retried once on a
-new one (``GET`` and ``SET`` are idempotent), as redis-py does. ``timeout`` bounds every wait for the socket
-(connect, each step of a send or a receive), not the whole transfer. Errors: transport failures raise
-``AdapterUnavailable``, a silent server ``AdapterTimeout``, an error reply ``RespError``.
+and trailer, and a ``GET`` reads the bulk reply straight into one buffer allocated for it (not zero-filled;
+returned as a view without its CRLF). Connections are pooled (``size`` at most); a connection whose call
+failed, timed out or was cancelled part way is closed, never reused, so the server never sees half a command
+followed by another. A call on a pooled connection that finds it reset before any reply byte arrived is
+retried once on a new one (``GET`` and ``SET`` are idempotent), as redis-py does. ``timeout`` bounds every
+wait for the socket (connect, each step of a send or a receive), not the whole transfer. Errors: transport
+failures raise ``AdapterUnavailable``, a silent server ``AdapterTimeout``, an error reply ``RespError``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ _LINE_MAX = 64 << 10
 _RECV_HEAD = 64 << 10
 
 
+def _buffer(size: int) -> memoryview:
+    """A writable byte buffer of ``size`` bytes, not zero-filled (the receive overwrites all of it)."""
+    import numpy as np
+
+    view: memoryview = np.empty(size, dtype=np.uint8).data
+    return view
+
+
 class RespError(Exception):
     """An error reply of the server (``-ERR ...``, ``-OOM ...``); the connection stays usable."""
 
@@ -45,16 +53,16 @@ class _Conn:
         self.timeout = timeout
         self.pending = bytearray()  # received bytes not consumed yet
         self.fresh = True  # no call has completed on it yet (a reset is then not a stale connection)
+        self._deadline: asyncio.Timeout | None = None  # of the call in progress; pushed on at each step
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    async def _wait(self, aw: Awaitable[_T]) -> _T:
-        try:
-            return await asyncio.wait_for(aw, self.timeout)
-        except TimeoutError:
-            raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
+    def _progress(self) -> None:
+        """Bytes moved: the call's timeout counts again from now."""
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time() + self.timeout)
 
     async def _writable(self) -> None:
         loop = asyncio.get_running_loop()
@@ -62,7 +70,7 @@ class _Conn:
         fd = self.sock.fileno()
         loop.add_writer(fd, lambda: None if fut.done() else fut.set_result(None))
         try:
-            await self._wait(fut)
+            await fut
         finally:
             loop.remove_writer(fd)
 
@@ -76,6 +84,8 @@ class _Conn:
                 sent = 0
             except OSError as exc:
                 raise _Reset(str(exc)) from exc
+            if sent:
+                self._progress()
             while sent:
                 if sent >= parts[0].nbytes:
                     sent -= parts.pop(0).nbytes
@@ -88,13 +98,12 @@ class _Conn:
     async def _recv_into(self, view: memoryview) -> int:
         loop = asyncio.get_running_loop()
         try:
-            n = await self._wait(loop.sock_recv_into(self.sock, view))
-        except AdapterTimeout:
-            raise
+            n = await loop.sock_recv_into(self.sock, view)
         except OSError as exc:
             raise _Reset(str(exc)) from exc
         if n == 0:
             raise _Reset("connection closed by the server")
+        self._progress()
         return n
 
     async def _line(self) -> bytes:
@@ -124,21 +133,27 @@ class _Conn:
             size = int(rest)
             if size < 0:
                 return None
-            out = bytearray(size + 2)  # the value and its CRLF, received in place
-            view = memoryview(out)
+            view = _buffer(size + 2)  # the value and its CRLF, received in place
             have = min(len(self.pending), size + 2)
             view[:have] = self.pending[:have]
             del self.pending[:have]
             while have < size + 2:
                 have += await self._recv_into(view[have:])
-            if out[size:] != b"\r\n":
+            if bytes(view[size:]) != b"\r\n":
                 raise _Reset("bulk reply without its CRLF: not a RESP server")
             return view[:size]
         raise _Reset(f"unexpected reply type {kind!r}: not a RESP2 server")
 
     async def call(self, parts: list[memoryview]) -> bytes | memoryview | int | None:
-        await self.send(parts)
-        return await self.reply()
+        """Send one command and read its reply; AdapterTimeout when ``timeout`` passes with no progress."""
+        try:
+            async with asyncio.timeout(self.timeout) as self._deadline:
+                await self.send(parts)
+                return await self.reply()
+        except TimeoutError:
+            raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
+        finally:
+            self._deadline = None
 
 
 def _command(*args: bytes | memoryview) -> list[memoryview]:
@@ -196,7 +211,11 @@ class RespPool:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await conn._wait(loop.sock_connect(sock, addr))
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await loop.sock_connect(sock, addr)
+            except TimeoutError:
+                raise AdapterTimeout(f"redis {self.host}:{self.port}: connect timed out") from None
             if self.password is not None:
                 auth = [self.username.encode(), self.password.encode()] if self.username else []
                 await conn.call(_command(b"AUTH", *(auth or [self.password.encode()])))

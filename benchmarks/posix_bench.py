@@ -1,9 +1,10 @@
 """PosixAdapter vs raw ``os.write``/``os.read`` on the same directory: put/get GB/s and their ratios.
 
-Both sides write fresh files of the same sizes with the same fsync policy and read them back from the page
-cache. Two modes: one key per call (sequential like the raw loop, so it pays one thread hop per object),
-and batched (one batched_put/get of all objects, as the storage manager calls it, against the same raw
-loop). Per-key operations alternate raw/adapter object by object, so drift in a shared machine hits both
+Both sides write fresh files of the same sizes with the same crash-safety (a temp file renamed over the name;
+with ``--fsync`` the file and its directory fsynced) and read them back from the page cache. Two modes: one
+key per call (sequential like the raw loop, so it pays one thread hop per object), and batched (one
+batched_put/get of all objects, as the storage manager calls it, against the same raw loop). Per-key
+operations alternate raw/adapter object by object, so drift in a shared machine hits both
 alike; the figures are totals over all rounds.
 
 Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
@@ -26,7 +27,10 @@ __all__ = ["posix_vs_raw"]
 
 
 def _raw_write(path: str, data: bytes, fsync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """What a crash-safe put must do at least, as the adapter does: a temp file, its fsync (with ``fsync``),
+    a rename over the final name and the directory's fsync (with ``fsync``)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)
         done = 0
@@ -36,6 +40,13 @@ def _raw_write(path: str, data: bytes, fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def _raw_read(path: str) -> bytes:
