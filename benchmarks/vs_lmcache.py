@@ -203,13 +203,17 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None =
 
     class CopyConnector(MockGPUConnector):  # type: ignore[misc]
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
                 m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM).copy_(src[:, :, a:b])
+            KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
                 if m is not None:
                     dst[:, :, a:b].copy_(m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM))
+            KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
             self.batched_from_gpu([memory_obj], [start], [end])
@@ -247,6 +251,25 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None =
 
 
 LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
+KV_COPY_S = {"lmcache": 0.0, "tiercache": 0.0}
+"""Seconds each contender spent copying between its KV and its objects (the Redis part's breakdown)."""
+
+
+def _timed_kv_copies() -> None:
+    """Count the time tiercache's engine spends in its KV gather/scatter calls into ``KV_COPY_S``."""
+    from tiercache.gpu import dispatch
+
+    for name in ("gather", "scatter"):
+        fn = getattr(dispatch, name)
+
+        def timed(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                KV_COPY_S["tiercache"] += time.perf_counter() - t0
+
+        setattr(dispatch, name, timed)
 
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,6 +332,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     def l_store() -> float:
         toks = torch.tensor(prompt())
+        KV_COPY_S["lmcache"] = 0.0
         t0 = time.perf_counter()
         lmc.store(toks)
         dt = time.perf_counter() - t0
@@ -411,7 +435,10 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": url}]})
     rng = np.random.default_rng(1)
     loop = asyncio.new_event_loop()
-    times: dict[str, list[float]] = {k: [] for k in ("tc_write", "tc_read", "lmc_write", "lmc_read")}
+    times: dict[str, list[float]] = {
+        f"{c}_{op}{part}": [] for c in ("tc", "lmc") for op in ("write", "read") for part in ("", "_kv_copy")
+    }
+    _timed_kv_copies()
     exact = {"tiercache": True, "lmcache": True}
     stored: dict[str, list[int]] = {"tiercache": [], "lmcache": []}
 
@@ -426,18 +453,22 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
         probe.flushall()
         toks = [int(x) for x in rng.integers(0, 128_000, tokens_n)]
         engine = loop.run_until_complete(CacheEngine.open(config, layout, model="bench/llama-8b-shape"))
+        KV_COPY_S["tiercache"] = 0.0
         t0 = time.perf_counter()
         loop.run_until_complete(engine.store(toks, kv, slots))
         loop.run_until_complete(engine.drain())
         stored["tiercache"].append(wait_keys(chunks))
         t_write = time.perf_counter() - t0
+        c_write = KV_COPY_S["tiercache"]
         loop.run_until_complete(engine.aclose())
         fresh = loop.run_until_complete(CacheEngine.open(config, layout, model="bench/llama-8b-shape"))
         for t in kv_back:
             t.zero_()
+        KV_COPY_S["tiercache"] = 0.0
         t1 = time.perf_counter()
         mask = loop.run_until_complete(fresh.retrieve(toks, kv_back, slots))
         t_read = time.perf_counter() - t1
+        c_read = KV_COPY_S["tiercache"]
         loop.run_until_complete(fresh.aclose())
         reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
         ok = int(mask.sum()) == tokens_n and torch.equal(back.view(torch.int16), src.view(torch.int16))
@@ -445,23 +476,31 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
         if record:
             times["tc_write"].append(t_write)
             times["tc_read"].append(t_read)
+            times["tc_write_kv_copy"].append(c_write)
+            times["tc_read_kv_copy"].append(c_read)
 
     def lmcache_round(record: bool) -> None:
         probe.flushall()
         toks = torch.tensor([int(x) for x in rng.integers(0, 128_000, tokens_n)])
+        KV_COPY_S["lmcache"] = 0.0
         t0 = time.perf_counter()
         lmc.store(toks)
         stored["lmcache"].append(wait_keys(2 * chunks) // 2)  # LMCache: kv_bytes and metadata per chunk
         t_write = time.perf_counter() - t0
+        c_write = KV_COPY_S["lmcache"]
         dst.zero_()
+        KV_COPY_S["lmcache"] = 0.0
         t1 = time.perf_counter()
         got = lmc.retrieve(toks)
         t_read = time.perf_counter() - t1
+        c_read = KV_COPY_S["lmcache"]
         ok = int(got.sum()) == tokens_n and torch.equal(dst.view(torch.int16), src.view(torch.int16))
         exact["lmcache"] &= ok
         if record:
             times["lmc_write"].append(t_write)
             times["lmc_read"].append(t_read)
+            times["lmc_write_kv_copy"].append(c_write)
+            times["lmc_read_kv_copy"].append(c_read)
 
     try:
         tiercache_round(False)  # warm-up: connections, pools, first touch
@@ -484,21 +523,39 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
         "tiercache": {
             "write_through_ms": ms(times["tc_write"]),
             "cold_retrieve_ms": ms(times["tc_read"]),
+            "write_kv_copy_ms": ms(times["tc_write_kv_copy"]),
+            "read_kv_copy_ms": ms(times["tc_read_kv_copy"]),
             "bit_exact": exact["tiercache"],
         },
         "lmcache": {
             "write_through_ms": ms(times["lmc_write"]),
             "cold_retrieve_ms": ms(times["lmc_read"]),
+            "write_kv_copy_ms": ms(times["lmc_write_kv_copy"]),
+            "read_kv_copy_ms": ms(times["lmc_read_kv_copy"]),
             "bit_exact": exact["lmcache"],
         },
         "chunks_stored": stored,
         "samples_ms": {k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
-        "note": "write-through: store() until every chunk is readable (tiercache: drain + DBSIZE, LMCache: "
+        "note": "kv_copy: time in the contender's copies between its KV and its objects (tiercache: paged "
+        "gather/scatter, issue 14's CPU-copy item; LMCache: contiguous torch copies); write-through: store() "
+        "until every chunk is readable (tiercache: drain + DBSIZE, LMCache: "
         "DBSIZE polled, 2 keys per chunk); cold retrieve: tiercache a fresh engine (empty L1) per round, "
         "LMCache local_cpu=False (every retrieve reads Redis)",
     }
     res["write_through_tiercache_vs_lmcache_speed"] = ms(times["lmc_write"]) / ms(times["tc_write"])
     res["cold_retrieve_tiercache_vs_lmcache_speed"] = ms(times["lmc_read"]) / ms(times["tc_read"])
+
+    def net(c: str, op: str) -> float:  # the Redis part: the whole call less the contender's KV copies
+        return statistics.median(
+            a - b for a, b in zip(times[f"{c}_{op}"], times[f"{c}_{op}_kv_copy"], strict=True)
+        )
+
+    for op, label in (("write", "write_through"), ("read", "cold_retrieve")):
+        res[f"{label}_without_kv_copies_ms"] = {
+            "tiercache": net("tc", op) * 1e3,
+            "lmcache": net("lmc", op) * 1e3,
+        }
+        res[f"{label}_without_kv_copies_tiercache_vs_lmcache_speed"] = net("lmc", op) / net("tc", op)
     return res
 
 
