@@ -54,6 +54,7 @@ class _Conn:
         self.pending = bytearray()  # received bytes not consumed yet
         self.fresh = True  # no call has completed on it yet (a reset is then not a stale connection)
         self._deadline: asyncio.Timeout | None = None  # of the call in progress; pushed on at each step
+        self._readable: asyncio.Future[None] | None = None  # a receive waiting for data
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -96,15 +97,28 @@ class _Conn:
                 await self._writable()
 
     async def _recv_into(self, view: memoryview) -> int:
-        loop = asyncio.get_running_loop()
-        try:
-            n = await loop.sock_recv_into(self.sock, view)
-        except OSError as exc:
-            raise _Reset(str(exc)) from exc
-        if n == 0:
-            raise _Reset("connection closed by the server")
-        self._progress()
-        return n
+        """Receive what has arrived into ``view`` (at least one byte), waiting on the call's reader."""
+        while True:
+            try:
+                n = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                waiter = self._readable = asyncio.get_running_loop().create_future()
+                try:
+                    await waiter
+                finally:
+                    self._readable = None
+                continue
+            except OSError as exc:
+                raise _Reset(str(exc)) from exc
+            if n == 0:
+                raise _Reset("connection closed by the server")
+            self._progress()
+            return n
+
+    def _on_readable(self) -> None:
+        waiter = self._readable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _line(self) -> bytes:
         """The next reply line, without its CRLF."""
@@ -146,6 +160,9 @@ class _Conn:
 
     async def call(self, parts: list[memoryview]) -> bytes | memoryview | int | None:
         """Send one command and read its reply; AdapterTimeout when ``timeout`` passes with no progress."""
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        loop.add_reader(fd, self._on_readable)  # one registration per call, not one per receive
         try:
             async with asyncio.timeout(self.timeout) as self._deadline:
                 await self.send(parts)
@@ -154,6 +171,7 @@ class _Conn:
             raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
         finally:
             self._deadline = None
+            loop.remove_reader(fd)
 
 
 def _command(*args: bytes | memoryview) -> list[memoryview]:
