@@ -335,6 +335,11 @@ class FailsToEncode:
             raise RuntimeError("codec bug")
         return self.raw.encode(data, spec, key)  # type: ignore[arg-type]
 
+    def encode_into(self, data: object, spec: KVSpec, key: str, dst: object) -> int:
+        if key in self.bad_keys:
+            raise RuntimeError("codec bug")
+        return self.raw.encode_into(data, spec, key, dst)
+
     def __getattr__(self, name: str) -> object:
         return getattr(self.raw, name)
 

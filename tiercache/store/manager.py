@@ -23,6 +23,7 @@ from tiercache.config import ManagerConfig
 from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
 from tiercache.metrics import Metrics
+from tiercache.store._frames import FrameBuffers
 from tiercache.store.circuit import CircuitBreaker
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class StorageManager:
         self.metrics = metrics or Metrics()
         self.store_batch = store_batch
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
+        # frames of stores in flight reuse their buffers (room for two batches per store worker)
+        self._frames = FrameBuffers(2 * self.policy.store_parallel * STORE_BATCH_BYTES + (64 << 20))
         self.tiers: list[L2Tier] = []
         for name, adapter, pipeline in tiers:
             tier = L2Tier(
@@ -312,11 +315,14 @@ class StorageManager:
         limit = tier.adapter.capabilities.max_value_bytes
         too_large = 0
 
-        def encode() -> list[tuple[str, bytearray]]:
+        def encode() -> list[tuple[str, memoryview]]:
             nonlocal too_large
             frames = []
             for key, lease in batch:
-                frame = tier.pipeline.encode(lease.obj.buffer(), lease.obj.spec, key)
+                buf = self._frames.take(tier.pipeline.max_frame_size(lease.obj.spec))
+                n = tier.pipeline.encode_into(lease.obj.buffer(), lease.obj.spec, key, buf)
+                frame = memoryview(buf)[:n]
+                del buf
                 if not lease.valid():  # the slot was reused while we read it
                     continue
                 if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
@@ -348,7 +354,7 @@ class StorageManager:
             late=partial(self._count_stores, tier, values),
         )
 
-    def _count_stores(self, tier: L2Tier, values: list[bytearray], stored: list[bool] | None) -> None:
+    def _count_stores(self, tier: L2Tier, values: list[memoryview], stored: list[bool] | None) -> None:
         """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
         if stored is None:
             self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
