@@ -24,10 +24,10 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
 1-32 MiB frames; redis-py 8.1, Redis 7.0):
 
 * contains: one pipeline of ``EXISTS`` per key (one round trip). delete: one pipeline of ``DEL`` per key.
-* get: ``GET`` one after another while the values seen are large (running mean > 256 KiB), else one pipeline
-  of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x), MGET (never faster, and its single
-  reply must arrive within one socket timeout) and concurrent GETs (0.6x at 1 MiB); small values need the
-  pipeline's one round trip.
+* get: ``GET`` one after another while the values seen (read or written) are large (running mean > 256 KiB),
+  else one pipeline of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x), MGET (never
+  faster, and its single reply must arrive within one socket timeout) and concurrent GETs (0.6x at 1 MiB);
+  small values need the pipeline's one round trip.
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values); each larger value is
   its own ``SET``, all of a batch at once (up to ``pool_size`` in flight): pipelining large values makes Redis
   copy them through its query buffer and ran ~2x slower (see the bench JSON).
@@ -365,10 +365,13 @@ class RedisAdapter(Adapter):
         else:
             results = await self._guard(self._pipeline(lambda p: [p.get(k) for k in full]))
             self._raise_first(results)
-        hits = [len(r) for r in results if r is not None]
-        if hits:
-            self._mean_hit_bytes = 0.75 * self._mean_hit_bytes + 0.25 * (sum(hits) / len(hits))
+        self._learn_sizes([len(r) for r in results if r is not None])
         return list(results)
+
+    def _learn_sizes(self, sizes: Sequence[int]) -> None:
+        """Fold the sizes of values just read or written into the running mean that picks the get mode."""
+        if sizes:
+            self._mean_hit_bytes = 0.75 * self._mean_hit_bytes + 0.25 * (sum(sizes) / len(sizes))
 
     async def _get_one(self, key: str) -> Any:
         if self._resp is not None:
@@ -382,6 +385,7 @@ class RedisAdapter(Adapter):
         check_lengths(keys, values)
         full = self._keys(keys)
         data = [as_readable_bytes(v) for v in values]
+        self._learn_sizes([v.nbytes for v in data])  # what a tier writes is what it is asked for later
         out = [False] * len(full)
         small: list[int] = []
         small_bytes = 0
