@@ -77,6 +77,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters.options import Size, parse_options, parse_str
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -390,7 +391,7 @@ class MooncakeAdapter(Adapter):
         names = [check_key(k) for k in keys]
         if not names:
             return []
-        views = [memoryview(v).cast("B") if not isinstance(v, bytes) else memoryview(v) for v in values]
+        views = [as_readable_bytes(v) for v in values]
         return await self._run(lambda: self._put(names, views))
 
     def _put(self, names: list[str], views: list[memoryview]) -> list[bool]:

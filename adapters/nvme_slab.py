@@ -83,6 +83,7 @@ from tiercache.adapters._slab_layout import (
     unpack_superblock,
 )
 from tiercache.adapters.options import Size, parse_bool, parse_options
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -99,15 +100,6 @@ _ZERO_COPY_MIN = 256 << 10  # smaller values are copied into a bounce buffer (on
 _VIEW_MIN = 1 << 20  # smaller values are returned as bytes
 _DEFAULT_THREADS = min(32, 4 * (os.cpu_count() or 1))
 _EMPTY_HASH = xxhash.xxh3_64_intdigest(b"")
-
-
-def _as_bytes_view(value: Buffer) -> memoryview:
-    view = memoryview(value)
-    if not view.c_contiguous:
-        return memoryview(bytes(view))
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _address(view: memoryview) -> int:
@@ -885,7 +877,7 @@ class SlabAdapter(Adapter):
         jobs: list[asyncio.Future[int]] = []
         views: list[tuple[memoryview, int]] = []
         for k, v in zip(keys, values, strict=True):
-            view = _as_bytes_view(v)
+            view = as_readable_bytes(v)
             n = len(view)
             if n > self.max_object:
                 self.stats["rejected_too_big"] += 1

@@ -47,6 +47,7 @@ from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, c
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import Size, parse_options
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -68,13 +69,6 @@ _INLINE_BATCH_BYTES = 16 << 20  # at most this much copied on the loop thread pe
 def _shard_dirs(key: str, depth: int) -> list[str]:
     digest = xxhash.xxh64_hexdigest(key.encode())
     return [digest[2 * i : 2 * i + 2] for i in range(depth)]
-
-
-def _as_bytes_view(value: Buffer) -> memoryview:
-    view = memoryview(value)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> bool:
@@ -173,7 +167,7 @@ def _write_file(
             os.makedirs(directory, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            view = _as_bytes_view(value)
+            view = as_readable_bytes(value)
             done, size = 0, len(view)
             while done < size:
                 done += os.write(fd, view[done:])

@@ -49,6 +49,7 @@ import xxhash
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters.options import Size, parse_float, parse_options, parse_str
+from tiercache.buffers import as_readable_bytes
 from tiercache.config import redact_url
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
 
@@ -124,13 +125,6 @@ def object_name(prefix: str, key: str) -> str:
     """The S3 object name of ``key`` under ``prefix`` (``""`` or without slashes at either end)."""
     name = f"{xxhash.xxh64_hexdigest(key.encode())[:2]}/{key}"
     return f"{prefix}/{name}" if prefix else name
-
-
-def _view(value: Buffer) -> memoryview:
-    view = memoryview(value)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _body(view: memoryview) -> bytes | bytearray:
@@ -528,7 +522,7 @@ class S3Adapter(Adapter):
             )
 
     async def _put_one(self, name: str, value: Buffer) -> bool:
-        body = _view(value)
+        body = as_readable_bytes(value)
         write = self._put_multipart if len(body) >= self.multipart_threshold else self._put_single
         if not self.create_only:
             return await write(name, body, conditional=False)

@@ -6,7 +6,8 @@ server on a free 127.0.0.1 port and stops it by PID at the end.
 redis / valkey: for 1, 4 and 32 MiB frames (about 64 MiB per batch), the adapter's batched put/get against
 raw ``redis.asyncio`` in every mode (sequential SET/GET one after another on the pool, one pipeline,
 concurrent tasks over the pool, MGET), alternating rounds so drift hits all alike; ratios are adapter / best
-raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts (sequential and pipelined).
+raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts, through the adapter (one batched call
+each) and through raw redis-py (sequential and pipelined).
 
 s3: 1, 4 and 32 MiB through the adapter vs raw aioboto3 on a moto server (benchmarks/s3_bench.py).
 
@@ -206,7 +207,29 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         async def parts_seq_get() -> None:
             assert len(b"".join([await raw.get(k) for k in pkeys])) == len(big)
 
+        bigkeys = ["big-64MiB"]
+        partkeys = [f"part-{i}" for i in range(len(parts))]
+
+        async def a_one_set() -> None:
+            assert await adapter.batched_put(bigkeys, [big]) == [True]
+
+        async def a_parts_set() -> None:
+            assert await adapter.batched_put(partkeys, parts) == [True] * len(parts)
+
+        async def a_one_get() -> None:
+            (got,) = await adapter.batched_get(bigkeys)
+            assert got is not None
+            assert len(got) == len(big)
+
+        async def a_parts_get() -> None:
+            got = await adapter.batched_get(partkeys)
+            assert sum(len(g) for g in got if g is not None) == len(big)
+
         split_fns = {
+            "adapter_set_one_64MiB": a_one_set,
+            "adapter_set_16x4MiB": a_parts_set,
+            "adapter_get_one_64MiB": a_one_get,
+            "adapter_get_16x4MiB": a_parts_get,
             "set_one_64MiB": one_set,
             "set_16x4MiB_sequential": parts_seq_set,
             "set_16x4MiB_pipeline": parts_pipe_set,
@@ -217,10 +240,16 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         split_total = dict.fromkeys(split_fns, 0.0)
         await one_set()
         await parts_seq_set()
+        await a_one_set()
+        await a_parts_set()
         for _ in range(rounds):
             for m, fn in split_fns.items():
                 split_total[m] += await _timed(fn)
-        out["split_64MiB"] = {k: round(rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
+        split = {k: round(rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
+        for op in ("set", "get"):
+            one, many = split[f"adapter_{op}_one_64MiB"], split[f"adapter_{op}_16x4MiB"]
+            split[f"adapter_{op}_one_vs_parts"] = round(one / many, 3)
+        out["split_64MiB"] = split
         await adapter.aclose()
         await raw.aclose()
         return out

@@ -61,7 +61,7 @@ def _config(url: str) -> Any:
 
 
 async def _store(url: str, tokens_n: int) -> dict[str, float]:
-    from tiercache.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine
 
     layout, kv, slots, toks = _request(tokens_n, 0)
     engine = await CacheEngine.open(_config(url), layout, model="bench/llama-8b-shape")
@@ -81,8 +81,8 @@ async def _retrieve(url: str, tokens_n: int) -> dict[str, Any]:
     import redis.asyncio as aredis
     import torch
 
-    from tiercache.engine import CacheEngine
     from tiercache.gpu import Move, reference
+    from tiercache.store.engine import CacheEngine
 
     layout, kv, slots, toks = _request(tokens_n, 0)
     back = [torch.empty_like(t.permute(0, 2, 1, 3)).permute(0, 2, 1, 3) for t in kv]

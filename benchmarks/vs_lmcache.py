@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -200,7 +201,7 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _lmcache_engine(cpu_gib: float, src: Any, dst: Any) -> Any:
+def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None = None) -> Any:
     """LMCache 0.5.6's engine without vLLM or a GPU: the standalone starter with a connector that copies
     between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (one torch copy per chunk; LMCache
     has no paged CPU copy routine, so its side copies contiguous token ranges)."""
@@ -212,13 +213,17 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any) -> Any:
 
     class CopyConnector(MockGPUConnector):  # type: ignore[misc]
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
                 m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM).copy_(src[:, :, a:b])
+            KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
                 if m is not None:
                     dst[:, :, a:b].copy_(m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM))
+            KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
             self.batched_from_gpu([memory_obj], [start], [end])
@@ -227,9 +232,19 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any) -> Any:
             self.batched_to_gpu([memory_obj], [start], [end])
 
     standalone.CreateGPUConnector = lambda config, metadata, engine_type: CopyConnector(metadata.kv_shape)
-    config = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=cpu_gib, internal_api_server_enabled=False
-    )
+    if remote_url is None:
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=cpu_gib, internal_api_server_enabled=False
+        )
+    else:  # Redis only: the CPU backend is just LMCache's allocator
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK,
+            local_cpu=False,
+            max_local_cpu_size=cpu_gib,
+            internal_api_server_enabled=False,
+            remote_url=remote_url,
+            remote_serde="naive",
+        )
     meta = LMCacheMetadata(
         model_name="bench/llama-8b-shape",
         world_size=1,
@@ -246,6 +261,25 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any) -> Any:
 
 
 LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
+KV_COPY_S = {"lmcache": 0.0, "tiercache": 0.0}
+"""Seconds each contender spent copying between its KV and its objects (the Redis part's breakdown)."""
+
+
+def _timed_kv_copies() -> None:
+    """Count the time tiercache's engine spends in its KV gather/scatter calls into ``KV_COPY_S``."""
+    from tiercache.gpu import dispatch
+
+    for name in ("gather", "scatter"):
+        fn = getattr(dispatch, name)
+
+        def timed(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                KV_COPY_S["tiercache"] += time.perf_counter() - t0
+
+        setattr(dispatch, name, timed)
 
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,6 +349,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     def l_store() -> float:
         toks = torch.tensor(prompt())
+        KV_COPY_S["lmcache"] = 0.0
         t0 = time.perf_counter()
         lmc.store(toks)
         dt = time.perf_counter() - t0
@@ -383,6 +418,177 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def redis_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Redis only (no L1 hit): write-through (time until every chunk of the request is readable in Redis)
+    and cold retrieve into the KV (tiercache: a fresh engine each round; LMCache: ``local_cpu=False``, so
+    every retrieve reads Redis), both contenders on one redis-server started here, interleaved, bit-exact."""
+    import asyncio
+
+    import numpy as np
+    import redis as redis_sync
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
+    from servers import free_port, port_open, start_process
+
+    from tiercache.config import config_from_dict
+    from tiercache.gpu import reference
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout
+    from tiercache.store.engine import CacheEngine
+
+    torch.manual_seed(0)
+    tokens_n = args.tokens
+    nb = tokens_n // BLOCK + 8
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, LAYERS, HEADS, HEAD_DIM, BLOCK, "bfloat16")
+    raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+    kv = [r.permute(0, 2, 1, 3) for r in raw]
+    kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
+    table = torch.randperm(nb - 1)[: tokens_n // BLOCK] + 1
+    pos = torch.arange(tokens_n)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    src = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
+    dst = torch.empty_like(src)
+    back = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    chunks = tokens_n // CHUNK
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="vs-lmc-redis-")
+    server = start_process(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir, "--maxmemory", "3gb", "--proto-max-bulk-len", "1gb"],
+        ready=lambda: port_open("127.0.0.1", port),
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    probe = redis_sync.Redis(host="127.0.0.1", port=port)
+    lmc = _lmcache_engine(2 * nbytes / 2**30 + 1, src, dst, remote_url=url)
+    config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": url}]})
+    rng = np.random.default_rng(1)
+    loop = asyncio.new_event_loop()
+    times: dict[str, list[float]] = {
+        f"{c}_{op}{part}": [] for c in ("tc", "lmc") for op in ("write", "read") for part in ("", "_kv_copy")
+    }
+    _timed_kv_copies()
+    exact = {"tiercache": True, "lmcache": True}
+    stored: dict[str, list[int]] = {"tiercache": [], "lmcache": []}
+
+    def wait_keys(n: int, limit_s: float = 60.0) -> int:
+        """Poll until ``n`` keys are readable (or ``limit_s`` passed: a store was dropped); the count seen."""
+        end = time.perf_counter() + limit_s
+        while (have := int(probe.dbsize())) < n and time.perf_counter() < end:
+            time.sleep(0.001)
+        return have
+
+    def tiercache_round(record: bool) -> None:
+        probe.flushall()
+        toks = [int(x) for x in rng.integers(0, 128_000, tokens_n)]
+        engine = loop.run_until_complete(CacheEngine.open(config, layout, model="bench/llama-8b-shape"))
+        KV_COPY_S["tiercache"] = 0.0
+        t0 = time.perf_counter()
+        loop.run_until_complete(engine.store(toks, kv, slots))
+        loop.run_until_complete(engine.drain())
+        stored["tiercache"].append(wait_keys(chunks))
+        t_write = time.perf_counter() - t0
+        c_write = KV_COPY_S["tiercache"]
+        loop.run_until_complete(engine.aclose())
+        fresh = loop.run_until_complete(CacheEngine.open(config, layout, model="bench/llama-8b-shape"))
+        for t in kv_back:
+            t.zero_()
+        KV_COPY_S["tiercache"] = 0.0
+        t1 = time.perf_counter()
+        mask = loop.run_until_complete(fresh.retrieve(toks, kv_back, slots))
+        t_read = time.perf_counter() - t1
+        c_read = KV_COPY_S["tiercache"]
+        loop.run_until_complete(fresh.aclose())
+        reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
+        ok = int(mask.sum()) == tokens_n and torch.equal(back.view(torch.int16), src.view(torch.int16))
+        if record:  # a warm-up round that lost chunks shows in chunks_stored, not here
+            exact["tiercache"] &= ok
+            times["tc_write"].append(t_write)
+            times["tc_read"].append(t_read)
+            times["tc_write_kv_copy"].append(c_write)
+            times["tc_read_kv_copy"].append(c_read)
+
+    def lmcache_round(record: bool) -> None:
+        probe.flushall()
+        toks = torch.tensor([int(x) for x in rng.integers(0, 128_000, tokens_n)])
+        KV_COPY_S["lmcache"] = 0.0
+        t0 = time.perf_counter()
+        lmc.store(toks)
+        stored["lmcache"].append(wait_keys(2 * chunks) // 2)  # LMCache: kv_bytes and metadata per chunk
+        t_write = time.perf_counter() - t0
+        c_write = KV_COPY_S["lmcache"]
+        dst.zero_()
+        KV_COPY_S["lmcache"] = 0.0
+        t1 = time.perf_counter()
+        got = lmc.retrieve(toks)
+        t_read = time.perf_counter() - t1
+        c_read = KV_COPY_S["lmcache"]
+        ok = int(got.sum()) == tokens_n and torch.equal(dst.view(torch.int16), src.view(torch.int16))
+        if record:
+            exact["lmcache"] &= ok
+            times["lmc_write"].append(t_write)
+            times["lmc_read"].append(t_read)
+            times["lmc_write_kv_copy"].append(c_write)
+            times["lmc_read_kv_copy"].append(c_read)
+
+    try:
+        tiercache_round(False)  # warm-up: connections, pools, first touch
+        lmcache_round(False)
+        for r in range(args.rounds):
+            order = [tiercache_round, lmcache_round] if r % 2 == 0 else [lmcache_round, tiercache_round]
+            for fn in order:
+                fn(True)
+    finally:
+        probe.close()
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def ms(ts: list[float]) -> float:
+        return statistics.median(ts) * 1e3
+
+    res: dict[str, Any] = {
+        "workload": f"{tokens_n} tokens, Llama-8B shape, bf16, {CHUNK}-token chunks, {nbytes} bytes; Redis",
+        "rounds": args.rounds,
+        "tiercache": {
+            "write_through_ms": ms(times["tc_write"]),
+            "cold_retrieve_ms": ms(times["tc_read"]),
+            "write_kv_copy_ms": ms(times["tc_write_kv_copy"]),
+            "read_kv_copy_ms": ms(times["tc_read_kv_copy"]),
+            "bit_exact": exact["tiercache"],
+        },
+        "lmcache": {
+            "write_through_ms": ms(times["lmc_write"]),
+            "cold_retrieve_ms": ms(times["lmc_read"]),
+            "write_kv_copy_ms": ms(times["lmc_write_kv_copy"]),
+            "read_kv_copy_ms": ms(times["lmc_read_kv_copy"]),
+            "bit_exact": exact["lmcache"],
+        },
+        "chunks_stored": stored,  # the warm-up round first
+        "samples_ms": {k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
+        "note": "kv_copy: time in the contender's copies between its KV and its objects (tiercache: paged "
+        "gather/scatter, issue 14's CPU-copy item; LMCache: contiguous torch copies); write-through: store() "
+        "until every chunk is readable (tiercache: drain + DBSIZE, LMCache: "
+        "DBSIZE polled, 2 keys per chunk); cold retrieve: tiercache a fresh engine (empty L1) per round, "
+        "LMCache local_cpu=False (every retrieve reads Redis)",
+    }
+    res["write_through_tiercache_vs_lmcache_speed"] = ms(times["lmc_write"]) / ms(times["tc_write"])
+    res["cold_retrieve_tiercache_vs_lmcache_speed"] = ms(times["lmc_read"]) / ms(times["tc_read"])
+
+    def net(c: str, op: str) -> float:  # the Redis part: the whole call less the contender's KV copies
+        return statistics.median(
+            a - b for a, b in zip(times[f"{c}_{op}"], times[f"{c}_{op}_kv_copy"], strict=True)
+        )
+
+    for op, label in (("write", "write_through"), ("read", "cold_retrieve")):
+        res[f"{label}_without_kv_copies_ms"] = {
+            "tiercache": net("tc", op) * 1e3,
+            "lmcache": net("lmc", op) * 1e3,
+        }
+        res[f"{label}_without_kv_copies_tiercache_vs_lmcache_speed"] = net("lmc", op) / net("tc", op)
+    return res
+
+
 def _lookup(num_tokens: int, rounds: int, engine: Any, lmc: Any, loop: Any, rng: Any) -> dict[str, Any]:
     """Lookup of a long prompt, nothing stored (every chunk hashed, the first L1 probe misses), interleaved:
     tiercache on the Python list vLLM hands over, tiercache on vLLM-style sha256 block hashes (what the
@@ -439,15 +645,19 @@ def main() -> None:
     c.add_argument("--layout", choices=["flash", "cpu_blocks"], default="flash", help="tiercache's paged KV")
     c.add_argument("--lookup-tokens", type=int, default=131072, help="0: no lookup part")
     c.add_argument("--rounds", type=int, default=7)
+    rd = sub.add_parser("redis", help="Redis only: write-through and cold retrieve beside LMCache (its venv)")
+    rd.add_argument("--tokens", type=int, default=4096)
+    rd.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    if args.part == "cpu" and os.environ.get("PYTHONHASHSEED") != "0":  # LMCache hashes with hash()
+    # LMCache hashes with hash()
+    if args.part in ("cpu", "redis") and os.environ.get("PYTHONHASHSEED") != "0":
         os.environ["PYTHONHASHSEED"] = "0"
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.part == "gpu":
         print(json.dumps(gpu(args), indent=2))
     else:
-        res = cpu(args)
+        res = cpu(args) if args.part == "cpu" else redis_part(args)
         print(json.dumps(res, indent=2))
         sys.stdout.flush()
         os._exit(0)  # LMCache's shutdown can wait for its threads

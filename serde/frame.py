@@ -45,6 +45,7 @@ from typing import Any
 
 import xxhash
 
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import FrameError
 from tiercache.spec import DTYPE_CODES, KVFormat, KVSpec
 
@@ -168,7 +169,7 @@ def read_header(frame: bytes | bytearray | memoryview[Any]) -> FrameHeader:
 
     Only the header is checked: the caller verifies the frame length and payload checksum.
     """
-    mv = _byte_view(frame)
+    mv = as_readable_bytes(frame)
     if len(mv) < FIXED_SIZE + TRAILER_SIZE:
         raise FrameError(f"truncated frame: {len(mv)} bytes is shorter than any header")
     if bytes(mv[:4]) != MAGIC:
@@ -208,13 +209,6 @@ def read_header(frame: bytes | bytearray | memoryview[Any]) -> FrameHeader:
         spec, chain, params, payload_len, raw_len, checksum, fingerprint, header_len, version, flags,
         checksum_kind,
     )  # fmt: skip
-
-
-def _byte_view(frame: bytes | bytearray | memoryview[Any]) -> memoryview:
-    mv = memoryview(frame)
-    if not mv.c_contiguous:
-        return memoryview(mv.tobytes())
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _read_chain(mv: memoryview, count: int, end: int) -> tuple[tuple[str, ...], tuple[bytes, ...]]:

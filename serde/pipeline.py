@@ -7,8 +7,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
+from tiercache.buffers import as_readable_bytes, as_writable_bytes
 from tiercache.errors import ConfigError, FrameError, PluginError
-from tiercache.serde._buffers import as_readable_bytes, as_writable_bytes
 from tiercache.serde._codec import Codec, CodecContext, Stage
 from tiercache.serde.frame import (
     FIXED_SIZE,

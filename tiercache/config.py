@@ -248,6 +248,8 @@ class ManagerConfig:
     """Expected L2 read bandwidth in MiB/s (2**20 bytes per second) that scales a read's deadline."""
     l2_read_parallel: int = 4
     """Chunk gets of one L2 read in flight at once (requested in prefix order, delivered as they land)."""
+    store_parallel: int = 4
+    """Background store batches (encode + put) in flight per tier at once."""
 
     def l2_read_deadline_s(self, nbytes: int) -> float:
         """Deadline of an L2 read of ``nbytes`` bytes: ``l2_read_floor_s + nbytes / l2_read_mib_per_s``."""
@@ -484,6 +486,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         l2_read_floor_s=float(mr.take("l2_read_floor_s", (int, float), defaults.l2_read_floor_s)),
         l2_read_mib_per_s=float(mr.take("l2_read_mib_per_s", (int, float), defaults.l2_read_mib_per_s)),
         l2_read_parallel=mr.take("l2_read_parallel", (int,), defaults.l2_read_parallel),
+        store_parallel=mr.take("store_parallel", (int,), defaults.store_parallel),
     )
     mr.finish()
     if min(manager.l2_deadline_s, manager.lookup_deadline_s, manager.circuit_cooldown_s) <= 0:
@@ -492,6 +495,8 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         raise ConfigError(
             f"{source}: manager.l2_read_floor_s and l2_read_mib_per_s must be positive, l2_read_parallel >= 1"
         )
+    if manager.store_parallel < 1:
+        raise ConfigError(f"{source}: manager.store_parallel must be >= 1, got {manager.store_parallel}")
 
     names: set[str] = set()
     tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))

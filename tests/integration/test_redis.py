@@ -178,6 +178,9 @@ async def test_password_auth(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory("--requirepass", "s3cret")
     async with await RedisAdapter.open(server.url, password="s3cret") as adapter:
         assert await adapter.batched_put(["k1"], [b"v"]) == [True]
+        big = bytes(range(256)) * 4096  # 1 MiB: the zero-copy RESP connections authenticate too
+        assert await adapter.batched_put(["k2"], [big]) == [True]
+        assert await adapter.batched_get(["k2"]) == [big]
     # Wrong or missing password: the open's PING fails, so the error comes at open, not at the first call.
     with pytest.raises(AdapterUnavailable):
         await RedisAdapter.open(server.url, password="wrong")
@@ -222,12 +225,37 @@ async def test_hung_server_times_out_at_socket_timeout(redis_factory: Callable[.
         assert await adapter.batched_put(keys, [b"v", b"w"]) == [True, True]
         server.proc.pause()
         try:
-            for call in (lambda: adapter.batched_get(keys), lambda: adapter.batched_put(keys, [b"x", b"y"])):
+            for call in (
+                lambda: adapter.batched_get(keys),
+                lambda: adapter.batched_put(keys, [b"x", b"y"]),
+                lambda: adapter.batched_get(keys[:1]),  # one key: the zero-copy RESP path
+                lambda: adapter.batched_put(keys[:1], [b"z" * MiB]),  # a large value: the same
+            ):
                 with pytest.raises(AdapterTimeout, match="no answer within the socket timeout"):
                     await call()
         finally:
             server.proc.resume()
-        assert await adapter.batched_get(keys) in ([b"v", b"w"], [b"x", b"y"])
+        first, second = await adapter.batched_get(keys)  # each timed-out put may land after the resume
+        assert (first, second) in ((b"v", b"w"), (b"x", b"y")) or (
+            first == b"z" * MiB and second in (b"w", b"y")
+        )
+
+
+async def test_large_values_go_to_the_selected_database(redis_server: Any) -> None:
+    """Large values take the zero-copy RESP connections: they SELECT the URL's database as redis-py does."""
+    url3 = redis_server.url.rsplit("/", 1)[0] + "/3"
+    prefix = _prefix()
+    async with (
+        await RedisAdapter.open(url3, prefix=prefix) as db3,
+        await RedisAdapter.open(redis_server.url, prefix=prefix) as db0,
+    ):
+        keys = _keys(3)
+        values = [bytes([i]) * (2 * MiB + i) for i in range(3)]
+        assert await db3.batched_put(keys, values) == [True] * 3
+        assert await db3.batched_get(keys) == values
+        assert await db3.batched_get(keys[1:2]) == values[1:2]
+        assert await db0.batched_contains(keys) == [False] * 3
+        assert await db0.batched_get(keys) == [None] * 3
 
 
 async def test_pool_exhaustion_completes(redis_server: Any) -> None:

@@ -198,7 +198,7 @@ async def test_full_store_queue_drops_and_counts_without_blocking() -> None:
         for key in keys_of(10):
             completes_without_suspending(put_all(manager, [key]))  # a put that waited would suspend here
         dropped = manager.metrics.value("tiercache_stores_dropped_total", tier="slow", reason="queue_full")
-        assert dropped >= 10 - 2 - 1  # queue of 2, one batch in flight
+        assert dropped >= 10 - 2 - policy.store_parallel  # queue of 2, a batch in flight per worker
         assert manager.l1.contains("k0009")  # L1 still has everything
 
 
@@ -313,9 +313,7 @@ async def test_store_past_its_deadline_is_counted_when_it_lands() -> None:
     policy = ManagerConfig(l2_deadline_s=0.01, lookup_deadline_s=1, store_queue_size=8, circuit_failures=5)
     async with StorageManager(make_l1(), [("slow", slow, raw)], policy) as manager:
         await put_all(manager, keys_of(2))
-        worker = manager.tiers[0].worker
-        assert worker is not None
-        await worker  # the put timed out at its deadline; it is still pending
+        await asyncio.gather(*manager.tiers[0].workers)  # the put timed out at its deadline; still pending
         assert manager.metrics.value("tiercache_stores_total", tier="slow") == 0
         assert len(manager.tiers[0].late) == 1
         slow.gate.set()
@@ -337,6 +335,11 @@ class FailsToEncode:
         if key in self.bad_keys:
             raise RuntimeError("codec bug")
         return self.raw.encode(data, spec, key)  # type: ignore[arg-type]
+
+    def encode_into(self, data: object, spec: KVSpec, key: str, dst: object) -> int:
+        if key in self.bad_keys:
+            raise RuntimeError("codec bug")
+        return self.raw.encode_into(data, spec, key, dst)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.raw, name)
@@ -619,3 +622,44 @@ async def test_streaming_read_requests_chunks_in_prefix_order_with_bounded_paral
             assert lease is not None
             lease.release()
         assert reader.metrics.value("tiercache_tier_errors_total", tier="mem", op="get") == 0
+
+
+class GatedPuts(MemoryAdapter):
+    """Puts wait for the test's gate; records how many are in flight at once."""
+
+    def __init__(self, reach: int) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.reached = asyncio.Event()
+        self.reach = reach
+        self.in_flight = 0
+        self.peak = 0
+
+    async def batched_put(
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        if self.in_flight >= self.reach:
+            self.reached.set()
+        try:
+            await self.gate.wait()
+            return await super().batched_put(keys, values)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_background_puts_to_one_tier_run_concurrently_up_to_store_parallel() -> None:
+    tier = GatedPuts(reach=3)
+    policy = ManagerConfig(l2_deadline_s=30.0, lookup_deadline_s=1.0, store_queue_size=16, store_parallel=3)
+    tiers = [("g", tier, build_pipeline(["raw"]))]
+    async with StorageManager(make_l1(), tiers, policy, store_batch=1) as manager:
+        keys = keys_of(7)
+        await put_all(manager, keys)
+        await asyncio.wait_for(tier.reached.wait(), 30)  # a deadlock guard: 3 puts in flight at once
+        tier.gate.set()
+        await manager.drain()
+        assert tier.peak == 3  # never more than store_parallel
+        frames = await tier.batched_get(keys)
+        assert all(f is not None and bytes(f).endswith(payload(k)) for f, k in zip(frames, keys, strict=True))
+        assert manager.metrics.value("tiercache_stores_total", tier="g") == 7

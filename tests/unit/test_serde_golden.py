@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from tiercache.buffers import as_readable_bytes
 from tiercache.serde import build_pipeline
-from tiercache.serde._buffers import as_readable_bytes
 from tiercache.spec import DTYPE_CODES, KVFormat
 from tiercache.testing.codecs import check_golden, golden_array, golden_values, load_golden_cases
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from tiercache.buffers import as_readable_bytes, as_writable_bytes
 from tiercache.errors import ConfigError, FrameError
 from tiercache.hookspecs import CodecRegistrar, hookimpl
 from tiercache.registry import Registry, reset_registry
 from tiercache.serde import Codec, CodecContext, CodecPipeline, Stage, build_pipeline, read_header
-from tiercache.serde._buffers import as_readable_bytes, as_writable_bytes
 from tiercache.serde.pipeline import _codec_class
 from tiercache.serde.raw import RawCodec
 from tiercache.spec import KVFormat, KVSpec

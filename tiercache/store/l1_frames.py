@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tiercache.serde import CodecPipeline
     from tiercache.serde.frame import FrameHeader
     from tiercache.spec import KVSpec
+    from tiercache.store._frames import FrameBuffers
     from tiercache.store.l1 import KVObject
 
 __all__ = ["check_tier", "decode_into_l1", "encode_from_l1", "l1_codec"]
@@ -44,11 +45,17 @@ def check_tier(codec: str, name: str, pipeline: CodecPipeline) -> None:
         )
 
 
-def encode_from_l1(pipeline: CodecPipeline, obj: KVObject, codec: str) -> bytearray:
-    """The frame of L1 object ``obj`` under its key (for an fp8 L1, from its payload as it is)."""
+def encode_from_l1(
+    pipeline: CodecPipeline, obj: KVObject, codec: str, frames: FrameBuffers | None = None
+) -> bytearray | memoryview:
+    """The frame of L1 object ``obj`` under its key (for an fp8 L1, from its payload as it is); a raw L1's
+    frame is encoded into a reused buffer of ``frames`` where given (a view of it is returned)."""
     if codec == "fp8":
         return pipeline.encode_stage_output(obj.buffer(), obj.spec, obj.key)
-    return pipeline.encode(obj.buffer(), obj.spec, obj.key)
+    if frames is None:
+        return pipeline.encode(obj.buffer(), obj.spec, obj.key)
+    buf = frames.take(pipeline.max_frame_size(obj.spec))
+    return memoryview(buf)[: pipeline.encode_into(obj.buffer(), obj.spec, obj.key, buf)]
 
 
 def decode_into_l1(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
+from tiercache.store._frames import FrameBuffers
 from tiercache.store.l1_frames import encode_from_l1, l1_codec
 
 if TYPE_CHECKING:
@@ -31,6 +32,10 @@ STORE_LEASE_DEADLINES = 8
 """A queued background store holds its L1 object for this many ``l2_deadline_s``: time to wait in the
 queue behind other batches, encode and put; past it the lease lapses and the store is dropped
 (``lease_expired``)."""
+
+STORE_BATCH_BYTES = 8 << 20
+"""A background store batch ends at ``store_batch`` objects or this many bytes, whichever comes first, so
+large objects go out one per batch and ``store_parallel`` of them are encoded and sent at once."""
 
 
 class StoreController:
@@ -53,6 +58,8 @@ class StoreController:
         self._run = run  # runs a codec job off the event loop
         self.store_batch = store_batch
         self._l1_codec = l1_codec(l1)
+        # frames of stores in flight reuse their buffers (room for two batches per store worker)
+        self._frames = FrameBuffers(2 * policy.store_parallel * STORE_BATCH_BYTES + (64 << 20))
 
     def submit(self, keys: Sequence[str]) -> None:
         """Queue the published objects under ``keys`` for every tier (never blocks; drops are counted)."""
@@ -71,13 +78,19 @@ class StoreController:
                     self.metrics.stores_dropped.labels(tier.name, "queue_full").inc()
                     continue
                 queued = True
-            if queued and (tier.worker is None or tier.worker.done()):
-                tier.worker = asyncio.get_running_loop().create_task(self._worker(tier))
+            if queued:
+                self._start_workers(tier)
+
+    def _start_workers(self, tier: TierClient) -> None:
+        """Run up to ``store_parallel`` workers on ``tier``'s queue (a worker finding it empty ends)."""
+        tier.workers = {w for w in tier.workers if not w.done()}
+        while len(tier.workers) < min(self.policy.store_parallel, tier.queue.qsize()):
+            tier.workers.add(asyncio.get_running_loop().create_task(self._worker(tier)))
 
     def pending(self) -> int:
         """Stores queued or in flight on any tier."""
         return sum(t.queue.qsize() for t in self.tiers) + sum(
-            1 for t in self.tiers if t.worker is not None and not t.worker.done()
+            1 for t in self.tiers for w in t.workers if not w.done()
         )
 
     async def _worker(self, tier: TierClient) -> None:
@@ -86,7 +99,11 @@ class StoreController:
         Survives any exception of a codec or adapter: the batch is dropped and counted
         (``stores_dropped{reason="error"}``), the first such error per tier is logged, leases are released."""
         while not tier.queue.empty():
-            batch = [tier.queue.get_nowait() for _ in range(min(self.store_batch, tier.queue.qsize()))]
+            batch = [tier.queue.get_nowait()]
+            size = batch[0][1].obj.spec.nbytes
+            while len(batch) < self.store_batch and size < STORE_BATCH_BYTES and not tier.queue.empty():
+                batch.append(tier.queue.get_nowait())
+                size += batch[-1][1].obj.spec.nbytes
             try:
                 await self._store_batch(tier, batch)
             except Exception as exc:
@@ -106,11 +123,11 @@ class StoreController:
         limit = tier.adapter.capabilities.max_value_bytes
         too_large = 0
 
-        def encode() -> list[tuple[str, bytearray]]:
+        def encode() -> list[tuple[str, bytearray | memoryview]]:
             nonlocal too_large
             frames = []
             for key, lease in batch:
-                frame = encode_from_l1(tier.pipeline, lease.obj, self._l1_codec)
+                frame = encode_from_l1(tier.pipeline, lease.obj, self._l1_codec, self._frames)
                 if not lease.valid():  # the slot was reused while we read it
                     continue
                 if limit is not None and len(frame) > limit:  # the tier would refuse it: never sent
@@ -129,17 +146,21 @@ class StoreController:
             return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
-        if tier.late:  # at most one put past its deadline per tier: wait it out before the next one (it is
-            # bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
+        if tier.late:  # at most one put past its deadline per worker: wait it out before the next one (it
+            # is bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
             await asyncio.wait(set(tier.late))
+        # like a read, a put's deadline grows with its bytes (a 32 MiB frame is not held to a 2 s floor)
+        put_s = max(self.policy.l2_deadline_s, self.policy.l2_read_deadline_s(sum(len(v) for v in values)))
         await tier.call(
             "put",
             lambda: tier.adapter.batched_put(keys, values),
-            self.policy.l2_deadline_s,
+            put_s,
             late=partial(self._count_stores, tier, values),
         )
 
-    def _count_stores(self, tier: TierClient, values: list[bytearray], stored: list[bool] | None) -> None:
+    def _count_stores(
+        self, tier: TierClient, values: list[bytearray | memoryview], stored: list[bool] | None
+    ) -> None:
         """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
         if stored is None:
             self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
@@ -153,7 +174,7 @@ class StoreController:
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued store has finished; TimeoutError past ``timeout_s`` (the stores go on)."""
-        workers = [t.worker for t in self.tiers if t.worker is not None and not t.worker.done()]
+        workers = [w for t in self.tiers for w in t.workers if not w.done()]
         if workers:
             _, running = await asyncio.wait(workers, timeout=timeout_s)
             if running:
@@ -162,10 +183,10 @@ class StoreController:
     async def aclose(self) -> None:
         """Cancel the workers and release the leases of stores still queued (dropped)."""
         for tier in self.tiers:
-            if tier.worker is not None:
-                tier.worker.cancel()
+            for worker in tier.workers:
+                worker.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await tier.worker
+                    await worker
             while not tier.queue.empty():
                 _, lease = tier.queue.get_nowait()
                 lease.release()

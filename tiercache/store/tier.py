@@ -71,8 +71,8 @@ class TierClient:
         self.breaker = CircuitBreaker(policy.circuit_failures, policy.circuit_cooldown_s, clock)
         self.queue: asyncio.Queue[tuple[str, L1LeaseView]] = asyncio.Queue(policy.store_queue_size)
         """Write-behind lane: (key, lease on the L1 object) waiting to be encoded and put."""
-        self.worker: asyncio.Task[None] | None = None
-        """The task draining ``queue`` (None or done while the lane is idle)."""
+        self.workers: set[asyncio.Task[None]] = set()
+        """Store workers draining ``queue`` (at most ``ManagerConfig.store_parallel``; none while idle)."""
         self.late: set[asyncio.Future[Any]] = set()
         """Puts that outlived their deadline and are still landing (counted when they end)."""
         self.store_error_logged = False

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiercache.buffers import as_readable_bytes
 from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecContext, CodecPipeline, build_pipeline, read_header
-from tiercache.serde._buffers import as_readable_bytes
 from tiercache.spec import DTYPE_SIZES, KVFormat, KVSpec
 
 if TYPE_CHECKING:

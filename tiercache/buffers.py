@@ -1,6 +1,9 @@
-"""Flat uint8 memoryviews over bytes-like objects, numpy arrays and CPU torch tensors (no copy when possible).
+"""The one "flat byte view" helper: 1-D uint8 memoryviews over bytes-like objects, numpy arrays and CPU torch
+tensors, without a copy whenever the memory is contiguous.
 
-numpy and torch are never imported here: an object can only be an ndarray or a Tensor if its module is loaded.
+Every adapter, the frame reader and the codec pipeline take their bytes through these two functions; a
+third-party adapter or codec should too (``from tiercache.buffers import as_readable_bytes``). numpy and torch
+are never imported here: an object can only be an ndarray or a Tensor if its module is loaded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,34 @@
+"""Frame buffers of background stores are reused only once nothing references them."""
+
+from __future__ import annotations
+
+from tiercache.store._frames import FrameBuffers
+
+
+def test_a_buffer_with_a_live_view_is_never_handed_out_again() -> None:
+    pool = FrameBuffers(1 << 20)
+    first = pool.take(1000)
+    first_id = id(first)
+    view = memoryview(first)[:10]  # a put still sending from it
+    del first
+    second = pool.take(1000)
+    assert second is not view.obj
+    view.release()
+    del second
+    again = pool.take(1000)
+    assert id(again) == first_id  # no holder left: reused
+    assert len(again) == 1000
+
+
+def test_buffers_beyond_the_limit_are_not_kept() -> None:
+    pool = FrameBuffers(1500)
+    a = pool.take(1000)
+    kept = id(a)
+    b = pool.take(1000)  # a is in use; over the limit: a fresh buffer, not kept
+    b_id = id(b)
+    del a, b
+    for _ in range(3):  # only the kept one comes back, each time it is free again
+        c = pool.take(1000)
+        assert id(c) == kept
+        assert id(c) != b_id
+        del c
