@@ -13,7 +13,9 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
-``kv_cache_dtype`` (e.g. ``fp8_e4m3``).
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``prefix_caching`` (vLLM's own prefix cache, default True),
+``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
+under ``files``), ``tp`` (``tensor_parallel_size``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main() -> None:
         max_num_batched_tokens=spec.get("batched", 1024),
         enable_chunked_prefill=spec.get("chunked", True),
         seed=0,
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
         kv_cache_memory_bytes=64 << 20,
     )
     if not multiprocess:
@@ -58,6 +60,8 @@ def main() -> None:
     loras = spec.get("loras") or [None] * len(spec["prompts"])
     if any(loras):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("tp"):
+        kwargs["tensor_parallel_size"] = int(spec["tp"])
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("executor"):  # e.g. "mp": the worker in its own process even at world size 1
@@ -121,6 +125,11 @@ def main() -> None:
         }
         for o in outs
     ]
+    if spec.get("record_files"):
+        import glob
+
+        found = sorted({f for pattern in spec["record_files"] for f in glob.glob(pattern, recursive=True)})
+        result["files"] = {f: Path(f).read_text() for f in found}
     if spec.get("log_stats"):
         from prometheus_client import REGISTRY
 

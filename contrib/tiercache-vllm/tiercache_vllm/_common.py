@@ -59,6 +59,7 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "save_timeout_s": (int, float),
     "open_timeout_s": (int, float),
     "key_source": (str,),
+    "server": (str,),
 }
 
 
@@ -86,6 +87,8 @@ class ConnectorSettings:
     """``auto``: chunk keys from vLLM's block hashes when they are stable across processes (SHA-256 family
     ``prefix_caching_hash_algo``), else from the tokens; ``tokens``: always from the tokens. Both processes
     of a prefill/decode pair must resolve to the same source (each logs its own once)."""
+    server: str = "off"
+    """``off`` (in-process), ``unix:///path`` (a node's server) or ``auto`` (see ``_server``)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -102,6 +105,10 @@ class ConnectorSettings:
             values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
         if values.get("key_source", "auto") not in KEY_SOURCES:
             raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
+        if "server" in values:
+            from tiercache_vllm._server import check_server_setting
+
+            check_server_setting(values["server"])
         return cls(**values)
 
     def load_config(self) -> Config:
@@ -413,15 +420,26 @@ def forget_engine(engine: CacheEngine) -> None:
 
 
 def open_engine(
-    ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, lookup_only: bool = False
+    ident: EngineIdentity,
+    config: Config,
+    timeout_s: float,
+    *,
+    register: bool,
+    lookup_only: bool = False,
+    server: str | None = None,
+    role: str = "worker",
 ) -> CacheEngine:
     """Open a CacheEngine on the background loop (``register``: make it visible to this process's scheduler).
 
     ``lookup_only`` shrinks L1 to two slots (the scheduler of a multi-process engine never stores).
+    ``server``: a socket path; the engine then runs on the server's shared L1 (``role`` in its HELLO), with
+    no L2 tier of its own.
     """
     from tiercache.config import L1Config
     from tiercache.store.engine import CacheEngine
 
+    if server is not None:
+        return _open_on_server(ident, config, timeout_s, register=register, server=server, role=role)
     if lookup_only:
         slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
         config = dataclasses.replace(config, l1=L1Config(capacity=2 * slot + 64, pinned=False))
@@ -439,6 +457,42 @@ def open_engine(
         )
 
     engine = _loop.call(opener(config), timeout_s)  # a tier down at start is re-opened by the manager
+    if register:
+        with _registry_lock:
+            _ENGINES[ident] = engine
+    return engine
+
+
+def _open_on_server(
+    ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, server: str, role: str
+) -> CacheEngine:
+    """``open_engine`` on the server's shared L1 (keys computed here, from the same keyspace)."""
+    from tiercache.store.engine import CacheEngine
+    from tiercache_vllm._server import open_server_manager
+
+    keyspace = CacheEngine.keyspace_for(
+        config,
+        ident.layout,
+        model=ident.model,
+        revision=ident.revision,
+        world_size=ident.world_size,
+        rank=ident.rank,
+        key_source=ident.key_source,
+    )
+    slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
+
+    async def opener() -> CacheEngine:
+        manager = open_server_manager(server, config, role=role, slot_bytes=slot)
+        return CacheEngine(
+            manager,
+            ident.layout,
+            keyspace,
+            chunk_size=config.chunk_size,
+            save_unfull_chunk=config.save_unfull_chunk,
+            layerwise=ident.layerwise,
+        )
+
+    engine = _loop.call(opener(), timeout_s)
     if register:
         with _registry_lock:
             _ENGINES[ident] = engine
