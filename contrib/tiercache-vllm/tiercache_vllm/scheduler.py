@@ -191,11 +191,18 @@ class SchedulerSide:
                 for e in engines
             ]
             return min(h.tokens for h in hits)
-        hashes = base.token_db.prefix_hashes(tokens, identity=keys.identity, block_hashes=keys.block_hashes)
-        if not hashes:
+        per_rank = [  # each rank's keyspace seeds its own hash chain
+            [
+                e.token_db.key_prefix + h.hex()
+                for h in e.token_db.prefix_hashes(
+                    tokens, identity=keys.identity, block_hashes=keys.block_hashes
+                )
+            ]
+            for e in engines
+        ]
+        if not per_rank[0]:
             return 0
-        prefixes = [e.token_db.key_prefix for e in engines]
-        batch = [prefix + h.hex() for h in hashes for prefix in prefixes]  # chunk-major, then rank
+        batch = [key for chunk in zip(*per_rank, strict=True) for key in chunk]  # chunk-major, then rank
         hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
         return min(hit.chunks * self.chunk_size, len(tokens))
 
