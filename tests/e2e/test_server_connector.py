@@ -1,4 +1,6 @@
-"""TP = 2 against one ``tiercache serve``: a chunk is a hit only once EVERY rank's object of it is published.
+"""The connector's server mode at the scheduler level (a real vLLM ``Scheduler``, no forward) against a real
+``tiercache serve``: the ``"server"`` key's validation, a server that dies (cache-off, then reconnect), and
+TP = 2, where a chunk is a hit only once EVERY rank's object of it is published.
 
 A real vLLM ``Scheduler`` (tensor_parallel_size=2, connector in server mode) looks up; the two ranks are two
 OS processes that store their rank's objects through the real client (``SharedL1``) with the connector's own
@@ -37,7 +39,7 @@ layout = PagedLayout(
     LayoutKind[a["kind"]], a["layers"], a["heads"], a["head_dim"], a["block_size"], a["dtype"]
 )
 keyspace = CacheEngine.keyspace_for(
-    config, layout, model=a["model"], revision=a["revision"], world_size=2, rank=a["rank"]
+    config, layout, model=a["model"], revision=a["revision"], world_size=a["world_size"], rank=a["rank"]
 )
 
 async def main() -> None:
@@ -66,7 +68,9 @@ def served(tmp_path: Path, write_config: Any) -> Iterator[tuple[Serve, Path]]:
     server.kill()
 
 
-def _store_as_rank(rank: int, prompt: list[int], served: tuple[Serve, Path], side: Any) -> int:
+def _store_as_rank(
+    rank: int, prompt: list[int], served: tuple[Serve, Path], side: Any, world_size: int = 2
+) -> int:
     """Store ``prompt``'s chunks as TP rank ``rank`` would, in a separate process; tokens newly stored."""
     server, config = served
     layout = side.layout
@@ -84,6 +88,7 @@ def _store_as_rank(rank: int, prompt: list[int], served: tuple[Serve, Path], sid
         "model": ident.model,
         "revision": ident.revision,
         "rank": rank,
+        "world_size": world_size,
         "tokens": prompt,
     }
     proc = subprocess.run(
@@ -131,3 +136,59 @@ def test_a_chunk_hits_only_when_every_rank_committed_it(tiny_model: Path, served
     assert server.stats()["published"] == 8
     assert _loaded(s, "both", request) == 256
     assert side.stats.lookup_failures == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "on", "unix://relative.sock", "unix:/x.sock", "tcp://127.0.0.1:1", "unix:///" + "x" * 120, 1, True],
+)
+def test_the_server_key_is_validated_with_an_error_naming_it(value: object) -> None:
+    from tiercache_vllm._common import ConnectorSettings
+
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['server'\]"):
+        ConnectorSettings.from_extra({"server": value})
+
+
+def test_the_server_key_accepts_off_auto_and_a_unix_socket() -> None:
+    from tiercache_vllm._common import ConnectorSettings
+
+    assert ConnectorSettings.from_extra({}).server == "off"
+    for value in ("off", "auto", "unix:///run/tiercache/tiercache.sock"):
+        assert ConnectorSettings.from_extra({"server": value}).server == value
+
+
+def test_a_dead_server_is_cache_off_and_a_new_one_is_found_again(
+    tiny_model: Path, served: tuple[Serve, Path], tmp_path: Path
+) -> None:
+    server, config = served
+    s = make_scheduler(
+        tiny_model,
+        config,
+        prefix_caching=False,
+        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
+    )
+    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    (engine,) = side._get_engines()
+    l1 = engine.manager.l1
+    l1._backoff_initial = l1._backoff = 0.0  # reconnect at the next call (the backoff itself is core-tested)
+    prompt = tokens(50, 256)
+    request = prompt + tokens(51, 40)
+    world = side._idents[0].world_size
+    assert world == 1
+    assert _store_as_rank(0, prompt, served, side, world_size=1) == 256
+    assert _loaded(s, "before", request) == 256
+
+    server.kill()  # SIGKILL: the socket file stays, nobody answers
+    assert _loaded(s, "dead", request) == 0  # a miss, not an error
+    assert side.stats.lookup_failures == 0
+    assert not l1.connected()
+
+    again = Serve(config, Path(server.socket))  # a new epoch on the same path: empty L1, found again
+    try:
+        assert _loaded(s, "empty", request) == 0
+        assert l1.connected()
+        assert l1.reconnects == 1
+        assert _store_as_rank(0, prompt, (again, config), side, world_size=1) == 256
+        assert _loaded(s, "after", request) == 256
+    finally:
+        again.kill()
