@@ -15,7 +15,9 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
 ``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``prefix_caching`` (vLLM's own prefix cache, default True),
 ``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
-under ``files``), ``tp`` (``tensor_parallel_size``).
+under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
+server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
+are published: the warmup's saves finish after its output is returned).
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def main() -> None:
     result: dict[str, object] = {"init_s": t1 - t0}
     if spec.get("warmup"):  # one unrelated request first, so timings exclude first-step overheads
         llm.generate([{"prompt_token_ids": spec["warmup"]}], SamplingParams(max_tokens=2), use_tqdm=False)  # type: ignore[list-item]
+    if spec.get("wait_published"):
+        _wait_published(spec["wait_published"])
     if spec.get("ttft"):
         ttft = []
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -148,6 +152,32 @@ def main() -> None:
         json.dump(result, f, indent=1)
     summary = [(r["prompt_len"], r["num_cached_tokens"]) for r in result["results"]]  # type: ignore[attr-defined]
     print("DONE", json.dumps(summary))
+
+
+def _wait_published(want: dict[str, object], attempts: int = 600) -> None:
+    """Poll the STATS of the server named by ``want["info"]`` (a glob) until ``want["count"]`` objects are
+    published (at most ``attempts`` polls, 0.1 s apart); RuntimeError otherwise."""
+    import glob
+
+    from tiercache.server.client import ServerConnection, ServerUnavailable
+    from tiercache.server.protocol import Op
+
+    published = -1
+    for _ in range(attempts):
+        infos = glob.glob(str(want["info"]))
+        if infos:
+            try:
+                conn = ServerConnection(json.loads(Path(infos[0]).read_text())["socket"], role="admin")
+                try:
+                    published = int(conn.request(Op.STATS, {})["published"])
+                finally:
+                    conn.close()
+            except ServerUnavailable:
+                pass  # a busy server: ask again
+            if published >= int(want["count"]):  # type: ignore[call-overload]
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{want['count']} objects were never published ({published} seen)")
 
 
 if __name__ == "__main__":

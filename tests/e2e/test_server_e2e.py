@@ -13,7 +13,6 @@ and from the server's STATS, never from a log.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -180,6 +179,7 @@ def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with
         log_stats=True,
         env={"TMPDIR": str(runtime)},
         record_files=[f"{runtime}/tiercache-*/*/server.json"],
+        wait_published={"info": f"{runtime}/tiercache-*/*/server.json", "count": CHUNKS},
     )
     result = vllm_run(tmp_path, "auto", spec, VLLM_TIMEOUT)
     (again,) = result["ttft"]
@@ -189,6 +189,6 @@ def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with
     (info,) = (json.loads(text) for text in result["files"].values())
     assert Path(info["socket"]).parent.parent.parent == runtime
     assert _wait_exited(int(info["pid"]), 60.0), "the private server outlived its instance"
-    with contextlib.suppress(FileNotFoundError):
-        leftovers = [p for d in runtime.iterdir() for p in d.iterdir()]
-        assert leftovers == [], f"private server directory left behind: {leftovers}"
+    mine = runtime / f"tiercache-{os.getuid()}"
+    assert mine.is_dir()
+    assert list(mine.iterdir()) == [], "the private server's directory was left behind"

@@ -137,6 +137,7 @@ def _spawn(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(read_end,),
+                cwd=where,  # not the caller's cwd: a source checkout there would shadow the installed package
                 start_new_session=True,  # no signal to the instance's process group: the pipe decides
             )
     except OSError as exc:
@@ -152,8 +153,13 @@ def _spawn(
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
                 proc.kill()
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise AutostartError(f"private tiercache server did not start on {sock_path}: {tail.strip()}")
+            try:
+                tail = log_path.read_text(errors="replace")[-2000:].strip()
+            except FileNotFoundError:
+                tail = "(its directory is gone)"
+            raise AutostartError(
+                f"private tiercache server (exit {proc.returncode}) did not start on {sock_path}: {tail}"
+            )
         time.sleep(delay)  # the child is importing and mapping its segment; nothing to wait on but the socket
         delay = min(delay * 2, 0.2)
     return proc.pid
@@ -185,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m tiercache.server.autostart FD DIR -- serve ARGS", file=sys.stderr)
         return 2
     fd, where = int(args[0]), Path(args[1])
+    with contextlib.suppress(OSError):  # not the starter's pinned cores (vLLM's CPU workers pin theirs)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     signal.signal(signal.SIGTERM, _exit_on_term)  # until the server's loop installs its own handler
     threading.Thread(
         target=_watch_parent,
