@@ -14,7 +14,11 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
 ``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``prefix_caching`` (vLLM's own prefix cache, default True),
-``serve`` (stay up after start-up and answer commands instead: see ``serve``).
+``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
+under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
+server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
+are published: the warmup's saves finish after its output is returned), ``serve`` (stay up after start-up
+and answer commands instead: see ``serve``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ def main() -> None:
     loras = spec.get("loras") or [None] * len(spec["prompts"])
     if any(loras):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("tp"):
+        kwargs["tensor_parallel_size"] = int(spec["tp"])
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("executor"):  # e.g. "mp": the worker in its own process even at world size 1
@@ -105,6 +111,8 @@ def main() -> None:
     result: dict[str, object] = {"init_s": t1 - t0}
     if spec.get("warmup"):  # one unrelated request first, so timings exclude first-step overheads
         llm.generate([{"prompt_token_ids": spec["warmup"]}], SamplingParams(max_tokens=2), use_tqdm=False)  # type: ignore[list-item]
+    if spec.get("wait_published"):
+        _wait_published(spec["wait_published"])
     if spec.get("ttft"):
         ttft = []
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -126,6 +134,11 @@ def main() -> None:
         }
         for o in outs
     ]
+    if spec.get("record_files"):
+        import glob
+
+        found = sorted({f for pattern in spec["record_files"] for f in glob.glob(pattern, recursive=True)})
+        result["files"] = {f: Path(f).read_text() for f in found}
     if spec.get("log_stats"):
         from prometheus_client import REGISTRY
 
@@ -183,6 +196,32 @@ def serve(llm: Any) -> None:
         print(REPLY + json.dumps(reply, default=str), flush=True)
     sys.stdout.flush()
     os._exit(0)  # vLLM's background threads must not keep the process alive
+
+
+def _wait_published(want: dict[str, object], attempts: int = 600) -> None:
+    """Poll the STATS of the server named by ``want["info"]`` (a glob) until ``want["count"]`` objects are
+    published (at most ``attempts`` polls, 0.1 s apart); RuntimeError otherwise."""
+    import glob
+
+    from tiercache.server.client import ServerConnection, ServerUnavailable
+    from tiercache.server.protocol import Op
+
+    published = -1
+    for _ in range(attempts):
+        infos = glob.glob(str(want["info"]))
+        if infos:
+            try:
+                conn = ServerConnection(json.loads(Path(infos[0]).read_text())["socket"], role="admin")
+                try:
+                    published = int(conn.request(Op.STATS, {})["published"])
+                finally:
+                    conn.close()
+            except ServerUnavailable:
+                pass  # a busy server: ask again
+            if published >= int(want["count"]):  # type: ignore[call-overload]
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{want['count']} objects were never published ({published} seen)")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -61,12 +62,14 @@ def make_scheduler(
     cache_dtype: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     spec: Any = None,
+    tp: int = 1,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     mc = ModelConfig(model=str(model), dtype="float32", seed=0, hf_overrides=hf_overrides or {})
     sc = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
     )
-    cc = CacheConfig(block_size=BS, enable_prefix_caching=True, cache_dtype=cache_dtype)  # type: ignore[arg-type]
+    cc = CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching, cache_dtype=cache_dtype)  # type: ignore[arg-type]
     cc.kv_cache_layout = "LBHNC"
     extra: dict[str, Any] = {"config": str(config), "load_async": load_async, **(extra_config or {})}
     ktc = KVTransferConfig(
@@ -82,6 +85,7 @@ def make_scheduler(
         cache_config=cc,
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )
     if spec is None:
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)

@@ -60,6 +60,7 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "open_timeout_s": (int, float),
     "key_source": (str,),
     "l1_codec": (str,),
+    "server": (str,),
 }
 
 
@@ -90,6 +91,8 @@ class ConnectorSettings:
     l1_codec: str | None = None
     """``"raw"`` or ``"fp8"``: overrides the config's ``[l1] codec`` (fp8: KV quantized while gathered into
     L1, dequantized while restored; every tier's chain must then start with ``fp8``). None: the config's."""
+    server: str = "off"
+    """``off`` (in-process), ``unix:///path`` (a node's server) or ``auto`` (see ``_server``)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -106,6 +109,10 @@ class ConnectorSettings:
             values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
         if values.get("key_source", "auto") not in KEY_SOURCES:
             raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
+        if "server" in values:
+            from tiercache_vllm._server import check_server_setting
+
+            check_server_setting(values["server"])
         return cls(**values)
 
     def load_config(self) -> Config:
@@ -426,15 +433,26 @@ def forget_engine(engine: CacheEngine) -> None:
 
 
 def open_engine(
-    ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, lookup_only: bool = False
+    ident: EngineIdentity,
+    config: Config,
+    timeout_s: float,
+    *,
+    register: bool,
+    lookup_only: bool = False,
+    server: str | None = None,
+    role: str = "worker",
 ) -> CacheEngine:
     """Open a CacheEngine on the background loop (``register``: make it visible to this process's scheduler).
 
     ``lookup_only`` shrinks L1 to two slots (the scheduler of a multi-process engine never stores).
+    ``server``: a socket path; the engine then runs on the server's shared L1 (``role`` in its HELLO), with
+    no L2 tier of its own.
     """
     from tiercache.config import L1Config
     from tiercache.store.engine import CacheEngine
 
+    if server is not None:
+        return _open_on_server(ident, config, timeout_s, register=register, server=server, role=role)
     if lookup_only:
         codec = config.l1.codec
         slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise, codec)
@@ -453,6 +471,49 @@ def open_engine(
         )
 
     engine = _loop.call(opener(config), timeout_s)  # a tier down at start is re-opened by the manager
+    if register:
+        with _registry_lock:
+            _ENGINES[ident] = engine
+    return engine
+
+
+def _open_on_server(
+    ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, server: str, role: str
+) -> CacheEngine:
+    """``open_engine`` on the server's shared L1 (keys computed here, from the same keyspace)."""
+    from tiercache.errors import ConfigError
+    from tiercache.store.engine import CacheEngine
+    from tiercache_vllm._server import open_server_manager
+
+    if config.l1.codec != "raw":
+        raise ConfigError(
+            f'server mode holds raw KV in the shared L1: l1 codec "{config.l1.codec}" (the config\'s [l1] '
+            "codec or kv_connector_extra_config['l1_codec']) needs server=\"off\""
+        )
+
+    keyspace = CacheEngine.keyspace_for(
+        config,
+        ident.layout,
+        model=ident.model,
+        revision=ident.revision,
+        world_size=ident.world_size,
+        rank=ident.rank,
+        key_source=ident.key_source,
+    )
+    slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
+
+    async def opener() -> CacheEngine:
+        manager = open_server_manager(server, config, role=role, slot_bytes=slot)
+        return CacheEngine(
+            manager,
+            ident.layout,
+            keyspace,
+            chunk_size=config.chunk_size,
+            save_unfull_chunk=config.save_unfull_chunk,
+            layerwise=ident.layerwise,
+        )
+
+    engine = _loop.call(opener(), timeout_s)
     if register:
         with _registry_lock:
             _ENGINES[ident] = engine

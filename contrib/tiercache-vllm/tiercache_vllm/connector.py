@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata, check_failure_policy
+from tiercache_vllm._server import server_engine_stats
 from tiercache_vllm.scheduler import SchedulerSide
 from tiercache_vllm.worker import WorkerSide
 
@@ -66,17 +67,23 @@ _METRICS = (
 
 def snapshot() -> dict[str, Any]:
     """Counters of every live connector in this process (tests, benchmarks): per side, plus the worker
-    engine's tiercache metrics summed over labels (``{metric: {label: value}}``)."""
+    engine's tiercache metrics summed over labels (``{metric: {label: value}}``); in server mode also the
+    client's ``server_connected``, ``server_reconnects``, ``server_offline_misses`` and
+    ``server_skipped_stores`` (the scheduler's ``server`` says how the server was chosen)."""
     out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": []}
     down: set[str] = set()
     for conn in list(_LIVE):
         if conn._scheduler is not None:
             side = conn._scheduler
-            out["scheduler"].append({**dataclasses.asdict(side.stats), "shared": side.shares_worker_engine})
+            entry_s = {**dataclasses.asdict(side.stats), "shared": side.shares_worker_engine}
+            entry_s["server"] = side.server.how
+            entry_s.update(server_engine_stats(side._engines[0] if side._engines else None))
+            out["scheduler"].append(entry_s)
         if conn._worker is not None:
             worker = conn._worker
             entry: dict[str, Any] = dataclasses.asdict(worker.stats)
             engine = worker.engine
+            entry.update(server_engine_stats(engine))
             if engine is not None:
                 down.update(t.name for t in engine.manager.tiers if not getattr(t.adapter, "up", True))
                 metrics: dict[str, dict[str, float]] = {}

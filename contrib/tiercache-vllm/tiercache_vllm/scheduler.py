@@ -26,6 +26,7 @@ from tiercache_vllm._common import (
     worker_disabled,
 )
 from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
+from tiercache_vllm._server import server_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -115,6 +116,8 @@ class SchedulerSide:
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
         self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
+        self.server = server_for(vllm_config, settings, config, self.layout)
+        """The server this instance runs on (decided once; ``socket`` None = in-process)."""
         self._hash_block_size = hash_block_size(vllm_config, self._idents[0].key_source)
         self._requests: dict[str, Request] = {}
         self._key_args: dict[str, KeyArgs | None] = {}
@@ -149,7 +152,13 @@ class SchedulerSide:
             return self._engines
         try:
             base = open_engine(
-                self._idents[0], self.config, self.settings.open_timeout_s, register=False, lookup_only=True
+                self._idents[0],
+                self.config,
+                self.settings.open_timeout_s,
+                register=False,
+                lookup_only=True,
+                server=self.server.socket,
+                role="scheduler",
             )
         except Exception:
             logger.exception("tiercache: the scheduler could not open its tiers; every lookup is a miss")
@@ -173,15 +182,33 @@ class SchedulerSide:
         return self._shared
 
     async def _lookup(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
-        hits = [
-            await e.lookup_hit(
-                tokens, prefetch=self._shared, identity=keys.identity, block_hashes=keys.block_hashes
-            )
+        """The prefix every rank holds: all ranks' keys in one batched lookup (one round trip to a server),
+        a chunk counting only when every rank's object of it is present. On the worker's own engine (one, in
+        this process) the load reuses the lookup (no second hash or query)."""
+        base = engines[0]
+        if len(engines) == 1 or base.layerwise or any(e.manager is not base.manager for e in engines):
+            hits = [
+                await e.lookup_hit(
+                    tokens, prefetch=self._shared, identity=keys.identity, block_hashes=keys.block_hashes
+                )
+                for e in engines
+            ]
+            reusable = hits[0] if self._shared and len(hits) == 1 else None
+            return _Lookup(min(h.tokens for h in hits), result=reusable)
+        per_rank = [  # each rank's keyspace seeds its own hash chain
+            [
+                e.token_db.key_prefix + h.hex()
+                for h in e.token_db.prefix_hashes(
+                    tokens, identity=keys.identity, block_hashes=keys.block_hashes
+                )
+            ]
             for e in engines
         ]
-        # On the worker's own engine (one, in this process) the load reuses the lookup (no second hash/query).
-        reusable = hits[0] if self._shared and len(hits) == 1 else None
-        return _Lookup(min(h.tokens for h in hits), result=reusable)
+        if not per_rank[0]:
+            return _Lookup(0)
+        batch = [key for chunk in zip(*per_rank, strict=True) for key in chunk]  # chunk-major, then rank
+        hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
+        return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)))
 
     # ----- request identity ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

@@ -38,6 +38,7 @@ from tiercache_vllm._common import (
     slot_mapping,
 )
 from tiercache_vllm._layerwise import LayerProgress, load_layers
+from tiercache_vllm._server import server_for
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +143,10 @@ class WorkerSide:
         ident = identity(self.vllm_config, self.settings, expected, rank)
         if layout is not None:
             try:
-                self.engine = open_engine(ident, self.config, self.settings.open_timeout_s, register=True)
+                server = server_for(self.vllm_config, self.settings, self.config, expected)
+                self.engine = open_engine(
+                    ident, self.config, self.settings.open_timeout_s, register=True, server=server.socket
+                )
             except Exception:
                 logger.exception("tiercache: opening the tiers failed; connector disabled (all misses)")
                 self.engine = None

