@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
-from tiercache.server import cuda
 from tiercache.server.client import SharedL1
 
 LAYOUT = PagedLayout(
@@ -55,7 +54,7 @@ def test_registered_shared_slots_are_pinned_and_round_trip_bit_exact(socket_path
     objs = l1.batched_reserve_write(["a", "b"], [spec, spec])
     assert all(o is not None for o in objs)
     seg = objs[0].seg  # type: ignore[union-attr]
-    assert cuda.register(seg.data) is not None
+    assert seg.cuda_register_s is not None  # a worker's client registers its mapping when it connects
     try:
         shared = [o.tensor() for o in objs]  # type: ignore[union-attr]
         assert all(t.is_pinned() for t in shared)
@@ -69,6 +68,5 @@ def test_registered_shared_slots_are_pinned_and_round_trip_bit_exact(socket_path
         for got, exp in zip(back, want, strict=True):
             assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
     finally:
-        cuda.unregister(seg.data)
         l1.batched_abort_write([o for o in objs if o is not None])
         l1.close()

@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,15 @@ class ServerRefused(ServerUnavailable):
         self.code = code
 
 
+def _pin_for_cuda(segment: Segment) -> None:
+    """Register ``segment``'s mapping with CUDA (a no-op without it); unregistered before it is unmapped."""
+    from tiercache.server import cuda
+
+    segment.cuda_register_s = cuda.register(segment.data)
+    if segment.cuda_register_s is not None:
+        weakref.finalize(segment, cuda.unregister, segment.data)
+
+
 class ServerConnection:
     """One connection: HELLO maps the segment; :meth:`request` is one blocking round trip (thread-safe)."""
 
@@ -101,6 +111,8 @@ class ServerConnection:
                 raise ServerUnavailable(f"HELLO passed {len(fds)} fds, expected 2")
             classes = [SlotClass(int(b), int(c)) for b, c in body["classes"]]
             self.segment = Segment(classes, fds[0], fds[1], writable_header=False)
+            if role == "worker":  # GPU <-> shared L1 at pinned speed where this process uses CUDA
+                _pin_for_cuda(self.segment)
             self.epoch = int(body["epoch"])
             self.server_pid = int(body["pid"])
             self.tiers = [str(t) for t in body.get("tiers", [])]

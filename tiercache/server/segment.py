@@ -67,6 +67,8 @@ class Segment:
         self.epoch_cell = header[:1]
         self.table = header[1:].reshape(self.num_slots, 2)  # [generation, state]
         self.view = memoryview(self.data)
+        self.cuda_register_s: float | None = None
+        """Seconds a client's ``cudaHostRegister`` of ``data`` took (None: not registered)."""
 
     @classmethod
     def create(cls, classes: Sequence[SlotClass], epoch: int) -> tuple[Segment, int, int]:
