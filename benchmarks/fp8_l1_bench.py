@@ -213,8 +213,8 @@ def engine_rounds(
         await engines["fp8"].retrieve(fixed, kv2, slots2[:n])
         a = torch.empty(object_spec(layout, n).shape, dtype=torch.bfloat16, device=gb.DEV)
         b = torch.empty_like(a)
-        reference.gather(kv2, layout, slots2[:n], [(0, n)], [a])
-        reference.gather(kv, layout, slots[:n], [(0, n)], [b])
+        reference.gather(kv2, Move.gather(layout, slots2[:n], [(0, n)], [a]))
+        reference.gather(kv, Move.gather(layout, slots[:n], [(0, n)], [b]))
         out["fp8_round_trip_relative_error"] = float((a.float() - b.float()).norm() / b.float().norm())
         for e in engines.values():
             out[f"{'fp8' if e is engines['fp8'] else 'raw'}_l1_used_bytes"] = e.manager.l1.stats().used_bytes

@@ -292,7 +292,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tiercache.config import ManagerConfig
-    from tiercache.gpu import cpu_rows, reference
+    from tiercache.gpu import Move, cpu_rows, reference
     from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
     from tiercache.keys import KeySpace
     from tiercache.store.engine import CacheEngine
@@ -318,7 +318,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
         kv = [r.permute(0, 2, 1, 3) for r in raw]  # vLLM's NHD allocation seen as [NB, H, BS, 2D]
         kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
-        reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
+        reference.gather(kv, Move.gather(layout, slots, [(0, tokens_n)], [src]))
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
     gib = 2 * nbytes / 2**30 + 1
@@ -383,7 +383,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         back = torch.empty_like(src)
-        reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
+        reference.gather(kv_back, Move.gather(layout, slots, [(0, tokens_n)], [back]))
         ok_tc = torch.equal(back.view(torch.int16), src.view(torch.int16))
 
     def gbps(ts: list[float]) -> float:
@@ -432,7 +432,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     from servers import free_port, port_open, start_process
 
     from tiercache.config import config_from_dict
-    from tiercache.gpu import reference
+    from tiercache.gpu import Move, reference
     from tiercache.gpu.layouts import LayoutKind, PagedLayout
     from tiercache.store.engine import CacheEngine
 
@@ -447,7 +447,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     pos = torch.arange(tokens_n)
     slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
     src = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
-    reference.gather(kv, layout, slots, [(0, tokens_n)], [src])
+    reference.gather(kv, Move.gather(layout, slots, [(0, tokens_n)], [src]))
     dst = torch.empty_like(src)
     back = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
@@ -500,7 +500,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
         t_read = time.perf_counter() - t1
         c_read = KV_COPY_S["tiercache"]
         loop.run_until_complete(fresh.aclose())
-        reference.gather(kv_back, layout, slots, [(0, tokens_n)], [back])
+        reference.gather(kv_back, Move.gather(layout, slots, [(0, tokens_n)], [back]))
         ok = int(mask.sum()) == tokens_n and torch.equal(back.view(torch.int16), src.view(torch.int16))
         if record:  # a warm-up round that lost chunks shows in chunks_stored, not here
             exact["tiercache"] &= ok
