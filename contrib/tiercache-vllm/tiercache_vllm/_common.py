@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.gpu.layouts import PagedLayout
+    from tiercache.keys import KeySpace
     from tiercache.store.engine import CacheEngine, LookupResult
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "WorkerState",
     "check_failure_policy",
     "layout_from_vllm",
+    "keyspace_of",
     "model_fingerprint",
     "open_engine",
     "shared_engine",
@@ -477,6 +479,21 @@ def open_engine(
     return engine
 
 
+def keyspace_of(config: Config, ident: EngineIdentity) -> KeySpace:
+    """The keyspace the engine of ``ident`` keys its chunks in under ``config``."""
+    from tiercache.store.engine import CacheEngine
+
+    return CacheEngine.keyspace_for(
+        config,
+        ident.layout,
+        model=ident.model,
+        revision=ident.revision,
+        world_size=ident.world_size,
+        rank=ident.rank,
+        key_source=ident.key_source,
+    )
+
+
 def _open_on_server(
     ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, server: str, role: str
 ) -> CacheEngine:
@@ -491,15 +508,7 @@ def _open_on_server(
             "codec or kv_connector_extra_config['l1_codec']) needs server=\"off\""
         )
 
-    keyspace = CacheEngine.keyspace_for(
-        config,
-        ident.layout,
-        model=ident.model,
-        revision=ident.revision,
-        world_size=ident.world_size,
-        rank=ident.rank,
-        key_source=ident.key_source,
-    )
+    keyspace = keyspace_of(config, ident)
     slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
 
     async def opener() -> CacheEngine:

@@ -20,6 +20,7 @@ from tiercache_vllm._common import (
     TierCacheMetadata,
     engine_for_rank,
     identity,
+    keyspace_of,
     layout_from_vllm,
     open_engine,
     shared_engine,
@@ -447,15 +448,5 @@ class SchedulerSide:
 
 def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
     """This instance's keyspace digest and key source, as a producer reports them in kv_transfer_params."""
-    from tiercache.store.engine import CacheEngine
-
-    keyspace = CacheEngine.keyspace_for(
-        config,
-        ident.layout,
-        model=ident.model,
-        revision=ident.revision,
-        world_size=ident.world_size,
-        rank=ident.rank,
-        key_source=ident.key_source,
-    )
+    keyspace = keyspace_of(config, ident)
     return {"keyspace": keyspace.digest_hex, "key_source": keyspace.key_source or "tokens"}
