@@ -3,7 +3,8 @@ every object served must be byte-exact (values are self-describing: key hash, le
 header).
 
 Each round starts a child that opens the slab (small: evictions and extent moves happen), commits one object,
-reports "ready" and then puts, overwrites and deletes random keys with random sizes until it is killed after a random delay.
+reports "ready" and then puts, overwrites and deletes random keys with random sizes until it is killed after a
+random delay.
 The parent then reopens the slab, reads every key of the pool, checks each value served and counts survivors.
 """
 
