@@ -9,8 +9,9 @@ pipeline cuts them), launches it group by group (``Fp8Plan.launch_rows``) on the
 each group's payloads to their host objects on the side stream while the next group is quantized. A
 retrieve mirrors it: host-to-device copies on the side stream, one dequantize-scatter launch per group.
 
-Contracts are ``reference.gather_fp8`` / ``reference.scatter_fp8`` (``ValueError`` for bad slots, and for
-non-finite input on a store); both return after host memory is no longer touched (the side stream is
+Both run an fp8 ``Move`` (``Move.gather_fp8`` / ``Move.scatter_fp8``) whose payloads are in host memory;
+contracts are ``reference.gather`` / ``reference.scatter`` of such a move (``ValueError`` for bad slots,
+and for non-finite input on a store); both return after host memory is no longer touched (the side stream is
 synchronized), so L1 leases may be released at once. ``triton_kernels.Unsupported``: use the reference.
 """
 
@@ -23,7 +24,8 @@ import torch
 
 from tiercache.gpu import transfer
 from tiercache.gpu import triton_kernels as tk
-from tiercache.gpu.layouts import PagedLayout, layer_tensors
+from tiercache.gpu.layouts import layer_tensors
+from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -68,20 +70,15 @@ def _pairs(
 
 def store_fp8_to_host(
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    host_outs: Sequence[torch.Tensor],
+    move: Move,
     *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
     check_finite: bool = True,
     xfer: transfer.Transfer | None = None,
     coalesce: bool = FP8_COALESCE,
 ) -> None:
-    """Quantize the spans of CUDA paged KV into host payloads (``fp8_payload_nbytes`` uint8 each) through
-    the staging pipeline (``reference.gather_fp8`` contract); ``xfer``: the staging to use (default: the
-    device's ``transfer.transfer_for``)."""
+    """Run a gather ``move`` (``Move.gather_fp8``) from CUDA paged KV into host payloads through the staging
+    pipeline; ``xfer``: the staging to use (default: the device's ``transfer.transfer_for``)."""
+    host_outs = move.objects
     if not host_outs:
         return
     device = layer_tensors(kv_caches)[0].device
@@ -89,16 +86,7 @@ def store_fp8_to_host(
     cur = torch.cuda.current_stream(device)
     with t.lock:
         groups, views = _staging_views(t, host_outs)
-        plan = tk.plan_fp8(
-            kv_caches,
-            layout,
-            slot_mapping,
-            spans,
-            views,
-            trusted=trusted,
-            host_slots=host_slots,
-            check_finite=check_finite,
-        )
+        plan = tk.plan_fp8(kv_caches, move.with_objects(views), check_finite=check_finite)
         for g, idx in enumerate(groups):
             b = g % 2
             cur.wait_event(t.free[b])
@@ -115,30 +103,23 @@ def store_fp8_to_host(
 
 
 def load_fp8_from_host(
-    host_payloads: Sequence[torch.Tensor],
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
+    move: Move,
     *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
     xfer: transfer.Transfer | None = None,
     coalesce: bool = FP8_COALESCE,
 ) -> int:
-    """Dequantize host payloads into CUDA paged KV through the staging pipeline (``reference.scatter_fp8``
-    contract); returns the tokens written (``xfer``: as ``store_fp8_to_host``)."""
+    """Run a scatter ``move`` (``Move.scatter_fp8``) from host payloads into CUDA paged KV through the
+    staging pipeline; returns the tokens written (``xfer``: as ``store_fp8_to_host``)."""
+    host_payloads = move.objects
     device = layer_tensors(kv_caches)[0].device
     t = xfer or transfer.transfer_for(device)
     cur = torch.cuda.current_stream(device)
     if not host_payloads:
-        return tk.scatter_fp8(host_payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)
+        return tk.scatter_fp8(kv_caches, move)
     with t.lock:
         groups, views = _staging_views(t, host_payloads)
-        plan, mv = tk.plan_fp8_scatter(
-            views, kv_caches, layout, slot_mapping, spans, skip_prefix, trusted=trusted, host_slots=host_slots
-        )
+        plan, mv = tk.plan_fp8_scatter(kv_caches, move.with_objects(views))
         for g, idx in enumerate(groups):
             b = g % 2
             t.stream.wait_event(t.free[b])
