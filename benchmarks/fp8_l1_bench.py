@@ -2,10 +2,11 @@
 
 Llama-8B shape (``gpu_bench``'s engine: 32 layers, 8 KV heads, head_dim 128, bf16, NHD FLASH view), 256-token
 chunks, 256 / 1024 / 4096 tokens. Per size, in one run: the whole public call's wall time, as GB/s of bf16
-KV, of ``dispatch.gather_fp8`` into pinned payloads (the staged pipeline of ``gpu/fp8_transfer.py``: the
-fused kernel quantizes into device staging, one large copy per object goes to host while the next group is
-quantized; half the bytes plus scales) and ``dispatch.scatter_fp8`` from them (copies to staging, then the
-dequantize-scatter kernel); beside them, in the same rounds, the previous in-place path (the fused kernels
+KV, of ``dispatch.gather`` of a kept ``Move.gather_fp8`` into pinned payloads (the staged pipeline of
+``gpu/fp8_transfer.py``: the fused kernel quantizes into device staging, one large copy per object goes to
+host while the next group is quantized; half the bytes plus scales) and ``dispatch.scatter`` of a
+``Move.scatter_fp8`` from them (copies to staging, then the dequantize-scatter kernel); beside them, in the
+same rounds, the previous in-place path (the fused kernels
 writing / reading the pinned payloads over the bus: ``triton_kernels.gather_fp8`` / ``scatter_fp8`` on
 host tensors), the bf16 L1 (``dispatch.gather``/``scatter`` into pinned bf16 objects, the staged pipeline)
 and the pinned-copy ceiling of the bf16 bytes; the relative error of the round trip. The last part times
@@ -27,9 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench as gb
 
-from tiercache.gpu import LayoutKind, Move, dispatch, object_spec, reference
+from tiercache.gpu import LayoutKind, Move, dispatch, fp8_payload_nbytes, object_spec, reference
 from tiercache.gpu import triton_kernels as tk
-from tiercache.gpu.triton_kernels import fp8_payload_nbytes
 
 
 def main() -> None:
@@ -57,15 +57,17 @@ def main() -> None:
         bf_objs = [bf_pool[i * cb : (i + 1) * cb].view(torch.bfloat16).view(shape) for i in range(len(sp))]
         bf_store = Move.gather(layout, sl, sp, bf_objs)
         bf_retrieve = Move.scatter(layout, sl2, sp, bf_objs)
+        fp8_store = Move.gather_fp8(layout, sl, sp, payloads)
+        fp8_retrieve = Move.scatter_fp8(layout, sl2, sp, payloads)
         hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
         d2h = gb.cuda_time(lambda: hbuf.copy_(dbuf, non_blocking=True), reps=20)  # noqa: B023
         h2d = gb.cuda_time(lambda: dbuf.copy_(hbuf, non_blocking=True), reps=20)  # noqa: B023
         fns = {
-            "fp8_store": lambda: dispatch.gather_fp8(kv, layout, sl, sp, payloads),  # noqa: B023
-            "fp8_retrieve": lambda: dispatch.scatter_fp8(payloads, kv2, layout, sl2, sp),  # noqa: B023
-            "fp8_inplace_store": lambda: tk.gather_fp8(kv, layout, sl, sp, payloads),  # noqa: B023
-            "fp8_inplace_retrieve": lambda: tk.scatter_fp8(payloads, kv2, layout, sl2, sp),  # noqa: B023
+            "fp8_store": lambda: dispatch.gather(kv, fp8_store),  # noqa: B023
+            "fp8_retrieve": lambda: dispatch.scatter(kv2, fp8_retrieve),  # noqa: B023
+            "fp8_inplace_store": lambda: tk.gather_fp8(kv, fp8_store),  # noqa: B023
+            "fp8_inplace_retrieve": lambda: tk.scatter_fp8(kv2, fp8_retrieve),  # noqa: B023
             "bf16_store": lambda: dispatch.gather(kv, bf_store),  # noqa: B023
             "bf16_retrieve": lambda: dispatch.scatter(kv2, bf_retrieve),  # noqa: B023
         }
@@ -93,11 +95,11 @@ def main() -> None:
             row["pinned_H2D_ceiling_GBps"] * nbytes / (pay * len(sp))
         )
         # correctness: payload == the reference's (the codec's bytes); round trip error against the source
-        dispatch.gather_fp8(kv, layout, sl, sp, payloads)
+        dispatch.gather(kv, fp8_store)
         want = [torch.empty_like(p) for p in payloads]
-        reference.gather_fp8(kv, layout, sl, sp, want)
+        reference.gather(kv, Move.gather_fp8(layout, sl, sp, want))
         row["payload_equals_codec"] = all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True))
-        dispatch.scatter_fp8(payloads, kv2, layout, sl2, sp)
+        dispatch.scatter(kv2, fp8_retrieve)
         a = [torch.empty(shape, dtype=torch.bfloat16, device=gb.DEV) for _ in sp]
         b = [torch.empty_like(x) for x in a]
         reference.gather(kv2, Move.gather(layout, sl2, sp, a))
@@ -105,7 +107,7 @@ def main() -> None:
         err = max(float((x.float() - y.float()).norm() / y.float().norm()) for x, y in zip(a, b, strict=True))
         row["round_trip_relative_error"] = err
         refk = [t.clone() for t in kv2]
-        reference.scatter_fp8(want, refk, layout, sl2, sp)
+        reference.scatter(refk, Move.scatter_fp8(layout, sl2, sp, want))
         row["dequant_scatter_equals_reference"] = all(
             torch.equal(gb.bits(x), gb.bits(y)) for x, y in zip(kv2, refk, strict=True)
         )
@@ -141,13 +143,15 @@ def staging_sweep(
         for mib in (32, 64, 128, 256)
         for co in (True, False)
     }
+    store = Move.gather_fp8(layout, slots[:n], sp, payloads)
+    retrieve = Move.scatter_fp8(layout, slots2[:n], sp, payloads)
     fns: dict[str, Any] = {}
     for name, (x, co) in variants.items():
         fns[f"{name}_store"] = lambda x=x, co=co: fp8_transfer.store_fp8_to_host(
-            kv, layout, slots[:n], sp, payloads, xfer=x, coalesce=co
+            kv, store, xfer=x, coalesce=co
         )
         fns[f"{name}_retrieve"] = lambda x=x, co=co: fp8_transfer.load_fp8_from_host(
-            payloads, kv2, layout, slots2[:n], sp, xfer=x, coalesce=co
+            kv2, retrieve, xfer=x, coalesce=co
         )
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(5):

@@ -3,8 +3,9 @@
 Importing this package does not import torch: layouts, read plans and ``Move`` (one gather or scatter,
 validated once: layout, slots, spans, objects, skips, layers, checks) are plain data. ``gather`` and
 ``scatter`` (``tiercache.gpu.dispatch``: the Triton kernels on CUDA, the torch reference of
-``tiercache.gpu.reference`` elsewhere) run a ``Move`` and load torch on first attribute access, as do
-``gather_fp8`` / ``fp8_payload_nbytes`` (fused fp8 quantize-on-gather).
+``tiercache.gpu.reference`` elsewhere) run a ``Move`` (bf16, or fp8: ``Move.gather_fp8`` quantizes while
+gathering into ``fp8_payload_nbytes``-byte payloads, ``Move.scatter_fp8`` dequantizes) and load torch on
+first attribute access.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tiercache.gpu.layouts import (
     PagedLayout,
     ReadPlan,
     detect_layout,
+    fp8_payload_nbytes,
     layer_tensors,
     object_spec,
     plan_read,
@@ -25,8 +27,7 @@ from tiercache.gpu.layouts import (
 from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
-    from tiercache.gpu.dispatch import gather, gather_fp8, scatter
-    from tiercache.gpu.triton_kernels import fp8_payload_nbytes
+    from tiercache.gpu.dispatch import gather, scatter
 
 __all__ = [
     "Checks",
@@ -37,7 +38,6 @@ __all__ = [
     "detect_layout",
     "fp8_payload_nbytes",
     "gather",
-    "gather_fp8",
     "layer_tensors",
     "object_spec",
     "plan_read",
@@ -48,8 +48,6 @@ __all__ = [
 _LAZY = {
     "gather": "tiercache.gpu.dispatch",
     "scatter": "tiercache.gpu.dispatch",
-    "gather_fp8": "tiercache.gpu.dispatch",
-    "fp8_payload_nbytes": "tiercache.gpu.triton_kernels",
 }
 
 

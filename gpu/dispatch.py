@@ -8,6 +8,9 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
   launch that reads / writes them in place over the bus; larger moves the staged, double-buffered pipeline
   of ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side stream). Both return once the
   host memory is no longer touched.
+- An fp8 move (``Move.gather_fp8`` / ``Move.scatter_fp8``) on CUDA: the fused fp8 kernel on device
+  payloads (pinned host payloads read / written in place by ``triton_kernels`` when called directly), the
+  staged pipeline of ``tiercache.gpu.fp8_transfer`` for host payloads (an fp8 L1).
 - Anything else (CPU tensors, CPU_BLOCKS, triton missing, layers with different strides, misaligned
   pointers) or ``TIERCACHE_GPU_KERNELS=0``: the torch reference.
 """
@@ -28,7 +31,7 @@ from tiercache.gpu.move import Move
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["gather", "gather_fp8", "kernels_enabled", "scatter", "scatter_fp8"]
+__all__ = ["gather", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
 # moves into / out of pinned host memory up to this size run as one kernel over the bus (no staging: the
@@ -69,6 +72,8 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     from tiercache.gpu import transfer
     from tiercache.gpu import triton_kernels as tk
 
+    if move.fp8:
+        return _fp8_run(kv_caches, move)
     picked = move.prepared.get(id(kv_caches))
     if picked is not None and picked[1] is kv_caches:
         path = picked[0]
@@ -113,9 +118,33 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     return n
 
 
+def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:
+    """Run an fp8 ``move`` on a kernel path (tokens written; 0 for a gather), or None for the reference."""
+    if not move.objects or not kernels_enabled(kv_caches, move.layout):
+        return None
+    from tiercache.gpu import fp8_transfer
+    from tiercache.gpu import triton_kernels as tk
+
+    where = _where(move.objects, layer_tensors(kv_caches)[0].device)
+    try:
+        if where == "device":
+            if move.is_scatter:
+                return tk.scatter_fp8(kv_caches, move)
+            tk.gather_fp8(kv_caches, move)
+            return 0
+        if where == "host":
+            if move.is_scatter:
+                return fp8_transfer.load_fp8_from_host(kv_caches, move)
+            fp8_transfer.store_fp8_to_host(kv_caches, move)
+            return 0
+    except Unsupported:
+        pass
+    return None
+
+
 def gather(kv_caches: KVCaches, move: Move) -> None:
-    """Run a gather ``move`` (``Move.gather``; ``reference.gather`` contract): one Triton launch, or the
-    staged pipeline into host objects, on CUDA; the reference elsewhere."""
+    """Run a gather ``move`` (``Move.gather`` or ``Move.gather_fp8``; ``reference.gather`` contract): one
+    Triton launch, or the staged pipeline into host objects, on CUDA; the reference elsewhere."""
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
     if _kernel_run(kv_caches, move) is None:
@@ -123,89 +152,12 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
 
 
 def scatter(kv_caches: KVCaches, move: Move) -> int:
-    """Run a scatter ``move`` (``Move.scatter``; ``reference.scatter`` contract); returns the tokens written
-    per layer (a trusted move on a kernel path counts every token past the skips)."""
+    """Run a scatter ``move`` (``Move.scatter`` or ``Move.scatter_fp8``; ``reference.scatter`` contract);
+    returns the tokens written per layer (a trusted move on a kernel path counts every token past the
+    skips)."""
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
     n = _kernel_run(kv_caches, move)
     if n is None:
         return reference.scatter(kv_caches, move)
     return n
-
-
-def gather_fp8(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> None:
-    """``reference.gather_fp8`` contract (``out[i]``: span i's fp8 codec payload); on CUDA the fused kernel
-    into device outputs, or, for host outputs (an fp8 L1), the staged pipeline of
-    ``tiercache.gpu.fp8_transfer`` (quantize into device staging, large copies to host)."""
-    if out and kernels_enabled(kv_caches, layout):
-        from tiercache.gpu import fp8_transfer, triton_kernels
-
-        where = _where(out, layer_tensors(kv_caches)[0].device)
-        try:
-            if where == "device":
-                triton_kernels.gather_fp8(
-                    kv_caches, layout, slot_mapping, spans, out, trusted=trusted, host_slots=host_slots
-                )
-                return
-            if where == "host":
-                fp8_transfer.store_fp8_to_host(
-                    kv_caches, layout, slot_mapping, spans, out, trusted=trusted, host_slots=host_slots
-                )
-                return
-        except Unsupported:
-            pass
-    reference.gather_fp8(kv_caches, layout, slot_mapping, spans, out)
-
-
-def scatter_fp8(
-    payloads: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-    *,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
-) -> int:
-    """``reference.scatter_fp8`` contract; on CUDA the fused dequantize-scatter kernel from device payloads,
-    or the staged pipeline (large copies to device staging, then the kernel) from host payloads."""
-    if payloads and kernels_enabled(kv_caches, layout):
-        from tiercache.gpu import fp8_transfer, triton_kernels
-
-        where = _where(payloads, layer_tensors(kv_caches)[0].device)
-        try:
-            if where == "device":
-                return triton_kernels.scatter_fp8(
-                    payloads,
-                    kv_caches,
-                    layout,
-                    slot_mapping,
-                    spans,
-                    skip_prefix,
-                    trusted=trusted,
-                    host_slots=host_slots,
-                )
-            if where == "host":
-                return fp8_transfer.load_fp8_from_host(
-                    payloads,
-                    kv_caches,
-                    layout,
-                    slot_mapping,
-                    spans,
-                    skip_prefix,
-                    trusted=trusted,
-                    host_slots=host_slots,
-                )
-        except Unsupported:
-            pass
-    return reference.scatter_fp8(payloads, kv_caches, layout, slot_mapping, spans, skip_prefix)

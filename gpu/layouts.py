@@ -33,6 +33,7 @@ __all__ = [
     "ReadPlan",
     "check_spans",
     "detect_layout",
+    "fp8_payload_nbytes",
     "layer_tensors",
     "object_spec",
     "plan_read",
@@ -162,6 +163,16 @@ def object_spec(layout: PagedLayout, tokens: int) -> KVSpec:
         format=layout.object_format,
         tokens=layout.object_tokens(tokens),
     )
+
+
+def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
+    """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element."""
+    if tokens == 0:
+        return 0
+    elements = 1
+    for n in object_spec(layout, tokens).shape:
+        elements *= n
+    return 4 * (elements // tokens) + elements
 
 
 def layer_tensors(

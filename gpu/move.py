@@ -16,7 +16,7 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tiercache.gpu.layouts import PagedLayout, check_spans, object_spec, span_skips
+from tiercache.gpu.layouts import PagedLayout, check_spans, fp8_payload_nbytes, object_spec, span_skips
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ class Move:
 
     __slots__ = (
         "checks",
+        "fp8",
         "host_slots",
         "layers",
         "layout",
@@ -62,8 +63,10 @@ class Move:
         layers: range,
         checks: Checks,
         host_slots: torch.Tensor | None,
+        fp8: bool = False,
     ) -> None:
-        """Prefer ``Move.gather`` / ``Move.scatter``, which validate; this stores the fields as given."""
+        """Prefer ``Move.gather`` / ``Move.scatter`` (or their ``_fp8`` forms), which validate; this stores
+        the fields as given."""
         self.layout = layout
         self.slot_mapping = slot_mapping
         self.spans = spans
@@ -72,6 +75,7 @@ class Move:
         self.layers = layers
         self.checks = checks
         self.host_slots = host_slots
+        self.fp8 = fp8
         self.prepared: dict[Any, Any] = {}  # what the kernel paths prepared on a first run, by KV caches
 
     @classmethod
@@ -88,7 +92,7 @@ class Move:
     ) -> Move:
         """Copy the KV of tokens ``slot_mapping[start:end]`` of ``layers`` (all by default) into ``out[i]``
         (``object_spec`` shape, with only those layers). ``ValueError`` for bad spans, shapes or dtypes."""
-        return cls._build(layout, slot_mapping, spans, out, None, layers, trusted, host_slots)
+        return cls._build(layout, slot_mapping, spans, out, None, layers, trusted, host_slots, False)
 
     @classmethod
     def scatter(
@@ -105,7 +109,39 @@ class Move:
     ) -> Move:
         """Write object i's tokens into the paged KV at ``slot_mapping[start:end]``, leaving the first
         ``skip_prefix`` tokens of a span (an int for the first span, or one per span) and slots < 0 alone."""
-        return cls._build(layout, slot_mapping, spans, objects, skip_prefix, layers, trusted, host_slots)
+        return cls._build(
+            layout, slot_mapping, spans, objects, skip_prefix, layers, trusted, host_slots, False
+        )
+
+    @classmethod
+    def gather_fp8(
+        cls,
+        layout: PagedLayout,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        payloads: Sequence[torch.Tensor],
+        *,
+        trusted: bool = False,
+        host_slots: torch.Tensor | None = None,
+    ) -> Move:
+        """Quantize span i's KV (every layer) into ``payloads[i]``: its ``Fp8Codec("channel")`` payload
+        (contiguous uint8, ``fp8_payload_nbytes`` bytes); a run raises ``ValueError`` for non-finite KV."""
+        return cls._build(layout, slot_mapping, spans, payloads, None, None, trusted, host_slots, True)
+
+    @classmethod
+    def scatter_fp8(
+        cls,
+        layout: PagedLayout,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        payloads: Sequence[torch.Tensor],
+        skip_prefix: int | Sequence[int] = 0,
+        *,
+        trusted: bool = False,
+        host_slots: torch.Tensor | None = None,
+    ) -> Move:
+        """Dequantize ``payloads[i]`` (``gather_fp8``'s bytes) and write it like ``Move.scatter``."""
+        return cls._build(layout, slot_mapping, spans, payloads, skip_prefix, None, trusted, host_slots, True)
 
     @classmethod
     def _build(
@@ -118,15 +154,23 @@ class Move:
         layers: range | None,
         trusted: bool,
         host_slots: torch.Tensor | None,
+        fp8: bool,
     ) -> Move:
+        if fp8 and layout.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"fp8 moves encode bfloat16, float16 or float32 KV, not {layout.dtype}")
         layers = range(layout.num_layers) if layers is None else layers
         if len(layers) == 0 or not 0 <= layers.start < layers.stop <= layout.num_layers or layers.step != 1:
             raise ValueError(f"layers {layers} out of range for {layout.num_layers} layers")
         span_list = check_spans(spans, int(slot_mapping.shape[0]), len(objects))
         skips = None if skip_prefix is None else tuple(span_skips(skip_prefix, span_list))
-        what = "out" if skip_prefix is None else "objects"
+        what = "payloads" if fp8 else "out" if skip_prefix is None else "objects"
         shapes: dict[int, tuple[int, ...]] = {}
         for i, ((s, e), obj) in enumerate(zip(span_list, objects, strict=True)):
+            if fp8:
+                n = fp8_payload_nbytes(layout, e - s)
+                if str(obj.dtype) != "torch.uint8" or obj.numel() != n or not obj.is_contiguous():
+                    raise ValueError(f"{what}[{i}] must be a contiguous uint8 tensor of {n} bytes")
+                continue
             shape = shapes.get(e - s)
             if shape is None:
                 spec = object_spec(layout, e - s)
@@ -152,7 +196,24 @@ class Move:
             checks = Checks.HOST
         else:
             checks = Checks.DEVICE
-        return cls(layout, slot_mapping, tuple(span_list), tuple(objects), skips, layers, checks, host_slots)
+        return cls(
+            layout, slot_mapping, tuple(span_list), tuple(objects), skips, layers, checks, host_slots, fp8
+        )
+
+    def with_objects(self, objects: Sequence[torch.Tensor]) -> Move:
+        """This move into / out of other objects of the same shapes (a pipeline's staging views); not
+        checked again."""
+        return Move(
+            self.layout,
+            self.slot_mapping,
+            self.spans,
+            tuple(objects),
+            self.skips,
+            self.layers,
+            self.checks,
+            self.host_slots,
+            self.fp8,
+        )
 
     @property
     def is_scatter(self) -> bool:
@@ -170,5 +231,5 @@ class Move:
         return sum(max(0, e - s - k) for (s, e), k in zip(self.spans, self.span_skips, strict=True))
 
     def __repr__(self) -> str:
-        kind = "scatter" if self.is_scatter else "gather"
+        kind = ("scatter" if self.is_scatter else "gather") + ("_fp8" if self.fp8 else "")
         return f"Move.{kind}({len(self.spans)} spans, layers {self.layers}, checks {self.checks.value})"

@@ -23,13 +23,15 @@ from tiercache.gpu.move import Move
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["gather", "gather_fp8", "scatter", "scatter_fp8"]
+__all__ = ["gather", "scatter"]
 
 _BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def gather(kv_caches: KVCaches, move: Move) -> None:
-    """Run a gather ``move`` (``Move.gather``): copy the KV of its spans' tokens into its objects.
+    """Run a gather ``move`` (``Move.gather``): copy the KV of its spans' tokens into its objects; an fp8
+    move (``Move.gather_fp8``) writes each span's ``Fp8Codec("channel")`` payload instead (the reference of
+    the fused fp8 kernel; ``ValueError`` for non-finite input, as the codec).
 
     ``ValueError`` for a slot < 0 (a token without KV cannot be stored), a slot past the paged KV, and
     CPU_BLOCKS spans that are not block-aligned. The reference always checks the slots (``move.checks`` is
@@ -37,72 +39,59 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
     """
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
+    if move.fp8:
+        _gather_fp8(kv_caches, move)
+        return
     _gather(move.layers, kv_caches, move.layout, move.slot_mapping, move.spans, move.objects)
 
 
 def scatter(kv_caches: KVCaches, move: Move) -> int:
     """Run a scatter ``move`` (``Move.scatter``): write its objects' tokens into the paged KV; return the
-    tokens written per layer.
+    tokens written per layer. An fp8 move (``Move.scatter_fp8``) decodes each payload as the codec does
+    first (the reference of the fused dequantize-scatter kernel).
 
     The skipped tokens at the head of each span (already on the GPU) and slots < 0 are left untouched.
     CPU_BLOCKS writes whole pages (skips block-aligned).
     """
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
+    objects = _decode_fp8(kv_caches, move) if move.fp8 else move.objects
     return _scatter(
-        move.layers, move.objects, kv_caches, move.layout, move.slot_mapping, move.spans, move.span_skips
+        move.layers, objects, kv_caches, move.layout, move.slot_mapping, move.spans, move.span_skips
     )
 
 
-def gather_fp8(
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
-) -> None:
-    """Gather span i and write its ``Fp8Codec("channel")`` payload into ``out[i]`` (uint8, the payload's
-    size): the reference of the fused fp8 kernel (``ValueError`` for non-finite input, as the codec)."""
+def _gather_fp8(kv_caches: KVCaches, move: Move) -> None:
+    """Gather each span of an fp8 ``move`` and encode it into its payload."""
     from tiercache.serde.fp8 import Fp8Codec
 
     codec = Fp8Codec()
-    span_list = check_spans(spans, slot_mapping.shape[0], len(out))
-    for (s, e), o in zip(span_list, out, strict=True):
+    layout = move.layout
+    for (s, e), o in zip(move.spans, move.objects, strict=True):
         spec = object_spec(layout, e - s)
         obj = torch.empty(spec.shape, dtype=getattr(torch, layout.dtype), device=o.device)
-        gather(kv_caches, Move.gather(layout, slot_mapping, [(s, e)], [obj]))
+        _gather(move.layers, kv_caches, layout, move.slot_mapping, [(s, e)], [obj])
         payload = bytearray(codec.max_encoded_size(spec.nbytes, spec))
         src = obj.cpu().contiguous().view(torch.uint8).reshape(-1)
         n = codec.encode_into(memoryview(src.numpy()), memoryview(payload), spec, None)  # type: ignore[arg-type]
-        if o.dtype != torch.uint8 or o.numel() != n:
-            raise ValueError(f"fp8 output of {o.numel()} {o.dtype} elements for a {n}-byte payload")
         o.copy_(torch.frombuffer(payload, dtype=torch.uint8)[:n])
 
 
-def scatter_fp8(
-    payloads: Sequence[torch.Tensor],
-    kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
-) -> int:
-    """Decode each span's ``Fp8Codec("channel")`` payload (as the codec does) and ``scatter`` it: the
-    reference of the fused dequantize-scatter kernel; returns the tokens written."""
+def _decode_fp8(kv_caches: KVCaches, move: Move) -> list[torch.Tensor]:
+    """The objects of an fp8 scatter ``move``: each payload decoded as the codec does, on the KV device."""
     from tiercache.serde.fp8 import Fp8Codec
 
     codec = Fp8Codec()
-    span_list = check_spans(spans, slot_mapping.shape[0], len(payloads))
     kv_device = layer_tensors(kv_caches)[0].device
     objects = []
-    for (s, e), p in zip(span_list, payloads, strict=True):
-        spec = object_spec(layout, e - s)
-        obj = torch.empty(spec.shape, dtype=getattr(torch, layout.dtype))
+    for (s, e), p in zip(move.spans, move.objects, strict=True):
+        spec = object_spec(move.layout, e - s)
+        obj = torch.empty(spec.shape, dtype=getattr(torch, move.layout.dtype))
         src = p.detach().cpu().contiguous()
         dst = memoryview(obj.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
         codec.decode_into(memoryview(src.numpy()), dst, spec, None)  # type: ignore[arg-type]
         objects.append(obj.to(kv_device))
-    return scatter(kv_caches, Move.scatter(layout, slot_mapping, span_list, objects, skip_prefix))
+    return objects
 
 
 # --------------------------------------------------------------------------------------------- internals

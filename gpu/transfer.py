@@ -8,7 +8,10 @@ buffer back. So gathering group g+1 overlaps copying group g, and the copy engin
 the host. Retrieve (``load_from_host``) mirrors it: host-to-device copies on the side stream into staging,
 one scatter launch per group on the current stream.
 
-Both return after the host memory is no longer touched: the caller may release its L1 leases at once.
+The loops themselves (``Transfer.run_store`` / ``run_load``, over ``Stage``s: a staging buffer, a launch
+and copy pairs, as ``Transfer.stage`` cuts host objects) also run the fp8 pipeline of
+``tiercache.gpu.fp8_transfer``. Both return after the host memory is no longer touched: the caller may
+release its L1 leases at once.
 What a move needs (groups, staging views, bound launches, copy pairs) is prepared on its first run and kept
 on the ``Move``, so a repeated run is the launches, the copies and the events. Slots checked on the device
 are checked by the move kernels themselves (per-span flags in pinned memory, read once the last launch is
@@ -20,6 +23,7 @@ a bad slot is reported at the end and nothing was written for it. ``tiercache.er
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -34,7 +38,7 @@ from tiercache.gpu.move import Move
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Transfer", "load_from_host", "store_to_host"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Stage", "Transfer", "load_from_host", "store_to_host"]
 
 DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_COALESCE = False
@@ -110,12 +114,85 @@ class Transfer:
         self.done = torch.cuda.Event()
         self.lock = threading.Lock()
 
+    def stage(
+        self, objs: Sequence[torch.Tensor], coalesce: bool | None = None
+    ) -> tuple[list[list[int]], list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Cut host ``objs`` into the pipeline's groups: the groups (indices into ``objs``), each object's
+        device view in staging buffer ``group % 2`` and each group's (host, staging) copy pairs (one per run
+        of back-to-back objects with ``coalesce``, default ``self.coalesce``). Hold ``self.lock`` from here
+        until the run (``run_store`` / ``run_load``) is done."""
+        coalesce = self.coalesce if coalesce is None else coalesce
+        groups = _groups([o.numel() * o.element_size() for o in objs], self.staging_bytes)
+        views: list[torch.Tensor] = list(objs)
+        copies = []
+        for g, idx in enumerate(groups):
+            part = [objs[i] for i in idx]
+            vs = self._views(g % 2, part)
+            for i, v in zip(idx, vs, strict=True):
+                views[i] = v
+            copies.append(self._copies(g % 2, part, vs, coalesce))
+        return groups, views, copies
+
+    def run_store(self, stages: Sequence[Stage], queue_checks: Callable[[], None]) -> None:
+        """Launch each stage into its staging buffer on the current stream while the side stream copies the
+        previous one to host; ``queue_checks`` after the last launch; returns once the copies are done
+        (hold ``self.lock``)."""
+        cur = current_stream(self.index)
+        for st in stages:
+            b = st.buffer
+            cur.wait_event(self.free[b])
+            st.launch()
+            self.ready[b].record(cur)
+            self.stream.wait_event(self.ready[b])
+            self._side_copies(cur, st.copies, to_host=True)
+            self.free[b].record(self.stream)
+        queue_checks()  # after the last launch: the next group's gather never waits for them
+        self.stream.synchronize()  # the copies waited for every launch
+
+    def run_load(
+        self, stages: Sequence[Stage], queue_checks: Callable[[], None], *, wait_launches: bool = False
+    ) -> None:
+        """Copy each stage to staging on the side stream while the current stream launches the previous one;
+        ``queue_checks`` while the first copy runs; returns once host memory is no longer read, or, with
+        ``wait_launches``, once the last launch is done (hold ``self.lock``)."""
+        cur = current_stream(self.index)
+        for g, st in enumerate(stages):
+            b = st.buffer
+            self.stream.wait_event(self.free[b])
+            self._side_copies(cur, st.copies, to_host=False)
+            self.ready[b].record(self.stream)
+            if g == 0:
+                queue_checks()  # while the first copy runs, ahead of the launches
+            cur.wait_event(self.ready[b])
+            st.launch()
+            self.free[b].record(cur)
+        if wait_launches:
+            self.done.record(cur)
+            self.done.synchronize()
+        else:
+            self.stream.synchronize()  # host memory is no longer read: leases may be released
+
+    def _side_copies(
+        self, cur: torch.cuda.Stream, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], to_host: bool
+    ) -> None:
+        """Queue ``copies`` (host, staging) on the side stream, staging to host or back; ``cur`` is current
+        again afterwards."""
+        self._on_side()
+        try:
+            for h, v in copies:
+                if to_host:
+                    h.copy_(v, non_blocking=True)
+                else:
+                    v.copy_(h, non_blocking=True)
+        finally:
+            self._back_to(cur)
+
     def _copies(
-        self, b: int, objs: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
+        self, b: int, objs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], coalesce: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host, staging) tensor pairs to copy for ``objs`` and their staging ``views``: one pair per object,
         or per run of back-to-back objects with ``coalesce``."""
-        if not self.coalesce or len(objs) < 2:
+        if not coalesce or len(objs) < 2:
             return list(zip(objs, views, strict=True))
         buf = self.buffers[b]
         assert buf is not None
@@ -169,19 +246,16 @@ class Transfer:
         if fused:
             flags = torch.zeros((max(1, len(todo)), 4), dtype=torch.int64, pin_memory=True)
         groups = []
-        sizes = [objs[i].numel() * objs[i].element_size() for i in todo]
+        cut, views, copies = self.stage([objs[i] for i in todo])
         row = 0
-        for g, pos in enumerate(_groups(sizes, self.staging_bytes)):
+        for g, pos in enumerate(cut):
             idx = [todo[p] for p in pos]
-            b = g % 2
-            views = self._views(b, [objs[i] for i in idx])
-            plan = mv.plan(idx, views)
+            plan = mv.plan(idx, [views[p] for p in pos])
             status = None if flags is None else flags[row : row + len(idx)]
             row += len(idx)
             go = plan.bound(cfg, status) if prebound_enabled() else None
-            copies = self._copies(b, [objs[i] for i in idx], views)
-            groups.append(_Group(b, plan, go, copies))
-        pipe = _Pipeline(kv_caches, mv, groups, flags, cfg)
+            groups.append(Stage(g % 2, go or functools.partial(plan.launch, cfg), copies[g]))
+        pipe = _Pipeline(kv_caches, mv, groups, flags)
         if len(move.prepared) > 8:
             move.prepared.clear()
         move.prepared[key] = pipe
@@ -203,86 +277,40 @@ class Transfer:
     def store(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
         """Run a gather ``move`` into host objects (``reference.gather`` contract) through the pipeline;
         returns 0 (a gather writes no KV)."""
-        cur = current_stream(self.index)
         with self.lock:
             pipe = self._prepare(kv_caches, move, cfg)
             if not pipe.groups:
                 return 0
             pipe.start()
-            for grp in pipe.groups:
-                b = grp.buffer
-                cur.wait_event(self.free[b])
-                grp.launch()
-                self.ready[b].record(cur)
-                self.stream.wait_event(self.ready[b])
-                self._on_side()
-                try:
-                    for h, v in grp.copies:
-                        h.copy_(v, non_blocking=True)
-                finally:
-                    self._back_to(cur)
-                self.free[b].record(self.stream)
-            pipe.queue_checks()  # after the last launch: the next group's gather never waits for them
-            self.stream.synchronize()  # the copies waited for every gather: the flags are written too
+            self.run_store(pipe.groups, pipe.queue_checks)  # the copies waited for the flags' writers too
         pipe.finish()  # bad slots: ValueError (their rows were not moved; the caller aborts the objects)
         return 0
 
     def load(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig = tk.DEFAULT_CONFIG) -> int:
         """Run a scatter ``move`` from host objects into the paged KV (``reference.scatter`` contract);
         returns the tokens written."""
-        cur = current_stream(self.index)
         with self.lock:
             pipe = self._prepare(kv_caches, move, cfg)
             if not pipe.groups:
                 return pipe.finish()
             pipe.start()
-            for g, grp in enumerate(pipe.groups):
-                b = grp.buffer
-                self.stream.wait_event(self.free[b])
-                self._on_side()
-                try:
-                    for h, v in grp.copies:
-                        v.copy_(h, non_blocking=True)
-                finally:
-                    self._back_to(cur)
-                self.ready[b].record(self.stream)
-                if g == 0:
-                    pipe.queue_checks()  # while the first copy runs, ahead of the scatters
-                cur.wait_event(self.ready[b])
-                grp.launch()
-                self.free[b].record(cur)
-            if pipe.flags is not None:
-                self.done.record(cur)
-                self.done.synchronize()  # the scatters set the flags: wait for the last one
-            else:
-                self.stream.synchronize()  # host memory is no longer read: leases may be released
+            # the scatters set the flags: with flags, wait for the last one
+            self.run_load(pipe.groups, pipe.queue_checks, wait_launches=pipe.flags is not None)
         return pipe.finish()
 
 
-class _Group:
-    """One pipeline group: its staging buffer, its launch (bound when launches are pre-bound) and its copies
+class Stage:
+    """One pipeline group: its staging buffer (0 or 1), its launch on the current stream and its copies
     (host tensor, staging view)."""
 
-    __slots__ = ("buffer", "cfg", "copies", "go", "plan")
+    __slots__ = ("buffer", "copies", "launch")
 
     def __init__(
-        self,
-        buffer: int,
-        plan: tk.MovePlan,
-        go: Callable[[], None] | None,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        self, buffer: int, launch: Callable[[], None], copies: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         self.buffer = buffer
-        self.plan = plan
-        self.go = go
+        self.launch = launch
         self.copies = copies
-        self.cfg = tk.DEFAULT_CONFIG
-
-    def launch(self) -> None:
-        if self.go is not None:
-            self.go()
-        else:
-            self.plan.launch(self.cfg)
 
 
 class _Pipeline:
@@ -293,9 +321,8 @@ class _Pipeline:
         self,
         kv_caches: KVCaches,
         mv: tk.MoveCheck,
-        groups: list[_Group],
+        groups: list[Stage],
         flags: torch.Tensor | None,
-        cfg: tk.TileConfig,
     ) -> None:
         self.kv_caches = kv_caches
         self.reg = tk.registration(kv_caches, mv)
@@ -304,8 +331,6 @@ class _Pipeline:
         self.flags = flags
         self.flags_np = None if flags is None else flags.numpy()
         self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
-        for grp in groups:
-            grp.cfg = cfg
 
     def valid_for(self, kv_caches: KVCaches) -> bool:
         """True while ``kv_caches`` holds the layer tensors prepared for."""

@@ -56,7 +56,13 @@ import torch
 
 from tiercache.errors import Unsupported
 from tiercache.gpu.launch import Ptr, bind_launch, current_stream, launch, prebound_enabled
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
+from tiercache.gpu.layouts import (
+    LayoutKind,
+    PagedLayout,
+    fp8_payload_nbytes,
+    layer_tensors,
+    object_spec,
+)
 from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
@@ -68,6 +74,7 @@ __all__ = [
     "available",
     "bind",
     "check_move",
+    "fp8_payload_nbytes",
     "gather",
     "gather_fp8",
     "plan",
@@ -1387,17 +1394,6 @@ FP8_CHANNELS_FAST = True  # grid order: channel blocks of one (layer, plane) fas
 FP8_NUM_WARPS = 8  # (1174 GB/s of bf16 input alone, vs 921 for 32 x 4 and 894-945 for 128 channels)
 
 
-def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
-    """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element."""
-    if tokens == 0:
-        return 0
-    shape, _ = _object_shape(layout, tokens, range(layout.num_layers))
-    elements = 1
-    for n in shape:
-        elements *= n
-    return 4 * (elements // tokens) + elements
-
-
 @dataclass
 class Fp8Plan:
     """One fused-fp8 launch, ready to go (``plan_fp8``, ``plan_fp8_scatter``): ``launch()`` is the kernel
@@ -1463,36 +1459,30 @@ def _row_launcher(
     return run
 
 
+def _fp8_move(move: Move, scatter: bool) -> None:
+    """``ValueError`` unless ``move`` is an fp8 scatter (``scatter``) or an fp8 gather."""
+    if not move.fp8 or move.is_scatter != scatter:
+        raise ValueError(f"{move!r} is not an fp8 {'scatter' if scatter else 'gather'}")
+
+
 def plan_fp8(
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
+    move: Move,
     *,
     block_t: int = 0,
     block_d: int = FP8_BLOCK_D,
     num_warps: int = FP8_NUM_WARPS,
     one_pass_elems: int = FP8_ONE_PASS_ELEMS,
     soft_convert: bool | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
     check_finite: bool = True,
     channels_fast: bool = FP8_CHANNELS_FAST,
 ) -> Fp8Plan:
-    """Validate a fused fp8 gather (``gather_fp8``) and return its launch (slot checks queued; the kernel
-    counts non-finite input when ``check_finite``)."""
-    if layout.dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"fp8 gather encodes bfloat16, float16 or float32 KV, not {layout.dtype}")
+    """The launch of a fused fp8 gather ``move`` (``Move.gather_fp8``; slot checks queued after it; the
+    kernel counts non-finite input when ``check_finite``)."""
+    _fp8_move(move, scatter=False)
+    layout, slot_mapping, span_list, out = move.layout, move.slot_mapping, list(move.spans), move.objects
+    trusted, host_slots = move.checks is Checks.NONE, move.host_slots
     layers = range(layout.num_layers)
-    span_list = check_spans(spans, slot_mapping.shape[0], len(out))
-    sizes: dict[int, int] = {}
-    for i, ((s, e), o) in enumerate(zip(span_list, out, strict=True)):
-        n = sizes.get(e - s, -1)
-        if n < 0:
-            n = sizes[e - s] = fp8_payload_nbytes(layout, e - s)
-        if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
-            raise ValueError(f"out[{i}] must be a contiguous uint8 tensor of {n} bytes")
     geo = _geometry(kv_caches, layout, layers, [])
     if any(o.device != geo.device and not _pinned_host(o) for o in out):
         raise Unsupported("outputs are neither on the KV device nor in pinned host memory")
@@ -1566,10 +1556,7 @@ def plan_fp8(
 
 def gather_fp8(
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    out: Sequence[torch.Tensor],
+    move: Move,
     *,
     block_t: int = 0,
     block_d: int = FP8_BLOCK_D,
@@ -1577,32 +1564,26 @@ def gather_fp8(
     one_pass_elems: int = FP8_ONE_PASS_ELEMS,
     check: bool = True,
     soft_convert: bool | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
 ) -> None:
-    """Fused gather + fp8 quantize: ``out[i]`` (uint8, ``fp8_payload_nbytes`` bytes, on the KV device)
-    receives exactly the ``Fp8Codec("channel")`` payload of span i (see the module doc).
+    """Run a gather ``move`` (``Move.gather_fp8``), fused with the fp8 quantize: payload i (on the KV device
+    or pinned host memory written in place) receives exactly the ``Fp8Codec("channel")`` payload of span i
+    (see the module doc).
 
     ``block_t`` 0 (default) loads each (span, layer, plane, channel block) tile once, whole, when it has at
     most ``one_pass_elems`` elements (else 32 tokens at a time, in two passes); ``block_t`` >= the longest
-    span is one pass too. ``ValueError`` for slots < 0 or out of range (unless ``trusted``; on the host with
-    ``host_slots``, a CPU copy of the mapping) and, when ``check``, for non-finite input (one more sync).
+    span is one pass too. ``ValueError`` for slots < 0 or out of range (unless trusted; on the host with the
+    move's ``host_slots``) and, when ``check``, for non-finite input (one more sync).
     ``soft_convert`` rounds to e4m3 with integer ops instead of the hardware conversion (default: only under
     the interpreter); both give the codec's bytes.
     """
     plan = plan_fp8(
         kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        out,
+        move,
         block_t=block_t,
         block_d=block_d,
         num_warps=num_warps,
         one_pass_elems=one_pass_elems,
         soft_convert=soft_convert,
-        trusted=trusted,
-        host_slots=host_slots,
         check_finite=check,
     )
     plan.launch()
@@ -1627,35 +1608,21 @@ def _payload_ptr(t: torch.Tensor) -> torch.Tensor | Ptr:
 
 
 def plan_fp8_scatter(
-    payloads: Sequence[torch.Tensor],
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
+    move: Move,
     *,
     block_t: int = 32,
     block_d: int = FP8_BLOCK_D,
     num_warps: int = FP8_NUM_WARPS,
     soft_convert: bool | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
     channels_fast: bool = FP8_CHANNELS_FAST,
 ) -> tuple[Fp8Plan, MoveCheck]:
-    """Validate a fused dequantize + scatter of fp8 payloads (``gather_fp8``'s bytes, on the KV device or in
-    pinned host memory) and return its launch and the move (``finish()``: slot checks, tokens written)."""
-    if layout.dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"fp8 scatter decodes into bfloat16, float16 or float32 KV, not {layout.dtype}")
+    """The launch of a fused dequantize + scatter ``move`` (``Move.scatter_fp8``: ``gather_fp8``'s bytes, on
+    the KV device or in pinned host memory) and its check (``finish()``: slot checks, tokens written)."""
+    _fp8_move(move, scatter=True)
+    layout, slot_mapping, span_list, payloads = move.layout, move.slot_mapping, list(move.spans), move.objects
+    trusted, host_slots, skips = move.checks is Checks.NONE, move.host_slots, list(move.span_skips)
     layers = range(layout.num_layers)
-    span_list = check_spans(spans, slot_mapping.shape[0], len(payloads))
-    skips = span_skips(skip_prefix, span_list)
-    sizes: dict[int, int] = {}
-    for i, ((s, e), o) in enumerate(zip(span_list, payloads, strict=True)):
-        n = sizes.get(e - s, -1)
-        if n < 0:
-            n = sizes[e - s] = fp8_payload_nbytes(layout, e - s)
-        if o.dtype != torch.uint8 or o.numel() != n or not o.is_contiguous():
-            raise ValueError(f"payloads[{i}] must be a contiguous uint8 tensor of {n} bytes")
     key = _geometry_key(kv_caches, layout, layers)
     geo = _geometry(kv_caches, layout, layers, [], key)
     host = [_pinned_host(o) for o in payloads]
@@ -1722,38 +1689,26 @@ def plan_fp8_scatter(
 
 
 def scatter_fp8(
-    payloads: Sequence[torch.Tensor],
     kv_caches: KVCaches,
-    layout: PagedLayout,
-    slot_mapping: torch.Tensor,
-    spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int] = 0,
+    move: Move,
     *,
     block_t: int = 32,
     block_d: int = FP8_BLOCK_D,
     num_warps: int = FP8_NUM_WARPS,
     soft_convert: bool | None = None,
-    trusted: bool = False,
-    host_slots: torch.Tensor | None = None,
 ) -> int:
-    """Fused dequantize + scatter: span i's ``Fp8Codec("channel")`` payload ``payloads[i]`` (uint8,
-    ``fp8_payload_nbytes`` bytes; on the KV device, or pinned host memory read in place) is decoded as the
-    codec decodes it (bit for bit) and written into the paged KV like ``reference.scatter`` (skips, slots
-    < 0 skipped, ``ValueError`` for slots past the KV unless ``trusted``); returns tokens written per layer.
+    """Run a scatter ``move`` (``Move.scatter_fp8``), fused with the dequantize: span i's payload (on the KV
+    device, or pinned host memory read in place) is decoded as the codec decodes it (bit for bit) and
+    written into the paged KV like ``reference.scatter`` (skips, slots < 0 skipped, ``ValueError`` for slots
+    past the KV unless trusted); returns tokens written per layer.
     """
     plan, mv = plan_fp8_scatter(
-        payloads,
         kv_caches,
-        layout,
-        slot_mapping,
-        spans,
-        skip_prefix,
+        move,
         block_t=block_t,
         block_d=block_d,
         num_warps=num_warps,
         soft_convert=soft_convert,
-        trusted=trusted,
-        host_slots=host_slots,
     )
     plan.launch()
     return mv.finish()

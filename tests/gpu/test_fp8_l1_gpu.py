@@ -53,10 +53,10 @@ def test_staged_fp8_store_and_load_match_the_reference(
     pool = torch.full((sum(sizes) + 4096,), 255, dtype=torch.uint8, pin_memory=True)
     starts = [sum(sizes[:i]) + (0 if pooled else 512 * i) for i in range(len(sizes))]
     outs = [pool[a : a + n] for a, n in zip(starts, sizes, strict=True)]
-    fp8_transfer.store_fp8_to_host(kv, LAYOUT, slots, spans, outs, coalesce=coalesce)
+    fp8_transfer.store_fp8_to_host(kv, Move.gather_fp8(LAYOUT, slots, spans, outs), coalesce=coalesce)
     assert len(transfer._groups([o.numel() for o in outs], small_staging.staging_bytes)) >= 4
     want = [torch.empty_like(o) for o in outs]
-    reference.gather_fp8(kv, LAYOUT, slots, spans, want)
+    reference.gather(kv, Move.gather_fp8(LAYOUT, slots, spans, want))
     assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
     _, slots2 = make_kv(2)
     slots2 = slots2.clone()
@@ -64,8 +64,9 @@ def test_staged_fp8_store_and_load_match_the_reference(
     skips = [0, 7, 0, 0, 3, 0]
     got = [torch.full_like(t, float("nan")) for t in kv]
     ref = [t.clone() for t in got]
-    n = fp8_transfer.load_fp8_from_host(outs, got, LAYOUT, slots2, spans, skips, coalesce=coalesce)
-    assert n == reference.scatter_fp8(want, ref, LAYOUT, slots2, spans, skips)
+    move = Move.scatter_fp8(LAYOUT, slots2, spans, outs, skips)
+    n = fp8_transfer.load_fp8_from_host(got, move, coalesce=coalesce)
+    assert n == reference.scatter(ref, Move.scatter_fp8(LAYOUT, slots2, spans, want, skips))
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, ref, strict=True))
 
 
@@ -79,11 +80,11 @@ def test_staged_fp8_store_refuses_bad_slots_and_non_finite_input(small_staging: 
     bad = slots.clone()
     bad[150] = 10**7
     with pytest.raises(ValueError, match="outside the paged KV"):
-        fp8_transfer.store_fp8_to_host(kv, LAYOUT, bad, spans, outs)
+        fp8_transfer.store_fp8_to_host(kv, Move.gather_fp8(LAYOUT, bad, spans, outs))
     nan = torch.full(object_spec(LAYOUT, 1).shape, float("nan"), dtype=torch.bfloat16, device=DEV)
     reference.scatter(kv, Move.scatter(LAYOUT, slots, [(250, 251)], [nan]))  # one token of the third span
     with pytest.raises(ValueError, match="finite"):
-        fp8_transfer.store_fp8_to_host(kv, LAYOUT, slots, spans, outs)
+        fp8_transfer.store_fp8_to_host(kv, Move.gather_fp8(LAYOUT, slots, spans, outs))
 
 
 def test_engine_with_an_fp8_l1_on_cuda_equals_the_cpu_engine() -> None:

@@ -265,7 +265,7 @@ def test_fused_fp8_gather_is_the_codec_payload(
         torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8, device=DEV)
         for s, e in spans
     ]
-    tk.gather_fp8(kv, layout, slots, spans, outs, soft_convert=soft, block_t=block_t)
+    tk.gather_fp8(kv, Move.gather_fp8(layout, slots, spans, outs), soft_convert=soft, block_t=block_t)
     codec = Fp8Codec()
     for (s, e), obj, out in zip(spans, objs, outs, strict=True):
         spec = object_spec(layout, e - s)
@@ -327,17 +327,21 @@ def test_fused_fp8_refuses_non_finite_input(poison: float) -> None:
     outs = [
         torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8, device=DEV) for s, e in spans
     ]
-    tk.gather_fp8(kv, layout, slots, spans, outs)
+    tk.gather_fp8(kv, Move.gather_fp8(layout, slots, spans, outs))
     clean = [o.clone() for o in outs]
     for fast in (True, False):
         again = [torch.full_like(o, 255) for o in outs]
-        tk.plan_fp8(kv, layout, slots, spans, again, channels_fast=fast, trusted=True).launch()
+        tk.plan_fp8(
+            kv, Move.gather_fp8(layout, slots, spans, again, trusted=True), channels_fast=fast
+        ).launch()
         assert all(torch.equal(a, b) for a, b in zip(clean, again, strict=True))
     blk, off = divmod(int(slots[300]), 16)
     kv[2][blk, 3, off, 70] = poison
     with pytest.raises(ValueError, match="finite"):
-        tk.gather_fp8(kv, layout, slots, spans, outs)
-    tk.gather_fp8(kv, layout, slots, spans, outs, check=False)  # asked not to check: no error
+        tk.gather_fp8(kv, Move.gather_fp8(layout, slots, spans, outs))
+    tk.gather_fp8(
+        kv, Move.gather_fp8(layout, slots, spans, outs), check=False
+    )  # asked not to check: no error
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["device-payloads", "pinned-host-payloads"])
@@ -357,23 +361,23 @@ def test_fp8_gather_and_dequant_scatter_match_the_reference(
         t.copy_(torch.randn(t.shape, generator=gen, device=DEV).mul_(3))
     host = torch.device("cpu") if pinned else DEV
     outs = [poisoned((tk.fp8_payload_nbytes(layout, e - s),), torch.uint8, host, pinned) for s, e in spans]
-    dispatch.gather_fp8(kv, layout, slots, spans, outs)
+    dispatch.gather(kv, Move.gather_fp8(layout, slots, spans, outs))
     want = [torch.empty_like(o, device="cpu") for o in outs]
-    reference.gather_fp8(kv, layout, slots, spans, want)
+    reference.gather(kv, Move.gather_fp8(layout, slots, spans, want))
     assert all(torch.equal(a.cpu(), b) for a, b in zip(outs, want, strict=True))
     slots2 = slots.clone()
     slots2[300] = -1
     skips = [5, 0, 3]
     got = [poisoned(t.shape, dtype).as_strided(t.shape, t.stride()) for t in kv]
     ref = [t.clone() for t in got]
-    written = dispatch.scatter_fp8(outs, got, layout, slots2, spans, skips)
-    assert written == reference.scatter_fp8(want, ref, layout, slots2, spans, skips)
+    written = dispatch.scatter(got, Move.scatter_fp8(layout, slots2, spans, outs, skips))
+    assert written == reference.scatter(ref, Move.scatter_fp8(layout, slots2, spans, want, skips))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, ref, strict=True))
     back = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype, device=DEV) for s, e in spans]
     orig = [torch.empty_like(b) for b in back]
     ref_gather(kv, layout, slots, spans, orig)
     full = [t.clone() for t in got]
-    dispatch.scatter_fp8(outs, full, layout, slots, spans)
+    dispatch.scatter(full, Move.scatter_fp8(layout, slots, spans, outs))
     ref_gather(full, layout, slots, spans, back)
     for a, b in zip(back, orig, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03

@@ -244,7 +244,9 @@ def test_fused_fp8_gather_is_the_codec_payload(kind: LayoutKind, dtype: torch.dt
     objs = [torch.empty(object_spec(layout, e - s).shape, dtype=dtype) for s, e in SPANS]
     ref_gather(kv, layout, slots, SPANS, objs)
     outs = [torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8) for s, e in SPANS]
-    tk.gather_fp8(kv, layout, slots, SPANS, outs, block_t=block_t, block_d=4 if block_t else 32)
+    tk.gather_fp8(
+        kv, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4 if block_t else 32
+    )
     codec = Fp8Codec()
     for (s, e), obj, out in zip(SPANS, objs, outs, strict=True):
         spec: KVSpec = object_spec(layout, e - s)
@@ -267,10 +269,10 @@ def test_fp8_gather_refuses_bad_slots() -> None:
     bad = slots.clone()
     bad[3] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        tk.gather_fp8(kv, layout, bad, SPANS, outs)
+        tk.gather_fp8(kv, Move.gather_fp8(layout, bad, SPANS, outs))
     bad[3] = NB * BS
     with pytest.raises(ValueError, match="outside the paged KV"):
-        tk.gather_fp8(kv, layout, bad, SPANS, outs)
+        tk.gather_fp8(kv, Move.gather_fp8(layout, bad, SPANS, outs))
 
 
 def test_repeated_calls_reuse_cached_plans() -> None:
@@ -349,23 +351,29 @@ def test_fp8_gather_refuses_non_finite_input(block_t: int) -> None:
         bad[2][blk, 1, off, D + 3] = poison  # layer 2, head 1, a V channel of token 40
         for kw in ({}, {"trusted": True}, {"host_slots": slots.clone()}):
             with pytest.raises(ValueError, match="finite"):
-                tk.gather_fp8(bad, layout, slots, SPANS, outs, block_t=block_t, block_d=4, **kw)  # type: ignore[arg-type]
-        tk.gather_fp8(bad, layout, slots, SPANS, outs, block_t=block_t, block_d=4, check=False)
-    tk.gather_fp8(kv, layout, slots, SPANS, outs, block_t=block_t, block_d=4)  # finite: no error
+                tk.gather_fp8(
+                    bad, Move.gather_fp8(layout, slots, SPANS, outs, **kw), block_t=block_t, block_d=4
+                )  # type: ignore[arg-type]
+        tk.gather_fp8(
+            bad, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4, check=False
+        )
+    tk.gather_fp8(
+        kv, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4
+    )  # finite: no error
 
 
 def test_fp8_plan_launch_alone_matches_the_call() -> None:
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=11)
     kv = [(torch.randn(t.shape) * 3).to(torch.bfloat16) for t in kv]
     outs = [torch.full((tk.fp8_payload_nbytes(layout, e - s),), 255, dtype=torch.uint8) for s, e in SPANS]
-    tk.gather_fp8(kv, layout, slots, SPANS, outs)
+    tk.gather_fp8(kv, Move.gather_fp8(layout, slots, SPANS, outs))
     for kw in (
         {"block_d": 8, "num_warps": 8},
         {"block_d": 16, "one_pass_elems": 64},
         {"channels_fast": False},
     ):
         again = [torch.full_like(o, 255) for o in outs]
-        plan = tk.plan_fp8(kv, layout, slots, SPANS, again, trusted=True, **kw)  # type: ignore[arg-type]
+        plan = tk.plan_fp8(kv, Move.gather_fp8(layout, slots, SPANS, again, trusted=True), **kw)  # type: ignore[arg-type]
         plan.launch()
         plan.finish()
         assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
@@ -400,11 +408,12 @@ def test_fp8_dequant_scatter_is_the_codec_decode(kind: LayoutKind, dtype: torch.
     table = torch.randperm(NB - 1, generator=gen)[:5] + 1
     slots = table[pos // BS] * BS + pos % BS
     outs = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in SPANS]
-    reference.gather_fp8(kv, layout, slots, SPANS, outs)
+    reference.gather(kv, Move.gather_fp8(layout, slots, SPANS, outs))
     slots2 = slots.clone()
     slots2[40] = -1
     got = [poisoned(t.shape, dtype) for t in kv]
     ref = [t.clone() for t in got]
-    n = tk.scatter_fp8(outs, got, layout, slots2, SPANS, [3, 0, 2], block_d=4, block_t=8)
-    assert n == reference.scatter_fp8(outs, ref, layout, slots2, SPANS, [3, 0, 2])
+    move = Move.scatter_fp8(layout, slots2, SPANS, outs, [3, 0, 2])
+    n = tk.scatter_fp8(got, move, block_d=4, block_t=8)
+    assert n == reference.scatter(ref, move)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, ref, strict=True))

@@ -104,3 +104,52 @@ def test_one_layer_moves_and_scatter_counts() -> None:
     back = objects(spans, range(1, 2))
     reference.gather(dst, Move.gather(LAYOUT, slots, [(0, 8)], back[:1], layers=range(1, 2)))
     assert torch.equal(back[0][:, :, 2:], one[0][:, :, 2:])
+
+
+def payloads(spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    from tiercache.gpu import fp8_payload_nbytes
+
+    return [torch.full((fp8_payload_nbytes(LAYOUT, e - s),), 255, dtype=torch.uint8) for s, e in spans]
+
+
+def test_fp8_moves_validate_payloads_once_and_run_through_gather_and_scatter() -> None:
+    """An fp8 move checks its payloads (contiguous uint8 of the payload size) and the layout's dtype when
+    built; ``dispatch.gather`` / ``dispatch.scatter`` run it (the reference here): a round trip within fp8
+    error that leaves the skipped tokens alone and counts what it wrote."""
+    kv, slots = engine(5)
+    spans = [(0, 8), (8, 20)]
+    good = payloads(spans)
+    with pytest.raises(ValueError, match=r"payloads\[1\] must be a contiguous uint8 tensor"):
+        Move.gather_fp8(LAYOUT, slots, spans, [good[0], good[1][:-1]])
+    with pytest.raises(ValueError, match=r"payloads\[0\] must be"):
+        Move.scatter_fp8(LAYOUT, slots, spans, [good[0].view(torch.int8), good[1]])
+    with pytest.raises(ValueError, match=r"payloads\[0\] must be"):
+        Move.gather_fp8(
+            LAYOUT, slots, spans, [torch.empty(2 * good[0].numel(), dtype=torch.uint8)[::2], good[1]]
+        )
+    int8 = PagedLayout(LayoutKind.VLLM_FLASH, L, H, D, BS, "int8")
+    with pytest.raises(ValueError, match="fp8 moves encode"):
+        Move.gather_fp8(int8, slots, spans, good)
+    with pytest.raises(ValueError, match="skip"):
+        Move.scatter_fp8(LAYOUT, slots, spans, good, [1, 2, 3])
+    g = Move.gather_fp8(LAYOUT, slots, spans, good, trusted=True)
+    s = Move.scatter_fp8(LAYOUT, slots, spans, good, [3, 0])
+    assert (g.fp8, g.is_scatter, g.checks, s.fp8, s.is_scatter) == (True, False, Checks.NONE, True, True)
+    assert repr(g).startswith("Move.gather_fp8(2 spans")
+    with pytest.raises(ValueError, match="is a gather"):
+        dispatch.scatter(kv, g)
+    dispatch.gather(kv, g)
+    assert all(bool((p != 255).any()) for p in good)  # filled
+    dst = [torch.full_like(t, float("nan")) for t in kv]
+    assert dispatch.scatter(dst, s) == 20 - 3
+    back, want = objects(spans), objects(spans)
+    reference.gather(kv, Move.gather(LAYOUT, slots, spans, want))
+    head = objects([(0, 3)])
+    reference.gather(dst, Move.gather(LAYOUT, slots, [(0, 3)], head))
+    assert bool(head[0].isnan().all())  # the skipped tokens were not written
+    reference.gather(dst, Move.gather(LAYOUT, slots, [(8, 20)], back[1:]))
+    err = (back[1].float() - want[1].float()).norm() / want[1].float().norm()
+    assert float(err) < 0.05
+    fresh = payloads(spans)
+    reference.gather(kv, Move.gather_fp8(LAYOUT, slots, spans, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(good, fresh, strict=True))  # the reference's bytes

@@ -599,9 +599,8 @@ def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
     """The fp8 L1 path on a CPU engine (the torch reference behind ``dispatch``): the payload is the fp8
     codec's, half the bytes plus scales; its scatter writes within 3 % of the original, leaves the skipped
     tokens and slots < 0 untouched and counts the tokens written."""
-    from tiercache.gpu import dispatch
+    from tiercache.gpu import dispatch, fp8_payload_nbytes
     from tiercache.gpu import reference as ref
-    from tiercache.gpu.triton_kernels import fp8_payload_nbytes
     from tiercache.serde.fp8 import Fp8Codec
 
     gen = torch.Generator().manual_seed(41)
@@ -612,7 +611,7 @@ def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
     slots = torch.randperm(nb * 16, generator=gen)[:70]
     spans = [(0, 32), (32, 64), (64, 70)]
     outs = [torch.empty(fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in spans]
-    dispatch.gather_fp8(kv, layout, slots, spans, outs)
+    dispatch.gather(kv, Move.gather_fp8(layout, slots, spans, outs))
     codec = Fp8Codec()
     for (s, e), out in zip(spans, outs, strict=True):
         spec = object_spec(layout, e - s)
@@ -627,13 +626,13 @@ def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
     slots2 = slots.clone()
     slots2[40] = -1
     got = [poisoned(t.shape, torch.bfloat16) for t in kv]
-    written = dispatch.scatter_fp8(outs, got, layout, slots2, spans, [3, 0, 0])
+    written = dispatch.scatter(got, Move.scatter_fp8(layout, slots2, spans, outs, [3, 0, 0]))
     assert written == 70 - 3 - 1
     back = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
     orig = [torch.empty_like(b) for b in back]
     gather(kv, layout, slots, spans, orig)
     full = [poisoned(t.shape, torch.bfloat16) for t in kv]
-    ref.scatter_fp8(outs, full, layout, slots, spans)
+    ref.scatter(full, Move.scatter_fp8(layout, slots, spans, outs))
     gather(full, layout, slots, spans, back)
     for a, b in zip(back, orig, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03

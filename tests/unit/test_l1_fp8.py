@@ -15,7 +15,7 @@ from tiercache.config import Config, L1Config, ManagerConfig, TierConfig, config
 from tiercache.errors import ConfigError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
-from tiercache.gpu.reference import gather, gather_fp8, scatter
+from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import KeySpace
 from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.fp8 import Fp8Codec
@@ -170,7 +170,7 @@ async def test_an_fp8_frame_with_a_bad_scale_is_a_counted_miss(tmp_path: Path) -
         spec = object_spec(LAYOUT, n)
         src = prefilled(n)
         payload = torch.empty(Fp8Codec().max_encoded_size(spec.nbytes, spec), dtype=torch.uint8)
-        gather_fp8(src.kv, LAYOUT, src.slots(n), [(0, n)], [payload])
+        gather(src.kv, Move.gather_fp8(LAYOUT, src.slots(n), [(0, n)], [payload]))
         payload[:4].view(torch.float32)[0] = float("nan")  # a well-formed, checksummed frame, a bad scale
         frame = build_pipeline(["fp8"]).encode_stage_output(payload, spec, key)
         assert await engine.manager.tiers[0].adapter.batched_put([key], [frame]) == [True]

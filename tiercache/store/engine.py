@@ -251,7 +251,7 @@ class CacheEngine:
                 ranges = [(s.start, s.end) for s, _ in todo]
                 if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
                     outs = [o.payload() for _, o in todo]
-                    dispatch.gather_fp8(kv_caches, self.layout, slot_mapping, ranges, outs)
+                    dispatch.gather(kv_caches, Move.gather_fp8(self.layout, slot_mapping, ranges, outs))
                 elif todo:
                     outs = [o.tensor() for _, o in todo]
                     dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, ranges, outs))
@@ -510,9 +510,8 @@ class PreparedRetrieve:
         plan = self.plan
         if self.engine.l1_codec == "fp8":  # dequantized while scattered
             payloads = [lease.obj.payload() for lease in self.leases]
-            dispatch.scatter_fp8(
-                payloads, kv_caches, self.engine.layout, slot_mapping, plan.spans, plan.skips
-            )
+            move = Move.scatter_fp8(self.engine.layout, slot_mapping, plan.spans, payloads, plan.skips)
+            dispatch.scatter(kv_caches, move)
             return
         move = Move.scatter(self.engine.layout, slot_mapping, plan.spans, self._objects(None), plan.skips)
         dispatch.scatter(kv_caches, move)

@@ -172,7 +172,7 @@ class L1Cache:
     not a multiple of 8 is rounded up for the stride). Objects larger than ``slot_bytes`` are refused.
 
     ``codec``: what a slot holds. ``"raw"``: the KV's bytes; ``"fp8"``: the ``Fp8Codec("channel")`` payload
-    of the KV (float32 channel scales + e4m3 bytes, about half), filled by ``gpu.dispatch.gather_fp8``.
+    of the KV (float32 channel scales + e4m3 bytes, about half), filled by a ``Move.gather_fp8``.
     Sizes (``slot_bytes``, ``capacity``, ``used_bytes``) count stored bytes (``stored_nbytes``).
     """
 
