@@ -56,7 +56,8 @@ from run_vllm import REPLY
 __all__ = ["ACTIONS", "BACKENDS", "FAULTS", "main", "markdown_table"]
 
 FAULTS = ("down_at_start", "kill", "pause", "slow", "corrupt", "truncate", "full", "flapping", "server_kill")
-BACKENDS = ("posix", "nvme_slab", "redis", "valkey", "redis_cluster", "s3", "mooncake", "redis+server")
+BACKENDS = ("posix", "nvme_slab", "redis", "valkey", "redis_cluster", "s3", "mooncake")
+BACKENDS += ("redis+server", "valkey+server", "s3+server")
 SERVER_SUFFIX = "+server"
 """A row ``NAME+server``: backend NAME's tier behind one ``tiercache serve`` that both vLLMs use."""
 LOOKUP_TIMEOUT_S = 1.0
@@ -902,9 +903,10 @@ ACTIONS: dict[str, dict[str, Action | str]] = {
     "redis_cluster": _SERVER_ROW,
     "s3": {**_SERVER_ROW, "full": _proxy_mode("http_503")},  # full: every request answered 503 SlowDown
     "mooncake": _SERVER_ROW,  # full: hard-pinned ballast fills the 64 MB segment
-    "redis+server": {**_SERVER_ROW, "server_kill": _server_kill},  # the tier behind tiercache serve
 }
 """Backend -> fault -> how to inject it (an ``Action``) or why that cell cannot run here."""
+for _name in ("redis", "valkey", "s3"):  # the same tier behind one tiercache serve, and the server killed
+    ACTIONS[_name + SERVER_SUFFIX] = {**ACTIONS[_name], "server_kill": _server_kill}
 
 
 # ----- the vLLM processes --------------------------------------------------------------------------------
@@ -1221,6 +1223,10 @@ def run_down_at_start(driver: Driver, recover: Recover) -> dict[str, Any]:
     if cell.row["tier_down_gauge"] != 1.0:
         cell.fail("tier_down gauge is not 1 while the backend is down")
     recover()
+    started = time.monotonic()  # a tier down at start is re-opened in the background, backoff up to 30 s
+    while driver.metrics().get("tiercache_tier_down", 0.0) and time.monotonic() - started < 60:
+        time.sleep(0.5)
+    cell.row["tier_up_after_s"] = round(time.monotonic() - started, 1)
     _recovered(driver, cell)
     return cell.done()
 
