@@ -699,6 +699,8 @@ class Serve:
         while not printed.endswith("\n") or "tiercache server listening" not in printed:
             line = self.proc.stdout.readline()  # the metrics line, then the listening line
             if not line:
+                self.proc.kill()
+                self.proc.wait(30)
                 raise RuntimeError(
                     f"tiercache serve did not start: {printed!r} {self.log.read_text()[-2000:]}"
                 )
