@@ -299,6 +299,16 @@ def test_socket_mode_and_clean_sigterm(sock_dir: Path) -> None:
     assert not os.path.exists(srv.path)
 
 
+def test_sigterm_stops_a_server_whose_stdout_reader_went_away(sock_dir: Path) -> None:
+    """The stop line cannot be printed (closed pipe): the server still stops cleanly."""
+    srv = Server(str(sock_dir / "l1.sock"))
+    assert srv.ready
+    assert srv.proc.stdout is not None
+    srv.proc.stdout.close()  # the starter is gone: the next print hits a broken pipe
+    assert srv.stop() == 0
+    assert not os.path.exists(srv.path)
+
+
 def test_malformed_message_drops_only_that_connection(server: Server) -> None:
     good = SharedL1(server.path)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,14 @@ if TYPE_CHECKING:
     from tiercache.config import Config
 
 __all__ = ["main", "run_server"]
+
+
+def _say(line: str) -> None:
+    """Print a status line; a closed stdout (the starter went away) never stops the server or its stop."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  # later prints and the exit flush go nowhere
 
 
 async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: Config | None) -> None:
@@ -37,7 +46,7 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         from tiercache.server.metrics import serve_metrics
 
         port = serve_metrics(server, *metrics)
-        print(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics", flush=True)
+        _say(f"tiercache server metrics on http://{metrics[0]}:{port}/metrics")
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -45,12 +54,12 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         if stopping:
             return  # already stopping (draining): a second signal changes nothing
         pending = 0 if server.storage is None else server.storage.pending_stores()
-        print(f"tiercache server stopping; draining {pending} pending L2 stores", flush=True)
         stopping.append(loop.create_task(server.stop()))
+        _say(f"tiercache server stopping; draining {pending} pending L2 stores")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    print(f"tiercache server listening on {options.socket_path} epoch {server.epoch}", flush=True)
+    _say(f"tiercache server listening on {options.socket_path} epoch {server.epoch}")
     try:
         await server.serve_forever()
     finally:
