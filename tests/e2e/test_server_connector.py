@@ -192,3 +192,40 @@ def test_a_dead_server_is_cache_off_and_a_new_one_is_found_again(
         assert _loaded(s, "after", request) == 256
     finally:
         again.kill()
+
+
+def test_one_lookup_round_trip_answers_every_new_request_of_a_step(
+    tiny_model: Path, served: tuple[Serve, Path]
+) -> None:
+    """Three new requests in one step: one LOOKUP for all of them (not one each), each request's own hit from
+    it; a request arriving later is looked up in its own step, with the stores made meanwhile."""
+    server, config = served
+    s = make_scheduler(
+        tiny_model,
+        config,
+        prefix_caching=False,
+        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
+    )
+    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    (engine,) = side._get_engines()
+    requests = engine.manager.l1.requests
+    prompts = [tokens(60 + i, 192) for i in range(4)]  # 3 chunks each
+    stored = [192, 0, 64]  # the first three prompts' stored prefixes
+    for prompt, n in zip(prompts, stored, strict=False):
+        if n:
+            assert _store_as_rank(0, prompt[:n], served, side, world_size=1) == n
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", prompts[i] + tokens(70 + i, 40)))
+    before = requests["LOOKUP"]
+    loads = {op.req_id: op.load_end for op in meta_of(s.schedule()).loads}
+    assert requests["LOOKUP"] - before == 1  # per-request lookups made 3
+    assert loads == {"r0": 192, "r2": 64}
+    assert side.stats.lookups == 3
+    assert side.stats.lookup_failures == 0
+
+    assert _store_as_rank(0, prompts[3], served, side, world_size=1) == 192
+    s.add_request(make_request("late", prompts[3] + tokens(73, 40)))  # the 4th of max_num_seqs=4
+    before = requests["LOOKUP"]
+    loads = {op.req_id: op.load_end for op in meta_of(s.schedule()).loads}
+    assert requests["LOOKUP"] - before == 1
+    assert loads == {"late": 192}

@@ -95,6 +95,32 @@ async def test_multi_tier_prefix_stops_at_the_gap() -> None:
         assert [h.tier if h else None for h in contains] == ["a", "a", None, "b", "b"]
 
 
+async def test_lookup_prefixes_answers_each_list_as_lookup_prefix_would_in_one_query() -> None:
+    raw = build_pipeline(["raw"])
+    a = FaultInjectingAdapter(MemoryAdapter())  # no faults: counts the calls
+    keys = keys_of(8)
+    await a.batched_put(keys[4:6], [raw.encode(payload(k), SPEC, k) for k in keys[4:6]])
+    async with StorageManager(make_l1(), [("a", a, raw)], POLICY) as manager:
+        await put_all(manager, keys[:3])
+        lists = [keys[:4], keys[4:8], [], keys[1:3], [keys[6], keys[4]]]
+        contains = a.calls["contains"]
+        got = await manager.lookup_prefixes(lists)
+        assert a.calls["contains"] == contains + 1  # one query for every list
+        assert [(h.chunks, h.tiers) for h in got] == [
+            (3, (L1_TIER,) * 3),
+            (2, ("a", "a")),
+            (0, ()),
+            (2, (L1_TIER,) * 2),
+            (0, ()),  # its first key is nowhere: no prefix, though its second is in "a"
+        ]
+        for keys_, hit in zip(lists, got, strict=True):
+            assert hit == await manager.lookup_prefix(keys_, prefetch=False)
+        paired = await manager.lookup_prefixes([keys[:4], keys[2:6]], group=2)  # a chunk = a key pair
+        assert [h.chunks for h in paired] == [1, 0]  # (k0,k1) whole, (k2,k3) not: k3 is nowhere
+        with pytest.raises(ValueError, match="groups of 2"):
+            await manager.lookup_prefixes([keys[:3]], group=2)
+
+
 async def test_l1_first_then_l2_in_order() -> None:
     raw = build_pipeline(["raw"])
     a, b = MemoryAdapter(), MemoryAdapter()

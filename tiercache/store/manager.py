@@ -197,8 +197,37 @@ class StorageManager:
             hits = self.l1.batched_locate(keys, prefetch=prefetch)
         else:
             hits = await self.batched_contains(keys)
+        found = self._prefix_hit(hits, group)
+        chunks = found.chunks
+        if prefetch and self.tiers:
+            below = [i for i in range(chunks * group) if (h := hits[i]) is not None and h.level > 0]
+            if below:
+                self.start_prefetch(
+                    [keys[i] for i in below],
+                    [hits[i].tier for i in below],  # type: ignore[union-attr]
+                    None if specs is None else [specs[i] for i in below],
+                )
+        return found
+
+    async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
+        """:meth:`lookup_prefix` of several key lists (one request's each) in one batched query, without
+        prefetch. In server mode that is one LOOKUP per 128 keys of all the lists together (the protocol's
+        limit per message, ``LOOKUP_BATCH``), not one per list."""
+        if group < 1 or any(len(keys) % group for keys in key_lists):
+            raise ValueError(f"a key list does not split into groups of {group}")
+        hits = await self.batched_contains([key for keys in key_lists for key in keys])
+        out: list[PrefixHit] = []
+        start = 0
+        for keys in key_lists:
+            out.append(self._prefix_hit(hits[start : start + len(keys)], group))
+            start += len(keys)
+        return out
+
+    def _prefix_hit(self, hits: list[TierHit | None], group: int) -> PrefixHit:
+        """The contiguous prefix of whole groups in ``hits`` (a chunk's tier: the slowest of its group's);
+        counts its hits and a miss in the metrics."""
         per_chunk: list[TierHit | None] = hits if group == 1 else []
-        for start in range(0, len(keys), group) if group > 1 else ():
+        for start in range(0, len(hits), group) if group > 1 else ():
             members = hits[start : start + group]
             found = [h for h in members if h is not None]
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
@@ -208,14 +237,6 @@ class StorageManager:
             self.metrics.hits.labels(tier_name).inc(count)
         if chunks < len(per_chunk):
             self.metrics.misses.labels("all").inc()
-        if prefetch and self.tiers:
-            below = [i for i in range(chunks * group) if (h := hits[i]) is not None and h.level > 0]
-            if below:
-                self.start_prefetch(
-                    [keys[i] for i in below],
-                    [hits[i].tier for i in below],  # type: ignore[union-attr]
-                    None if specs is None else [specs[i] for i in below],
-                )
         return PrefixHit(chunks, tuple(h.tier for h in prefix), tuple(hits))
 
     def start_prefetch(

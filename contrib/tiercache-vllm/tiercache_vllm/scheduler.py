@@ -71,6 +71,8 @@ class _Lookup:
     count: int = 0
     result: LookupResult | None = None
     """The engine's answer, kept only when the lookup ran on the worker's engine (same process)."""
+    step: int = -1
+    """The scheduler step that looked it up (server mode: a batched answer serves that step only)."""
 
 
 @dataclass(slots=True)
@@ -130,6 +132,10 @@ class SchedulerSide:
         self._shared = False
         self._disabled = False
         self._lookups: dict[str, _Lookup] = {}
+        self._step = 0
+        """Scheduler steps seen (``build_connector_meta`` ends one)."""
+        self._max_batch = int(vllm_config.scheduler_config.max_num_seqs)
+        """Requests one batched lookup covers at most (vLLM schedules no more in a step)."""
         self._pending_loads: dict[str, LoadOp] = {}
         self._async_loading: set[str] = set()
         self._trackers: dict[str, _Tracker] = {}
@@ -196,20 +202,34 @@ class SchedulerSide:
             ]
             reusable = hits[0] if self._shared and len(hits) == 1 else None
             return _Lookup(min(h.tokens for h in hits), result=reusable)
-        per_rank = [  # each rank's keyspace seeds its own hash chain
-            [
-                e.token_db.key_prefix + h.hex()
-                for h in e.token_db.prefix_hashes(
-                    tokens, identity=keys.identity, block_hashes=keys.block_hashes
-                )
-            ]
-            for e in engines
-        ]
-        if not per_rank[0]:
+        batch = _rank_keys(engines, tokens, keys)
+        if not batch:
             return _Lookup(0)
-        batch = [key for chunk in zip(*per_rank, strict=True) for key in chunk]  # chunk-major, then rank
         hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
         return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)))
+
+    def _batches_requests(self, engines: list[CacheEngine]) -> bool:
+        """Whether lookups go to a server from this scheduler's own engine: then one batched lookup answers
+        every waiting request of the step (the in-process and shared-engine paths look up per request)."""
+        base = engines[0]
+        return (
+            self.server.socket is not None
+            and not self._shared
+            and not base.layerwise
+            and all(e.manager is base.manager for e in engines)
+        )
+
+    async def _lookup_many(
+        self, engines: list[CacheEngine], requests: list[tuple[str, list[int], KeyArgs]]
+    ) -> dict[str, _Lookup]:
+        """Each request's prefix held by every rank, all requests' keys in one ``lookup_prefixes`` call (one
+        LOOKUP per 128 keys, the protocol's limit per message, instead of one per request)."""
+        key_lists = [_rank_keys(engines, tokens, keys) for _, tokens, keys in requests]
+        hits = await engines[0].manager.lookup_prefixes(key_lists, group=len(engines))
+        return {
+            req_id: _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), step=self._step)
+            for (req_id, tokens, _), hit in zip(requests, hits, strict=True)
+        }
 
     # ----- request identity ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -261,13 +281,16 @@ class SchedulerSide:
         return None if request is None else self.request_keys(request)
 
     def _hit_tokens(self, request: Request) -> int:
-        """The stored prefix of the request's prompt, in tokens (cached per request)."""
+        """The stored prefix of the request's prompt, in tokens (cached per request; in server mode the first
+        lookup of a step also answers every other waiting request, for this step)."""
         cached = self._lookups.get(request.request_id)
-        if cached is not None:
+        if cached is not None and (cached.step < 0 or cached.step == self._step):
             return cached.hit
         keys = self.request_keys(request)
         engines = self._get_engines() if keys is not None else None
         found = _Lookup(0)
+        if engines and keys is not None and self._batches_requests(engines):
+            return self._hit_tokens_batched(engines, request, keys)
         if engines and keys is not None:
             self.stats.lookups += 1
             try:
@@ -282,6 +305,33 @@ class SchedulerSide:
                 )
         self._lookups[request.request_id] = found
         return found.hit
+
+    def _hit_tokens_batched(self, engines: list[CacheEngine], request: Request, keys: KeyArgs) -> int:
+        """Look ``request`` up together with every other known request that has no answer for this step yet
+        (in arrival order, at most ``max_num_seqs``); cache all the answers. A failure is a miss for all."""
+        wanted = [(request.request_id, list(request.prompt_token_ids or ()), keys)]
+        for req_id, other in self._requests.items():
+            if len(wanted) >= self._max_batch:
+                break
+            cached = self._lookups.get(req_id)
+            if req_id == request.request_id or req_id in self._trackers:
+                continue  # asked for already, or scheduled (a preempted one is asked for again)
+            if cached is not None and (cached.step < 0 or cached.step == self._step):
+                continue
+            other_keys = self.request_keys(other)
+            if other_keys is not None:
+                wanted.append((req_id, list(other.prompt_token_ids or ()), other_keys))
+        self.stats.lookups += len(wanted)
+        try:
+            found = _loop.call(self._lookup_many(engines, wanted), self.settings.lookup_timeout_s)
+        except Exception as exc:
+            self.stats.lookup_failures += len(wanted)
+            logger.warning(
+                "tiercache: lookup of %d requests failed (%s); treated as misses", len(wanted), exc
+            )
+            found = {req_id: _Lookup(0, step=self._step) for req_id, _, _ in wanted}
+        self._lookups.update(found)
+        return found[request.request_id].hit
 
     # ----- vLLM scheduler API --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -332,6 +382,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
         """This step's loads, the saves of chunks that this step completes, and the preempted requests."""
+        self._step += 1  # the next lookups belong to the next step
         meta = TierCacheMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
@@ -444,6 +495,19 @@ class SchedulerSide:
                 _loop.call(engine.aclose(), self.settings.save_timeout_s)
             except Exception:
                 logger.exception("tiercache: closing the scheduler's engine failed")
+
+
+def _rank_keys(engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> list[str]:
+    """Every rank's key of every chunk of ``tokens``, chunk-major then rank (each rank's keyspace seeds its
+    own hash chain)."""
+    per_rank = [
+        [
+            e.token_db.key_prefix + h.hex()
+            for h in e.token_db.prefix_hashes(tokens, identity=keys.identity, block_hashes=keys.block_hashes)
+        ]
+        for e in engines
+    ]
+    return [key for chunk in zip(*per_rank, strict=True) for key in chunk]
 
 
 def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
