@@ -12,6 +12,10 @@ finding. Oracles:
   bad codec chains, ``${VAR}`` references) and byte-mutated valid TOML files go through ``config_from_dict``
   (after ``tomllib``, as ``load_config`` does): a ``Config`` or ``ConfigError`` (a TOML syntax error is
   ``load_config``'s ConfigError). An accepted document round-trips the values it was given.
+- ``protocol``: the server's wire messages (``tiercache.server.protocol``): valid requests of every op,
+  byte-mutated, plus random msgpack documents of the message's shape, go through ``decode`` (request and
+  reply side): a ``Message`` or ``ProtocolError``, nothing else; an accepted request re-encodes to a message
+  that decodes to the same ``Message`` (what the server acts on is exactly what was sent).
 - ``connector``: random ``kv_connector_extra_config`` dicts go through ``ConnectorSettings.from_extra``
   (``ValueError`` naming the key, or settings holding exactly the given values), and ``slot_mapping`` with
   random block tables is checked against a direct formula.
@@ -309,6 +313,87 @@ class ConfigFuzz:
         return self.check_text(bytes(data))
 
 
+# ----- server protocol ----------------------------------------------------------------------------------
+class ProtocolFuzz:
+    """Valid requests of every op, mutated, and random documents of the message's shape, through decode."""
+
+    def __init__(self) -> None:
+        from tiercache.server import protocol
+
+        self.p = protocol
+        op = protocol.Op
+        meta = protocol.spec_meta(KVSpec(2, 2, 8, "bfloat16", KVFormat.KV_2LTD, tokens=4))
+        bodies: list[tuple[Any, dict[str, Any]]] = [
+            (op.HELLO, {"role": "worker"}),
+            (op.LOOKUP, {"keys": ["a", "b" * 40], "pin": True, "prefix": True, "l2": True, "wait_s": 1.5}),
+            (op.ALLOC, {"keys": ["k1", "k2"], "nbytes": [4096, 17], "meta": [meta, meta]}),
+            (op.COMMIT, {"slots": [[3, 7], [0, 1]]}),
+            (op.ABORT, {"slots": [[9, 2]]}),
+            (op.RELEASE, {"leases": [1, 2, 3]}),
+            (op.END, {}),
+            (op.STATS, {}),
+            (op.CLEAR, {}),
+            (op.DRAIN, {"timeout_s": 5.0}),
+        ]
+        self.valid = [protocol.encode(o, 3, i + 1, b) for i, (o, b) in enumerate(bodies)]
+        self.frames = FrameFuzz.__new__(FrameFuzz)  # its byte mutations, over these messages
+        self.frames.cases = [
+            ("", KVSpec(1, 1, 1, "float16", KVFormat.KV_2LTD, tokens=1), b"", m) for m in self.valid
+        ]
+
+    def random_value(self, rng: random.Random, depth: int = 0) -> Any:
+        pick = rng.randrange(10 if depth < 2 else 7)
+        if pick == 0:
+            return rng.choice((0, 1, -1, 2**63, 2**64 - 1, rng.randrange(1 << 20)))
+        if pick == 1:
+            return rng.choice(("", "worker", "admin", "k" * rng.randrange(600)))
+        if pick == 2:
+            return rng.randbytes(rng.randrange(300))
+        if pick == 3:
+            return rng.choice((True, False, None))
+        if pick == 4:
+            return rng.choice((0.0, -1.0, 1e9, float("inf"), float("nan"), 2.5))
+        if pick == 5:
+            return [rng.randrange(1 << 16), rng.randrange(1 << 16)]
+        if pick == 6:
+            return rng.choice(list(self.p.Op)).value
+        if pick == 7:
+            return [self.random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+        keys = ["keys", "pin", "prefix", "l2", "prefetch", "wait_s", "nbytes", "meta", "slots", "leases"]
+        keys += ["role", "timeout_s", "x"]
+        return {rng.choice(keys): self.random_value(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+    def random_message(self, rng: random.Random) -> bytes:
+        """``[version, epoch, op, req_id, body]`` with a map body of schema keys, some fields replaced."""
+        import msgpack
+
+        body = self.random_value(rng, 1) if rng.random() < 0.8 else None
+        if not isinstance(body, dict):
+            body = {"keys": self.random_value(rng, 1)}
+        fields = [1, rng.randrange(1 << 8), rng.choice(list(self.p.Op)).value, rng.randrange(1 << 16), body]
+        for i in rng.sample(range(5), rng.choice((0, 0, 1, 2))):
+            fields[i] = self.random_value(rng)
+        if rng.random() < 0.05:
+            fields = fields[: rng.randrange(5)]
+        return bytes(msgpack.packb(fields))
+
+    def check(self, data: bytes, request: bool) -> str:
+        try:
+            msg = self.p.decode(data, request=request)
+        except self.p.ProtocolError:
+            return "rejected"
+        wire = self.p.encode(msg.op, msg.epoch, msg.req_id, msg.body)
+        again = self.p.decode(wire, request=request)  # bytes compared: a reply body may hold NaN
+        assert self.p.encode(again.op, again.epoch, again.req_id, again.body) == wire, f"{msg!r} changed"
+        return "accepted"
+
+    def one(self, rng: random.Random) -> str:
+        request = rng.random() < 0.9
+        if rng.random() < 0.5:
+            return self.check(self.frames.mutate(rng, rng.choice(self.valid)), request)
+        return self.check(self.random_message(rng), request)
+
+
 # ----- vLLM connector -----------------------------------------------------------------------------------
 class ConnectorFuzz:
     """``kv_connector_extra_config`` decoding and the worker's slot mapping."""
@@ -360,6 +445,7 @@ class ConnectorFuzz:
 TARGETS: dict[str, Callable[[], Any]] = {
     "frames": FrameFuzz,
     "config": ConfigFuzz,
+    "protocol": ProtocolFuzz,
     "connector": ConnectorFuzz,
 }
 
