@@ -166,13 +166,15 @@ def object_spec(layout: PagedLayout, tokens: int) -> KVSpec:
 
 
 def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
-    """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element."""
+    """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element (of the
+    object, whose token count is whole pages on CPU_BLOCKS: the fp8 codec's payload of that object)."""
     if tokens == 0:
         return 0
+    spec = object_spec(layout, tokens)
     elements = 1
-    for n in object_spec(layout, tokens).shape:
+    for n in spec.shape:
         elements *= n
-    return 4 * (elements // tokens) + elements
+    return 4 * (elements // spec.tokens) + elements
 
 
 def layer_tensors(

