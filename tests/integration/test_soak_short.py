@@ -35,8 +35,11 @@ async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(
     # restored from Redis and from the POSIX tier despite the faults
     assert end["loaded_redis"] >= 1
     assert end["loaded_disk"] >= 1
-    # file descriptors do not grow: the last quarter's median is not above the first quarter's (after warm-up)
+    # fds do not grow: a fault window moves the count by a few fds either way (Redis reconnects), so
+    # the last quarter's median and the drained end are held to the first quarter's peak (after warm-up); a fd
+    # leaked per operation or per fault lifts both above it
     after = [s["fds"] for s in result["samples"] if s["t_s"] >= cfg.warmup_frac * cfg.duration_s]
     quarter = max(1, len(after) // 4)
-    assert statistics.median(after[-quarter:]) <= statistics.median(after[:quarter])
-    assert end["fds"] <= max(after[:quarter])
+    first_peak = max(after[:quarter])
+    assert statistics.median(after[-quarter:]) <= first_peak, after
+    assert end["fds"] <= first_peak, (end["fds"], after)
