@@ -9,6 +9,7 @@ from types import ModuleType
 import pytest
 from servers import load_by_path  # tests/integration, on the path through the integration conftest
 
+FD_SLACK = 2
 SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 pytestmark = pytest.mark.asyncio
@@ -35,11 +36,12 @@ async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(
     # restored from Redis and from the POSIX tier despite the faults
     assert end["loaded_redis"] >= 1
     assert end["loaded_disk"] >= 1
-    # fds do not grow: a fault window moves the count by a few fds either way (Redis reconnects), so
-    # the last quarter's median and the drained end are held to the first quarter's peak (after warm-up); a fd
-    # leaked per operation or per fault lifts both above it
+    # fds do not grow: a fault window moves the count by a few fds either way (Redis reconnects) and a
+    # connection pool may add a connection or two to meet the load (bounded), so the last quarter's median and
+    # the drained end are held to the first quarter's peak (after warm-up) plus FD_SLACK; a fd leaked per
+    # fault (5 faults here) or per operation (hundreds) lifts them above it
     after = [s["fds"] for s in result["samples"] if s["t_s"] >= cfg.warmup_frac * cfg.duration_s]
     quarter = max(1, len(after) // 4)
-    first_peak = max(after[:quarter])
-    assert statistics.median(after[-quarter:]) <= first_peak, after
-    assert end["fds"] <= first_peak, (end["fds"], after)
+    bound = max(after[:quarter]) + FD_SLACK
+    assert statistics.median(after[-quarter:]) <= bound, after
+    assert end["fds"] <= bound, (end["fds"], after)
