@@ -122,13 +122,20 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
 
         g_dev, s_dev = Move.gather(layout, sl, sp, objs), Move.scatter(layout, slb, sp, objs)
         g_host, s_host = Move.gather(layout, sl, sp, houts), Move.scatter(layout, slb, sp, houts)
+        # trusted moves check no slot, as LMCache's kernel checks none
+        tg_dev, ts_dev = (
+            Move.gather(layout, sl, sp, objs, trusted=True),
+            Move.scatter(layout, slb, sp, objs, trusted=True),
+        )
         contenders = {
             "gather": {
                 "tiercache": lambda: dispatch.gather(kv, g_dev),  # noqa: B023
+                "tiercache_trusted": lambda: dispatch.gather(kv, tg_dev),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_src, sl, n_slots, D2H, 1, BS, D),  # noqa: B023
             },
             "scatter": {
                 "tiercache": lambda: dispatch.scatter(kv_t, s_dev),  # noqa: B023
+                "tiercache_trusted": lambda: dispatch.scatter(kv_t, ts_dev),  # noqa: B023
                 "lmcache": lambda: lmc.multi_layer_kv_transfer(lobj, ptrs_l, slb, n_slots, H2D, 1, BS, D),  # noqa: B023
             },
             "to_pinned": {
@@ -174,6 +181,10 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
             entry["tiercache_vs_lmcache_device"] = (
                 entry["tiercache"]["device_GBps"] / entry["lmcache"]["device_GBps"]
             )
+            if "tiercache_trusted" in entry:
+                entry["tiercache_trusted_vs_lmcache_call"] = (
+                    entry["tiercache_trusted"]["call_wall_GBps"] / entry["lmcache"]["call_wall_GBps"]
+                )
             if path in ceilings:
                 entry["pinned_ceiling_GBps"] = nbytes / ceilings[path] / gb.GB
             row[path] = entry

@@ -13,6 +13,7 @@ one wait for the kernel's slot flags. A move is run by one caller at a time.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,22 @@ class Checks(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     NONE = "none"
+
+
+@functools.lru_cache(maxsize=1024)
+def _object_shape(layout: PagedLayout, tokens: int, first_layer: int, end_layer: int) -> tuple[int, ...]:
+    """The shape of the object of ``tokens`` tokens holding layers ``[first_layer, end_layer)`` (cached: a
+    move is built per request, from a handful of layouts and chunk sizes)."""
+    spec = object_spec(layout, tokens)
+    if end_layer - first_layer != layout.num_layers:
+        spec = spec.with_layers(first_layer, end_layer)
+    return tuple(spec.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (cached)."""
+    return str(dtype).removeprefix("torch.")
 
 
 class Move:
@@ -164,24 +181,18 @@ class Move:
         span_list = check_spans(spans, int(slot_mapping.shape[0]), len(objects))
         skips = None if skip_prefix is None else tuple(span_skips(skip_prefix, span_list))
         what = "payloads" if fp8 else "out" if skip_prefix is None else "objects"
-        shapes: dict[int, tuple[int, ...]] = {}
         for i, ((s, e), obj) in enumerate(zip(span_list, objects, strict=True)):
             if fp8:
                 n = fp8_payload_nbytes(layout, e - s)
                 if str(obj.dtype) != "torch.uint8" or obj.numel() != n or not obj.is_contiguous():
                     raise ValueError(f"{what}[{i}] must be a contiguous uint8 tensor of {n} bytes")
                 continue
-            shape = shapes.get(e - s)
-            if shape is None:
-                spec = object_spec(layout, e - s)
-                if len(layers) != layout.num_layers:
-                    spec = spec.with_layers(layers.start, layers.stop)
-                shape = shapes[e - s] = tuple(spec.shape)
+            shape = _object_shape(layout, e - s, layers.start, layers.stop)
             if tuple(obj.shape) != shape:
                 raise ValueError(
                     f"{what}[{i}] has shape {tuple(obj.shape)}, expected {shape} for {e - s} tokens"
                 )
-            if str(obj.dtype).removeprefix("torch.") != layout.dtype:
+            if _dtype_name(obj.dtype) != layout.dtype:
                 raise ValueError(f"{what}[{i}] has dtype {obj.dtype}, layout dtype is {layout.dtype}")
         if host_slots is not None and (
             host_slots.device.type != "cpu" or tuple(host_slots.shape) != tuple(slot_mapping.shape)

@@ -177,12 +177,11 @@ def _build() -> Any:
         tmask = t < n_tok
         slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
         if CHECK:  # flag the span (word 0: a slot < 0, word 1: a slot past the KV); the host counts exactly
-            live = tmask
-            neg = tl.sum((live & (slot < 0)).to(tl.int32), axis=0)
-            high = tl.sum((live & (slot >= n_slots)).to(tl.int32), axis=0)
-            lead = (layer == 0) & (pid2 == 0)
-            tl.store(status_ptr + span * 4, 1, mask=lead & (neg > 0))
-            tl.store(status_ptr + span * 4 + 1, 1, mask=lead & (high > 0))
+            if (layer == 0) & (pid2 == 0):  # one program per tile reduces; the others skip the reduction
+                neg = tl.sum((tmask & (slot < 0)).to(tl.int32), axis=0)
+                high = tl.sum((tmask & (slot >= n_slots)).to(tl.int32), axis=0)
+                tl.store(status_ptr + span * 4, 1, mask=neg > 0)
+                tl.store(status_ptr + span * 4 + 1, 1, mask=high > 0)
         tmask = tmask & (slot >= 0) & (slot < n_slots)  # bad slots are reported by the checks, never moved
         blk = slot // BS
         paged_t = tl.load(layer_off_ptr + layer) + blk * s_blk + (slot - blk * BS) * s_off
