@@ -176,8 +176,10 @@ def _build() -> Any:
         t = first + tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         tmask = t < n_tok
         slot = tl.load(slot_ptr + s_start + t, mask=tmask, other=-1).to(tl.int64)
-        if CHECK:  # flag the span (word 0: a slot < 0, word 1: a slot past the KV); the host counts exactly
-            if (layer == 0) & (pid2 == 0):  # one program per tile reduces; the others skip the reduction
+        if CHECK:  # noqa: SIM102  # a compile-time branch, kept apart from the runtime one below
+            # flag the span (word 0: a slot < 0, word 1: a slot past the KV; the host counts exactly): one
+            # program per tile reduces, the others skip the reduction
+            if (layer == 0) & (pid2 == 0):
                 neg = tl.sum((tmask & (slot < 0)).to(tl.int32), axis=0)
                 high = tl.sum((tmask & (slot >= n_slots)).to(tl.int32), axis=0)
                 tl.store(status_ptr + span * 4, 1, mask=neg > 0)
