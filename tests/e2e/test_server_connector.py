@@ -103,6 +103,20 @@ def _store_as_rank(
     return stored
 
 
+def _server_scheduler(tiny_model: Path, served: tuple[Serve, Path], tp: int = 1) -> tuple[Any, Any]:
+    """A real vLLM scheduler whose connector runs in server mode against ``served`` (keys from the tokens; no
+    prefix caching, so that a repeated prompt is looked up again); returns it and its connector's side."""
+    server, config = served
+    s = make_scheduler(
+        tiny_model,
+        config,
+        tp=tp,
+        prefix_caching=False,
+        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
+    )
+    return s, s.connector.scheduler_side  # type: ignore[union-attr]
+
+
 def _loaded(s: Any, rid: str, prompt: list[int]) -> int:
     """Tokens the scheduler plans to load for a new request with ``prompt`` (0: no load planned)."""
     s.add_request(make_request(rid, prompt))
@@ -111,15 +125,8 @@ def _loaded(s: Any, rid: str, prompt: list[int]) -> int:
 
 
 def test_a_chunk_hits_only_when_every_rank_committed_it(tiny_model: Path, served: tuple[Serve, Path]) -> None:
-    server, config = served
-    s = make_scheduler(
-        tiny_model,
-        config,
-        tp=2,
-        prefix_caching=False,  # every request of the test has the same prompt
-        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
-    )
-    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    server, _ = served
+    s, side = _server_scheduler(tiny_model, served, tp=2)
     assert [i.rank for i in side._idents] == [0, 1]
     assert side.server.socket == server.socket
     prompt = tokens(40, 256)  # 4 chunks
@@ -161,13 +168,7 @@ def test_a_dead_server_is_cache_off_and_a_new_one_is_found_again(
     tiny_model: Path, served: tuple[Serve, Path], tmp_path: Path
 ) -> None:
     server, config = served
-    s = make_scheduler(
-        tiny_model,
-        config,
-        prefix_caching=False,
-        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
-    )
-    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    s, side = _server_scheduler(tiny_model, served)
     (engine,) = side._get_engines()
     l1 = engine.manager.l1
     l1._backoff_initial = l1._backoff = 0.0  # reconnect at the next call (the backoff itself is core-tested)
@@ -199,14 +200,7 @@ def test_one_lookup_round_trip_answers_every_new_request_of_a_step(
 ) -> None:
     """Three new requests in one step: one LOOKUP for all of them (not one each), each request's own hit from
     it; a request arriving later is looked up in its own step, with the stores made meanwhile."""
-    server, config = served
-    s = make_scheduler(
-        tiny_model,
-        config,
-        prefix_caching=False,
-        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
-    )
-    side = s.connector.scheduler_side  # type: ignore[union-attr]
+    s, side = _server_scheduler(tiny_model, served)
     (engine,) = side._get_engines()
     requests = engine.manager.l1.requests
     prompts = [tokens(60 + i, 192) for i in range(4)]  # 3 chunks each

@@ -19,10 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-# --import-mode=importlib does not put this directory on sys.path; servers.py is a plain helper module.
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
 from servers import ServerProcess, free_port, start_process
 
 

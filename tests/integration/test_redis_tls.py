@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.adapters.redis import RedisAdapter
 from tiercache.errors import AdapterUnavailable
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
-
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
-from servers import ServerProcess, free_port, port_open, start_process
 
 pytestmark = pytest.mark.asyncio
 

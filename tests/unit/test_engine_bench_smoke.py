@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import pathlib
 from types import ModuleType
 
 import pytest
+from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "engine_bench.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("engine_bench", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path(BENCH, "engine_bench")
 
 
 LAYOUT_KEYS = {
