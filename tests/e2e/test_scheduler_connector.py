@@ -482,6 +482,44 @@ def test_worker_saves_nothing_computed_after_a_short_load(tiny_model: Path, posi
     s.connector.shutdown()  # type: ignore[union-attr]
 
 
+def test_tokens_saved_counts_only_tokens_newly_stored(tiny_model: Path, posix_config: Path) -> None:
+    """``tokens_saved`` is counted when a save ends, from what it stored: a repeated save of cached chunks
+    counts none, a failed save counts none (and one failure); layerwise saves count their tokens once done."""
+    from tiercache_vllm._common import SaveOp
+
+    s = make_scheduler(tiny_model, posix_config)
+    worker = make_worker(s, posix_config)
+    prompt = tokens(24, 320)
+    blocks = list(range(1, 21))
+    save = TierCacheMetadata(saves=[SaveOp("r", prompt, blocks, skip_tokens=0)])
+    worker.wait_for_save(save)
+    worker._wait_saves()
+    assert (worker.stats.saves, worker.stats.tokens_saved) == (1, 320)
+    worker.wait_for_save(save)  # every chunk already cached: nothing new
+    worker._wait_saves()
+    assert (worker.stats.saves, worker.stats.tokens_saved) == (2, 320)
+
+    async def failing_store(*args: Any, **kwargs: Any) -> int:
+        raise ConnectionError("injected: the store's L1 went away")
+
+    worker.engine.store = failing_store  # fault injection only: the real store ran above
+    worker.wait_for_save(TierCacheMetadata(saves=[SaveOp("q", tokens(25, 320), blocks, skip_tokens=0)]))
+    worker._wait_saves()
+    assert (worker.stats.save_failures, worker.stats.tokens_saved) == (1, 320)
+    worker.shutdown()
+
+    layered = make_worker(s, posix_config, layerwise=True)
+    step = TierCacheMetadata(saves=[SaveOp("w", tokens(26, 128), blocks, skip_tokens=64)])
+    for name in LAYERS:  # as vLLM calls it after each layer's attention
+        layered.save_kv_layer(step, name)
+    assert layered.stats.tokens_saved == 0  # counted once the store ends, not when it starts
+    layered.wait_for_save(step)
+    layered._wait_saves()
+    assert (layered.stats.saves, layered.stats.tokens_saved) == (1, 64)
+    layered.shutdown()
+    s.connector.shutdown()  # type: ignore[union-attr]
+
+
 def test_layerwise_worker_saves_nothing_after_a_short_load(tiny_model: Path, posix_config: Path) -> None:
     from tiercache_vllm._common import LoadOp, SaveOp
 

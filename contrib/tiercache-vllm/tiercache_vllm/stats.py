@@ -73,7 +73,7 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "load_errors": "KV loads that failed (the blocks were recomputed)",
     "invalid_blocks": "Blocks reported to vLLM for recomputation",
     "tokens_loaded": "Tokens restored from tiercache into the paged KV",
-    "tokens_saved": "Tokens saved from the paged KV into tiercache",
+    "tokens_saved": "Tokens newly stored from the paged KV into tiercache (cached chunks count none)",
     "save_failures": "KV saves that failed (nothing stored)",
     "lookups": "Scheduler lookups of a prompt's stored prefix",
     "lookup_failures": "Scheduler lookups that failed (treated as misses)",

@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,7 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._short: dict[str, int] = {}
         self._layer_saves: list[tuple[str, AsyncIterator[int], list[_loop.Job[Any]]]] = []
+        self._layer_tokens: dict[str, int] = {}  # a layerwise save's tokens, counted once its store ends
         self._deferred_saves: list[SaveOp] = []
         self.disabled = False
         self.clock: Callable[[], float] = time.monotonic
@@ -316,7 +317,7 @@ class WorkerSide:
             return None
         slots, mask = self._save_args(op)
         self.stats.saves += 1
-        self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
+        self._layer_tokens[op.req_id] = len(op.token_ids) - op.skip_tokens
         return self.engine.store_layers(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
 
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
@@ -329,12 +330,12 @@ class WorkerSide:
         if self.settings.layerwise:
             for req_id, agen, jobs in self._layer_saves:
                 last = jobs[-1].future if jobs else None
-                self._track(req_id, _loop.start(_finish(agen, last)))
+                self._track(req_id, _finish(agen, last))
             deferred, self._deferred_saves = self._deferred_saves, []
             for op in deferred:
                 layers = self._layer_store(op) if self.engine is not None else None
                 if layers is not None:
-                    self._track(op.req_id, _loop.start(_finish(layers, None)))
+                    self._track(op.req_id, _finish(layers, None))
             self._layer_saves = []
             return
         for op in meta.saves:
@@ -343,19 +344,26 @@ class WorkerSide:
                 continue
             slots, mask = self._save_args(op)
             store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
-            self._track(op.req_id, _loop.start(store))
+            self._track(op.req_id, store, count_result=True)
             self.stats.saves += 1
-            self.stats.tokens_saved += len(op.token_ids) - op.skip_tokens
 
-    def _track(self, req_id: str, job: _loop.Job[Any]) -> None:
-        self._saving.setdefault(req_id, []).append(job)
+    def _track(self, req_id: str, save: Coroutine[Any, Any, Any], *, count_result: bool = False) -> None:
+        """Run and keep a save of ``req_id``; it counts, before its job is seen as stopped, its failure or
+        its tokens in ``tokens_saved`` (``count_result``: the store's result, the tokens newly stored; else
+        a layerwise store's tokens)."""
+        layer_tokens = 0 if count_result else self._layer_tokens.pop(req_id, 0)
 
-        def done(f: concurrent.futures.Future[Any]) -> None:
-            if not f.cancelled() and f.exception() is not None:
+        async def counted() -> Any:
+            try:
+                result = await save
+            except Exception as exc:
                 self.stats.save_failures += 1
-                logger.warning("tiercache: save of %s failed: %s", req_id, f.exception())
+                logger.warning("tiercache: save of %s failed: %s", req_id, exc)
+                raise
+            self.stats.tokens_saved += int(result) if count_result else layer_tokens
+            return result
 
-        job.future.add_done_callback(done)
+        self._saving.setdefault(req_id, []).append(_loop.start(counted()))
 
     def _wait_saves(self, req_ids: set[str] | None = None) -> None:
         """Wait for the saves of ``req_ids`` (all: None); one still running after ``save_timeout_s`` is
