@@ -83,18 +83,19 @@ def _read_proc(path: str) -> bytes:
         os.close(fd)
 
 
-def read_dirty_pages() -> DirtyPages | None:
+def read_dirty_pages(read: Callable[[str], bytes] = _read_proc) -> DirtyPages | None:
     """``Dirty + Writeback`` and the kernel's free-run threshold (``mm/page-writeback.c``:
-    ``(background + dirty limit) / 2`` over free + file pages), or None where ``/proc`` cannot tell."""
+    ``(background + dirty limit) / 2`` over free + file pages), or None where ``/proc`` cannot tell;
+    ``read`` returns a ``/proc`` file's bytes."""
     try:
         info: dict[bytes, int] = {}
-        for line in _read_proc("/proc/meminfo").splitlines():
+        for line in read("/proc/meminfo").splitlines():
             name, _, rest = line.partition(b":")
             fields = rest.split()
             if fields:
                 info[name] = int(fields[0]) * 1024
         names = ("dirty_ratio", "dirty_bytes", "dirty_background_ratio", "dirty_background_bytes")
-        vm = {n: int(_read_proc(f"/proc/sys/vm/{n}")) for n in names}
+        vm = {n: int(read(f"/proc/sys/vm/{n}")) for n in names}
         dirty = info[b"Dirty"] + info[b"Writeback"]
         dirtyable = info[b"MemFree"] + info[b"Active(file)"] + info[b"Inactive(file)"]
     except (OSError, ValueError, KeyError):
@@ -137,7 +138,8 @@ class InlineWritePolicy:
     ) -> None:
         """Inline writes of at most ``max_bytes`` (0: never) where ``local``; ``clock`` in seconds."""
         self.max_bytes = max_bytes if local else 0
-        self._clock = clock
+        self.clock = clock
+        """Seconds (monotonic): times the inline writes and the back-off."""
         self._probe = probe
         self._sample: DirtyPages | None = None
         self._sampled_at = float("-inf")
@@ -151,7 +153,7 @@ class InlineWritePolicy:
         """Whether a write of ``size`` bytes may run on the loop thread now."""
         if size > self.max_bytes:
             return False
-        now = self._clock()
+        now = self.clock()
         if now < self._off_until:
             return False
         if now - self._sampled_at >= SAMPLE_S:
@@ -165,7 +167,7 @@ class InlineWritePolicy:
         self._since_sample += size
         if waited and seconds > slow_s(size):
             self.slow_writes += 1
-            self._off_until = self._clock() + self._backoff
+            self._off_until = self.clock() + self._backoff
             self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
         else:
             self._backoff = BACKOFF_S
