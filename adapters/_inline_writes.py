@@ -44,9 +44,9 @@ __all__ = [
 ]
 
 LOCAL_FILESYSTEMS = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs", "zfs", "jfs"}
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs", "zfs", "jfs", "overlay"}
 )
-HEADROOM = 0.5  # inline only while dirty pages stay under half of the free-run threshold
+HEADROOM = 0.75  # inline only while dirty pages stay under 3/4 of the free-run threshold
 SAMPLE_S = 0.02  # /proc/meminfo read at most this often (about 4 µs a read)
 BACKOFF_S = 1.0  # inline writes off this long after a slow one (doubles while slow again)
 MAX_BACKOFF_S = 60.0
