@@ -178,8 +178,13 @@ def _write_file(
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:
-            os.makedirs(directory, exist_ok=True)
+        except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
+            try:
+                os.mkdir(directory)
+            except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
+                os.makedirs(directory, exist_ok=True)
+            except FileExistsError:  # made by a concurrent put
+                pass
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = as_readable_bytes(value)

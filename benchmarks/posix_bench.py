@@ -14,7 +14,8 @@ adapter / raw speeds from totals over all rounds; ``*_median`` from the median d
 median durations; ``inline_put_share`` the share of adapter puts written on the loop thread.
 
 Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
-[--dir PATH]`` prints JSON.
+[--dir PATH] [--runs K]`` prints JSON (with ``--runs``: the last run, plus each ratio's value per run and its
+median over runs).
 """
 
 from __future__ import annotations
@@ -281,10 +282,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per size (totals reported)")
     parser.add_argument("--fsync", action="store_true", help="fsync every object (both sides)")
     parser.add_argument("--dir", default=None, help="parent directory for the temp files")
+    parser.add_argument("--runs", type=int, default=1, help="whole runs; the ratios' medians over runs too")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
-    result = posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+    runs = [
+        posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+        for _ in range(max(1, args.runs))
+    ]
+    result = runs[-1]
+    if len(runs) > 1:
+        result["runs"] = len(runs)
+        result["loadavg_1m_per_run"] = [[r["loadavg_1m_before"], r["loadavg_1m_after"]] for r in runs]
+        result["ratios_over_runs"] = _ratios_over_runs(runs)
     print(json.dumps(result, indent=2))
+
+
+def _ratios_over_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per size and ratio: each run's value and their median."""
+    out: dict[str, Any] = {}
+    for size, last in runs[-1]["sizes"].items():
+        out[size] = {}
+        for name in last:
+            if "ratio" in name or name == "inline_put_share":
+                values = [r["sizes"][size][name] for r in runs]
+                out[size][name] = {"median": round(statistics.median(values), 3), "runs": values}
+    return out
 
 
 if __name__ == "__main__":

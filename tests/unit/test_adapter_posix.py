@@ -413,3 +413,29 @@ async def test_cancelled_puts_never_exceed_capacity(tmp_path: Path) -> None:
     await adapter.aclose()  # waits for the writes still landing
     assert _bytes_on_disk(tmp_path) <= capacity
     assert adapter.used_bytes == _bytes_on_disk(tmp_path)
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+@pytest.mark.asyncio
+async def test_shard_directories_made_at_open_and_on_demand(tmp_path: Path) -> None:
+    """Open makes the 256 first-level shard directories; a put makes what is missing below (any depth,
+    also when part of the tree was removed under the adapter)."""
+    flat = await PosixAdapter.open(f"file://{tmp_path}/flat", shard_depth=0)
+    await flat.aclose()
+    assert os.listdir(tmp_path / "flat") == []
+    deep = await PosixAdapter.open(f"file://{tmp_path}/deep", shard_depth=4)
+    try:
+        assert sorted(os.listdir(tmp_path / "deep")) == [f"{i:02x}" for i in range(256)]
+        assert await deep.batched_put(["k"], [b"v"]) == [True]
+        relative = deep._path("k")[len(str(tmp_path / "deep")) + 1 :]
+        assert len(relative.split(os.sep)) == 5
+        await asyncio.to_thread(_remove_tree, str(tmp_path / "deep" / relative.split(os.sep)[0]))
+        assert await deep.batched_put(["k"], [b"w"]) == [True]
+        assert await deep.batched_get(["k"]) == [b"w"]
+    finally:
+        await deep.aclose()
