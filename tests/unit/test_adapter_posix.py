@@ -221,12 +221,12 @@ async def test_temp_files_are_swept_periodically(tmp_path: Path) -> None:
         exited = _exited_pid()
         leftover = Path(os.path.dirname(adapter._path("obj"))) / f".obj.{_tempfiles._host()}_{exited}_1.x.tmp"
         leftover.write_bytes(b"partial")
-        for _ in range(500):  # bounded poll: the sweep runs every 20 ms
-            if not leftover.exists():
+        for _ in range(500):  # bounded poll: the sweep runs every 20 ms (counted once its walk has ended)
+            if adapter.stats["temp_files_removed"]:
                 break
             await asyncio.sleep(0.01)
-        assert not leftover.exists()
         assert adapter.stats["temp_files_removed"] == 1
+        assert not leftover.exists()
     finally:
         await adapter.aclose()
 

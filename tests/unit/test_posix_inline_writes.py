@@ -306,6 +306,7 @@ _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, os, sys
     from tiercache.adapters import posix
+    from tiercache.adapters._inline_writes import DirtyPages, InlineWritePolicy
     from tiercache.adapters.posix import PosixAdapter
 
     root, mode = sys.argv[1], sys.argv[2]
@@ -320,6 +321,8 @@ _CRASHING_WRITER = textwrap.dedent(
 
     async def main():
         adapter = await PosixAdapter.open(f"file://{root}", temp_sweep_s=0)
+        roomy = DirtyPages(dirty=0, freerun=1 << 40)  # whatever the box's page cache holds now
+        adapter.inline = InlineWritePolicy(adapter.inline.max_bytes, local=True, probe=lambda: roomy)
         assert adapter.inline.allow(1 << 20), "the inline path must be the one under test"
         if mode == "rename":
             posix.os.replace = crash_before_rename
