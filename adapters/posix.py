@@ -1,7 +1,8 @@
 """``file:///abs/dir``: objects as files in a sharded directory tree, written by temp file + rename.
 
 Layout: ``<root>/<h0h1>/<h2h3>/<key>`` where ``h`` is the hex xxh64 digest of the key and ``shard_depth``
-(default 2) levels of two hex characters are used. A put writes ``.<key>.<owner>.<random>.tmp`` in the
+(default 2) levels of two hex characters are used; ``open`` makes the 256 first-level directories, a put the
+rest of its path when missing. A put writes ``.<key>.<owner>.<random>.tmp`` in the
 object's directory (optionally fsyncs it), then ``os.replace``s it over the object: a reader sees the old
 object, the new one or nothing, never a part. The owner (host, pid and process start time,
 ``tiercache.adapters._tempfiles``) lets a sweep remove only the temp files of writers that are gone (a
