@@ -49,10 +49,17 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line; the 3rd after the command name
 
 
+_owner: tuple[int, str] | None = None  # (pid, tag): recomputed when the pid changes (a fork)
+
+
 def owner_tag() -> str:
-    """This process's owner tag (host, pid, start time); computed per call (a fork gets its own)."""
+    """This process's owner tag (host, pid, start time); a forked child gets its own."""
+    global _owner
     pid = os.getpid()
-    return f"{_host()}_{pid}_{_start_ticks(pid) or 0}"
+    cached = _owner
+    if cached is None or cached[0] != pid:
+        cached = _owner = (pid, f"{_host()}_{pid}_{_start_ticks(pid) or 0}")
+    return cached[1]
 
 
 def temp_name(key: str) -> str:

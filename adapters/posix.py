@@ -1,7 +1,8 @@
 """``file:///abs/dir``: objects as files in a sharded directory tree, written by temp file + rename.
 
 Layout: ``<root>/<h0h1>/<h2h3>/<key>`` where ``h`` is the hex xxh64 digest of the key and ``shard_depth``
-(default 2) levels of two hex characters are used. A put writes ``.<key>.<owner>.<random>.tmp`` in the
+(default 2) levels of two hex characters are used; ``open`` makes the 256 first-level directories, a put the
+rest of its path when missing. A put writes ``.<key>.<owner>.<random>.tmp`` in the
 object's directory (optionally fsyncs it), then ``os.replace``s it over the object: a reader sees the old
 object, the new one or nothing, never a part. The owner (host, pid and process start time,
 ``tiercache.adapters._tempfiles``) lets a sweep remove only the temp files of writers that are gone (a
@@ -19,6 +20,13 @@ Cached reads skip the thread hop: where the kernel offers ``RWF_NOWAIT``, a get 
 it on the loop thread, which copies data that is wholly in the page cache and answers ``EAGAIN`` instead of
 waiting for the disk; only misses of the cache go to the pool. The inline path is bounded (objects up to
 ``_INLINE_MAX_BYTES``, at most ``_INLINE_BATCH_BYTES`` per batch) so a batch never holds the loop for long.
+
+Small puts skip the thread hop too: a value of at most ``inline_put_bytes`` (default 4 MiB) is written on
+the loop thread when ``fsync`` is off, the directory is on a local filesystem, the page cache is far from
+the kernel's writer throttling and the last inline writes were fast (``tiercache.adapters._inline_writes``:
+a slow one sends puts back to the pool for a back-off period), at most ``_INLINE_BATCH_BYTES`` per batch.
+A hop to an idle thread costs as much as copying 1 MiB into the page cache on the project VM; the file is
+the same temp file + rename either way.
 
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
 least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
@@ -45,6 +53,12 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
+from tiercache.adapters._inline_writes import (
+    LOCAL_FILESYSTEMS,
+    InlineWritePolicy,
+    filesystem_type,
+    voluntary_switches,
+)
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import Size, parse_options
 from tiercache.buffers import as_readable_bytes
@@ -63,7 +77,9 @@ _SPLIT_BYTES = 4 << 20  # smallest range a large read is split into
 _READ_PARTS = 4  # most ranges one read is split into
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux >= 4.14: read only what the page cache holds
 _INLINE_MAX_BYTES = 8 << 20  # larger cached objects still go to the pool (parallel ranges)
-_INLINE_BATCH_BYTES = 16 << 20  # at most this much copied on the loop thread per batch
+_INLINE_BATCH_BYTES = 16 << 20  # at most this much copied (read or written) on the loop thread per batch
+_INLINE_PUT_BYTES = 4 << 20  # default of ``inline_put_bytes``
+_FIRST_LEVEL = [f"{i:02x}" for i in range(256)]  # the shard directories made at open
 
 
 def _shard_dirs(key: str, depth: int) -> list[str]:
@@ -163,8 +179,13 @@ def _write_file(
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:
-            os.makedirs(directory, exist_ok=True)
+        except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
+            try:
+                os.mkdir(directory)
+            except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
+                os.makedirs(directory, exist_ok=True)
+            except FileExistsError:  # made by a concurrent put
+                pass
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = as_readable_bytes(value)
@@ -213,6 +234,9 @@ class PosixOptions:
     """Seconds between sweeps of dead writers' temp files (0: only at open)."""
     stale_temp_s: float = 3600.0
     """Age in seconds after which a temp file of another host or without an owner is removed."""
+    inline_put_bytes: Size = _INLINE_PUT_BYTES
+    """Values up to this size are written on the event loop thread while the disk keeps up (0: never;
+    never with ``fsync`` or on a network filesystem)."""
 
 
 class PosixAdapter(Adapter):
@@ -228,6 +252,7 @@ class PosixAdapter(Adapter):
         o = options or PosixOptions()
         capacity, shard_depth, threads = o.capacity, o.shard_depth, o.threads
         temp_sweep_s, stale_temp_s, fsync = o.temp_sweep_s, o.stale_temp_s, o.fsync
+        self.inline_put_bytes = 0 if fsync else o.inline_put_bytes
         if not os.path.isabs(root):
             raise ConfigError(f"file: root must be an absolute path, got {root!r}")
         if capacity is not None and capacity < 0:
@@ -240,9 +265,19 @@ class PosixAdapter(Adapter):
             raise ConfigError("file: temp_sweep_s and stale_temp_s must not be negative")
         self.temp_sweep_s = temp_sweep_s
         self.stale_temp_s = stale_temp_s
-        self.stats: dict[str, int] = {"temp_files": 0, "temp_bytes": 0, "temp_files_removed": 0}
+        self.stats: dict[str, int] = {
+            "temp_files": 0,
+            "temp_bytes": 0,
+            "temp_files_removed": 0,
+            "inline_puts": 0,
+            "inline_slow_writes": 0,
+        }
         """``temp_files``/``temp_bytes``: writers' temp files seen by the last sweep (live writers, or not
-        yet known dead); ``temp_files_removed``: dead writers' temp files removed so far."""
+        yet known dead); ``temp_files_removed``: dead writers' temp files removed so far; ``inline_puts``:
+        values written on the loop thread; ``inline_slow_writes``: those that were slow (each sent puts
+        back to the pool for a while)."""
+        self.inline = InlineWritePolicy(0, local=False)
+        """Whether a put may be written on the loop thread; ``_load`` arms it (local filesystems only)."""
         self._sweeper: asyncio.Task[None] | None = None
         self.root = os.path.normpath(root)
         self.capacity = capacity
@@ -284,8 +319,12 @@ class PosixAdapter(Adapter):
         """Create the root if needed, remove leftover temp files and rebuild the size/recency index."""
         try:
             entries = await self._run(self._scan)
+            await self._run(self._make_first_level)
         except OSError as exc:
             raise AdapterUnavailable(f"file: cannot use root directory {self.root!r}: {exc}") from exc
+        if self.inline_put_bytes > 0:
+            fstype = await self._run(partial(filesystem_type, self.root))
+            self.inline = InlineWritePolicy(self.inline_put_bytes, local=fstype in LOCAL_FILESYSTEMS)
         entries.sort(key=lambda e: e[2])
         self._index = OrderedDict((key, size) for key, size, _ in entries)
         self._used = sum(self._index.values())
@@ -339,6 +378,17 @@ class PosixAdapter(Adapter):
         self.stats["temp_files"], self.stats["temp_bytes"] = temp_files, temp_bytes
         self.stats["temp_files_removed"] += removed
         return found
+
+    def _make_first_level(self) -> None:
+        """Create the 256 first-level shard directories that are missing (once per store: a put into a new
+        tree then makes at most its leaf directory; a first-level mkdir measured ~80 µs here, a leaf ~11)."""
+        if self.shard_depth == 0:
+            return
+        present = set(os.listdir(self.root))
+        for name in _FIRST_LEVEL:
+            if name not in present:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.join(self.root, name))
 
     async def sweep_temp_files(self) -> int:
         """Remove the temp files of writers that are gone (never those of live ones); how many were removed.
@@ -455,47 +505,109 @@ class PosixAdapter(Adapter):
         return list(results)
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
-        """Write each value (temp file + rename), evicting LRU objects; False if over capacity or on error."""
+        """Write each value (temp file + rename), evicting LRU objects; False if over capacity or on error.
+
+        Values the inline policy allows are written here, on the loop thread, after the others have been
+        handed to the pool (so both proceed at once)."""
         self._check_open()
         check_lengths(keys, values)
         for k in keys:
             check_key(k)
+        results = [False] * len(keys)
+        pooled: list[tuple[int, str, asyncio.Future[bool]]] = []
+        inline: list[tuple[int, str, Buffer, int, list[str]]] = []
+        budget = _INLINE_BATCH_BYTES
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            size = memoryview(value).nbytes
+            victims = self._begin_put(key, size)
+            if victims is None:
+                continue
+            if size <= budget and self.inline.allow(size):
+                budget -= size
+                inline.append((i, key, value, size, victims))
+            else:
+                pooled.append((i, key, self._submit_write(key, value, victims)))
+        for i, key, value, size, victims in inline:
+            results[i] = self._put_inline(key, value, size, victims)
+        if not pooled:
+            return results
         # A write handed to a thread cannot be stopped: a cancelled caller leaves the batch to finish and
         # account for what lands (capacity follows the medium), tracked until it ends.
-        return await self._detached.run(self._put_batch(list(keys), list(values)))
+        done = await self._detached.run(self._finish_writes(pooled))
+        for (i, _, _), ok in zip(pooled, done, strict=True):
+            results[i] = ok
+        return results
 
-    async def _put_batch(self, keys: list[str], values: list[Buffer]) -> list[bool]:
-        if len(keys) == 1:
-            return [await self._put_one(keys[0], values[0])]
-        return list(await asyncio.gather(*(self._put_one(k, v) for k, v in zip(keys, values, strict=True))))
-
-    async def _put_one(self, key: str, value: Buffer) -> bool:
-        size = memoryview(value).nbytes
+    def _begin_put(self, key: str, size: int) -> list[str] | None:
+        """Account for ``size`` bytes under ``key`` (a put in flight); the paths to evict first, or None if
+        the value does not fit (nothing changed)."""
         if self.capacity is not None and size > self.capacity:
-            return False
+            return None
         old = self._index.get(key)
         self._forget(key)
         victims = self._reserve_victims(size)
         if victims is None:
             if old is not None:  # the old object stays; keep accounting for it
                 self._touch(key, old)
-            return False
+            return None
         self._touch(key, size)
         self._writing[key] = self._writing.get(key, 0) + 1
+        return victims
+
+    def _end_put(self, key: str, ok: bool) -> bool:
+        """A put of ``key`` ended; True if it failed and no other put of the key is in flight (then its
+        file must go: a failed put leaves no object under the key, never a stale one)."""
+        others = self._writing.pop(key) - 1
+        if others:
+            self._writing[key] = others
+        elif not ok:
+            self._forget(key)
+        return not ok and not others
+
+    def _put_inline(self, key: str, value: Buffer, size: int, victims: list[str]) -> bool:
+        """Write one value on the loop thread and tell the inline policy how long it took."""
         path = self._path(key)
-        directory = os.path.dirname(path)
+        ok = False
+        switches = voluntary_switches()
+        start = self.inline.clock()
+        try:
+            ok = _write_file(os.path.dirname(path), path, key, value, False, victims)
+        finally:
+            took = self.inline.clock() - start
+            after = voluntary_switches()
+            self.inline.record(size, took, switches is None or after is None or after > switches)
+            self.stats["inline_puts"] += 1
+            self.stats["inline_slow_writes"] = self.inline.slow_writes
+            if self._end_put(key, ok):
+                _unlink(path)
+        return ok
+
+    def _submit_write(self, key: str, value: Buffer, victims: list[str]) -> asyncio.Future[bool]:
+        """Hand one write to the pool now (a failed future if the adapter is closing)."""
+        path = self._path(key)
+        write = partial(_write_file, os.path.dirname(path), path, key, value, self.fsync, victims)
+        try:
+            return self._submit(write)
+        except AdapterUnavailable as exc:
+            failed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _finish_writes(self, pooled: list[tuple[int, str, asyncio.Future[bool]]]) -> list[bool]:
+        if len(pooled) == 1:
+            _, key, write = pooled[0]
+            return [await self._finish_write(key, write)]
+        return list(await asyncio.gather(*(self._finish_write(key, write) for _, key, write in pooled)))
+
+    async def _finish_write(self, key: str, write: asyncio.Future[bool]) -> bool:
         ok = False
         try:
-            ok = await self._run(partial(_write_file, directory, path, key, value, self.fsync, victims))
+            ok = await write
         finally:
-            others = self._writing.pop(key) - 1
-            if others:
-                self._writing[key] = others
-            elif not ok:
-                self._forget(key)
-        if not ok and not others:  # a failed put leaves no object under the key, never a stale one
+            remove = self._end_put(key, ok)
+        if remove:
             with contextlib.suppress(AdapterUnavailable):
-                await self._run(partial(_unlink, path))
+                await self._run(partial(_unlink, self._path(key)))
         return ok
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:

@@ -2,14 +2,20 @@
 
 Both sides write fresh files of the same sizes with the same crash-safety (a temp file renamed over the name;
 with ``--fsync`` the file and its directory fsynced) and read them back from the page cache. Two modes: one
-key per call (sequential like the raw loop, so it pays one thread hop per object; ``raw_put_thread`` is the
-raw write called through one thread hop, what any caller on an event loop pays), and batched (one
-batched_put/get of all objects, as the storage manager calls it, against the same raw loop). Per-key
-operations alternate raw/adapter object by object, so drift in a shared machine hits both
-alike; the figures are totals over all rounds.
+key per call, and batched (one batched_put/get of all objects, as the storage manager calls it, against the
+same raw sequential loop).
+
+Per-key puts, four kinds interleaved object by object in a rotating order (so a shared machine's drift hits
+all alike): ``raw_put`` (the raw write inline: the baseline), ``posix_put`` (the adapter into a fresh tree:
+each key's shard directory is new, the worst case), ``posix_put_warm_tree`` (the adapter where the shard
+directories exist, as in a store that has been running), ``raw_put_thread`` (the raw write through one
+thread hop, what an event loop caller that hands every write to a thread pays). ``put_ratio*`` are
+adapter / raw speeds from totals over all rounds; ``*_median`` from the median durations; ``put_p50_us`` the
+median durations; ``inline_put_share`` the share of adapter puts written on the loop thread.
 
 Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
-[--dir PATH]`` prints JSON.
+[--dir PATH] [--runs K]`` prints JSON (with ``--runs``: the last run, plus each ratio's value per run and its
+median over runs).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -76,6 +83,55 @@ def _clear(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
 
 
+_PER_KEY = ("raw_put", "posix_put", "raw_put_thread", "posix_put_warm_tree")
+
+
+def _median(samples: Sequence[float]) -> float:
+    return statistics.median(samples) if samples else float("nan")
+
+
+async def _per_key_puts(
+    adapter: Any,
+    hop: ThreadPoolExecutor,
+    data: bytes,
+    keys: Sequence[str],
+    warm_keys: Sequence[str],
+    raw_dir: str,
+    fsync: bool,
+    totals: dict[str, float],
+    samples: dict[str, list[float]],
+) -> None:
+    """One put per key of each ``_PER_KEY`` kind, object by object; adds each duration to ``totals`` and
+    ``samples``. The order of the four rotates per object, so the (often large) drift of a shared machine's
+    page cache and writeback hits every side alike."""
+    loop = asyncio.get_running_loop()
+
+    async def raw_put(i: int) -> None:
+        _raw_write(os.path.join(raw_dir, f"f{i}"), data, fsync)
+
+    async def posix_put(i: int) -> None:
+        if await adapter.batched_put([keys[i]], [data]) != [True]:
+            raise RuntimeError(f"put of {keys[i]} failed")
+
+    async def raw_put_thread(i: int) -> None:
+        await loop.run_in_executor(hop, _raw_write, os.path.join(raw_dir, f"t{i}"), data, fsync)
+
+    async def posix_put_warm_tree(i: int) -> None:
+        if await adapter.batched_put([warm_keys[i]], [data]) != [True]:
+            raise RuntimeError(f"put of {warm_keys[i]} failed")
+
+    ops = [raw_put, posix_put, raw_put_thread, posix_put_warm_tree]
+    clock = time.perf_counter
+    for i in range(len(keys)):
+        for j in range(len(ops)):
+            op = ops[(i + j) % len(ops)]
+            t0 = clock()
+            await op(i)
+            took = clock() - t0
+            totals[op.__name__] += took
+            samples[op.__name__].append(took)
+
+
 async def _measure(
     sizes: Sequence[int], repeats: int | None, rounds: int, fsync: bool, base: str
 ) -> dict[str, Any]:
@@ -88,43 +144,35 @@ async def _measure(
         n = repeats or max(4, min(64, (512 << 20) // size))
         data = os.urandom(size)
         keys = [f"bench-{size}-{i}" for i in range(n)]
-        totals = {
-            name: 0.0
-            for name in (
-                "raw_put",
-                "raw_put_thread",
-                "posix_put",
+        warm_keys = [f"warm-{size}-{i}" for i in range(n)]
+        totals = dict.fromkeys(
+            (
+                *_PER_KEY,
                 "raw_get",
                 "posix_get",
                 "raw_get_batch",
                 "posix_get_batch",
                 "raw_put_batch",
                 "posix_put_batch",
-            )
-        }
+            ),
+            0.0,
+        )
+        samples: dict[str, list[float]] = {name: [] for name in _PER_KEY}
         clock = time.perf_counter
+        inline_puts = 0
         for _ in range(rounds):
             _clear(raw_dir)
             _clear(store_dir)
             adapter = await PosixAdapter.open(f"file://{store_dir}", fsync=fsync)
             hop = ThreadPoolExecutor(1)  # the same raw write from a thread, as any async caller must
-            loop = asyncio.get_running_loop()
+            # The warm keys' shard directories exist (as in a store that has been running): a tiny object
+            # put and deleted leaves them behind.
+            await adapter.batched_put(warm_keys, [b"x"] * n)
+            await adapter.batched_delete(warm_keys)
+            inline_before = adapter.stats["inline_puts"]
             try:
-                # Operations alternate raw / adapter one object at a time, so the (often large) drift of a
-                # shared machine's page cache and writeback hits both sides alike.
-                for i, key in enumerate(keys):
-                    t0 = clock()
-                    _raw_write(os.path.join(raw_dir, f"f{i}"), data, fsync)
-                    t1 = clock()
-                    ok = await adapter.batched_put([key], [data])
-                    t2 = clock()
-                    await loop.run_in_executor(hop, _raw_write, os.path.join(raw_dir, f"t{i}"), data, fsync)
-                    t3 = clock()
-                    if ok != [True]:
-                        raise RuntimeError(f"put of {key} failed")
-                    totals["raw_put"] += t1 - t0
-                    totals["posix_put"] += t2 - t1
-                    totals["raw_put_thread"] += t3 - t2
+                await _per_key_puts(adapter, hop, data, keys, warm_keys, raw_dir, fsync, totals, samples)
+                inline_puts += adapter.stats["inline_puts"] - inline_before
                 await adapter.batched_get(keys)  # warm the page cache for both sides
                 for i in range(n):
                     _raw_read(os.path.join(raw_dir, f"f{i}"))
@@ -167,12 +215,18 @@ async def _measure(
                 await adapter.aclose()
         volume = size * n * rounds / 1e9
         med = {name: volume / seconds for name, seconds in totals.items()}
+        p50 = {name: _median(samples[name]) for name in _PER_KEY}
         results[str(size)] = {
             "objects": n,
             "rounds": rounds,
             "raw_put_GBps": round(med["raw_put"], 3),
             "posix_put_GBps": round(med["posix_put"], 3),
             "put_ratio": round(med["posix_put"] / med["raw_put"], 3),
+            "put_ratio_warm_tree": round(med["posix_put_warm_tree"] / med["raw_put"], 3),
+            "put_ratio_median": round(p50["raw_put"] / p50["posix_put"], 3),
+            "put_ratio_warm_tree_median": round(p50["raw_put"] / p50["posix_put_warm_tree"], 3),
+            "put_p50_us": {name: round(p50[name] * 1e6, 1) for name in _PER_KEY},
+            "inline_put_share": round(inline_puts / (2 * n * rounds), 3),
             "raw_put_thread_GBps": round(med["raw_put_thread"], 3),
             "put_ratio_vs_raw_in_a_thread": round(med["posix_put"] / med["raw_put_thread"], 3),
             "raw_get_GBps": round(med["raw_get"], 3),
@@ -228,10 +282,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per size (totals reported)")
     parser.add_argument("--fsync", action="store_true", help="fsync every object (both sides)")
     parser.add_argument("--dir", default=None, help="parent directory for the temp files")
+    parser.add_argument("--runs", type=int, default=1, help="whole runs; the ratios' medians over runs too")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
-    result = posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+    runs = [
+        posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+        for _ in range(max(1, args.runs))
+    ]
+    result = runs[-1]
+    if len(runs) > 1:
+        result["runs"] = len(runs)
+        result["loadavg_1m_per_run"] = [[r["loadavg_1m_before"], r["loadavg_1m_after"]] for r in runs]
+        result["ratios_over_runs"] = _ratios_over_runs(runs)
     print(json.dumps(result, indent=2))
+
+
+def _ratios_over_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per size and ratio: each run's value and their median."""
+    out: dict[str, Any] = {}
+    for size, last in runs[-1]["sizes"].items():
+        out[size] = {}
+        for name in last:
+            if "ratio" in name or name == "inline_put_share":
+                values = [r["sizes"][size][name] for r in runs]
+                out[size][name] = {"median": round(statistics.median(values), 3), "runs": values}
+    return out
 
 
 if __name__ == "__main__":
