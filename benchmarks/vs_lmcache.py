@@ -418,6 +418,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+COUNT_OBJECTS = (
+    "local n = 0 for _, k in ipairs(redis.call('KEYS', '*')) do "
+    "if not string.find(k, '#', 1, true) then n = n + 1 end end return n"
+)
+"""Lua: the keys without a ``#`` (object heads and plain values; not the parts of a parted value)."""
+
+
 def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     """Redis only (no L1 hit): write-through (time until every chunk of the request is readable in Redis)
     and cold retrieve into the KV (tiercache: a fresh engine each round; LMCache: ``local_cpu=False``, so
@@ -472,10 +479,14 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     exact = {"tiercache": True, "lmcache": True}
     stored: dict[str, list[int]] = {"tiercache": [], "lmcache": []}
 
+    def objects() -> int:
+        """Keys naming objects: not tiercache's part keys (``<head>#<i>``, written before their head)."""
+        return int(probe.eval(COUNT_OBJECTS, 0))
+
     def wait_keys(n: int, limit_s: float = 60.0) -> int:
-        """Poll until ``n`` keys are readable (or ``limit_s`` passed: a store was dropped); the count seen."""
+        """Poll until ``n`` objects are readable (or ``limit_s`` passed: a store dropped); the count seen."""
         end = time.perf_counter() + limit_s
-        while (have := int(probe.dbsize())) < n and time.perf_counter() < end:
+        while (have := objects()) < n and time.perf_counter() < end:
             time.sleep(0.001)
         return have
 
