@@ -1,9 +1,9 @@
 """``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, ``redis+cluster://``: frames as Redis strings.
 
-One key per object (``<prefix><key>``) holds the whole frame; there is never a separate metadata key, so a
-``SET`` is the only write and a reader sees the old frame, the new one or nothing. Every call goes through
-``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch waits for a free
-connection instead of failing when the pool is busy).
+One key per object (``<prefix><key>``) holds the whole frame, or, for a frame over ``part_size``, a small
+manifest naming its parts (below, "Large values"); a reader sees the old frame, the new one or nothing. Every
+call goes through ``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch
+waits for a free connection instead of failing when the pool is busy), except large values on plain TCP.
 
 URL forms::
 
@@ -15,7 +15,8 @@ which arrives here as ``password``).
 
 Options (URL query or keyword): ``password``, ``username``, ``pool_size`` (default 16), ``socket_timeout``
 (seconds, default 5; also the connect timeout), ``ttl`` (seconds; objects expire, ``SET PX``), ``prefix``
-(default ``"tiercache:"``; isolates deployments sharing a server), ``capacity`` (accepted and ignored: the
+(default ``"tiercache:"``; isolates deployments sharing a server), ``part_size`` (bytes, default 4 MiB; 0:
+never split), ``capacity`` (accepted and ignored: the
 server's ``maxmemory`` governs; eviction by the server is normal operation and an evicted key is a miss),
 and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ssl_cert_reqs``
 (``required`` (default), ``optional`` or ``none``). Unknown options raise ``ConfigError``.
@@ -36,6 +37,27 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
   copies a value twice on the way out and twice on the way in): 2x redis-py's best mode at 32 MiB, 1.2-1.5x at
   4 MiB. It keeps ``pool_size``, ``socket_timeout`` (no progress for that long: ``AdapterTimeout``), the
   password, the user name and the database; TLS and Cluster use redis-py for every value.
+
+Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
+``part_size`` bytes (each followed by the write's random 16-byte nonce), written ``PARTS_IN_FLIGHT`` (4) at a
+time, then the head ``<key>`` holding a 52-byte manifest (size, part size, count, nonce); a read GETs the
+head, then the parts 4 at a time straight into one preallocated buffer (the RESP client receives each in
+place). Why: the server's allocator (jemalloc) serves allocations of 8 MiB and more from an arena that
+returns pages at once, so every SET or reply of a bigger value faulted in fresh pages; with 4 MiB parts one
+64 MiB value moved at 1.0-1.16x the speed of the same bytes as 16 separate 4 MiB values (unsplit 0.70 /
+0.55; 8 MiB parts 0.75), and 4 in flight beat 1, 2, 8 and 16 (``benchmarks/adapters_bench.py``). Rules:
+parts are written before the head, so a head always names parts that were complete; a rewrite overwrites
+the parts in place (the server reuses their memory) and deletes parts past its count after its head; a
+reader checks each part's length and nonce against its manifest: a missing part (evicted, expired) is a
+miss counted in ``stats["parts_missing"]`` and the head (only if unchanged, by a compare-and-delete script)
+and parts are removed; a part of another write (a rewrite in progress) is a miss counted in
+``stats["parts_stale"]``; a head that starts like a manifest and does not decode is a miss counted in
+``stats["bad_manifests"]`` (a value that starts with the manifest magic is always stored parted, so it is
+never mistaken). ``contains`` is the head and every part existing (one more pipeline only for manifests);
+``delete`` removes the head and then the parts. Part keys land on their own cluster slots (no hash tags:
+no command spans two keys, and spreading a value over the masters spreads its load). A part write refused
+for memory removes the parts and fails the put; a writer that dies between parts leaves them to the TTL,
+eviction or the next put of the key (which overwrites them).
 
 Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
 that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
@@ -70,7 +92,8 @@ from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
-from tiercache.adapters._resp import RespError, RespPool, new_buffer
+from tiercache.adapters._recvbuf import RecvBuffers
+from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
@@ -277,6 +300,8 @@ class RedisAdapter(Adapter):
         """Plain-TCP standalone servers: the zero-copy path for values over ``PIPELINE_VALUE_BYTES``."""
         self.part_size = common.part_size
         self._part_lanes = asyncio.Semaphore(PARTS_IN_FLIGHT)
+        self._recv = RecvBuffers()
+        """Whole-value buffers of parted reads, reused once the caller has dropped every view of one."""
         self.stats: dict[str, int] = {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
         """Parted objects read as misses: a part gone (evicted, expired), a part of a rewrite in progress, a
         head that looks like a manifest and is none."""
@@ -442,7 +467,7 @@ class RedisAdapter(Adapter):
         """The whole value of a parted object, its parts read concurrently into one buffer. None if a part
         is missing (counted in ``parts_missing``; the object is removed) or is of another write, by its
         nonce or its length (counted in ``parts_stale``; kept: a rewrite in progress, whose head is next)."""
-        whole = new_buffer(manifest.total)
+        whole = self._recv.take(manifest.total)
         keys = manifest.part_keys(head)
 
         async def read(k: str, into: memoryview) -> bytes | None:
