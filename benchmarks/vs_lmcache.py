@@ -469,7 +469,8 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     url = f"redis://127.0.0.1:{port}/0"
     probe = redis_sync.Redis(host="127.0.0.1", port=port)
     lmc = _lmcache_engine(2 * nbytes / 2**30 + 1, src, dst, remote_url=url)
-    config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": url}]})
+    tier_url = url if args.part_size is None else f"{url}?part_size={args.part_size}"
+    config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": tier_url}]})
     rng = np.random.default_rng(1)
     loop = asyncio.new_event_loop()
     times: dict[str, list[float]] = {
@@ -561,6 +562,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "workload": f"{tokens_n} tokens, Llama-8B shape, bf16, {CHUNK}-token chunks, {nbytes} bytes; Redis",
         "rounds": args.rounds,
+        "part_size": args.part_size or "default",
         "tiercache": {
             "write_through_ms": ms(times["tc_write"]),
             "cold_retrieve_ms": ms(times["tc_read"]),
@@ -659,6 +661,7 @@ def main() -> None:
     rd = sub.add_parser("redis", help="Redis only: write-through and cold retrieve beside LMCache (its venv)")
     rd.add_argument("--tokens", type=int, default=4096)
     rd.add_argument("--rounds", type=int, default=5)
+    rd.add_argument("--part-size", default=None, help="tiercache's Redis part_size (default: its own)")
     args = ap.parse_args()
     # LMCache hashes with hash()
     if args.part in ("cpu", "redis") and os.environ.get("PYTHONHASHSEED") != "0":
