@@ -24,7 +24,9 @@ and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ss
 How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on the 2-core project box,
 1-32 MiB frames; redis-py 8.1, Redis 7.0):
 
-* contains: one pipeline of ``EXISTS`` per key (one round trip). delete: one pipeline of ``DEL`` per key.
+* contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
+  per part for the keys that hold a manifest. delete: one pipeline of ``GETRANGE`` + ``DEL`` per key, then one
+  of ``DEL`` per part of the manifests found.
 * get: ``GET`` one after another while the values seen (read or written) are large (running mean > 256 KiB),
   else one pipeline of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x), MGET (never
   faster, and its single reply must arrive within one socket timeout) and concurrent GETs (0.6x at 1 MiB);
