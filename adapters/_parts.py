@@ -14,15 +14,12 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["MAGIC", "MANIFEST_BYTES", "NONCE_BYTES", "PART_OVERHEAD", "Manifest", "part_key", "part_payload"]
+__all__ = ["MAGIC", "MANIFEST_BYTES", "NONCE_BYTES", "Manifest", "part_key"]
 
 MAGIC = b"\x00\xfftiercache:pt1\x00"
 """First bytes of every manifest; a value that starts with them is always stored parted (never mistaken)."""
 NONCE_BYTES = 16
 """Length of a write's nonce, the tail of each of its parts."""
-PART_OVERHEAD = 64
-"""Bytes of a part's size left for its nonce and the server's string header, so a part of a ``part_size`` of
-4 MiB is one 4 MiB allocation on the server (not the next size class, 5 MiB, counted against maxmemory)."""
 _LAYOUT = struct.Struct(f"<{len(MAGIC)}sQQI{NONCE_BYTES}s")
 MANIFEST_BYTES = _LAYOUT.size
 """Length of an encoded manifest (a head of any other length is a plain value)."""
@@ -80,8 +77,3 @@ class Manifest:
 def part_key(head: str, index: int) -> str:
     """The full key of part ``index`` of the object whose full key is ``head``."""
     return f"{head}#{index}"
-
-
-def part_payload(part_size: int) -> int:
-    """Value bytes per part key for a ``part_size`` (at least 1024): the part size less ``PART_OVERHEAD``."""
-    return part_size - PART_OVERHEAD

@@ -41,28 +41,28 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
   password, the user name and the database; TLS and Cluster use redis-py for every value.
 
 Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
-``part_size`` - 64 bytes, each followed by the write's random 16-byte nonce (the rest of the 64 is the
-server's string header: a 4 MiB part is one 4 MiB allocation, not one of the next size class, 5 MiB, counted
-against ``maxmemory``), written ``PARTS_IN_FLIGHT`` (4) at a time; then the head ``<key>`` with a 52-byte
-manifest (size, part size, count, nonce). A read GETs the head, then the parts 4 at a time straight into one
-buffer (the RESP client receives each in place; the buffer is reused once the caller dropped every view of
-it, ``adapters/_recvbuf.py``). Why: the server's allocator (jemalloc) serves allocations of 8 MiB and more
-from an arena that returns pages at once, so every SET or reply of a bigger value faulted in fresh pages;
-with 4 MiB parts one 64 MiB value moves at 0.86-1.15x the speed of the same bytes as 16 separate 4 MiB
-values (unsplit 0.46-0.89; 8 MiB parts 0.73-0.76), and 4 in flight beat 1, 2, 8 and 16 for reads
-(``benchmarks/adapters_bench.py``, README). Rules: parts are written before the head, so a head only names
-parts that were complete; a rewrite overwrites the parts in place (the server reuses their memory) and
-deletes the parts past its count after its head; a reader checks each part's length and nonce against its
-manifest: a missing part (evicted, expired) is a miss counted in ``stats["parts_missing"]``, and the head
-(only if unchanged: a compare-and-delete script) and the parts are removed; a part of another write (by
-nonce or length: a rewrite in progress) is a miss counted in ``stats["parts_stale"]``; a head that starts
-like a manifest and does not decode is a miss counted in ``stats["bad_manifests"]`` (a value that starts
-with the manifest magic is always stored parted, so it is never mistaken for one). ``contains`` is the head
-and every part existing (one more pipeline, only for manifests); ``delete`` removes the head, then the
-parts. Part keys land on their own cluster slots (no hash tags: no command spans two keys, and spreading a
-value over the masters spreads its load). A part refused for memory removes the parts and fails the put; a
-writer that dies between parts leaves them to the TTL, eviction or the next put of the key (which
-overwrites them).
+``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PARTS_IN_FLIGHT`` (4) at
+a time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the head,
+then the parts 4 at a time straight into one buffer (the RESP client receives each in place; the buffer is
+reused once the caller dropped every view of it, ``adapters/_recvbuf.py``). Why: the server's allocator
+(jemalloc) serves allocations of 8 MiB and more from an arena that returns pages at once, so every SET or
+reply of a bigger value faulted in fresh pages; with 4 MiB parts one 64 MiB value moved at 0.69-1.15x (mostly
+0.86-1.15x) the speed of the same bytes as 16 separate 4 MiB values (unsplit 0.42-0.89; 8 MiB parts
+0.73-0.76), and 4 in flight beat 1, 2, 8 and 16 for reads (``benchmarks/adapters_bench.py``, README). A 4 MiB
+part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``): parts sized to
+fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed.
+Rules: parts are written before the head, so a head only names parts that were complete; a rewrite
+overwrites the parts in place (the server reuses their memory) and deletes the parts past its count after
+its head; a reader checks each part's length and nonce against its manifest: a missing part (evicted,
+expired) is a miss counted in ``stats["parts_missing"]``, and the head (only if unchanged: a
+compare-and-delete script) and the parts are removed; a part of another write (by nonce or length: a
+rewrite in progress) is a miss counted in ``stats["parts_stale"]``; a head that starts like a manifest and
+does not decode is a miss counted in ``stats["bad_manifests"]`` (a value that starts with the manifest magic
+is always stored parted, so it is never mistaken for one). ``contains`` is the head and every part existing
+(one more pipeline, only for manifests); ``delete`` removes the head, then the parts. Part keys land on
+their own cluster slots (no hash tags: no command spans two keys, and spreading a value over the masters
+spreads its load). A part refused for memory removes the parts and fails the put; a writer that dies
+between parts leaves them to the TTL, eviction or the next put of the key (which overwrites them).
 
 Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
 that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
@@ -96,7 +96,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest, part_payload
+from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
 from tiercache.adapters._recvbuf import RecvBuffers
 from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.options import Size, parse_options, parse_str
@@ -569,8 +569,7 @@ class RedisAdapter(Adapter):
         """Write the parts (each followed by the nonce) concurrently, then the head, so no reader sees a
         part alone; then drop the parts past the new count that the replaced manifest had. A refused part
         (OOM) drops the parts and is returned."""
-        payload = part_payload(self.part_size) if self.part_size else max(value.nbytes, 1)
-        manifest = Manifest.new(value.nbytes, payload)
+        manifest = Manifest.new(value.nbytes, self.part_size or max(value.nbytes, 1))
         keys = manifest.part_keys(head)
 
         async def write(k: str, part: memoryview) -> Any:

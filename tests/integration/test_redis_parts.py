@@ -19,14 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiercache
-from tiercache.adapters._parts import MAGIC, MANIFEST_BYTES, NONCE_BYTES, Manifest, part_payload
+from tiercache.adapters._parts import MAGIC, MANIFEST_BYTES, NONCE_BYTES, Manifest
 from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
 from tiercache.errors import ConfigError
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
 
 KiB, MiB = 1 << 10, 1 << 20
 PART = 64 * KiB
-LOAD = part_payload(PART)  # value bytes per part key
 
 
 def _prefix() -> str:
@@ -92,10 +91,9 @@ class TestClusterPartsConformance(AdapterConformance):
 # -- round trips across the part boundary ------------------------------------------------------------
 
 _BOUNDARY = 1024
-_LOAD = part_payload(_BOUNDARY)
 _SIZES = st.one_of(
     st.integers(0, 4 * _BOUNDARY + 10),
-    st.sampled_from([_BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, 2 * _LOAD, 2 * _LOAD + 1, 3 * _LOAD - 1]),
+    st.sampled_from([_BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, 2 * _BOUNDARY, 2 * _BOUNDARY + 1]),
 )
 
 
@@ -122,7 +120,7 @@ def test_round_trip_across_part_boundaries(
             assert await adapter.batched_contains(keys) == [True] * len(keys)
             stored = await _stored_keys(redis_server.port, prefix)
             parted = [v for v in values if len(v) > _BOUNDARY or v.startswith(MAGIC)]
-            want = len(values) + sum(max(1, -(-len(v) // _LOAD)) for v in parted)
+            want = len(values) + sum(max(1, -(-len(v) // _BOUNDARY)) for v in parted)
             assert len(stored) == want
             assert await adapter.batched_delete(keys) == [True] * len(keys)
             assert await adapter.batched_contains(keys) == [False] * len(keys)
@@ -140,8 +138,8 @@ def test_round_trip_across_part_boundaries(
 @pytest.mark.asyncio
 @VIAS
 async def test_parts_then_head_layout_and_ttl(redis_server: Any, via: str) -> None:
-    """A 1 MiB value with 64 KiB parts is 17 part keys of (64 KiB - 64) bytes + nonce and a manifest head;
-    every key carries the TTL."""
+    """A 1 MiB value with 64 KiB parts is 16 part keys of part + nonce and a manifest head; every key
+    carries the TTL."""
     prefix = _prefix()
     value = _value(MiB, 1)
     adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART, ttl=3600)
@@ -151,12 +149,11 @@ async def test_parts_then_head_layout_and_ttl(redis_server: Any, via: str) -> No
         head = await raw.get(prefix + "obj")
         manifest = Manifest.decode(head, 1 << 30)
         assert manifest is not None
-        assert (manifest.total, manifest.part_size, manifest.count) == (MiB, LOAD, 17)
-        for i in range(17):
+        assert (manifest.total, manifest.part_size, manifest.count) == (MiB, PART, 16)
+        for i in range(16):
             part = await raw.get(f"{prefix}obj#{i}")
-            assert part == value[i * LOAD : (i + 1) * LOAD] + manifest.nonce
-            assert len(part) <= PART - 32
-        assert len(await _stored_keys(redis_server.port, prefix)) == 18
+            assert part == value[i * PART : (i + 1) * PART] + manifest.nonce
+        assert len(await _stored_keys(redis_server.port, prefix)) == 17
         ttls = [await raw.pttl(k) for k in await _stored_keys(redis_server.port, prefix)]
         assert all(0 < t <= 3600_000 for t in ttls), ttls
     finally:
@@ -192,7 +189,7 @@ async def test_overwrite_with_fewer_parts_drops_the_rest(redis_server: Any, via:
 async def _parted(redis_server: Any, via: str) -> tuple[RedisAdapter, aredis.Redis, str, bytes]:
     prefix = _prefix()
     adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
-    value = _value(4 * LOAD + 5, 5)
+    value = _value(4 * PART + 5, 5)
     assert await adapter.batched_put(["obj"], [value]) == [True]
     return adapter, aredis.Redis(host="127.0.0.1", port=redis_server.port), prefix, value
 
@@ -283,7 +280,7 @@ async def test_batched_delete_removes_every_part(redis_server: Any, via: str) ->
     adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
     try:
         keys = ["a", "b", "c", "gone"]
-        values = [_value(3 * LOAD, 7), b"small", _value(PART + 1, 8)]
+        values = [_value(3 * PART, 7), b"small", _value(PART + 1, 8)]
         assert await adapter.batched_put(keys[:3], values) == [True] * 3
         assert len(await _stored_keys(redis_server.port, prefix)) == 3 + 3 + 2
         assert await adapter.batched_delete(keys) == [True, True, True, False]
