@@ -18,18 +18,18 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from tiercache.errors import AdapterTimeout, AdapterUnavailable
 
-__all__ = ["RespError", "RespPool"]
+__all__ = ["RespError", "RespPool", "new_buffer"]
 
 _T = TypeVar("_T")
 _LINE_MAX = 64 << 10
 _RECV_HEAD = 64 << 10
 
 
-def _buffer(size: int) -> memoryview:
+def new_buffer(size: int) -> memoryview:
     """A writable byte buffer of ``size`` bytes, not zero-filled (the receive overwrites all of it)."""
     import numpy as np
 
@@ -39,6 +39,12 @@ def _buffer(size: int) -> memoryview:
 
 class RespError(Exception):
     """An error reply of the server (``-ERR ...``, ``-OOM ...``); the connection stays usable."""
+
+
+class _Landed(NamedTuple):
+    """A bulk reply received into the caller's buffer; ``tail`` holds its last bytes."""
+
+    tail: bytes
 
 
 class _Reset(ConnectionError):
@@ -132,9 +138,20 @@ class _Conn:
         del self.pending[: end + 2]
         return line
 
-    async def reply(self) -> bytes | memoryview | int | None:
+    async def _take(self, view: memoryview) -> None:
+        """Fill ``view`` with the next bytes of the stream (what is pending first, then the socket)."""
+        have = min(len(self.pending), view.nbytes)
+        view[:have] = self.pending[:have]
+        del self.pending[:have]
+        while have < view.nbytes:
+            have += await self._recv_into(view[have:])
+
+    async def reply(
+        self, into: memoryview | None = None, tail: int = 0
+    ) -> bytes | memoryview | int | _Landed | None:
         """Read one reply: simple string (bytes), integer, bulk string (a view of a buffer of its own),
-        null (None); an error reply raises RespError."""
+        null (None); an error reply raises RespError. A bulk string of exactly ``into``'s size plus ``tail``
+        bytes lands in ``into`` and its last ``tail`` bytes come back as ``_Landed``."""
         line = await self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -147,26 +164,32 @@ class _Conn:
             size = int(rest)
             if size < 0:
                 return None
-            view = _buffer(size + 2)  # the value and its CRLF, received in place
-            have = min(len(self.pending), size + 2)
-            view[:have] = self.pending[:have]
-            del self.pending[:have]
-            while have < size + 2:
-                have += await self._recv_into(view[have:])
-            if bytes(view[size:]) != b"\r\n":
+            if into is not None and into.nbytes + tail == size:
+                end = memoryview(bytearray(tail + 2))  # the value in place, then its tail and CRLF
+                await self._take(into)
+                await self._take(end)
+                if bytes(end[tail:]) != b"\r\n":
+                    raise _Reset("bulk reply without its CRLF: not a RESP server")
+                return _Landed(bytes(end[:tail]))
+            whole = new_buffer(size + 2)  # the value and its CRLF, received in place
+            await self._take(whole)
+            if bytes(whole[size:]) != b"\r\n":
                 raise _Reset("bulk reply without its CRLF: not a RESP server")
-            return view[:size]
+            return whole[:size]
         raise _Reset(f"unexpected reply type {kind!r}: not a RESP2 server")
 
-    async def call(self, parts: list[memoryview]) -> bytes | memoryview | int | None:
-        """Send one command and read its reply; AdapterTimeout when ``timeout`` passes with no progress."""
+    async def call(
+        self, parts: list[memoryview], into: memoryview | None = None, tail: int = 0
+    ) -> bytes | memoryview | int | _Landed | None:
+        """Send one command and read its reply (see ``reply`` for ``into`` and ``tail``); AdapterTimeout
+        when ``timeout`` passes with no progress."""
         loop = asyncio.get_running_loop()
         fd = self.sock.fileno()
         loop.add_reader(fd, self._on_readable)  # one registration per call, not one per receive
         try:
             async with asyncio.timeout(self.timeout) as self._deadline:
                 await self.send(parts)
-                return await self.reply()
+                return await self.reply(into, tail)
         except TimeoutError:
             raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
         finally:
@@ -174,20 +197,22 @@ class _Conn:
             loop.remove_reader(fd)
 
 
-def _command(*args: bytes | memoryview) -> list[memoryview]:
-    """A RESP array of bulk strings as parts to send: small framing pieces around the caller's buffers."""
+def _command(*args: bytes | memoryview | tuple[bytes | memoryview, ...]) -> list[memoryview]:
+    """A RESP array of bulk strings as parts to send: small framing pieces around the caller's buffers
+    (an argument given as a tuple of buffers is one bulk string, their concatenation)."""
     out: list[memoryview] = []
     head = bytearray(b"*%d\r\n" % len(args))
     for arg in args:
-        view = memoryview(arg)
-        head += b"$%d\r\n" % view.nbytes
-        if view.nbytes <= 512:
-            head += view
-            head += b"\r\n"
-            continue
-        out.append(memoryview(head))
-        out.append(view)
-        head = bytearray(b"\r\n")
+        views = [memoryview(a) for a in (arg if isinstance(arg, tuple) else (arg,))]
+        head += b"$%d\r\n" % sum(v.nbytes for v in views)
+        for view in views:
+            if view.nbytes <= 512:
+                head += view
+                continue
+            out.append(memoryview(head))
+            out.append(view)
+            head = bytearray()
+        head += b"\r\n"
     out.append(memoryview(head))
     return out
 
@@ -288,9 +313,23 @@ class RespPool:
             return reply
         raise AdapterUnavailable(f"redis {self.host}:{self.port}: unexpected GET reply {reply!r}")
 
-    async def set(self, key: bytes, value: memoryview, px: int | None = None) -> bool:
-        """SET ``key`` to ``value`` (sent from the caller's buffer); RespError for a refusal such as OOM."""
-        args: list[bytes | memoryview] = [b"SET", key, value]
+    async def get_into(self, key: bytes, into: memoryview, tail: int = 0) -> bytes | None:
+        """If the value of ``key`` is ``into``'s size plus ``tail`` bytes: receive its start into ``into``
+        and return its last ``tail`` bytes; ``b""`` for a value of another size (read and dropped); None if
+        absent."""
+        reply = await self._run(lambda c: c.call(_command(b"GET", key), into, tail))
+        if isinstance(reply, _Landed):
+            return reply.tail
+        if reply is None:
+            return None
+        if isinstance(reply, memoryview):
+            return b""
+        raise AdapterUnavailable(f"redis {self.host}:{self.port}: unexpected GET reply {reply!r}")
+
+    async def set(self, key: bytes, value: memoryview, px: int | None = None, tail: bytes = b"") -> bool:
+        """SET ``key`` to ``value`` followed by ``tail`` (sent from the caller's buffer); RespError for a
+        refusal such as OOM."""
+        args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
         if px is not None:
             args += [b"PX", str(px).encode()]
         reply = await self._run(lambda c: c.call(_command(*args)))

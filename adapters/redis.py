@@ -1,9 +1,9 @@
 """``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, ``redis+cluster://``: frames as Redis strings.
 
-One key per object (``<prefix><key>``) holds the whole frame; there is never a separate metadata key, so a
-``SET`` is the only write and a reader sees the old frame, the new one or nothing. Every call goes through
-``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch waits for a free
-connection instead of failing when the pool is busy).
+One key per object (``<prefix><key>``) holds the whole frame, or, for a frame over ``part_size``, a small
+manifest naming its parts (below, "Large values"); a reader sees the old frame, the new one or nothing. Every
+call goes through ``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch
+waits for a free connection instead of failing when the pool is busy), except large values on plain TCP.
 
 URL forms::
 
@@ -15,7 +15,8 @@ which arrives here as ``password``).
 
 Options (URL query or keyword): ``password``, ``username``, ``pool_size`` (default 16), ``socket_timeout``
 (seconds, default 5; also the connect timeout), ``ttl`` (seconds; objects expire, ``SET PX``), ``prefix``
-(default ``"tiercache:"``; isolates deployments sharing a server), ``capacity`` (accepted and ignored: the
+(default ``"tiercache:"``; isolates deployments sharing a server), ``part_size`` (bytes, default 4 MiB; 0:
+never split), ``capacity`` (accepted and ignored: the
 server's ``maxmemory`` governs; eviction by the server is normal operation and an evicted key is a miss),
 and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ssl_cert_reqs``
 (``required`` (default), ``optional`` or ``none``). Unknown options raise ``ConfigError``.
@@ -23,7 +24,9 @@ and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ss
 How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on the 2-core project box,
 1-32 MiB frames; redis-py 8.1, Redis 7.0):
 
-* contains: one pipeline of ``EXISTS`` per key (one round trip). delete: one pipeline of ``DEL`` per key.
+* contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
+  per part for the keys that hold a manifest. delete: one pipeline of ``GETRANGE`` + ``DEL`` per key, then one
+  of ``DEL`` per part of the manifests found.
 * get: ``GET`` one after another while the values seen (read or written) are large (running mean > 256 KiB),
   else one pipeline of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x), MGET (never
   faster, and its single reply must arrive within one socket timeout) and concurrent GETs (0.6x at 1 MiB);
@@ -36,6 +39,30 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
   copies a value twice on the way out and twice on the way in): 2x redis-py's best mode at 32 MiB, 1.2-1.5x at
   4 MiB. It keeps ``pool_size``, ``socket_timeout`` (no progress for that long: ``AdapterTimeout``), the
   password, the user name and the database; TLS and Cluster use redis-py for every value.
+
+Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
+``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PARTS_IN_FLIGHT`` (4) at
+a time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the head,
+then the parts 4 at a time straight into one buffer (the RESP client receives each in place; the buffer is
+reused once the caller dropped every view of it, ``adapters/_recvbuf.py``). Why: the server's allocator
+(jemalloc) serves allocations of 8 MiB and more from an arena that returns pages at once, so every SET or
+reply of a bigger value faulted in fresh pages; with 4 MiB parts one 64 MiB value moved at 0.69-1.15x (mostly
+0.86-1.15x) the speed of the same bytes as 16 separate 4 MiB values (unsplit 0.42-0.89; 8 MiB parts
+0.73-0.76), and 4 in flight beat 1, 2, 8 and 16 for reads (``benchmarks/adapters_bench.py``, README). A 4 MiB
+part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``): parts sized to
+fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed.
+Rules: parts are written before the head, so a head only names parts that were complete; a rewrite
+overwrites the parts in place (the server reuses their memory) and deletes the parts past its count after
+its head; a reader checks each part's length and nonce against its manifest: a missing part (evicted,
+expired) is a miss counted in ``stats["parts_missing"]``, and the head (only if unchanged: a
+compare-and-delete script) and the parts are removed; a part of another write (by nonce or length: a
+rewrite in progress) is a miss counted in ``stats["parts_stale"]``; a head that starts like a manifest and
+does not decode is a miss counted in ``stats["bad_manifests"]`` (a value that starts with the manifest magic
+is always stored parted, so it is never mistaken for one). ``contains`` is the head and every part existing
+(one more pipeline, only for manifests); ``delete`` removes the head, then the parts. Part keys land on
+their own cluster slots (no hash tags: no command spans two keys, and spreading a value over the masters
+spreads its load). A part refused for memory removes the parts and fails the put; a writer that dies
+between parts leaves them to the TTL, eviction or the next put of the key (which overwrites them).
 
 Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
 that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
@@ -69,6 +96,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
+from tiercache.adapters._recvbuf import RecvBuffers
 from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
@@ -90,6 +119,15 @@ PIPELINE_VALUE_BYTES = 256 << 10
 """Values up to this size are pipelined on put; larger ones are sent as one SET each."""
 PIPELINE_BATCH_BYTES = 1 << 20
 """Bytes of small values per put pipeline."""
+DEFAULT_PART_SIZE = 4 << 20
+"""Values over this size are stored as parts of this size (``part_size`` option; 0: never split)."""
+PARTS_IN_FLIGHT = 4
+"""Part GETs/SETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
+_COMPARE_AND_DELETE = (
+    "if redis.call('STRLEN', KEYS[1]) == string.len(ARGV[1]) and redis.call('GET', KEYS[1]) == ARGV[1] "
+    "then return redis.call('DEL', KEYS[1]) end return 0"
+)
+"""Delete a head only if it still holds the manifest a reader found broken (never a newer write's head)."""
 
 _TLS_SCHEMES = {"rediss", "valkeys"}
 _PLAIN_SCHEMES = {"redis", "valkey"}
@@ -121,6 +159,8 @@ class RedisOptions:
     """Prepended to every key."""
     capacity: Size | None = None
     """Bytes this tier may hold (None: the server's own limit)."""
+    part_size: Size = DEFAULT_PART_SIZE
+    """Values over this many bytes are stored as parts of this size (0: never; else at least 1024)."""
     ssl_ca_certs: str | None = None
     """TLS only: CA bundle path."""
     ssl_certfile: str | None = None
@@ -169,6 +209,12 @@ class _Common:
                 f"{scheme}: option 'socket_timeout' must be positive, got {self.socket_timeout}"
             )
         self.capacity: int | None = opts.capacity
+        self.part_size: int = opts.part_size
+        if self.part_size != 0 and not 1024 <= self.part_size <= MAX_VALUE_BYTES:
+            raise ConfigError(
+                f"{scheme}: option 'part_size' must be 0 (never split) or 1024 to {MAX_VALUE_BYTES} bytes, "
+                f"got {self.part_size}"
+            )
         ssl_keys = {k for k in (*_SSL_OPTIONS, "ssl_cert_reqs") if getattr(opts, k) is not None}
         if ssl_keys and not self.tls:
             raise ConfigError(
@@ -257,6 +303,13 @@ class RedisAdapter(Adapter):
         self._mean_hit_bytes = 0.0
         self._resp: RespPool | None = None
         """Plain-TCP standalone servers: the zero-copy path for values over ``PIPELINE_VALUE_BYTES``."""
+        self.part_size = common.part_size
+        self._part_lanes = asyncio.Semaphore(PARTS_IN_FLIGHT)
+        self._recv = RecvBuffers()
+        """Whole-value buffers of parted reads, reused once the caller has dropped every view of one."""
+        self.stats: dict[str, int] = {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
+        """Parted objects read as misses: a part gone (evicted, expired), a part of a rewrite in progress, a
+        head that looks like a manifest and is none."""
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -346,9 +399,51 @@ class RedisAdapter(Adapter):
         full = self._keys(keys)
         if not full:
             return []
-        results = await self._guard(self._pipeline(lambda p: [p.exists(k) for k in full]))
+        results = await self._guard(
+            self._pipeline(lambda p: [(p.exists(k), p.getrange(k, 0, MANIFEST_BYTES - 1)) for k in full])
+        )
         self._raise_first(results)
-        return [bool(r) for r in results]
+        found = [bool(r) for r in results[0::2]]
+        heads = {i: h for i, h in enumerate(results[1::2]) if found[i] and Manifest.looks_like(h)}
+        if heads:
+            manifests = {i: self._manifest(h) for i, h in heads.items()}
+            whole = await self._parts_exist(full, manifests)
+            for i in heads:
+                found[i] = whole[i]
+        return found
+
+    def _manifest(self, head: bytes | memoryview) -> Manifest | None:
+        """The manifest in a head that looks like one; None (counted) if it is corrupt."""
+        manifest = Manifest.decode(head, MAX_VALUE_BYTES)
+        if manifest is None:
+            self.stats["bad_manifests"] += 1
+        return manifest
+
+    async def _parts_exist(
+        self, full: Sequence[str], manifests: dict[int, Manifest | None]
+    ) -> dict[int, bool]:
+        """For each object index, whether every part of its manifest is on the server (one pipeline);
+        a broken object is counted and removed."""
+        todo = [(i, m, m.part_keys(full[i])) for i, m in manifests.items() if m is not None]
+        flat = [k for _, _, keys in todo for k in keys]
+        results = await self._guard(self._pipeline(lambda p: [p.exists(k) for k in flat])) if flat else []
+        self._raise_first(results)
+        whole = {i: False for i in manifests}
+        at = 0
+        for i, m, keys in todo:
+            whole[i] = all(results[at : at + len(keys)])
+            at += len(keys)
+            if not whole[i]:
+                self.stats["parts_missing"] += 1
+                await self._drop_broken(full[i], m)
+        return whole
+
+    async def _drop_broken(self, head: str, manifest: Manifest) -> None:
+        """Remove an object with a part gone: its head if it still holds ``manifest`` (never a newer write's
+        head), then its parts. Best effort: a failure leaves them to TTL or eviction; the miss stands."""
+        with contextlib.suppress(*_TRANSPORT_ERRORS):
+            if await self._client.eval(_COMPARE_AND_DELETE, 1, head, manifest.encode()):
+                await self._pipeline(lambda p: [p.delete(k) for k in manifest.part_keys(head)])
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
         """For each key, its bytes or None: one pipeline of GET for small values, else GETs one by one.
@@ -365,8 +460,48 @@ class RedisAdapter(Adapter):
         else:
             results = await self._guard(self._pipeline(lambda p: [p.get(k) for k in full]))
             self._raise_first(results)
+        results = list(results)
+        for i, r in enumerate(results):
+            if r is not None and Manifest.looks_like(r):
+                manifest = self._manifest(r)
+                results[i] = None if manifest is None else await self._read_parts(full[i], manifest)
         self._learn_sizes([len(r) for r in results if r is not None])
-        return list(results)
+        return results
+
+    async def _read_parts(self, head: str, manifest: Manifest) -> Buffer | None:
+        """The whole value of a parted object, its parts read concurrently into one buffer. None if a part
+        is missing (counted in ``parts_missing``; the object is removed) or is of another write, by its
+        nonce or its length (counted in ``parts_stale``; kept: a rewrite in progress, whose head is next)."""
+        whole = self._recv.take(manifest.total)
+        keys = manifest.part_keys(head)
+
+        async def read(k: str, into: memoryview) -> bytes | None:
+            async with self._part_lanes:
+                return await self._get_into(k, into)
+
+        calls = [read(k, whole[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
+        tails = await self._guard(self._all(calls))
+        self._raise_first(tails)
+        if all(t == manifest.nonce for t in tails):
+            return whole
+        if any(t is None for t in tails):
+            self.stats["parts_missing"] += 1
+            await self._drop_broken(head, manifest)
+        else:
+            self.stats["parts_stale"] += 1
+        return None
+
+    async def _get_into(self, key: str, into: memoryview) -> bytes | None:
+        """GET ``key``, a value of ``into``'s size plus a nonce, into ``into``; its nonce, ``b""`` if it is
+        of another size, None if absent."""
+        if self._resp is not None:
+            return await self._resp.get_into(key.encode(), into, NONCE_BYTES)
+        value = await self._get_one(key)
+        if value is None or len(value) != into.nbytes + NONCE_BYTES:
+            return None if value is None else b""
+        view = memoryview(value).cast("B")
+        into[:] = view[: into.nbytes]
+        return bytes(view[into.nbytes :])
 
     def _learn_sizes(self, sizes: Sequence[int]) -> None:
         """Fold the sizes of values just read or written into the running mean that picks the get mode."""
@@ -406,7 +541,7 @@ class RedisAdapter(Adapter):
             size = memoryview(value).nbytes
             if size > MAX_VALUE_BYTES:
                 continue
-            if size > PIPELINE_VALUE_BYTES:
+            if size > PIPELINE_VALUE_BYTES or self._parted(value):
                 large.append(i)
                 continue
             small.append(i)
@@ -415,17 +550,57 @@ class RedisAdapter(Adapter):
                 await flush()
         await flush()
         if large:
-            results = await self._guard(self._all([self._set_one(full[i], data[i]) for i in large]))
+            results = await self._guard(self._all([self._put_large(full[i], data[i]) for i in large]))
             for i, r in zip(large, results, strict=True):
                 out[i] = self._put_result(r)
         return out
 
-    async def _set_one(self, key: str, value: bytes | memoryview) -> Any:
-        """One SET; a refusal by the server (e.g. OOM) is returned, not raised."""
+    def _parted(self, value: memoryview) -> bool:
+        """Whether ``value`` is stored as parts: over ``part_size``, or starting like a manifest."""
+        return bool(self.part_size and value.nbytes > self.part_size) or Manifest.looks_like(value)
+
+    async def _put_large(self, key: str, value: memoryview) -> Any:
+        """One SET, or a parted write (``_parted``)."""
+        if self._parted(value):
+            return await self._put_parts(key, value)
+        return await self._set_one(key, value)
+
+    async def _put_parts(self, head: str, value: memoryview) -> Any:
+        """Write the parts (each followed by the nonce) concurrently, then the head, so no reader sees a
+        part alone; then drop the parts past the new count that the replaced manifest had. A refused part
+        (OOM) drops the parts and is returned."""
+        manifest = Manifest.new(value.nbytes, self.part_size or max(value.nbytes, 1))
+        keys = manifest.part_keys(head)
+
+        async def write(k: str, part: memoryview) -> Any:
+            async with self._part_lanes:
+                return await self._set_one(k, part, manifest.nonce)
+
+        writes = [write(k, value[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
+        *written, old = await self._all(
+            [*writes, self._pipeline(lambda p: p.getrange(head, 0, MANIFEST_BYTES - 1))]
+        )
+        refused = next((r for r in written if r is not True), None)
+        if refused is None:
+            refused = r = await self._set_one(head, manifest.encode())
+            if r is True:
+                refused = None
+        if refused is not None:
+            await self._pipeline(lambda p: [p.delete(k) for k in keys])
+            return refused
+        previous = None if isinstance(old[0], BaseException) else Manifest.decode(old[0], MAX_VALUE_BYTES)
+        if previous is not None and previous.count > manifest.count:
+            extra = previous.part_keys(head, start=manifest.count)
+            await self._pipeline(lambda p: [p.delete(k) for k in extra])
+        return True
+
+    async def _set_one(self, key: str, value: bytes | memoryview, tail: bytes = b"") -> Any:
+        """One SET of ``value`` followed by ``tail``; a refusal by the server (e.g. OOM) is returned, not
+        raised."""
         try:
             if self._resp is not None:
-                return await self._resp.set(key.encode(), memoryview(value), self.ttl_ms)
-            return await self._set(self._client, key, value)
+                return await self._resp.set(key.encode(), memoryview(value), self.ttl_ms, tail)
+            return await self._set(self._client, key, bytes(value) + tail if tail else value)
         except rexc.ResponseError as exc:
             return exc
         except RespError as exc:
@@ -447,9 +622,19 @@ class RedisAdapter(Adapter):
         full = self._keys(keys)
         if not full:
             return []
-        results = await self._guard(self._pipeline(lambda p: [p.delete(k) for k in full]))
+        results = await self._guard(
+            self._pipeline(lambda p: [(p.getrange(k, 0, MANIFEST_BYTES - 1), p.delete(k)) for k in full])
+        )
         self._raise_first(results)
-        return [bool(r) for r in results]
+        parts = [
+            k
+            for head, h in zip(full, results[0::2], strict=True)
+            if (m := Manifest.decode(h, MAX_VALUE_BYTES)) is not None
+            for k in m.part_keys(head)
+        ]
+        if parts:
+            self._raise_first(await self._guard(self._pipeline(lambda p: [p.delete(k) for k in parts])))
+        return [bool(r) for r in results[1::2]]
 
     async def _shutdown(self) -> None:
         if self._resp is not None:
@@ -524,9 +709,9 @@ class RedisClusterAdapter(RedisAdapter):
             result: list[Any] = await pipe.execute(raise_on_error=False)
             return result
 
-    async def _set_one(self, key: str, value: bytes | memoryview) -> Any:
+    async def _set_one(self, key: str, value: bytes | memoryview, tail: bytes = b"") -> Any:
         async with self._slots:
-            return await super()._set_one(key, value)
+            return await super()._set_one(key, value, tail)
 
     async def _get_one(self, key: str) -> Any:
         async with self._slots:

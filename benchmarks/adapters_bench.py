@@ -6,8 +6,11 @@ server on a free 127.0.0.1 port and stops it by PID at the end.
 redis / valkey: for 1, 4 and 32 MiB frames (about 64 MiB per batch), the adapter's batched put/get against
 raw ``redis.asyncio`` in every mode (sequential SET/GET one after another on the pool, one pipeline,
 concurrent tasks over the pool, MGET), alternating rounds so drift hits all alike; ratios are adapter / best
-raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB parts, through the adapter (one batched call
-each) and through raw redis-py (sequential and pipelined).
+raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB values, through the adapter (one batched
+call each; the 64 MiB value also with ``part_size=0``, unsplit) and through raw redis-py (one 64 MiB value;
+16 x 4 MiB sequential and pipelined), ``3 * rounds`` interleaved rounds: ``adapter_*_one_vs_parts`` is the
+adapter's 64 MiB value against the same bytes as 4 MiB values through the adapter, ``*_vs_raw_parts``
+against raw redis-py's best 4 MiB mode, ``*_vs_raw_one`` against raw redis-py's own 64 MiB SET/GET.
 
 s3: 1, 4 and 32 MiB through the adapter vs raw aioboto3 on a moto server (benchmarks/s3_bench.py).
 
@@ -91,7 +94,8 @@ async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dic
     size = size_mib * MiB
     n = max(2, 64 // size_mib)
     values = [os.urandom(size) for _ in range(n)]
-    keys = [f"bench:o{size_mib}-{i}" for i in range(n)]  # raw keys == adapter keys (prefix bench:)
+    keys = [f"bench:raw-o{size_mib}-{i}" for i in range(n)]  # raw keys apart from the adapter's (its own
+    # layout: a value over part_size is a manifest head plus parts)
     akeys = [f"o{size_mib}-{i}" for i in range(n)]
 
     async def seq_set() -> None:
@@ -143,7 +147,8 @@ async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dic
         "raw_mget": mget,
         "adapter": a_get,
     }
-    await a_put()  # warm up: server memory, connections
+    await a_put()  # warm up: server memory, connections; raw keys written before any raw get
+    await seq_set()
     result = await _compare_modes(puts, gets, rounds, n * size)
     result["objects_per_batch"] = n
     await raw.delete(*keys)
@@ -161,6 +166,7 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
     try:
         url = f"redis://127.0.0.1:{port}/0"
         adapter = await RedisAdapter.open(url, prefix="bench:", socket_timeout=60)
+        unsplit = await RedisAdapter.open(url, prefix="bench-unsplit:", socket_timeout=60, part_size=0)
         pool = aredis.BlockingConnectionPool(
             host="127.0.0.1", port=port, socket_timeout=60, max_connections=8
         )
@@ -180,7 +186,7 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         # One 64 MiB object vs 16 x 4 MiB parts.
         big = os.urandom(64 * MiB)
         parts = [big[i : i + 4 * MiB] for i in range(0, len(big), 4 * MiB)]
-        pkeys = [f"bench:part-{i}" for i in range(len(parts))]
+        pkeys = [f"bench:raw-part-{i}" for i in range(len(parts))]
 
         async def one_set() -> None:
             await raw.set("bench:big", big)
@@ -221,6 +227,14 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
             assert got is not None
             assert len(got) == len(big)
 
+        async def u_one_set() -> None:
+            assert await unsplit.batched_put(bigkeys, [big]) == [True]
+
+        async def u_one_get() -> None:
+            (got,) = await unsplit.batched_get(bigkeys)
+            assert got is not None
+            assert len(got) == len(big)
+
         async def a_parts_get() -> None:
             got = await adapter.batched_get(partkeys)
             assert sum(len(g) for g in got if g is not None) == len(big)
@@ -230,6 +244,8 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
             "adapter_set_16x4MiB": a_parts_set,
             "adapter_get_one_64MiB": a_one_get,
             "adapter_get_16x4MiB": a_parts_get,
+            "adapter_set_one_64MiB_unsplit": u_one_set,
+            "adapter_get_one_64MiB_unsplit": u_one_get,
             "set_one_64MiB": one_set,
             "set_16x4MiB_sequential": parts_seq_set,
             "set_16x4MiB_pipeline": parts_pipe_set,
@@ -239,18 +255,26 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         }
         split_total = dict.fromkeys(split_fns, 0.0)
         await one_set()
-        await parts_seq_set()
+        await parts_seq_set()  # warm up; every raw get below reads what a raw set wrote
         await a_one_set()
         await a_parts_set()
-        for _ in range(rounds):
+        await u_one_set()
+        for _ in range(3 * rounds):
             for m, fn in split_fns.items():
                 split_total[m] += await _timed(fn)
-        split = {k: round(rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
+        split = {k: round(3 * rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
         for op in ("set", "get"):
             one, many = split[f"adapter_{op}_one_64MiB"], split[f"adapter_{op}_16x4MiB"]
             split[f"adapter_{op}_one_vs_parts"] = round(one / many, 3)
+            split[f"adapter_{op}_unsplit_vs_parts"] = round(
+                split[f"adapter_{op}_one_64MiB_unsplit"] / many, 3
+            )
+            raw_parts = max(v for k, v in split.items() if k.startswith(f"{op}_16x4MiB"))
+            split[f"adapter_{op}_one_vs_raw_parts"] = round(one / raw_parts, 3)
+            split[f"adapter_{op}_one_vs_raw_one"] = round(one / split[f"{op}_one_64MiB"], 3)
         out["split_64MiB"] = split
         await adapter.aclose()
+        await unsplit.aclose()
         await raw.aclose()
         return out
     finally:

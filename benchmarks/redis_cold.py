@@ -101,7 +101,7 @@ async def _retrieve(url: str, tokens_n: int) -> dict[str, Any]:
     if got == tokens_n:
         reference.gather(back, Move.gather(layout, slots, [(0, tokens_n)], [have]))
         exact = torch.equal(want.view(torch.int16), have.view(torch.int16))
-    # baseline: redis-py GET of every stored value, one after another, same process
+    # baseline: redis-py GET of every stored value (with parts: every part key and head), one after another
     client = aredis.Redis.from_url(url)
     keys = [k async for k in client.scan_iter(count=1000)]
     t1 = time.perf_counter()

@@ -429,6 +429,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+COUNT_OBJECTS = (
+    "local n = 0 for _, k in ipairs(redis.call('KEYS', '*')) do "
+    "if not string.find(k, '#', 1, true) then n = n + 1 end end return n"
+)
+"""Lua: the keys without a ``#`` (object heads and plain values; not the parts of a parted value)."""
+
+
 def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     """Redis only (no L1 hit): write-through (time until every chunk of the request is readable in Redis)
     and cold retrieve into the KV (tiercache: a fresh engine each round; LMCache: ``local_cpu=False``, so
@@ -473,7 +480,8 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     url = f"redis://127.0.0.1:{port}/0"
     probe = redis_sync.Redis(host="127.0.0.1", port=port)
     lmc = _lmcache_engine(2 * nbytes / 2**30 + 1, src, dst, remote_url=url)
-    config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": url}]})
+    tier_url = url if args.part_size is None else f"{url}?part_size={args.part_size}"
+    config = config_from_dict({"l1": {"capacity": "1GiB"}, "tiers": [{"name": "redis", "url": tier_url}]})
     rng = np.random.default_rng(1)
     loop = asyncio.new_event_loop()
     times: dict[str, list[float]] = {
@@ -483,10 +491,14 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     exact = {"tiercache": True, "lmcache": True}
     stored: dict[str, list[int]] = {"tiercache": [], "lmcache": []}
 
+    def objects() -> int:
+        """Keys naming objects: not tiercache's part keys (``<head>#<i>``, written before their head)."""
+        return int(probe.eval(COUNT_OBJECTS, 0))
+
     def wait_keys(n: int, limit_s: float = 60.0) -> int:
-        """Poll until ``n`` keys are readable (or ``limit_s`` passed: a store was dropped); the count seen."""
+        """Poll until ``n`` objects are readable (or ``limit_s`` passed: a store dropped); the count seen."""
         end = time.perf_counter() + limit_s
-        while (have := int(probe.dbsize())) < n and time.perf_counter() < end:
+        while (have := objects()) < n and time.perf_counter() < end:
             time.sleep(0.001)
         return have
 
@@ -561,6 +573,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "workload": f"{tokens_n} tokens, Llama-8B shape, bf16, {CHUNK}-token chunks, {nbytes} bytes; Redis",
         "rounds": args.rounds,
+        "part_size": args.part_size or "default",
         "tiercache": {
             "write_through_ms": ms(times["tc_write"]),
             "cold_retrieve_ms": ms(times["tc_read"]),
@@ -659,6 +672,7 @@ def main() -> None:
     rd = sub.add_parser("redis", help="Redis only: write-through and cold retrieve beside LMCache (its venv)")
     rd.add_argument("--tokens", type=int, default=4096)
     rd.add_argument("--rounds", type=int, default=5)
+    rd.add_argument("--part-size", default=None, help="tiercache's Redis part_size (default: its own)")
     args = ap.parse_args()
     # LMCache hashes with hash()
     if args.part in ("cpu", "redis") and os.environ.get("PYTHONHASHSEED") != "0":

@@ -1,0 +1,323 @@
+"""Values over ``part_size`` stored as part keys plus a manifest head (adapters/_parts.py), on real servers.
+
+Both client paths of the standalone adapter are covered: the zero-copy RESP client (plain TCP) and redis-py
+(``via`` = ``"redis-py"``: the adapter's RESP pool switched off after open, as for TLS); the cluster adapter
+always uses redis-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiercache
+from tiercache.adapters._parts import MAGIC, MANIFEST_BYTES, NONCE_BYTES, Manifest
+from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
+from tiercache.errors import ConfigError
+from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+
+KiB, MiB = 1 << 10, 1 << 20
+PART = 64 * KiB
+
+
+def _prefix() -> str:
+    return f"p{uuid.uuid4().hex[:12]}:"
+
+
+def _value(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+async def _open(url: str, via: str, **options: Any) -> RedisAdapter:
+    adapter = await RedisAdapter.open(url, socket_timeout=10, **options)
+    if via == "redis-py":
+        assert adapter._resp is not None
+        adapter._resp.close()
+        adapter._resp = None
+    return adapter
+
+
+async def _stored_keys(port: int, prefix: str) -> list[bytes]:
+    raw = aredis.Redis(host="127.0.0.1", port=port)
+    try:
+        return sorted([k async for k in raw.scan_iter(match=prefix + "*")])
+    finally:
+        await raw.aclose()
+
+
+VIAS = pytest.mark.parametrize("via", ["resp", "redis-py"])
+
+
+# -- the conformance kit with small parts -------------------------------------------------------------
+
+
+class TestRedisPartsConformance(AdapterConformance):
+    max_object_bytes = 8 * MiB
+
+    @pytest.fixture
+    def adapter_factory(self, redis_server: Any) -> AdapterFactory:
+        prefix = _prefix()
+        return lambda: RedisAdapter.open(redis_server.url, prefix=prefix, socket_timeout=10, part_size=PART)
+
+
+class TestValkeyPartsConformance(AdapterConformance):
+    max_object_bytes = 8 * MiB
+
+    @pytest.fixture
+    def adapter_factory(self, valkey_server: Any) -> AdapterFactory:
+        prefix, url = _prefix(), f"valkey://127.0.0.1:{valkey_server.port}/0"
+        return lambda: tiercache.open_adapter(url, prefix=prefix, socket_timeout=10, part_size=PART)
+
+
+class TestClusterPartsConformance(AdapterConformance):
+    max_object_bytes = 8 * MiB
+
+    @pytest.fixture
+    def adapter_factory(self, redis_cluster: Any) -> AdapterFactory:
+        prefix = _prefix()
+        return lambda: RedisClusterAdapter.open(
+            redis_cluster.url, prefix=prefix, socket_timeout=10, part_size=PART
+        )
+
+
+# -- round trips across the part boundary ------------------------------------------------------------
+
+_BOUNDARY = 1024
+_SIZES = st.one_of(
+    st.integers(0, 4 * _BOUNDARY + 10),
+    st.sampled_from([_BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, 2 * _BOUNDARY, 2 * _BOUNDARY + 1]),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(_SIZES, min_size=1, max_size=4), seed=st.integers(0, 2**32), magic=st.booleans())
+@VIAS
+def test_round_trip_across_part_boundaries(
+    redis_server: Any, via: str, sizes: list[int], seed: int, magic: bool
+) -> None:
+    """Any sizes around multiples of the part size (and values that start like a manifest) come back
+    exactly; contains sees them; delete leaves no key (head or part) behind."""
+    values = [_value(n, seed + i) for i, n in enumerate(sizes)]
+    if magic:
+        values[0] = MAGIC + values[0]
+    prefix = _prefix()
+    keys = [f"k{i}" for i in range(len(values))]
+
+    async def body() -> None:
+        adapter = await _open(redis_server.url, via, prefix=prefix, part_size=_BOUNDARY)
+        try:
+            assert await adapter.batched_put(keys, values) == [True] * len(keys)
+            got = await adapter.batched_get(keys)
+            assert [None if g is None else bytes(g) for g in got] == values
+            assert await adapter.batched_contains(keys) == [True] * len(keys)
+            stored = await _stored_keys(redis_server.port, prefix)
+            parted = [v for v in values if len(v) > _BOUNDARY or v.startswith(MAGIC)]
+            want = len(values) + sum(max(1, -(-len(v) // _BOUNDARY)) for v in parted)
+            assert len(stored) == want
+            assert await adapter.batched_delete(keys) == [True] * len(keys)
+            assert await adapter.batched_contains(keys) == [False] * len(keys)
+            assert await _stored_keys(redis_server.port, prefix) == []
+            assert adapter.stats == {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
+        finally:
+            await adapter.aclose()
+
+    asyncio.run(body())
+
+
+# -- layout on the server ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_parts_then_head_layout_and_ttl(redis_server: Any, via: str) -> None:
+    """A 1 MiB value with 64 KiB parts is 16 part keys of part + nonce and a manifest head; every key
+    carries the TTL."""
+    prefix = _prefix()
+    value = _value(MiB, 1)
+    adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART, ttl=3600)
+    raw = aredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        assert await adapter.batched_put(["obj"], [value]) == [True]
+        head = await raw.get(prefix + "obj")
+        manifest = Manifest.decode(head, 1 << 30)
+        assert manifest is not None
+        assert (manifest.total, manifest.part_size, manifest.count) == (MiB, PART, 16)
+        for i in range(16):
+            part = await raw.get(f"{prefix}obj#{i}")
+            assert part == value[i * PART : (i + 1) * PART] + manifest.nonce
+        assert len(await _stored_keys(redis_server.port, prefix)) == 17
+        ttls = [await raw.pttl(k) for k in await _stored_keys(redis_server.port, prefix)]
+        assert all(0 < t <= 3600_000 for t in ttls), ttls
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_overwrite_with_fewer_parts_drops_the_rest(redis_server: Any, via: str) -> None:
+    prefix = _prefix()
+    adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
+    try:
+        assert await adapter.batched_put(["obj"], [_value(MiB, 2)]) == [True]
+        small = _value(PART + 1, 3)
+        assert await adapter.batched_put(["obj"], [small]) == [True]
+        (got,) = await adapter.batched_get(["obj"])
+        assert got is not None
+        assert bytes(got) == small
+        assert len(await _stored_keys(redis_server.port, prefix)) == 3  # head + 2 parts
+        plain = _value(100, 4)
+        assert await adapter.batched_put(["obj"], [plain]) == [True]
+        (got,) = await adapter.batched_get(["obj"])
+        assert got is not None
+        assert bytes(got) == plain
+    finally:
+        await adapter.aclose()
+
+
+# -- broken objects are misses, counted --------------------------------------------------------------
+
+
+async def _parted(redis_server: Any, via: str) -> tuple[RedisAdapter, aredis.Redis, str, bytes]:
+    prefix = _prefix()
+    adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
+    value = _value(4 * PART + 5, 5)
+    assert await adapter.batched_put(["obj"], [value]) == [True]
+    return adapter, aredis.Redis(host="127.0.0.1", port=redis_server.port), prefix, value
+
+
+@pytest.mark.asyncio
+@VIAS
+@pytest.mark.parametrize("op", ["get", "contains"])
+async def test_missing_part_is_a_counted_miss_and_the_object_goes(
+    redis_server: Any, via: str, op: str
+) -> None:
+    """One part gone (as an eviction or expiry would leave it): a miss, ``parts_missing`` counted, and
+    the head and the other parts removed so the object is not half there any more."""
+    adapter, raw, prefix, _ = await _parted(redis_server, via)
+    try:
+        assert await raw.delete(f"{prefix}obj#2") == 1
+        if op == "get":
+            assert await adapter.batched_get(["obj"]) == [None]
+        else:
+            assert await adapter.batched_contains(["obj"]) == [False]
+        assert adapter.stats["parts_missing"] == 1
+        assert await _stored_keys(redis_server.port, prefix) == []
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert adapter.stats["parts_missing"] == 1  # nothing left to count
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_part_of_another_length_is_a_stale_miss(redis_server: Any, via: str) -> None:
+    """A part of another length (a rewrite with another size in progress) is a miss counted in
+    ``parts_stale``; the keys stay for the rewrite's head, which comes next."""
+    adapter, raw, prefix, _ = await _parted(redis_server, via)
+    try:
+        part = await raw.get(f"{prefix}obj#1")
+        await raw.set(f"{prefix}obj#1", part[1:])
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert len(await _stored_keys(redis_server.port, prefix)) == 6
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any, via: str) -> None:
+    """A part already rewritten by a newer put (same length, another nonce) is a miss counted in
+    ``parts_stale``; nothing is deleted (the newer write's head is on its way), and that write reads back."""
+    adapter, raw, prefix, value = await _parted(redis_server, via)
+    try:
+        part = await raw.get(f"{prefix}obj#3")
+        await raw.set(f"{prefix}obj#3", part[:-NONCE_BYTES] + b"n" * NONCE_BYTES)
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts
+        newer = _value(len(value), 6)
+        assert await adapter.batched_put(["obj"], [newer]) == [True]
+        (got,) = await adapter.batched_get(["obj"])
+        assert got is not None
+        assert bytes(got) == newer
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_corrupt_manifest_is_a_counted_miss(redis_server: Any, via: str) -> None:
+    adapter, raw, prefix, _ = await _parted(redis_server, via)
+    try:
+        head = await raw.get(f"{prefix}obj")
+        assert len(head) == MANIFEST_BYTES
+        await raw.set(f"{prefix}obj", head[: -NONCE_BYTES - 4] + b"\xff\xff\xff\xff" + head[-NONCE_BYTES:])
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert await adapter.batched_contains(["obj"]) == [False]
+        assert adapter.stats["bad_manifests"] == 2
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_batched_delete_removes_every_part(redis_server: Any, via: str) -> None:
+    prefix = _prefix()
+    adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
+    try:
+        keys = ["a", "b", "c", "gone"]
+        values = [_value(3 * PART, 7), b"small", _value(PART + 1, 8)]
+        assert await adapter.batched_put(keys[:3], values) == [True] * 3
+        assert len(await _stored_keys(redis_server.port, prefix)) == 3 + 3 + 2
+        assert await adapter.batched_delete(keys) == [True, True, True, False]
+        assert await _stored_keys(redis_server.port, prefix) == []
+    finally:
+        await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_evicted_parts_never_give_wrong_bytes(redis_factory: Callable[..., Any]) -> None:
+    """Under ``allkeys-random`` eviction single parts go alone: every read is the stored value or a miss."""
+    server = redis_factory("--maxmemory", "8mb", "--maxmemory-policy", "allkeys-random")
+    async with await RedisAdapter.open(server.url, part_size=PART) as adapter:
+        keys = [f"k{i}" for i in range(24)]
+        values = [_value(MiB + i, 100 + i) for i in range(24)]
+        for i in range(0, 24, 4):
+            assert await adapter.batched_put(keys[i : i + 4], values[i : i + 4]) == [True] * 4
+        got = await adapter.batched_get(keys)
+        for g, v in zip(got, values, strict=True):
+            assert g is None or bytes(g) == v
+        assert any(g is None for g in got), "24 MiB cannot fit in 8 MB"
+
+
+# -- the option -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_part_size_option(redis_server: Any) -> None:
+    async with await RedisAdapter.open(redis_server.url + "?part_size=8MiB") as adapter:
+        assert adapter.part_size == 8 * MiB
+    async with await RedisAdapter.open(redis_server.url) as adapter:
+        assert adapter.part_size == 4 * MiB
+    for bad in (-1, 1000, (512 << 20) + 1):
+        with pytest.raises(ConfigError, match="part_size"):
+            await RedisAdapter.open(redis_server.url, part_size=bad)
+    prefix = _prefix()
+    async with await RedisAdapter.open(redis_server.url, prefix=prefix, part_size=0) as adapter:
+        value = _value(3 * MiB, 9)
+        assert await adapter.batched_put(["obj"], [value]) == [True]  # 0: never split
+        assert await _stored_keys(redis_server.port, prefix) == [f"{prefix}obj".encode()]
