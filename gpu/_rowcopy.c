@@ -12,10 +12,12 @@
  * caller has rejected them for a gather). Tokens are walked in order and, within a token, heads then
  * planes, so a token's paged bytes are touched in address order. Stores bypass the cache (streaming)
  * when rows and addresses are 16-byte aligned: the data is not read back soon and it saves the
- * read-for-ownership traffic. Returns the number of slots >= 0 over all spans. Threads take (span, layer)
- * tasks in turn; two spans that write one slot (never in a request) race.
+ * read-for-ownership traffic. Returns the number of slots >= 0 over all spans. Threads (the caller's and
+ * helper threads kept between calls) take (span, layer) tasks in turn; two spans that write one slot (never
+ * in a request) race.
  */
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -79,17 +81,96 @@ static void run_task(const struct job *g, int64_t k) {
   }
 }
 
-static void *worker(void *arg) {
-  struct job *g = (struct job *)arg;
+/* Take tasks until none is left. */
+static void run_tasks(struct job *g) {
   for (;;) {
     int64_t k = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
     if (k >= g->n_tasks) break;
     run_task(g, k);
   }
 #if defined(__SSE2__)
-  if (g->stream) _mm_sfence(); /* streaming stores visible before the join */
+  if (g->stream) _mm_sfence(); /* streaming stores visible before the hand-back */
 #endif
+}
+
+/* Helper threads, started on first need and kept (a thread start and join cost about as much as copying
+ * 1 MiB): idle ones sleep on ``go``. One call at a time uses them (``call_mu``); a call that finds them
+ * busy (another Python thread in a copy: ctypes drops the GIL) runs on its caller's thread alone. A call
+ * offers ``open`` seats; a helper that wakes takes one, or none when the caller has already closed them,
+ * and the caller waits until every helper that took one has finished before its job leaves scope. */
+enum { MAX_HELPERS = 63 };
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t go = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
+static struct job *current;
+static uint64_t generation;
+static int64_t helpers, open_seats, running;
+
+static void *helper_main(void *arg) {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the interpreter's threads */
+  uint64_t seen = (uint64_t)(uintptr_t)arg; /* the generation before the call that started it */
+  pthread_mutex_lock(&mu);
+  for (;;) {
+    while (generation == seen) pthread_cond_wait(&go, &mu);
+    seen = generation;
+    if (open_seats <= 0) continue;
+    open_seats--;
+    running++;
+    struct job *g = current;
+    pthread_mutex_unlock(&mu);
+    run_tasks(g);
+    pthread_mutex_lock(&mu);
+    if (--running == 0) pthread_cond_signal(&done);
+  }
   return NULL;
+}
+
+/* A forked child has none of its parent's helper threads: forget them (and any lock a parent thread held). */
+static void after_fork_child(void) {
+  pthread_mutex_init(&call_mu, NULL);
+  pthread_mutex_init(&mu, NULL);
+  pthread_cond_init(&go, NULL);
+  pthread_cond_init(&done, NULL);
+  helpers = open_seats = running = 0;
+  current = NULL;
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+/* Run ``g`` on the caller's thread and up to ``extra`` helpers. */
+static void run_job(struct job *g, int64_t extra) {
+  if (extra <= 0 || pthread_mutex_trylock(&call_mu) != 0) {
+    run_tasks(g);
+    return;
+  }
+  pthread_once(&fork_once, register_fork);
+  pthread_mutex_lock(&mu);
+  while (helpers < extra && helpers < MAX_HELPERS) {
+    pthread_t tid;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 1 << 16);
+    int rc = pthread_create(&tid, &attr, helper_main, (void *)(uintptr_t)generation);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) break; /* fewer helpers: still complete */
+    helpers++;
+  }
+  current = g;
+  open_seats = extra < helpers ? extra : helpers;
+  generation++;
+  pthread_cond_broadcast(&go);
+  pthread_mutex_unlock(&mu);
+  run_tasks(g);
+  pthread_mutex_lock(&mu);
+  open_seats = 0; /* helpers not yet awake stay out: every task is taken */
+  while (running > 0) pthread_cond_wait(&done, &mu);
+  current = NULL;
+  pthread_mutex_unlock(&mu);
+  pthread_mutex_unlock(&call_mu);
 }
 
 /* ``threads`` > 1: that many threads (the caller's included) take (span, layer) tasks in turn. */
@@ -106,16 +187,7 @@ int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n
     const int64_t *sp = spans + i * SPAN_FIELDS;
     for (int64_t t = 0; t < sp[SPAN_N_TOK]; t++) valid += slots[sp[SPAN_SLOT0] + t] >= 0;
   }
-  enum { MAX_THREADS = 64 };
-  pthread_t tids[MAX_THREADS];
-  int64_t started = 0;
   if (threads > g.n_tasks) threads = g.n_tasks;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  for (int64_t i = 1; i < threads; i++) {
-    if (pthread_create(&tids[started], NULL, worker, &g) != 0) break; /* fewer threads: still complete */
-    started++;
-  }
-  worker(&g);
-  for (int64_t i = 0; i < started; i++) pthread_join(tids[i], NULL);
+  run_job(&g, threads - 1);
   return valid;
 }

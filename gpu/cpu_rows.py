@@ -2,7 +2,8 @@
 
 The C kernel (built by setup.py as an optional extension, loaded with ctypes) walks every span, layer,
 token, head and plane and copies whole rows with ``memcpy`` or streaming stores, on up to torch's
-intra-op thread count (threads take (span, layer) tasks in turn); the torch reference path runs instead
+intra-op thread count (the caller's thread and helper threads the library keeps between calls take (span,
+layer) tasks in turn); the torch reference path runs instead
 when it is missing or ``TIERCACHE_CPU_KERNELS=0``. Callers validate slots and shapes first:
 this module only describes tensors to the kernel and trusts the indices it is given.
 """

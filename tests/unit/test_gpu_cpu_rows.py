@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -305,3 +306,61 @@ def test_thread_count_follows_torch_and_size() -> None:
     """Small copies stay on the caller's thread; large ones use up to torch's intra-op thread count."""
     assert cpu_rows.threads(1 << 20) == 1
     assert cpu_rows.threads(1 << 40) == torch.get_num_threads()
+
+
+def _gather_case(seed: int) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """A paged KV, its slots and the torch path's objects of three spans (env switch: the caller's thread)."""
+    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=seed)
+    with torch_path():
+        want = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in _SPANS]
+        gather(kv, layout, slots, _SPANS, want)
+    return layout, kv, slots, want
+
+
+_SPANS = [(0, 30), (30, 64), (64, 100)]
+
+
+def _kernel_gathers_match(
+    case: tuple[PagedLayout, list[torch.Tensor], torch.Tensor, list[torch.Tensor]], rounds: int
+) -> bool:
+    """``rounds`` kernel gathers of ``case`` equal its torch objects, bit for bit."""
+    layout, kv, slots, want = case
+    for _ in range(rounds):
+        got = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in _SPANS]
+        gather(kv, layout, slots, _SPANS, got)
+        if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True)):
+            return False
+    return True
+
+
+def test_concurrent_callers_share_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python threads in kernel calls at once (ctypes drops the GIL): one call holds the kept helper
+    threads, the others run on their callers' threads; every object is still exact."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    cases = [_gather_case(seed) for seed in range(20, 28)]
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: 3)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: _kernel_gathers_match(case, 20), cases))
+    assert results == [True] * 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_forked_child_starts_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after threaded copies (its parent's helper threads exist, the child has none) copies
+    exactly on several threads, and the parent's helpers still work after the fork."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    case = _gather_case(30)
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: 2)
+    assert _kernel_gathers_match(case, 2)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no exceptions out of here
+        code = 1
+        try:
+            code = 0 if _kernel_gathers_match(case, 3) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _kernel_gathers_match(case, 2)
