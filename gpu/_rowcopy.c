@@ -10,9 +10,10 @@
  *   object = obj + p * o_plane + j * o_layer + (tok0 + t) * o_tok + h * row_bytes
  * dir 0 (gather) copies paged -> object; dir 1 (scatter) object -> paged. Slots < 0 are skipped (the
  * caller has rejected them for a gather). Tokens are walked in order and, within a token, heads then
- * planes, so a token's paged bytes are touched in address order. Stores bypass the cache (streaming)
- * when rows and addresses are 16-byte aligned: the data is not read back soon and it saves the
- * read-for-ownership traffic. Returns the number of slots >= 0 over all spans. Threads (the caller's and
+ * planes, so a token's paged bytes are touched in address order. ``stores``: 0 plain ``memcpy``; 1 stores
+ * that bypass the cache (streaming) where rows and addresses are 16-byte aligned (the data is not read
+ * back soon, and it saves the read-for-ownership traffic); 2 the same with one 64-byte store per line
+ * where the CPU has AVX-512F and rows and addresses are 64-byte aligned (else as 1). Returns the number of slots >= 0 over all spans. Threads (the caller's and
  * helper threads kept between calls) take (span, layer) tasks in turn; two spans that write one slot (never
  * in a request) race.
  */
@@ -48,16 +49,32 @@ static inline void copy_row(char *dst, const char *src, int64_t n, int stream) {
   memcpy(dst, src, (size_t)n);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TC_WIDE 1
+/* One 64-byte streaming store per cache line (AVX-512F; the caller checked the CPU has it): a line leaves
+ * the write-combining buffer whole, and a gather measured ~8 % faster than with 16-byte stores. */
+__attribute__((target("avx512f"))) static inline void copy_row_wide(char *dst, const char *src, int64_t n,
+                                                                   int stream) {
+  if (stream && (((uintptr_t)dst | (uintptr_t)src) & 63) == 0 && (n & 63) == 0) {
+    for (int64_t i = 0; i < n; i += 64)
+      _mm512_stream_si512((void *)(dst + i), _mm512_load_si512((const void *)(src + i)));
+    return;
+  }
+  copy_row(dst, src, n, stream);
+}
+#endif
+
 struct job {
-  int dir, stream;
+  int dir, stream, wide;
   int64_t n_layers, n_tasks;
   const int64_t *layers, *spans, *slots, *poff;
   int64_t bs, s_blk, s_off, s_head, heads, planes, row_bytes;
   int64_t next; /* next task (span * n_layers + layer), taken atomically */
 };
 
-/* One task: every token, head and plane of one span in one layer. */
-static void run_task(const struct job *g, int64_t k) {
+/* One task: every token, head and plane of one span in one layer (``wide``: a constant per instance). */
+static inline __attribute__((always_inline)) void task_body(const struct job *g, int64_t k, int wide) {
   const int64_t *sp = g->spans + (k / g->n_layers) * SPAN_FIELDS;
   int64_t j = k % g->n_layers;
   const int64_t *sl = g->slots + sp[SPAN_SLOT0];
@@ -72,20 +89,39 @@ static void run_task(const struct job *g, int64_t k) {
       for (int64_t p = 0; p < g->planes; p++) {
         char *a = page + h * g->s_head + g->poff[p];
         char *b = orow + p * sp[SPAN_O_PLANE] + h * g->row_bytes;
-        if (g->dir == 0)
-          copy_row(b, a, g->row_bytes, g->stream);
-        else
-          copy_row(a, b, g->row_bytes, g->stream);
+        char *to = g->dir == 0 ? b : a;
+        const char *from = g->dir == 0 ? a : b;
+#if defined(TC_WIDE)
+        if (wide) {
+          copy_row_wide(to, from, g->row_bytes, g->stream);
+          continue;
+        }
+#endif
+        (void)wide;
+        copy_row(to, from, g->row_bytes, g->stream);
       }
     }
   }
 }
+
+static void run_task(const struct job *g, int64_t k) { task_body(g, k, 0); }
+#if defined(TC_WIDE)
+__attribute__((target("avx512f"))) static void run_task_wide(const struct job *g, int64_t k) {
+  task_body(g, k, 1);
+}
+#endif
 
 /* Take tasks until none is left. */
 static void run_tasks(struct job *g) {
   for (;;) {
     int64_t k = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
     if (k >= g->n_tasks) break;
+#if defined(TC_WIDE)
+    if (g->wide) {
+      run_task_wide(g, k);
+      continue;
+    }
+#endif
     run_task(g, k);
   }
 #if defined(__SSE2__)
@@ -176,11 +212,15 @@ static void run_job(struct job *g, int64_t extra) {
 /* ``threads`` > 1: that many threads (the caller's included) take (span, layer) tasks in turn. */
 int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n_spans, const int64_t *spans,
                      const int64_t *slots, int64_t bs, int64_t s_blk, int64_t s_off, int64_t s_head,
-                     int64_t heads, int64_t planes, const int64_t *poff, int64_t row_bytes, int64_t threads) {
-  struct job g = {dir, 0, n_layers, n_spans * n_layers, layers, spans, slots, poff,
+                     int64_t heads, int64_t planes, const int64_t *poff, int64_t row_bytes, int64_t threads,
+                     int stores) {
+  struct job g = {dir, 0, 0, n_layers, n_spans * n_layers, layers, spans, slots, poff,
                   bs, s_blk, s_off, s_head, heads, planes, row_bytes, 0};
 #if defined(__SSE2__)
-  g.stream = (row_bytes % 16) == 0;
+  g.stream = stores > 0 && (row_bytes % 16) == 0;
+#endif
+#if defined(TC_WIDE)
+  g.wide = stores > 1 && g.stream && (row_bytes % 64) == 0 && __builtin_cpu_supports("avx512f");
 #endif
   int64_t valid = 0;
   for (int64_t i = 0; i < n_spans; i++) {

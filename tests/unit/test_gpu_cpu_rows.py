@@ -364,3 +364,63 @@ def test_forked_child_starts_its_own_helpers(monkeypatch: pytest.MonkeyPatch) ->
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert _kernel_gathers_match(case, 2)
+
+
+def _at_offset(
+    shape: tuple[int, ...], dtype: torch.dtype, offset: int, fill: torch.Tensor | None
+) -> torch.Tensor:
+    """A dense tensor of ``shape`` starting ``offset`` elements into a fresh buffer (misaligned rows),
+    holding ``fill`` or the all-ones sentinel."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = poisoned((n + offset,), dtype)
+    t = base[offset:].view(shape)
+    if fill is not None:
+        t.copy_(fill)
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2]),
+    st.sampled_from([torch.bfloat16, torch.float32, torch.float8_e4m3fn]),
+    st.sampled_from([8, 32, 40, 64]),
+    st.sampled_from([0, 8, 32]),
+    st.sampled_from([0, 16]),
+    st.integers(1, 40),
+    st.integers(0, 2**16),
+)
+def test_every_store_kind_equals_torch_path(
+    stores: int, dtype: torch.dtype, d: int, obj_offset: int, kv_offset: int, n: int, seed: int
+) -> None:
+    """Cached, 16-byte streaming and widest streaming stores (64-byte with AVX-512F), rows of 8-256 bytes,
+    objects and KV aligned or not to 16 / 64 bytes: gather and scatter write the torch path's bytes."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    gen = torch.Generator().manual_seed(seed)
+    bs, h = 4, 2
+    nblocks = -(-n // bs) + 3
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, L, h, d, bs, str(dtype).removeprefix("torch."))
+    shape = layout.layer_shape(nblocks)
+    kv = [_at_offset(shape, dtype, kv_offset, random_tensor(shape, dtype, gen)) for _ in range(L)]
+    slots = torch.randperm(nblocks * bs, generator=gen)[:n]
+    spans = [(0, n // 2), (n // 2, n)] if n > 1 else [(0, n)]
+    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
+    want = [poisoned(s, dtype) for s in obj_shape]
+    with torch_path():
+        gather(kv, layout, slots, spans, want)
+    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
+        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
+        gather(kv, layout, slots, spans, got)
+        back = [
+            _at_offset(shape, dtype, kv_offset, torch.zeros(shape, dtype=torch.float32).to(dtype))
+            for _ in range(L)
+        ]
+        assert scatter(got, back, layout, slots, spans) == n
+    assert spy.call_count == 2
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    ref = [torch.zeros(shape, dtype=torch.float32).to(dtype) for _ in range(L)]
+    with torch_path():
+        scatter(want, ref, layout, slots, spans)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
