@@ -360,6 +360,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         return dt
 
     bare_dst = torch.empty_like(src)
+    load_before = os.getloadavg()  # a shared box: how busy it was while the rounds ran
     times: dict[str, list[float]] = {"tiercache": [], "lmcache": [], "bare_copy": []}
     fns = {"tiercache": t_store, "lmcache": l_store}
     chunks = -(-tokens_n // CHUNK)
@@ -375,6 +376,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         bare_dst.copy_(src)
         times["bare_copy"].append(time.perf_counter() - t0)
+    load_after = os.getloadavg()
     ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
     if pages:
         ok_tc = all(
@@ -394,6 +396,8 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         "layout": kind.name,
         "torch_threads": torch.get_num_threads(),
         "native_cpu_kernel": cpu_rows.native() is not None,
+        "kernel_stores": cpu_rows.STORES,
+        "load_average_before_after": [load_before, load_after],
         "rounds": args.rounds,
         "bare_copy_GBps": gbps(times["bare_copy"]),
         "tiercache": {
