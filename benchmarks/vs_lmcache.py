@@ -23,7 +23,8 @@ CPU torch). Run here from a separate venv holding LMCache, with the working tree
 package tree: ``PYTHONPATH=TREE [OMP_NUM_THREADS=1] python benchmarks/vs_lmcache.py cpu [--tokens 256]
 [--layout cpu_blocks] [--lookup-tokens 0] > benchmarks/results/vs_lmcache_cpu*.json``, where
 ``TREE/tiercache`` holds links to ``tiercache/*`` plus ``gpu``, ``serde`` and ``adapters`` (the ``_rowcopy``
-library built in place by the editable install sits in ``gpu/``).
+library built in place by the editable install sits in ``gpu/``). ``--store-kinds 1,0`` adds tiercache with
+the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -295,8 +298,8 @@ def _timed_kv_copies() -> None:
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
     """L1 store / retrieve of the same KV, tiercache (paged FLASH or CPU_BLOCKS KV, the engine's CPU copies)
-    beside LMCache (contiguous KV), interleaved and bit-exact; a bare copy of the same bytes; lookup of a
-    long prompt."""
+    beside LMCache (contiguous KV) and a bare copy of the same bytes, each round in a fresh seeded order,
+    bit-exact; lookup of a long prompt."""
     import asyncio
 
     import numpy as np
@@ -345,17 +348,21 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
     loop = asyncio.new_event_loop()
 
-    def t_store() -> float:
+    def t_store(stores: int, rets: list[float]) -> float:
         toks = prompt()
+        cpu_rows.STORES = stores
         t0 = time.perf_counter()
         loop.run_until_complete(engine.store(toks, kv, slots))
         dt = time.perf_counter() - t0
         t1 = time.perf_counter()
         loop.run_until_complete(engine.retrieve(toks, kv_back, slots))
-        t_ret.append(time.perf_counter() - t1)
+        rets.append(time.perf_counter() - t1)
+        cpu_rows.STORES = default_stores
         return dt  # the next round's prompt evicts this one (L1 holds one request)
 
+    default_stores = cpu_rows.STORES
     t_ret: list[float] = []
+    kind_ret: dict[int, list[float]] = {k: [] for k in args.store_kinds if k != default_stores}
     lmc_ret: list[float] = []
 
     def l_store() -> float:
@@ -371,8 +378,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         return dt
 
     bare_dst = torch.empty_like(src)
-    times: dict[str, list[float]] = {"tiercache": [], "lmcache": [], "bare_copy": []}
-    fns = {"tiercache": t_store, "lmcache": l_store}
+    load_before = os.getloadavg()  # a shared box: how busy it was while the rounds ran
+    times: dict[str, list[float]] = {"tiercache": [], "lmcache": [], "bare_copy": [], "bare_copy_ring": []}
+    fns: dict[str, Callable[[], float]] = {"tiercache": partial(t_store, default_stores, t_ret)}
+    fns["lmcache"] = l_store
+    for k, rets in kind_ret.items():  # the kernel's other store kinds as extra contenders (same L1)
+        fns[f"tiercache_stores{k}"] = partial(t_store, k, rets)
+    times.update({c: [] for c in fns if c not in times})
     chunks = -(-tokens_n // CHUNK)
     for _ in range(-(-l1.num_slots // chunks) + 1):  # warm-up: every L1 slot written once (first touch of
         for fn in fns.values():  # the pool's pages; steady state = a full L1), pools, lazy imports
@@ -380,12 +392,39 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     bare_dst.copy_(src)
     t_ret.clear()
     lmc_ret.clear()
-    for r in range(args.rounds):
-        for c in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-            times[c].append(fns[c]())
+    for rets in kind_ret.values():
+        rets.clear()
+
+    def bare_copy() -> float:
         t0 = time.perf_counter()
         bare_dst.copy_(src)
-        times["bare_copy"].append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    # The same copy into the next of as many buffers as L1 holds requests: L1 writes each store into
+    # another slot, which a box with a large last-level cache may no longer hold (the bare copy's one
+    # buffer it may); LMCache's allocator hands back the buffer it just freed.
+    ring = [torch.empty_like(src) for _ in range(-(-l1.capacity // nbytes))]
+    for buf in ring:
+        buf.copy_(src)
+    turn = [0]
+
+    def bare_copy_ring() -> float:
+        turn[0] += 1
+        buf = ring[turn[0] % len(ring)]
+        t0 = time.perf_counter()
+        buf.copy_(src)
+        return time.perf_counter() - t0
+
+    # Each round in a fresh seeded order, the bare copy included: an op's time depends on the one before
+    # it (streaming stores leave no dirty lines behind, cached ones do), so no contender may always follow
+    # the same one (a fixed order had tiercache's store always after a cached-store copy).
+    fns["bare_copy"] = bare_copy
+    fns["bare_copy_ring"] = bare_copy_ring
+    order_rng = np.random.default_rng(2)
+    for _ in range(args.rounds):
+        for c in order_rng.permutation(list(fns)):
+            times[str(c)].append(fns[str(c)]())
+    load_after = os.getloadavg()
     ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
     if pages:
         ok_tc = all(
@@ -405,6 +444,8 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         "layout": kind.name,
         "torch_threads": torch.get_num_threads(),
         "native_cpu_kernel": cpu_rows.native() is not None,
+        "kernel_stores": cpu_rows.STORES,
+        "load_average_before_after": [load_before, load_after],
         "rounds": args.rounds,
         "bare_copy_GBps": gbps(times["bare_copy"]),
         "tiercache": {
@@ -420,8 +461,18 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         "note": f"tiercache gathers from / scatters to paged {kind.name} KV (a shuffled block table); "
         "LMCache copies contiguous token ranges",
     }
+    for k, rets in kind_ret.items():
+        store = gbps(times[f"tiercache_stores{k}"])
+        res[f"tiercache_stores{k}"] = {
+            "store_GBps": store,
+            "retrieve_GBps": gbps(rets),
+            "store_vs_bare_copy": store / res["bare_copy_GBps"],
+            "retrieve_vs_bare_copy": gbps(rets) / res["bare_copy_GBps"],
+        }
     res["store_tiercache_vs_lmcache"] = res["tiercache"]["store_GBps"] / res["lmcache"]["store_GBps"]
     res["retrieve_tiercache_vs_lmcache"] = res["tiercache"]["retrieve_GBps"] / res["lmcache"]["retrieve_GBps"]
+    res["bare_copy_ring"] = {"buffers": len(ring), "GBps": gbps(times["bare_copy_ring"])}
+    res["store_tiercache_vs_bare_copy_ring"] = res["tiercache"]["store_GBps"] / res["bare_copy_ring"]["GBps"]
     res["store_tiercache_vs_bare_copy"] = res["tiercache"]["store_GBps"] / res["bare_copy_GBps"]
     res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
     if args.lookup_tokens:
@@ -669,6 +720,12 @@ def main() -> None:
     c.add_argument("--layout", choices=["flash", "cpu_blocks"], default="flash", help="tiercache's paged KV")
     c.add_argument("--lookup-tokens", type=int, default=131072, help="0: no lookup part")
     c.add_argument("--rounds", type=int, default=7)
+    c.add_argument(
+        "--store-kinds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="also run tiercache with these cpu_rows.STORES kinds (0 cached, 1 16-byte streaming, 2 widest)",
+    )
     rd = sub.add_parser("redis", help="Redis only: write-through and cold retrieve beside LMCache (its venv)")
     rd.add_argument("--tokens", type=int, default=4096)
     rd.add_argument("--rounds", type=int, default=5)

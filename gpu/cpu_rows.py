@@ -1,8 +1,10 @@
 """Native row copies between CPU paged KV and CPU objects: one C call per gather/scatter (``_rowcopy.c``).
 
 The C kernel (built by setup.py as an optional extension, loaded with ctypes) walks every span, layer,
-token, head and plane and copies whole rows with ``memcpy`` or streaming stores, on up to torch's
-intra-op thread count (threads take (span, layer) tasks in turn); the torch reference path runs instead
+token, head and plane and copies whole rows with streaming stores (64-byte ones where the CPU has
+AVX-512F; ``memcpy`` where rows are not 16-byte aligned), on up to torch's
+intra-op thread count (the caller's thread and helper threads the library keeps between calls take (span,
+layer) tasks in turn); the torch reference path runs instead
 when it is missing or ``TIERCACHE_CPU_KERNELS=0``. Callers validate slots and shapes first:
 this module only describes tensors to the kernel and trusts the indices it is given.
 """
@@ -17,13 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Geometry", "RowJob", "copy", "native", "object_fits", "threads"]
+__all__ = ["STORES", "Geometry", "RowJob", "copy", "native", "object_fits", "threads"]
 
 _SPAN_FIELDS = 7
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _BYTES_PER_THREAD = 8 << 20  # a smaller call runs on the caller's thread alone
+STORES = 2
+"""The kernel's stores: 0 cached (``memcpy``), 1 16-byte streaming, 2 the widest streaming stores the CPU
+has (the default: fastest measured, ``vs_lmcache.py cpu``); tests set the others to cover every path."""
 
 
 def native() -> ctypes.CDLL | None:
@@ -40,7 +45,7 @@ def native() -> ctypes.CDLL | None:
                 fn = lib.tc_copy_rows
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P]
-                fn.argtypes += [ctypes.c_int64] * 6 + [_I64P, ctypes.c_int64, ctypes.c_int64]
+                fn.argtypes += [ctypes.c_int64] * 6 + [_I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
                 _LIB = lib
         except (ImportError, OSError, AttributeError):
             _LIB = None
@@ -115,6 +120,7 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob]) -> int:
             poff,
             geo.row_bytes,
             threads(moved),
+            STORES,
         )
     )
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -305,3 +306,121 @@ def test_thread_count_follows_torch_and_size() -> None:
     """Small copies stay on the caller's thread; large ones use up to torch's intra-op thread count."""
     assert cpu_rows.threads(1 << 20) == 1
     assert cpu_rows.threads(1 << 40) == torch.get_num_threads()
+
+
+def _gather_case(seed: int) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """A paged KV, its slots and the torch path's objects of three spans (env switch: the caller's thread)."""
+    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 30, 4, 100, seed=seed)
+    with torch_path():
+        want = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in _SPANS]
+        gather(kv, layout, slots, _SPANS, want)
+    return layout, kv, slots, want
+
+
+_SPANS = [(0, 30), (30, 64), (64, 100)]
+
+
+def _kernel_gathers_match(
+    case: tuple[PagedLayout, list[torch.Tensor], torch.Tensor, list[torch.Tensor]], rounds: int
+) -> bool:
+    """``rounds`` kernel gathers of ``case`` equal its torch objects, bit for bit."""
+    layout, kv, slots, want = case
+    for _ in range(rounds):
+        got = [poisoned(object_spec(layout, b - a).shape, torch.bfloat16) for a, b in _SPANS]
+        gather(kv, layout, slots, _SPANS, got)
+        if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True)):
+            return False
+    return True
+
+
+def test_concurrent_callers_share_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python threads in kernel calls at once (ctypes drops the GIL): one call holds the kept helper
+    threads, the others run on their callers' threads; every object is still exact."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    cases = [_gather_case(seed) for seed in range(20, 28)]
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: 3)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: _kernel_gathers_match(case, 20), cases))
+    assert results == [True] * 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_forked_child_starts_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after threaded copies (its parent's helper threads exist, the child has none) copies
+    exactly on several threads, and the parent's helpers still work after the fork."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    case = _gather_case(30)
+    monkeypatch.setattr(cpu_rows, "threads", lambda nbytes: 2)
+    assert _kernel_gathers_match(case, 2)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no exceptions out of here
+        code = 1
+        try:
+            code = 0 if _kernel_gathers_match(case, 3) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _kernel_gathers_match(case, 2)
+
+
+def _at_offset(
+    shape: tuple[int, ...], dtype: torch.dtype, offset: int, fill: torch.Tensor | None
+) -> torch.Tensor:
+    """A dense tensor of ``shape`` starting ``offset`` elements into a fresh buffer (misaligned rows),
+    holding ``fill`` or the all-ones sentinel."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = poisoned((n + offset,), dtype)
+    t = base[offset:].view(shape)
+    if fill is not None:
+        t.copy_(fill)
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2]),
+    st.sampled_from([torch.bfloat16, torch.float32, torch.float8_e4m3fn]),
+    st.sampled_from([8, 32, 40, 64]),
+    st.sampled_from([0, 8, 32]),
+    st.sampled_from([0, 16]),
+    st.integers(1, 40),
+    st.integers(0, 2**16),
+)
+def test_every_store_kind_equals_torch_path(
+    stores: int, dtype: torch.dtype, d: int, obj_offset: int, kv_offset: int, n: int, seed: int
+) -> None:
+    """Cached, 16-byte streaming and widest streaming stores (64-byte with AVX-512F), rows of 8-256 bytes,
+    objects and KV aligned or not to 16 / 64 bytes: gather and scatter write the torch path's bytes."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    gen = torch.Generator().manual_seed(seed)
+    bs, h = 4, 2
+    nblocks = -(-n // bs) + 3
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, L, h, d, bs, str(dtype).removeprefix("torch."))
+    shape = layout.layer_shape(nblocks)
+    kv = [_at_offset(shape, dtype, kv_offset, random_tensor(shape, dtype, gen)) for _ in range(L)]
+    slots = torch.randperm(nblocks * bs, generator=gen)[:n]
+    spans = [(0, n // 2), (n // 2, n)] if n > 1 else [(0, n)]
+    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
+    want = [poisoned(s, dtype) for s in obj_shape]
+    with torch_path():
+        gather(kv, layout, slots, spans, want)
+    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
+        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
+        gather(kv, layout, slots, spans, got)
+        back = [
+            _at_offset(shape, dtype, kv_offset, torch.zeros(shape, dtype=torch.float32).to(dtype))
+            for _ in range(L)
+        ]
+        assert scatter(got, back, layout, slots, spans) == n
+    assert spy.call_count == 2
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    ref = [torch.zeros(shape, dtype=torch.float32).to(dtype) for _ in range(L)]
+    with torch_path():
+        scatter(want, ref, layout, slots, spans)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
