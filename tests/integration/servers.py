@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["ServerProcess", "free_port", "load_by_path", "port_open", "start_process"]
+__all__ = ["ServerProcess", "exits_within", "free_port", "load_by_path", "port_open", "start_process"]
 
 
 def load_by_path(path: str | Path, name: str) -> ModuleType:
@@ -57,6 +58,19 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def exits_within(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` (not a child of ours) is gone within ``timeout_s`` (waits on its pidfd, no
+    polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

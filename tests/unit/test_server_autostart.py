@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers import exits_within
 
 from tiercache.server.autostart import (
     FAILED_NAME,
@@ -57,17 +57,6 @@ class Starter:
         return err
 
 
-def _exits_within(pid: int, timeout_s: float) -> bool:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
-
-
 def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path) -> None:
     first = Starter("inst-a", tmp_path)
     assert first.socket is not None
@@ -95,7 +84,7 @@ def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path
     second.exit()  # not the starter: the server stays
     assert socket_answers(first.socket)
     first.exit()
-    assert _exits_within(int(info["pid"]), 60.0)
+    assert exits_within(int(info["pid"]), 60.0)
     assert not where.exists()  # socket, info, lock and log removed with the directory
     assert socket_answers(other.socket)
     other.exit()
