@@ -101,6 +101,22 @@ def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float
     return statistics.median(times)
 
 
+def back_to_back_time(fn: Callable[[], object], calls: int = 32, reps: int = 7) -> float:
+    """Median seconds per call of ``calls`` calls made back to back with one wait at the end (a step's moves:
+    a call that does not wait for its kernel hides its host work behind the kernel before it)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -229,6 +245,19 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         splan = tk.plan(kv2, Move.scatter(layout, sl2, sp, objs, trusted=True))
         t_gk = cuda_time(gplan.launch, reps=50)
         t_sk = cuda_time(splan.launch, reps=50)
+        # floors, timed as the calls below: the bound launch alone (one driver call, nothing above it) and
+        # torch's own device copy of the same bytes; what any call from Python pays from an idle device
+        gbound = tk.bind(kv, Move.gather(layout, sl, sp, objs, trusted=True))
+        assert gbound is not None
+        flat_src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
+        flat_dst = torch.empty_like(flat_src)
+        t_copy = cuda_time(lambda: flat_dst.copy_(flat_src), reps=50)  # noqa: B023
+        row["floors"] = {
+            "bound_launch_alone_vs_kernel": t_gk / wall_time(gbound.go, reps=201, warmup=5),
+            "torch_copy_call_vs_its_device_time": t_copy
+            / wall_time(lambda: flat_dst.copy_(flat_src), reps=201, warmup=5),  # noqa: B023
+            "torch_copy_device_GBps": nbytes / t_copy / GB,
+        }
         moves = {
             "gather": Move.gather(layout, sl, sp, objs),
             "scatter": Move.scatter(layout, sl2, sp, objs),
@@ -255,6 +284,7 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
                 "call_vs_kernel": t_kernel / t_call,
                 "call_minus_kernel_us": (t_call - t_kernel) * 1e6,
                 "host_us": host_time(fn) * 1e6,
+                "back_to_back_vs_kernel": t_kernel / back_to_back_time(fn),
             }
             if name == "gather":
                 row[name]["bit_exact"] = all(
@@ -314,7 +344,9 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         "included unless *_trusted), the Move built once (built_per_call: built in each call); kernel: "
         "device "
         "time of the same launch; host_us: wall time until the call returns minus nothing (a checked call "
-        "waits for its kernel); pinned: wall time of the call vs device time of one pinned copy, interleaved"
+        "waits for its kernel); back_to_back: 32 calls with one wait at the end, per call, vs the kernel; "
+        "floors: the bound launch alone and torch's device copy, each call's wall time vs device time; "
+        "pinned: wall time of the call vs device time of one pinned copy, interleaved"
     )
     return out
 

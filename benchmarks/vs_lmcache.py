@@ -160,12 +160,16 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                 gb.log(f"first call: {n} tokens {path} {c}")
                 fn()
                 torch.cuda.synchronize()
-            times: dict[str, dict[str, list[float]]] = {c: {"device": [], "wall": []} for c in fns}
+            times: dict[str, dict[str, list[float]]] = {
+                c: {"device": [], "wall": [], "back_to_back": []} for c in fns
+            }
             order = list(fns)
             for r in range(args.rounds):
                 for c in order if r % 2 == 0 else order[::-1]:
                     times[c]["device"].append(gb.cuda_time(fns[c], reps=20))
                     times[c]["wall"].append(gb.wall_time(fns[c], reps=51, warmup=3))
+                    if path not in ceilings:  # device moves: also a step's calls made back to back
+                        times[c]["back_to_back"].append(gb.back_to_back_time(fns[c], reps=3))
             entry: dict[str, Any] = {}
             for c, t in times.items():
                 dev_t, wall_t = statistics.median(t["device"]), statistics.median(t["wall"])
@@ -175,6 +179,8 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                     "call_wall_worst_round_GBps": nbytes / max(t["wall"]) / gb.GB,
                     "host_cost_us": (wall_t - dev_t) * 1e6,
                 }
+                if t["back_to_back"]:
+                    entry[c]["back_to_back_GBps"] = nbytes / statistics.median(t["back_to_back"]) / gb.GB
                 if path in ceilings:
                     entry[c]["call_vs_pinned_ceiling"] = ceilings[path] / wall_t
                     entry[c]["worst_round_vs_pinned_ceiling"] = ceilings[path] / max(t["wall"])
@@ -187,6 +193,9 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
             if "tiercache_trusted" in entry:
                 entry["tiercache_trusted_vs_lmcache_call"] = (
                     entry["tiercache_trusted"]["call_wall_GBps"] / entry["lmcache"]["call_wall_GBps"]
+                )
+                entry["tiercache_trusted_vs_lmcache_back_to_back"] = (
+                    entry["tiercache_trusted"]["back_to_back_GBps"] / entry["lmcache"]["back_to_back_GBps"]
                 )
             if path in ceilings:
                 entry["pinned_ceiling_GBps"] = nbytes / ceilings[path] / gb.GB

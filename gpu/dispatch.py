@@ -69,23 +69,23 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     """Run ``move`` on a kernel path: the tokens written (a gather's count is unused), or None when the
     reference must do it. What the first run picked is remembered on the move for these KV caches, so a
     repeated run goes straight to its bound launch or its prepared pipeline."""
+    picked = move.prepared.get(id(kv_caches))
+    if picked is not None and picked[1] is kv_caches:  # the path this move took before on these caches
+        path = picked[0]
+        if path == "bound":
+            bound = picked[2]
+            if bound.valid_for(kv_caches):
+                return bound.run()  # type: ignore[no-any-return]
+        elif path == _REFERENCE:
+            return None
     from tiercache.gpu import transfer
     from tiercache.gpu import triton_kernels as tk
 
     if move.fp8:
         return _fp8_run(kv_caches, move)
-    picked = move.prepared.get(id(kv_caches))
-    if picked is not None and picked[1] is kv_caches:
-        path = picked[0]
-        if path == _REFERENCE:
-            return None
-        if path == "bound":
-            bound: tk.BoundMove = picked[2]
-            if bound.valid_for(kv_caches):
-                return bound.run()
-        elif path == "pipeline":
-            xfer: transfer.Transfer = picked[2]
-            return xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+    if picked is not None and picked[1] is kv_caches and picked[0] == "pipeline":
+        xfer: transfer.Transfer = picked[2]
+        return xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
     path = _REFERENCE
     n: int | None = None
     if move.objects and kernels_enabled(kv_caches, move.layout):

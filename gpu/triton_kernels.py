@@ -1224,7 +1224,19 @@ class BoundMove:
     and a wait for the kernel when the flags must be read or the objects are in host memory (``wait``: the
     caller may read them, or release them, once the call returns)."""
 
-    __slots__ = ("count", "flags", "flags_np", "go", "index", "kv_caches", "mv", "plan", "reg", "wait")
+    __slots__ = (
+        "clear",
+        "count",
+        "flag_bytes",
+        "flags",
+        "go",
+        "index",
+        "kv_caches",
+        "mv",
+        "plan",
+        "reg",
+        "wait",
+    )
 
     def __init__(self, kv_caches: KVCaches, p: MovePlan, cfg: TileConfig, *, wait: bool = False) -> None:
         mv = p.move
@@ -1235,10 +1247,11 @@ class BoundMove:
         self.mv = mv
         self.count = sum(max(0, e - s - k) for (s, e), k in zip(mv.span_list, mv.skips, strict=True))
         self.flags: torch.Tensor | None = None
-        self.flags_np: Any = None
+        self.flag_bytes: memoryview | None = None  # the flags' bytes (the kernel sets words 0-1 of a span)
         if mv.check_args is not None:
             self.flags = torch.zeros((max(1, len(mv.span_list)), 4), dtype=torch.int64, pin_memory=True)
-            self.flags_np = self.flags.numpy()
+            self.flag_bytes = self.flags.numpy().data.cast("B")
+        self.clear = bytes(0 if self.flag_bytes is None else len(self.flag_bytes))
         self.wait = wait or self.flags is not None
         self.go = p.bound(cfg, self.flags)
         self.index = p.geo.device.index or 0
@@ -1251,14 +1264,14 @@ class BoundMove:
         """Launch; with flags, wait for the kernel and count exactly on the host only if one is set
         (``ValueError`` for bad slots). Returns the tokens written (every token past the skips when none is
         flagged or the move is trusted)."""
-        flags = self.flags_np
+        flags = self.flag_bytes
         if flags is not None:
-            flags.fill(0)
+            flags[:] = self.clear
         self.go()
         if not self.wait:
             return self.count
         current_stream(self.index).synchronize()  # the move is the stream's last work: it waits for it only
-        if flags is not None and flags[:, :2].any():
+        if flags is not None and flags != self.clear:
             return exact_count(self.mv)
         return self.count
 

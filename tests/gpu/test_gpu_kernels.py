@@ -439,3 +439,50 @@ def test_a_move_run_again_reads_the_slots_of_each_run(where: str) -> None:
     want = [poisoned(o.shape, torch.bfloat16) for o in outs]
     ref_gather(kv2, layout, slots, spans, want)
     assert all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, outs, strict=True))
+
+
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_bound_moves_run_from_another_thread(where: str) -> None:
+    """A move bound on one thread runs bit-exact from a new thread (the pre-bound launcher sets the CUDA
+    context up there), checked and trusted, and a trusted scatter writes every token past its skip."""
+    import threading
+
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=31, tokens=n)
+    host, pin = (torch.device("cpu"), True) if where == "pinned" else (DEV, False)
+    outs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16, host, pin) for s, e in spans]
+    want = [poisoned(o.shape, torch.bfloat16) for o in outs]
+    ref_gather(kv, layout, slots, spans, want)
+
+    def same() -> bool:
+        return all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, outs, strict=True))
+
+    errors: list[BaseException] = []
+
+    def run_on_thread(m: Move) -> None:
+        try:
+            dispatch.gather(kv, m)
+            torch.cuda.synchronize()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    for trusted in (False, True):
+        move = Move.gather(layout, slots, spans, outs, trusted=trusted)
+        dispatch.gather(kv, move)
+        torch.cuda.synchronize()
+        assert same()
+        assert move.prepared[id(kv)][0] == "bound"
+        for o in outs:
+            bits(o).fill_(-1)
+        t = threading.Thread(target=run_on_thread, args=(move,))
+        t.start()
+        t.join()
+        assert not errors
+        assert same()
+    dst = [poisoned(t.shape, torch.bfloat16).as_strided(t.shape, t.stride()) for t in kv]
+    dst_ref = [t.clone() for t in dst]
+    assert dispatch.scatter(dst, Move.scatter(layout, slots, spans, outs, [5, 0, 0], trusted=True)) == n - 5
+    ref_scatter(outs, dst_ref, layout, slots, spans, [5, 0, 0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
