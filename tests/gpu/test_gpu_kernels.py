@@ -6,10 +6,13 @@ reference (which runs on the same CUDA tensors).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import move_cases as cases
 import pytest
 import torch
+from move_cases import DTYPES, KINDS, bits, k_gather, k_scatter, ref_gather, ref_scatter, sentinel_left
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -29,46 +32,16 @@ from tiercache.gpu import triton_kernels as tk
 from tiercache.serde.fp8 import Fp8Codec
 from tiercache.store.l1 import L1Cache
 
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-KINDS = [
-    pytest.param(LayoutKind.VLLM_FLASH, True, id="flash-nhd-strided"),
-    pytest.param(LayoutKind.VLLM_FLASH, False, id="flash-contiguous"),
-    pytest.param(LayoutKind.VLLM_LEGACY, False, id="legacy"),
-    pytest.param(LayoutKind.VLLM_MLA, False, id="mla"),
-]
 DEV = torch.device("cuda")
+make_kv = functools.partial(
+    cases.make_kv, device=DEV, layers=4, heads=4, head_dim=64, bs=16, nb=64, tokens=600
+)
 
 
-# the entry points called through a Move built from each case's arguments
-def ref_gather(
-    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, layers: Any = None
-) -> None:
-    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=layers))
-
-
-def ref_scatter(
-    objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip: Any = 0
-) -> int:
-    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip))
-
-
-def k_gather(
-    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, cfg: Any = tk.DEFAULT_CONFIG
-) -> None:
-    tk.gather(kv, Move.gather(layout, slots, spans, out), cfg)
-
-
-def k_scatter(
-    objs: Any,
-    kv: Any,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    spans: Any,
-    skip: Any = 0,
-    cfg: Any = tk.DEFAULT_CONFIG,
-) -> int:
-    return tk.scatter(kv, Move.scatter(layout, slots, spans, objs, skip), cfg)
+def poisoned(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = DEV, pin: bool = False
+) -> torch.Tensor:
+    return cases.poisoned(shape, dtype, device, pin)
 
 
 def d_gather(kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, **kw: Any) -> None:
@@ -77,58 +50,6 @@ def d_gather(kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out:
 
 def d_scatter(objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip: Any = 0) -> int:
     return dispatch.scatter(kv, Move.scatter(layout, slots, spans, objs, skip))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(BITS[t.element_size()])
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.float32:
-        return torch.randn(shape, generator=gen, device=DEV) + 3.0
-    ib = BITS[torch.empty((), dtype=dtype).element_size()]
-    raw = torch.randint(1, torch.iinfo(ib).max, shape, generator=gen, dtype=torch.int64, device=DEV)
-    return raw.to(ib).view(dtype)
-
-
-def poisoned(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = DEV, pin: bool = False
-) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-    bits(t).fill_(-1 if t.element_size() > 1 else 255)
-    return t
-
-
-def sentinel_left(t: torch.Tensor) -> bool:
-    return bool((bits(t) == (-1 if t.element_size() > 1 else 255)).any())
-
-
-def make_kv(
-    kind: LayoutKind,
-    dtype: torch.dtype,
-    strided: bool,
-    seed: int,
-    *,
-    layers: int = 4,
-    heads: int = 4,
-    head_dim: int = 64,
-    bs: int = 16,
-    nb: int = 64,
-    tokens: int = 600,
-) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor]:
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    h = 1 if kind is LayoutKind.VLLM_MLA else heads
-    layout = PagedLayout(kind, layers, h, head_dim, bs, str(dtype))
-    kv = []
-    for _ in range(layers):
-        if kind is LayoutKind.VLLM_FLASH and strided:
-            kv.append(random_tensor((nb, bs, h, 2 * head_dim), dtype, gen).permute(0, 2, 1, 3))
-        else:
-            kv.append(random_tensor(layout.layer_shape(nb), dtype, gen))
-    need = -(-tokens // bs)
-    table = torch.randperm(nb - 1, generator=gen, device=DEV)[:need] + 1
-    pos = torch.arange(tokens, device=DEV)
-    return layout, kv, table[pos // bs] * bs + pos % bs
 
 
 def spans_of(n: int, chunk: int) -> list[tuple[int, int]]:

