@@ -20,4 +20,14 @@ ROWCOPY = Extension(
     optional=True,
 )
 
-setup(package_dir=ROOTS, packages=PACKAGES, ext_modules=[ROWCOPY])
+# Kernel launches through the CUDA driver with parameters packed once (tiercache.gpu.launch); optional too:
+# without it bound launches call Triton's launcher. It opens libcuda at run time (no CUDA headers needed).
+LAUNCH = Extension(
+    "tiercache.gpu._launch",
+    sources=["gpu/_launch.c"],
+    extra_compile_args=["-O2"],
+    libraries=["dl"],
+    optional=True,
+)
+
+setup(package_dir=ROOTS, packages=PACKAGES, ext_modules=[ROWCOPY, LAUNCH])

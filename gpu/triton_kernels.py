@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiercache.errors import Unsupported
-from tiercache.gpu.launch import Ptr, bind_launch, current_stream, launch, prebound_enabled
+from tiercache.gpu.launch import Ptr, bind_launch, launch, prebound_enabled, sync_stream
 from tiercache.gpu.layouts import (
     LayoutKind,
     PagedLayout,
@@ -1270,7 +1270,7 @@ class BoundMove:
         self.go()
         if not self.wait:
             return self.count
-        current_stream(self.index).synchronize()  # the move is the stream's last work: it waits for it only
+        sync_stream(self.index)  # the move is the stream's last work: it waits for it only
         if flags is not None and flags != self.clear:
             return exact_count(self.mv)
         return self.count

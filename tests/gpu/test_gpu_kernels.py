@@ -363,10 +363,16 @@ def test_a_move_run_again_reads_the_slots_of_each_run(where: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["device", "pinned"])
-def test_bound_moves_run_from_another_thread(where: str) -> None:
-    """A move bound on one thread runs bit-exact from a new thread (the pre-bound launcher sets the CUDA
-    context up there), checked and trusted, and a trusted scatter writes every token past its skip."""
+def test_bound_moves_launch_through_the_driver_from_any_thread(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bound move launches through the native extension's ``cuLaunchKernel`` (its parameters verified with
+    the driver), bit-exact, checked and trusted, also from a new thread (where the driver may refuse for want
+    of a current context: the launch is made again through Triton's launcher); a trusted scatter writes every
+    token past its skip; with direct launches off, Triton's launcher moves the same bytes."""
     import threading
+
+    from tiercache.gpu import launch
 
     n = 600
     spans = spans_of(n, 256)
@@ -393,7 +399,9 @@ def test_bound_moves_run_from_another_thread(where: str) -> None:
         dispatch.gather(kv, move)
         torch.cuda.synchronize()
         assert same()
-        assert move.prepared[id(kv)][0] == "bound"
+        path, _, bound = move.prepared[id(kv)]
+        assert path == "bound"
+        assert bound.go.direct
         for o in outs:
             bits(o).fill_(-1)
         t = threading.Thread(target=run_on_thread, args=(move,))
@@ -407,3 +415,15 @@ def test_bound_moves_run_from_another_thread(where: str) -> None:
     ref_scatter(outs, dst_ref, layout, slots, spans, [5, 0, 0])
     torch.cuda.synchronize()
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    if where == "device":
+        monkeypatch.setattr(launch, "DIRECT", False)
+        cfg = tk.TileConfig(tile_bytes=8192, num_warps=4)  # a launch not bound before
+        move = Move.gather(layout, slots, spans, outs)
+        for o in outs:
+            bits(o).fill_(-1)
+        tk.gather(kv, move, cfg)
+        torch.cuda.synchronize()
+        assert same()
+        bound = tk.bind(kv, move, cfg)
+        assert bound is not None
+        assert not bound.go.direct  # type: ignore[attr-defined]
