@@ -1,6 +1,7 @@
 """Map the card's top-level folders into the ``tiercache`` namespace (metadata lives in pyproject.toml)."""
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 ROOTS = {
     "tiercache": "tiercache",
@@ -30,4 +31,24 @@ LAUNCH = Extension(
     optional=True,
 )
 
-setup(package_dir=ROOTS, packages=PACKAGES, ext_modules=[ROWCOPY, LAUNCH])
+
+class BuildOptionalExt(build_ext):
+    """build_ext that leaves an optional extension which failed to build out of its outputs, so that an
+    editable install (which links every listed output) succeeds without it, as a regular install does."""
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # the compiler's and linker's errors; a required extension still fails
+            if not ext.optional:
+                raise
+            self.warn(f"{ext.name} was not built ({e}); tiercache runs its Python fallback instead")
+            self.extensions = [x for x in self.extensions if x is not ext]
+
+
+setup(
+    package_dir=ROOTS,
+    packages=PACKAGES,
+    ext_modules=[ROWCOPY, LAUNCH],
+    cmdclass={"build_ext": BuildOptionalExt},
+)
