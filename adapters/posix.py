@@ -1,8 +1,10 @@
 """``file:///abs/dir``: objects as files in a sharded directory tree, written by temp file + rename.
 
-Layout: ``<root>/<h0h1>/<h2h3>/<key>`` where ``h`` is the hex xxh64 digest of the key and ``shard_depth``
-(default 2) levels of two hex characters are used; ``open`` makes the 256 first-level directories, a put the
-rest of its path when missing. A put writes ``.<key>.<owner>.<random>.tmp`` in the
+Layout: ``<root>/<h0h1>/<key>`` where ``h`` is the hex xxh64 digest of the key: ``shard_depth`` levels of
+two hex characters, one by default, whose 256 directories ``open`` makes, so a put into a new store never
+makes a directory (deeper layouts make the rest of a path when missing). A store written with the former
+default of two levels (``<root>/<h0h1>/<h2h3>/<key>``) is recognised at open and kept at two levels when
+``shard_depth`` is not given (``_scan``). A put writes ``.<key>.<owner>.<random>.tmp`` in the
 object's directory (optionally fsyncs it), then ``os.replace``s it over the object: a reader sees the old
 object, the new one or nothing, never a part. The owner (host, pid and process start time,
 ``tiercache.adapters._tempfiles``) lets a sweep remove only the temp files of writers that are gone (a
@@ -57,6 +59,7 @@ from tiercache.adapters._inline_writes import (
     LOCAL_FILESYSTEMS,
     InlineWritePolicy,
     filesystem_type,
+    slow_s,
     voluntary_switches,
 )
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
@@ -80,6 +83,8 @@ _INLINE_MAX_BYTES = 8 << 20  # larger cached objects still go to the pool (paral
 _INLINE_BATCH_BYTES = 16 << 20  # at most this much copied (read or written) on the loop thread per batch
 _INLINE_PUT_BYTES = 4 << 20  # default of ``inline_put_bytes``
 _FIRST_LEVEL = [f"{i:02x}" for i in range(256)]  # the shard directories made at open
+_DEFAULT_DEPTH = 1  # shard levels of a new store when ``shard_depth`` is not given
+_LEGACY_DEPTH = 2  # the former default: a store with second-level directories keeps it
 
 
 def _shard_dirs(key: str, depth: int) -> list[str]:
@@ -175,7 +180,7 @@ def _write_file(
     for victim in victims:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(victim)
-    tmp = os.path.join(directory, temp_name(key))
+    tmp = f"{directory}{os.sep}{temp_name(key)}"
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -226,8 +231,9 @@ class PosixOptions:
     """Bytes of values kept (LRU eviction beyond; None: unbounded)."""
     fsync: bool = False
     """fsync each value (and its directory) as it is written."""
-    shard_depth: int = 2
-    """Levels of two-hex-character subdirectories (0 to 8)."""
+    shard_depth: int | None = None
+    """Levels of two-hex-character subdirectories (0 to 8); None: the store's own (2 for a tree written
+    with the former default, which has second-level directories), else 1."""
     threads: int = _DEFAULT_THREADS
     """File I/O threads (at least 1)."""
     temp_sweep_s: float = 300.0
@@ -257,7 +263,7 @@ class PosixAdapter(Adapter):
             raise ConfigError(f"file: root must be an absolute path, got {root!r}")
         if capacity is not None and capacity < 0:
             raise ConfigError(f"file: capacity must not be negative, got {capacity}")
-        if not 0 <= shard_depth <= 8:
+        if shard_depth is not None and not 0 <= shard_depth <= 8:
             raise ConfigError(f"file: shard_depth must be between 0 and 8, got {shard_depth}")
         if threads < 1:
             raise ConfigError(f"file: threads must be at least 1, got {threads}")
@@ -280,9 +286,13 @@ class PosixAdapter(Adapter):
         """Whether a put may be written on the loop thread; ``_load`` arms it (local filesystems only)."""
         self._sweeper: asyncio.Task[None] | None = None
         self.root = os.path.normpath(root)
+        self._first_level = [os.path.join(self.root, name) for name in _FIRST_LEVEL]
         self.capacity = capacity
         self.fsync = fsync
-        self.shard_depth = shard_depth
+        self.shard_depth = _DEFAULT_DEPTH if shard_depth is None else shard_depth
+        """Shard levels of the layout; when not given, ``_load`` sets it from the tree it finds."""
+        self._depth_known = shard_depth is not None
+        """Whether ``shard_depth`` is settled (given, or found by the scan at open)."""
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix")
         # Helpers only read ranges (never wait on anything), so a read waiting on them cannot deadlock.
         self._helpers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix-read")
@@ -334,23 +344,32 @@ class PosixAdapter(Adapter):
 
     def _scan(self, objects: bool = True) -> list[tuple[str, int, float]]:
         """Walk the tree: (key, size, mtime) of each object (unless ``objects`` is False) and, on the way,
-        remove dead writers' temp files and count the others (``stats``)."""
+        remove dead writers' temp files and count the others (``stats``).
+
+        When ``shard_depth`` was not given, the first walk (at open) also settles it: files are looked for
+        one and two levels down, and the store is taken as two levels deep (the former default) if any
+        first-level directory holds a second-level one, else as one; objects of the other depth are not
+        ours (as objects written with another ``shard_depth`` never were)."""
         os.makedirs(self.root, exist_ok=True)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "not writable", self.root)
-        found: list[tuple[str, int, float]] = []
+        found: list[tuple[str, int, float, str]] = []
         temp_files = temp_bytes = removed = 0
+        detect = not self._depth_known
+        lowest, deepest = (_DEFAULT_DEPTH, _LEGACY_DEPTH) if detect else (self.shard_depth,) * 2
+        second_level = False
 
         def walk(directory: str, depth: int) -> None:
-            nonlocal temp_files, temp_bytes, removed
+            nonlocal temp_files, temp_bytes, removed, second_level
             with os.scandir(directory) as it:
                 for entry in it:
                     name = entry.name
-                    if depth < self.shard_depth:
-                        if entry.is_dir(follow_symlinks=False) and len(name) == 2:
+                    if depth < deepest and entry.is_dir(follow_symlinks=False):
+                        if len(name) == 2:
+                            second_level = second_level or depth == 1
                             walk(entry.path, depth + 1)
                         continue
-                    if not entry.is_file(follow_symlinks=False):
+                    if depth < lowest or not entry.is_file(follow_symlinks=False):
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -370,18 +389,20 @@ class PosixAdapter(Adapter):
                         check_key(name)
                     except ValueError:
                         continue
-                    if os.path.dirname(self._path(name)) != directory:
-                        continue  # not ours (e.g. written with another shard_depth)
-                    found.append((name, st.st_size, st.st_mtime))
+                    found.append((name, st.st_size, st.st_mtime, directory))
 
         walk(self.root, 0)
+        if detect:
+            self.shard_depth = _LEGACY_DEPTH if second_level else _DEFAULT_DEPTH
+            self._depth_known = True  # settled: later sweeps walk this depth only
         self.stats["temp_files"], self.stats["temp_bytes"] = temp_files, temp_bytes
         self.stats["temp_files_removed"] += removed
-        return found
+        # An object in another directory than its key's is not ours (e.g. written with another shard_depth).
+        return [(k, size, mtime) for k, size, mtime, d in found if self._directory(k) == d]
 
     def _make_first_level(self) -> None:
         """Create the 256 first-level shard directories that are missing (once per store: a put into a new
-        tree then makes at most its leaf directory; a first-level mkdir measured ~80 µs here, a leaf ~11)."""
+        one-level tree then makes no directory; a deeper tree's put makes its missing leaf)."""
         if self.shard_depth == 0:
             return
         present = set(os.listdir(self.root))
@@ -413,8 +434,14 @@ class PosixAdapter(Adapter):
         """Bytes of the objects this adapter knows about."""
         return self._used
 
+    def _directory(self, key: str) -> str:
+        """The directory that holds ``key``'s file."""
+        if self.shard_depth == 1:  # the default: one of the directories made at open, no hex formatting
+            return self._first_level[xxhash.xxh64_intdigest(key.encode()) >> 56]
+        return os.path.join(self.root, *_shard_dirs(key, self.shard_depth))
+
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *_shard_dirs(key, self.shard_depth), key)
+        return os.path.join(self._directory(key), key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -541,7 +568,14 @@ class PosixAdapter(Adapter):
     def _begin_put(self, key: str, size: int) -> list[str] | None:
         """Account for ``size`` bytes under ``key`` (a put in flight); the paths to evict first, or None if
         the value does not fit (nothing changed)."""
-        if self.capacity is not None and size > self.capacity:
+        writing = self._writing
+        if self.capacity is None:  # unbounded: nothing to evict (the path of every put, kept short)
+            index = self._index
+            self._used += size - index.pop(key, 0)
+            index[key] = size
+            writing[key] = writing.get(key, 0) + 1
+            return []
+        if size > self.capacity:
             return None
         old = self._index.get(key)
         self._forget(key)
@@ -551,7 +585,7 @@ class PosixAdapter(Adapter):
                 self._touch(key, old)
             return None
         self._touch(key, size)
-        self._writing[key] = self._writing.get(key, 0) + 1
+        writing[key] = writing.get(key, 0) + 1
         return victims
 
     def _end_put(self, key: str, ok: bool) -> bool:
@@ -565,27 +599,34 @@ class PosixAdapter(Adapter):
         return not ok and not others
 
     def _put_inline(self, key: str, value: Buffer, size: int, victims: list[str]) -> bool:
-        """Write one value on the loop thread and tell the inline policy how long it took."""
-        path = self._path(key)
+        """Write one value on the loop thread and tell the inline policy how long it took (and, only if it
+        was slow, whether the thread slept in the kernel meanwhile: one ``getrusage`` on the fast path)."""
+        directory = self._directory(key)
+        path = f"{directory}{os.sep}{key}"
+        policy = self.inline
         ok = False
         switches = voluntary_switches()
-        start = self.inline.clock()
+        start = policy.clock()
         try:
-            ok = _write_file(os.path.dirname(path), path, key, value, False, victims)
+            ok = _write_file(directory, path, key, value, False, victims)
         finally:
-            took = self.inline.clock() - start
-            after = voluntary_switches()
-            self.inline.record(size, took, switches is None or after is None or after > switches)
+            took = policy.clock() - start
+            if took > slow_s(size):
+                after = voluntary_switches()
+                policy.record(size, took, switches is None or after is None or after > switches)
+                self.stats["inline_slow_writes"] = policy.slow_writes
+            else:
+                policy.record(size, took, False)
             self.stats["inline_puts"] += 1
-            self.stats["inline_slow_writes"] = self.inline.slow_writes
             if self._end_put(key, ok):
                 _unlink(path)
         return ok
 
     def _submit_write(self, key: str, value: Buffer, victims: list[str]) -> asyncio.Future[bool]:
         """Hand one write to the pool now (a failed future if the adapter is closing)."""
-        path = self._path(key)
-        write = partial(_write_file, os.path.dirname(path), path, key, value, self.fsync, victims)
+        directory = self._directory(key)
+        path = os.path.join(directory, key)
+        write = partial(_write_file, directory, path, key, value, self.fsync, victims)
         try:
             return self._submit(write)
         except AdapterUnavailable as exc:

@@ -72,20 +72,89 @@ def _files(root: Path) -> list[str]:
 
 @pytest.mark.asyncio
 async def test_sharded_layout(tmp_path: Path) -> None:
-    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    """A new store is one level deep (``<h0h1>/<key>``); ``shard_depth`` 2 and 0 as given."""
+    adapter = await PosixAdapter.open(f"file://{tmp_path}/one")
+    assert adapter.shard_depth == 1
     assert await adapter.batched_put(["alpha", "beta"], [b"1", b"22"]) == [True, True]
     await adapter.aclose()
-    expected = []
+    one, two = [], []
     for key in ("alpha", "beta"):
         h = xxhash.xxh64_hexdigest(key.encode())
-        expected.append(f"{h[0:2]}/{h[2:4]}/{key}")
-        assert (tmp_path / h[0:2] / h[2:4] / key).read_bytes() == (b"1" if key == "alpha" else b"22")
-    assert _files(tmp_path) == sorted(expected)
+        one.append(f"{h[0:2]}/{key}")
+        two.append(f"{h[0:2]}/{h[2:4]}/{key}")
+        assert (tmp_path / "one" / h[0:2] / key).read_bytes() == (b"1" if key == "alpha" else b"22")
+    assert _files(tmp_path / "one") == sorted(one)
+    reopened = await PosixAdapter.open(f"file://{tmp_path}/one")  # stays one level deep
+    assert (reopened.shard_depth, reopened.used_bytes) == (1, 3)
+    await reopened.aclose()
+
+    deep = await PosixAdapter.open(f"file://{tmp_path}/two", shard_depth=2)
+    assert await deep.batched_put(["alpha", "beta"], [b"1", b"22"]) == [True, True]
+    await deep.aclose()
+    assert _files(tmp_path / "two") == sorted(two)
 
     flat = await PosixAdapter.open(f"file://{tmp_path}/flat", shard_depth=0)
     assert await flat.batched_put(["gamma"], [b"3"]) == [True]
     await flat.aclose()
     assert _files(tmp_path / "flat") == ["gamma"]
+
+
+def _two_level_path(root: Path, key: str) -> Path:
+    """Where the former default layout (two levels, before issue 14) kept ``key``."""
+    h = xxhash.xxh64_hexdigest(key.encode())
+    return root / h[0:2] / h[2:4] / key
+
+
+@pytest.mark.asyncio
+async def test_store_in_the_former_two_level_layout_is_read_counted_evicted_and_written(
+    tmp_path: Path,
+) -> None:
+    """A tree written with the former default (``<h0h1>/<h2h3>/<key>``, built here by hand from that
+    layout's description) opened without ``shard_depth``: its objects are found, counted at open, evicted
+    oldest first, read, deleted, and new puts go where the same layout puts them."""
+    from tiercache.adapters import _tempfiles
+
+    values = {f"old{i}": bytes([i]) * (1000 + i) for i in range(6)}
+    for i, (key, value) in enumerate(values.items()):
+        path = _two_level_path(tmp_path, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value)
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))  # old0 is the oldest
+    dead_temp = (
+        _two_level_path(tmp_path, "old0").parent / f".old0.{_tempfiles._host()}_{_exited_pid()}_1.x.tmp"
+    )
+    dead_temp.write_bytes(b"partial")
+    total = sum(map(len, values.values()))
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
+    try:
+        assert adapter.shard_depth == 2
+        assert adapter.used_bytes == total
+        assert not dead_temp.exists()  # swept at the leaf level
+        assert await adapter.batched_contains(list(values)) == [True] * 6
+        assert [bytes(v) for v in await adapter.batched_get(list(values)) if v is not None] == list(
+            values.values()
+        )
+        assert await adapter.batched_delete(["old5"]) == [True]
+        assert not _two_level_path(tmp_path, "old5").exists()
+        assert adapter.used_bytes == total - len(values["old5"])
+        assert await adapter.batched_put(["new"], [b"n" * 10]) == [True]
+        assert _two_level_path(tmp_path, "new").read_bytes() == b"n" * 10
+    finally:
+        await adapter.aclose()
+
+    # Reopened with a smaller capacity: still two levels, the oldest objects evicted at open.
+    capacity = len(values["old3"]) + len(values["old4"]) + 10
+    bounded = await PosixAdapter.open(f"file://{tmp_path}", capacity=capacity, temp_sweep_s=0)
+    try:
+        assert bounded.shard_depth == 2
+        assert bounded.used_bytes == capacity
+        assert await bounded.batched_contains([*values, "new"]) == [False] * 3 + [True, True, False, True]
+        assert _files(tmp_path) == sorted(
+            str(_two_level_path(tmp_path, k).relative_to(tmp_path)) for k in ("new", "old3", "old4")
+        )
+    finally:
+        await bounded.aclose()
 
 
 @pytest.mark.asyncio
