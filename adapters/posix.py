@@ -47,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -215,6 +216,22 @@ def _write_file(
         return False
 
 
+def _file_size(path: str) -> int | None:
+    """Bytes of the file at ``path``, or None if there is none."""
+    try:
+        return os.stat(path).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class _Ended(Enum):
+    """What is left to do when a put of a key ends (``PosixAdapter._end_put``)."""
+
+    DONE = "done"
+    REMOVE = "remove"
+    RECOUNT = "recount"
+
+
 def _unlink(path: str) -> bool:
     try:
         os.unlink(path)
@@ -299,6 +316,7 @@ class PosixAdapter(Adapter):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._used = 0
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
+        self._raced: set[str] = set()  # keys with overlapping puts in flight (``_count_writer``)
         self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
         self._closed = False
 
@@ -471,20 +489,25 @@ class PosixAdapter(Adapter):
             self._used -= old
 
     def _reserve_victims(self, extra: int) -> list[str] | None:
-        """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit."""
-        if self.capacity is None:
+        """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit (then
+        nothing is dropped: the bytes held by writes in flight cannot be freed)."""
+        if self.capacity is None or self._used + extra <= self.capacity:
             return []
-        victims: list[str] = []
-        if self._used + extra <= self.capacity:
-            return victims
-        for key in list(self._index):
+        dropped: list[tuple[str, int]] = []
+        for key, size in list(self._index.items()):
             if self._used + extra <= self.capacity:
                 break
             if key in self._writing:
                 continue
             self._forget(key)
-            victims.append(self._path(key))
-        return victims if self._used + extra <= self.capacity else None
+            dropped.append((key, size))
+        if self._used + extra > self.capacity:
+            for key, size in reversed(dropped):  # back where they were, least recently used first
+                self._index[key] = size
+                self._index.move_to_end(key, last=False)
+                self._used += size
+            return None
+        return [self._path(key) for key, _ in dropped]
 
     # -- the adapter API -------------------------------------------------------------------------------
 
@@ -568,12 +591,11 @@ class PosixAdapter(Adapter):
     def _begin_put(self, key: str, size: int) -> list[str] | None:
         """Account for ``size`` bytes under ``key`` (a put in flight); the paths to evict first, or None if
         the value does not fit (nothing changed)."""
-        writing = self._writing
         if self.capacity is None:  # unbounded: nothing to evict (the path of every put, kept short)
             index = self._index
             self._used += size - index.pop(key, 0)
             index[key] = size
-            writing[key] = writing.get(key, 0) + 1
+            self._count_writer(key)
             return []
         if size > self.capacity:
             return None
@@ -585,18 +607,42 @@ class PosixAdapter(Adapter):
                 self._touch(key, old)
             return None
         self._touch(key, size)
-        writing[key] = writing.get(key, 0) + 1
+        self._count_writer(key)
         return victims
 
-    def _end_put(self, key: str, ok: bool) -> bool:
-        """A put of ``key`` ended; True if it failed and no other put of the key is in flight (then its
-        file must go: a failed put leaves no object under the key, never a stale one)."""
+    def _count_writer(self, key: str) -> None:
+        """One more put of ``key`` in flight; one that starts while another runs makes the key raced: the
+        renames may land in any order, so the size that counts is read back once the last has ended."""
+        writers = self._writing.get(key, 0)
+        if writers:
+            self._raced.add(key)
+        self._writing[key] = writers + 1
+
+    def _end_put(self, key: str, ok: bool) -> _Ended:
+        """A put of ``key`` ended: ``REMOVE`` if it failed and no other put of the key is in flight (its
+        file must go: a failed put leaves no object under the key, never a stale one), ``RECOUNT`` if it
+        was the last of puts that raced (count the file that landed: ``_recount``), else ``DONE``."""
         others = self._writing.pop(key) - 1
         if others:
             self._writing[key] = others
-        elif not ok:
+            return _Ended.DONE
+        raced = key in self._raced
+        self._raced.discard(key)
+        if not ok:
             self._forget(key)
-        return not ok and not others
+            return _Ended.REMOVE
+        return _Ended.RECOUNT if raced else _Ended.DONE
+
+    def _recount(self, key: str, size: int | None) -> list[str]:
+        """Raced puts of ``key`` have all ended and its file now holds ``size`` bytes (None: no file):
+        count that; the paths of the LRU objects to unlink if it is more than was counted."""
+        if key in self._writing:  # a newer put started meanwhile: it counts what it writes
+            return []
+        if size is None:
+            self._forget(key)
+            return []
+        self._touch(key, size)
+        return self._reserve_victims(0) or []
 
     def _put_inline(self, key: str, value: Buffer, size: int, victims: list[str]) -> bool:
         """Write one value on the loop thread and tell the inline policy how long it took (and, only if it
@@ -618,8 +664,12 @@ class PosixAdapter(Adapter):
             else:
                 policy.record(size, took, False)
             self.stats["inline_puts"] += 1
-            if self._end_put(key, ok):
+            ended = self._end_put(key, ok)
+            if ended is _Ended.REMOVE:
                 _unlink(path)
+            elif ended is _Ended.RECOUNT:  # rare; a local filesystem (inline): a stat is microseconds
+                for victim in self._recount(key, _file_size(path)):
+                    _unlink(victim)
         return ok
 
     def _submit_write(self, key: str, value: Buffer, victims: list[str]) -> asyncio.Future[bool]:
@@ -645,10 +695,15 @@ class PosixAdapter(Adapter):
         try:
             ok = await write
         finally:
-            remove = self._end_put(key, ok)
-        if remove:
-            with contextlib.suppress(AdapterUnavailable):
-                await self._run(partial(_unlink, self._path(key)))
+            ended = self._end_put(key, ok)
+        path = self._path(key)
+        with contextlib.suppress(AdapterUnavailable):
+            if ended is _Ended.REMOVE:
+                await self._run(partial(_unlink, path))
+            elif ended is _Ended.RECOUNT:
+                victims = self._recount(key, await self._run(partial(_file_size, path)))
+                if victims:
+                    await self._run(lambda: [_unlink(p) for p in victims])
         return ok
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:

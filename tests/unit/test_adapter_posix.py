@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -508,3 +509,74 @@ async def test_shard_directories_made_at_open_and_on_demand(tmp_path: Path) -> N
         assert await deep.batched_get(["k"]) == [b"w"]
     finally:
         await deep.aclose()
+
+
+def _object_bytes(adapter: PosixAdapter, key: str) -> int:
+    try:
+        return os.stat(adapter._path(key)).st_size
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("inline_put_bytes", [0, 4 << 20], ids=["pooled", "inline-and-pooled"])
+async def test_racing_puts_of_one_key_count_the_bytes_that_landed(
+    tmp_path: Path, inline_put_bytes: int
+) -> None:
+    """Puts of one key with different sizes, many at once (threads racing to rename; with inline writes,
+    small values land on the loop thread while large ones are still being written): once all have ended,
+    ``used_bytes`` is the size of the file that won, in every round, also with a capacity."""
+    rng = random.Random(7)
+    for capacity in (None, 24 << 20):
+        root = tmp_path / f"cap{capacity}"
+        bound = {} if capacity is None else {"capacity": capacity}
+        adapter = await PosixAdapter.open(
+            f"file://{root}", inline_put_bytes=inline_put_bytes, threads=8, **bound
+        )
+        try:
+            assert await adapter.batched_put(["other"], [b"o" * 1000]) == [True]
+            for _ in range(12):
+                sizes = [rng.choice([1 << 10, 300 << 10, 5 << 20]) + rng.randrange(1000) for _ in range(8)]
+                puts = [adapter.batched_put(["k"], [bytes(size)]) for size in sizes]
+                puts.append(adapter.batched_put(["k", "k"], [bytes(6 << 20), b"x" * 10]))  # one batch, twice
+                assert all(all(r) for r in await asyncio.gather(*puts))
+                on_disk = _object_bytes(adapter, "k") + _object_bytes(adapter, "other")
+                assert adapter.used_bytes == on_disk == _bytes_on_disk(root)
+        finally:
+            await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_put_that_cannot_fit_keeps_counting_the_objects_it_would_have_evicted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put refused because the rest of the capacity is held by a write in flight evicts nothing and
+    forgets nothing: ``used_bytes`` keeps following the files."""
+    import threading
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=3000, inline_put_bytes=0)
+    release = threading.Event()
+    original = posix._write_file
+
+    def held(directory: str, path: str, key: str, *args: object) -> bool:
+        if key == "held":  # fault injection: this write waits until the test lets it go
+            release.wait(30)
+        return original(directory, path, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(posix, "_write_file", held)
+    try:
+        assert await adapter.batched_put(["a"], [b"a" * 1000]) == [True]
+        in_flight = asyncio.ensure_future(adapter.batched_put(["held"], [b"h" * 1500]))
+        for _ in range(1000):  # bounded poll: until the held put is accounted for
+            if adapter.used_bytes == 2500:
+                break
+            await asyncio.sleep(0.001)
+        assert await adapter.batched_put(["c"], [b"c" * 2500]) == [False]  # needs the held bytes too
+        assert await adapter.batched_contains(["a"]) == [True]
+        assert adapter.used_bytes == 2500
+        release.set()
+        assert await in_flight == [True]
+        assert adapter.used_bytes == _bytes_on_disk(tmp_path) == 2500
+    finally:
+        release.set()
+        await adapter.aclose()
