@@ -50,17 +50,26 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line; the 3rd after the command name
 
 
-_owner: tuple[int, str] | None = None  # (pid, tag): recomputed when the pid changes (a fork)
+_owner: str | None = None  # this process's tag, made on first use; a forked child starts without one
+
+
+def _forget_owner() -> None:
+    global _owner
+    _owner = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_owner)
 
 
 def owner_tag() -> str:
-    """This process's owner tag (host, pid, start time); a forked child gets its own."""
+    """This process's owner tag (host, pid, start time); a forked child gets its own. No system call once
+    made (a put names a temp file with it)."""
     global _owner
-    pid = os.getpid()
-    cached = _owner
-    if cached is None or cached[0] != pid:
-        cached = _owner = (pid, f"{_host()}_{pid}_{_start_ticks(pid) or 0}")
-    return cached[1]
+    if _owner is None:
+        pid = os.getpid()
+        _owner = f"{_host()}_{pid}_{_start_ticks(pid) or 0}"
+    return _owner
 
 
 _serial = itertools.count(secrets.randbits(32))  # the part after the owner: unique within the process

@@ -580,3 +580,25 @@ async def test_put_that_cannot_fit_keeps_counting_the_objects_it_would_have_evic
     finally:
         release.set()
         await adapter.aclose()
+
+
+def test_a_forked_child_names_temp_files_as_itself() -> None:
+    """The owner tag is cached per process: a child made by fork gets its own pid in its temp names."""
+    from tiercache.adapters import _tempfiles
+
+    parent = _tempfiles.owner_tag()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tag and leave without running any cleanup
+        os.write(write_end, _tempfiles.temp_name("k").encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        child_name = os.read(read_end, 4096).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    assert f"_{pid}_" in child_name
+    assert parent not in child_name
+    assert _tempfiles.owner_tag() == parent
+    assert _tempfiles.temp_name("k") != _tempfiles.temp_name("k")  # serial: no two names alike
