@@ -167,6 +167,18 @@ class InlineWritePolicy:
         self._until = self.clock() + SAMPLE_S
         self._room = -1 if sample is None else int(sample.freerun * HEADROOM) - sample.dirty
 
+    def record_write(self, size: int, seconds: float, switches_before: int | None) -> bool:
+        """An inline write of ``size`` bytes took ``seconds``; ``switches_before``: ``voluntary_switches()``
+        read as it began. Whether the thread slept meanwhile is asked only if the write was slow (one
+        ``getrusage`` on the fast path). True if it was slow and waited (inline writes now back off)."""
+        if seconds <= slow_s(size):
+            self.record(size, seconds, False)
+            return False
+        after = voluntary_switches()
+        waited = switches_before is None or after is None or after > switches_before
+        self.record(size, seconds, waited)
+        return waited
+
     def record(self, size: int, seconds: float, waited: bool = True) -> None:
         """An inline write of ``size`` bytes took ``seconds`` (``waited``: the thread slept in the kernel
         meanwhile, or unknown): back off if it was slow because it waited."""

@@ -60,7 +60,6 @@ from tiercache.adapters._inline_writes import (
     LOCAL_FILESYSTEMS,
     InlineWritePolicy,
     filesystem_type,
-    slow_s,
     voluntary_switches,
 )
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
@@ -316,7 +315,7 @@ class PosixAdapter(Adapter):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._used = 0
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
-        self._raced: set[str] = set()  # keys with overlapping puts in flight (``_count_writer``)
+        self._raced: set[str] = set()  # keys with overlapping puts in flight (``_begin_put``)
         self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
         self._closed = False
 
@@ -590,33 +589,30 @@ class PosixAdapter(Adapter):
 
     def _begin_put(self, key: str, size: int) -> list[str] | None:
         """Account for ``size`` bytes under ``key`` (a put in flight); the paths to evict first, or None if
-        the value does not fit (nothing changed)."""
+        the value does not fit (nothing changed). A put that starts while another of the key runs makes
+        the key raced: the renames may land in any order, so the size that counts is read back once the
+        last has ended (``_end_put``)."""
         if self.capacity is None:  # unbounded: nothing to evict (the path of every put, kept short)
+            victims: list[str] | None = []
             index = self._index
             self._used += size - index.pop(key, 0)
             index[key] = size
-            self._count_writer(key)
-            return []
-        if size > self.capacity:
+        elif size > self.capacity:
             return None
-        old = self._index.get(key)
-        self._forget(key)
-        victims = self._reserve_victims(size)
-        if victims is None:
-            if old is not None:  # the old object stays; keep accounting for it
-                self._touch(key, old)
-            return None
-        self._touch(key, size)
-        self._count_writer(key)
-        return victims
-
-    def _count_writer(self, key: str) -> None:
-        """One more put of ``key`` in flight; one that starts while another runs makes the key raced: the
-        renames may land in any order, so the size that counts is read back once the last has ended."""
+        else:
+            old = self._index.get(key)
+            self._forget(key)
+            victims = self._reserve_victims(size)
+            if victims is None:
+                if old is not None:  # the old object stays; keep accounting for it
+                    self._touch(key, old)
+                return None
+            self._touch(key, size)
         writers = self._writing.get(key, 0)
         if writers:
             self._raced.add(key)
         self._writing[key] = writers + 1
+        return victims
 
     def _end_put(self, key: str, ok: bool) -> _Ended:
         """A put of ``key`` ended: ``REMOVE`` if it failed and no other put of the key is in flight (its
@@ -645,8 +641,7 @@ class PosixAdapter(Adapter):
         return self._reserve_victims(0) or []
 
     def _put_inline(self, key: str, value: Buffer, size: int, victims: list[str]) -> bool:
-        """Write one value on the loop thread and tell the inline policy how long it took (and, only if it
-        was slow, whether the thread slept in the kernel meanwhile: one ``getrusage`` on the fast path)."""
+        """Write one value on the loop thread and tell the inline policy how long it took."""
         directory = self._directory(key)
         path = f"{directory}{os.sep}{key}"
         policy = self.inline
@@ -656,13 +651,8 @@ class PosixAdapter(Adapter):
         try:
             ok = _write_file(directory, path, key, value, False, victims)
         finally:
-            took = policy.clock() - start
-            if took > slow_s(size):
-                after = voluntary_switches()
-                policy.record(size, took, switches is None or after is None or after > switches)
+            if policy.record_write(size, policy.clock() - start, switches):
                 self.stats["inline_slow_writes"] = policy.slow_writes
-            else:
-                policy.record(size, took, False)
             self.stats["inline_puts"] += 1
             ended = self._end_put(key, ok)
             if ended is _Ended.REMOVE:

@@ -234,7 +234,8 @@ async def test_a_write_that_waited_on_the_disk_sends_puts_to_the_pool_for_a_whil
     spy = WriteSpy(monkeypatch)
     adapter, clock = await _open(tmp_path)
     switches = 0
-    monkeypatch.setattr(posix, "voluntary_switches", lambda: switches)
+    monkeypatch.setattr(posix, "voluntary_switches", lambda: switches)  # read as a write begins
+    monkeypatch.setattr(_inline_writes, "voluntary_switches", lambda: switches)  # and after a slow one
 
     def slow_cpu_bound() -> None:  # the write took long, but the loop thread never slept
         clock.now += 1.0
