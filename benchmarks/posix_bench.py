@@ -117,7 +117,12 @@ async def _per_key_puts(
         _raw_write(os.path.join(raw_dir, f"f{i}"), data, fsync)
 
     async def raw_put_sharded(i: int) -> None:  # next to the adapter's object of the same key
-        _raw_write(os.path.join(os.path.dirname(adapter._path(keys[i])), f"raw-{i}"), data, fsync)
+        directory = os.path.dirname(adapter._path(keys[i]))
+        try:
+            _raw_write(os.path.join(directory, f"raw-{i}"), data, fsync)
+        except FileNotFoundError:  # a deeper layout's leaf not made yet: made here, as the adapter does
+            os.makedirs(directory, exist_ok=True)
+            _raw_write(os.path.join(directory, f"raw-{i}"), data, fsync)
 
     async def posix_put(i: int) -> None:
         if await adapter.batched_put([keys[i]], [data]) != [True]:
