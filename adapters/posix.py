@@ -62,6 +62,7 @@ from tiercache.adapters._inline_writes import (
     filesystem_type,
     voluntary_switches,
 )
+from tiercache.adapters._spare_files import SpareFiles
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import Size, parse_options
 from tiercache.buffers import as_readable_bytes
@@ -174,24 +175,24 @@ def _read_file(path: str, helpers: ThreadPoolExecutor | None = None, parts: int 
 
 
 def _write_file(
-    directory: str, path: str, key: str, value: Buffer, fsync: bool, victims: Sequence[str]
+    directory: str,
+    path: str,
+    key: str,
+    value: Buffer,
+    fsync: bool,
+    victims: Sequence[str],
+    spare: tuple[int, str] | None = None,
 ) -> bool:
-    """Unlink ``victims``, then write ``value`` to a temp file and rename it to ``path``; False on OSError."""
+    """Unlink ``victims``, then write ``value`` to a temp file and rename it to ``path``; False on OSError.
+    The temp file is created in ``directory``, or is ``spare`` (an empty one already open for writing,
+    ``tiercache.adapters._spare_files``), which this call then owns."""
     for victim in victims:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(victim)
-    tmp = f"{directory}{os.sep}{temp_name(key)}"
+    fd, tmp = spare if spare is not None else (-1, f"{directory}{os.sep}{temp_name(key)}")
     try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
-            try:
-                os.mkdir(directory)
-            except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
-                os.makedirs(directory, exist_ok=True)
-            except FileExistsError:  # made by a concurrent put
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if spare is None:
+            fd = _create(directory, tmp)
         try:
             view = as_readable_bytes(value)
             done, size = 0, len(view)
@@ -201,7 +202,13 @@ def _write_file(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except FileNotFoundError:
+            if spare is None:
+                raise
+            os.makedirs(directory, exist_ok=True)  # the object's directory went (the spare lives elsewhere)
+            os.replace(tmp, path)
         if fsync:
             dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -213,6 +220,20 @@ def _write_file(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         return False
+
+
+def _create(directory: str, tmp: str) -> int:
+    """Create the temp file ``tmp`` in ``directory`` (made when missing) and open it for writing."""
+    try:
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
+        try:
+            os.mkdir(directory)
+        except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
+            os.makedirs(directory, exist_ok=True)
+        except FileExistsError:  # made by a concurrent put
+            pass
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
 
 def _file_size(path: str) -> int | None:
@@ -317,6 +338,7 @@ class PosixAdapter(Adapter):
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
         self._raced: set[str] = set()  # keys with overlapping puts in flight (``_begin_put``)
         self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
+        self._spares: SpareFiles | None = None  # temp files made ahead for inline puts (``_load``)
         self._closed = False
 
     @classmethod
@@ -352,6 +374,9 @@ class PosixAdapter(Adapter):
         if self.inline_put_bytes > 0:
             fstype = await self._run(partial(filesystem_type, self.root))
             self.inline = InlineWritePolicy(self.inline_put_bytes, local=fstype in LOCAL_FILESYSTEMS)
+            if self.inline.max_bytes > 0:  # in a directory at the layout's depth, where sweeps look
+                spare_dir = os.path.join(self.root, *[_FIRST_LEVEL[0]] * self.shard_depth)
+                self._spares = SpareFiles(spare_dir, self._submit)
         entries.sort(key=lambda e: e[2])
         self._index = OrderedDict((key, size) for key, size, _ in entries)
         self._used = sum(self._index.values())
@@ -646,10 +671,14 @@ class PosixAdapter(Adapter):
         path = f"{directory}{os.sep}{key}"
         policy = self.inline
         ok = False
+        spares = self._spares
+        spare = spares.take() if spares is not None else None
         switches = voluntary_switches()
         start = policy.clock()
         try:
-            ok = _write_file(directory, path, key, value, False, victims)
+            ok = _write_file(directory, path, key, value, False, victims, spare)
+            if not ok and spare is not None:  # e.g. the spares' directory was removed: create as before
+                ok = _write_file(directory, path, key, value, False, ())
         finally:
             if policy.record_write(size, policy.clock() - start, switches):
                 self.stats["inline_slow_writes"] = policy.slow_writes
@@ -719,5 +748,7 @@ class PosixAdapter(Adapter):
             with contextlib.suppress(BaseException):
                 await self._sweeper
         await self._detached.wait(self.close_timeout_s)
+        if self._spares is not None:
+            self._spares.close()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         self._helpers.shutdown(wait=True)  # idle by now: every read waits for its helpers
