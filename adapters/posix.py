@@ -374,9 +374,9 @@ class PosixAdapter(Adapter):
         if self.inline_put_bytes > 0:
             fstype = await self._run(partial(filesystem_type, self.root))
             self.inline = InlineWritePolicy(self.inline_put_bytes, local=fstype in LOCAL_FILESYSTEMS)
-            if self.inline.max_bytes > 0:  # in a directory at the layout's depth, where sweeps look
-                spare_dir = os.path.join(self.root, *[_FIRST_LEVEL[0]] * self.shard_depth)
-                self._spares = SpareFiles(spare_dir, self._submit)
+            if self.inline.max_bytes > 0:  # in directories at the layout's depth, where sweeps look
+                spare_dirs = [os.path.join(self.root, *[name] * self.shard_depth) for name in _FIRST_LEVEL]
+                self._spares = SpareFiles(spare_dirs if self.shard_depth else [self.root], self._submit)
         entries.sort(key=lambda e: e[2])
         self._index = OrderedDict((key, size) for key, size, _ in entries)
         self._used = sum(self._index.values())

@@ -25,7 +25,7 @@ from tiercache.adapters._inline_writes import (
     read_dirty_pages,
     slow_s,
 )
-from tiercache.adapters._spare_files import SPARE_KEY
+from tiercache.adapters._spare_files import SPARE_KEY, make_spares
 from tiercache.adapters.posix import PosixAdapter
 
 MiB = 1 << 20
@@ -434,8 +434,8 @@ async def test_inline_puts_write_into_spare_files_made_ahead_and_close_removes_t
 
 @pytest.mark.asyncio
 async def test_a_put_whose_spare_is_gone_creates_its_file_as_before(tmp_path: Path) -> None:
-    """The spares' directory removed under the adapter: the put still lands (written the usual way), and
-    the next refill makes the directory again."""
+    """The directory of the next spare removed under the adapter: the put still lands (written the usual
+    way); a refill makes a missing directory again."""
     import shutil
 
     if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
@@ -451,7 +451,11 @@ async def test_a_put_whose_spare_is_gone_creates_its_file_as_before(tmp_path: Pa
         for key in keys:
             assert await adapter.batched_put([key], [key.encode()]) == [True]
         assert await adapter.batched_get(keys) == [k.encode() for k in keys]
-        await _spares_ready(adapter)  # refilled into the directory made again
+        made = make_spares([spare_dir], 2)
+        assert sorted(os.listdir(spare_dir)) == sorted(os.path.basename(path) for _, path in made)
+        for fd, path in made:
+            os.close(fd)
+            os.unlink(path)
     finally:
         await adapter.aclose()
     assert _temp_files(tmp_path, spares=True) == {}
