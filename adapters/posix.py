@@ -28,7 +28,8 @@ the loop thread when ``fsync`` is off, the directory is on a local filesystem, t
 the kernel's writer throttling and the last inline writes were fast (``tiercache.adapters._inline_writes``:
 a slow one sends puts back to the pool for a back-off period), at most ``_INLINE_BATCH_BYTES`` per batch.
 A hop to an idle thread costs as much as copying 1 MiB into the page cache on the project VM; the file is
-the same temp file + rename either way.
+the same temp file + rename either way. An inline put writes into a spare: an empty temp file made ahead on
+the pool (``tiercache.adapters._spare_files``), so the create, whose cost varies most, is off the loop too.
 
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
 least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
@@ -316,9 +317,9 @@ class PosixAdapter(Adapter):
             "inline_slow_writes": 0,
         }
         """``temp_files``/``temp_bytes``: writers' temp files seen by the last sweep (live writers, or not
-        yet known dead); ``temp_files_removed``: dead writers' temp files removed so far; ``inline_puts``:
-        values written on the loop thread; ``inline_slow_writes``: those that were slow (each sent puts
-        back to the pool for a while)."""
+        yet known dead; an open adapter's spares among them); ``temp_files_removed``: dead writers' temp
+        files removed so far; ``inline_puts``: values written on the loop thread; ``inline_slow_writes``:
+        those that were slow (each sent puts back to the pool for a while)."""
         self.inline = InlineWritePolicy(0, local=False)
         """Whether a put may be written on the loop thread; ``_load`` arms it (local filesystems only)."""
         self._sweeper: asyncio.Task[None] | None = None
