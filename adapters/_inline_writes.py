@@ -126,7 +126,13 @@ def filesystem_type(path: str) -> str | None:
 
 
 class InlineWritePolicy:
-    """Says whether a put of ``size`` bytes may be written on the loop thread now; told how long each took."""
+    """Says whether a put of ``size`` bytes may be written on the loop thread now; told how long each took.
+
+    ``allow`` is on every put's path: it reads two attributes until the sample or the back-off expires
+    (``_room``: bytes that may still be written inline, ``_until``: when to look again), because each
+    object a put touches costs it a cache miss after the previous put's copy has flushed the caches."""
+
+    __slots__ = ("_backoff", "_probe", "_room", "_until", "clock", "max_bytes", "slow_writes")
 
     def __init__(
         self,
@@ -141,10 +147,8 @@ class InlineWritePolicy:
         self.clock = clock
         """Seconds (monotonic): times the inline writes and the back-off."""
         self._probe = probe
-        self._sample: DirtyPages | None = None
-        self._sampled_at = float("-inf")
-        self._since_sample = 0  # bytes written inline since the sample
-        self._off_until = float("-inf")
+        self._room = -1  # bytes still allowed inline until ``_until`` (-1: none, e.g. backing off)
+        self._until = float("-inf")  # when the sample (or the back-off) ends
         self._backoff = BACKOFF_S
         self.slow_writes = 0
         """Inline writes that took longer than ``slow_s`` (each turned inline writes off for a while)."""
@@ -153,21 +157,36 @@ class InlineWritePolicy:
         """Whether a write of ``size`` bytes may run on the loop thread now."""
         if size > self.max_bytes:
             return False
-        now = self.clock()
-        if now < self._off_until:
+        if self.clock() >= self._until:
+            self._resample()
+        return size <= self._room
+
+    def _resample(self) -> None:
+        """Read the page cache's state: the room left under the threshold, for ``SAMPLE_S``."""
+        sample = self._probe()
+        self._until = self.clock() + SAMPLE_S
+        self._room = -1 if sample is None else int(sample.freerun * HEADROOM) - sample.dirty
+
+    def record_write(self, size: int, seconds: float, switches_before: int | None) -> bool:
+        """An inline write of ``size`` bytes took ``seconds``; ``switches_before``: ``voluntary_switches()``
+        read as it began. Whether the thread slept meanwhile is asked only if the write was slow (one
+        ``getrusage`` on the fast path). True if it was slow and waited (inline writes now back off)."""
+        if seconds <= slow_s(size):
+            self.record(size, seconds, False)
             return False
-        if now - self._sampled_at >= SAMPLE_S:
-            self._sample, self._sampled_at, self._since_sample = self._probe(), now, 0
-        s = self._sample
-        return s is not None and s.dirty + self._since_sample + size <= s.freerun * HEADROOM
+        after = voluntary_switches()
+        waited = switches_before is None or after is None or after > switches_before
+        self.record(size, seconds, waited)
+        return waited
 
     def record(self, size: int, seconds: float, waited: bool = True) -> None:
         """An inline write of ``size`` bytes took ``seconds`` (``waited``: the thread slept in the kernel
         meanwhile, or unknown): back off if it was slow because it waited."""
-        self._since_sample += size
+        self._room -= size
         if waited and seconds > slow_s(size):
             self.slow_writes += 1
-            self._off_until = self.clock() + self._backoff
+            self._until = self.clock() + self._backoff
+            self._room = -1
             self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
         else:
             self._backoff = BACKOFF_S

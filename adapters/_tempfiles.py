@@ -1,6 +1,6 @@
 """Temp files that name their writer, so a sweep removes only those whose writer is gone.
 
-A writer's temp file is ``.<key>.<owner>.<random>.tmp`` with ``owner = <host>_<pid>_<start>``: ``host``
+A writer's temp file is ``.<key>.<owner>.<serial>.tmp`` with ``owner = <host>_<pid>_<start>``: ``host``
 an 8-hex digest of the host name, ``start`` the process start time in clock ticks since boot
 (``/proc/<pid>/stat`` field 22), so a recycled pid is not mistaken for the writer. A temp file is *dead*
 when its writer is a process of this host that no longer runs (or runs with another start time); a file of
@@ -10,6 +10,7 @@ another host, or with no owner in its name (older versions), is dead once it has
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import secrets
@@ -49,22 +50,35 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line; the 3rd after the command name
 
 
-_owner: tuple[int, str] | None = None  # (pid, tag): recomputed when the pid changes (a fork)
+_owner: str | None = None  # this process's tag, made on first use; a forked child starts without one
+
+
+def _forget_owner() -> None:
+    global _owner
+    _owner = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_owner)
 
 
 def owner_tag() -> str:
-    """This process's owner tag (host, pid, start time); a forked child gets its own."""
+    """This process's owner tag (host, pid, start time); a forked child gets its own. No system call once
+    made (a put names a temp file with it)."""
     global _owner
-    pid = os.getpid()
-    cached = _owner
-    if cached is None or cached[0] != pid:
-        cached = _owner = (pid, f"{_host()}_{pid}_{_start_ticks(pid) or 0}")
-    return cached[1]
+    if _owner is None:
+        pid = os.getpid()
+        _owner = f"{_host()}_{pid}_{_start_ticks(pid) or 0}"
+    return _owner
+
+
+_serial = itertools.count(secrets.randbits(32))  # the part after the owner: unique within the process
 
 
 def temp_name(key: str) -> str:
-    """A fresh temp file name for ``key`` written by this process."""
-    return f".{key}.{owner_tag()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+    """A fresh temp file name for ``key`` written by this process (its owner tag and a serial number, so
+    no two writers of any process share one; no random bytes drawn per name)."""
+    return f".{key}.{owner_tag()}.{next(_serial):x}{TMP_SUFFIX}"
 
 
 def is_temp_name(name: str) -> bool:

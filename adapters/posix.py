@@ -1,8 +1,10 @@
 """``file:///abs/dir``: objects as files in a sharded directory tree, written by temp file + rename.
 
-Layout: ``<root>/<h0h1>/<h2h3>/<key>`` where ``h`` is the hex xxh64 digest of the key and ``shard_depth``
-(default 2) levels of two hex characters are used; ``open`` makes the 256 first-level directories, a put the
-rest of its path when missing. A put writes ``.<key>.<owner>.<random>.tmp`` in the
+Layout: ``<root>/<h0h1>/<key>`` where ``h`` is the hex xxh64 digest of the key: ``shard_depth`` levels of
+two hex characters, one by default, whose 256 directories ``open`` makes, so a put into a new store never
+makes a directory (deeper layouts make the rest of a path when missing). A store written with the former
+default of two levels (``<root>/<h0h1>/<h2h3>/<key>``) is recognised at open and kept at two levels when
+``shard_depth`` is not given (``_scan``). A put writes ``.<key>.<owner>.<random>.tmp`` in the
 object's directory (optionally fsyncs it), then ``os.replace``s it over the object: a reader sees the old
 object, the new one or nothing, never a part. The owner (host, pid and process start time,
 ``tiercache.adapters._tempfiles``) lets a sweep remove only the temp files of writers that are gone (a
@@ -26,7 +28,8 @@ the loop thread when ``fsync`` is off, the directory is on a local filesystem, t
 the kernel's writer throttling and the last inline writes were fast (``tiercache.adapters._inline_writes``:
 a slow one sends puts back to the pool for a back-off period), at most ``_INLINE_BATCH_BYTES`` per batch.
 A hop to an idle thread costs as much as copying 1 MiB into the page cache on the project VM; the file is
-the same temp file + rename either way.
+the same temp file + rename either way. An inline put writes into a spare: an empty temp file made ahead on
+the pool (``tiercache.adapters._spare_files``), so the create, whose cost varies most, is off the loop too.
 
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
 least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
@@ -45,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -59,6 +63,7 @@ from tiercache.adapters._inline_writes import (
     filesystem_type,
     voluntary_switches,
 )
+from tiercache.adapters._spare_files import SpareFiles
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import Size, parse_options
 from tiercache.buffers import as_readable_bytes
@@ -80,6 +85,8 @@ _INLINE_MAX_BYTES = 8 << 20  # larger cached objects still go to the pool (paral
 _INLINE_BATCH_BYTES = 16 << 20  # at most this much copied (read or written) on the loop thread per batch
 _INLINE_PUT_BYTES = 4 << 20  # default of ``inline_put_bytes``
 _FIRST_LEVEL = [f"{i:02x}" for i in range(256)]  # the shard directories made at open
+_DEFAULT_DEPTH = 1  # shard levels of a new store when ``shard_depth`` is not given
+_LEGACY_DEPTH = 2  # the former default: a store with second-level directories keeps it
 
 
 def _shard_dirs(key: str, depth: int) -> list[str]:
@@ -169,24 +176,24 @@ def _read_file(path: str, helpers: ThreadPoolExecutor | None = None, parts: int 
 
 
 def _write_file(
-    directory: str, path: str, key: str, value: Buffer, fsync: bool, victims: Sequence[str]
+    directory: str,
+    path: str,
+    key: str,
+    value: Buffer,
+    fsync: bool,
+    victims: Sequence[str],
+    spare: tuple[int, str] | None = None,
 ) -> bool:
-    """Unlink ``victims``, then write ``value`` to a temp file and rename it to ``path``; False on OSError."""
+    """Unlink ``victims``, then write ``value`` to a temp file and rename it to ``path``; False on OSError.
+    The temp file is created in ``directory``, or is ``spare`` (an empty one already open for writing,
+    ``tiercache.adapters._spare_files``), which this call then owns."""
     for victim in victims:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(victim)
-    tmp = os.path.join(directory, temp_name(key))
+    fd, tmp = spare if spare is not None else (-1, f"{directory}{os.sep}{temp_name(key)}")
     try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
-            try:
-                os.mkdir(directory)
-            except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
-                os.makedirs(directory, exist_ok=True)
-            except FileExistsError:  # made by a concurrent put
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if spare is None:
+            fd = _create(directory, tmp)
         try:
             view = as_readable_bytes(value)
             done, size = 0, len(view)
@@ -196,7 +203,13 @@ def _write_file(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except FileNotFoundError:
+            if spare is None:
+                raise
+            os.makedirs(directory, exist_ok=True)  # the object's directory went (the spare lives elsewhere)
+            os.replace(tmp, path)
         if fsync:
             dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -208,6 +221,36 @@ def _write_file(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         return False
+
+
+def _create(directory: str, tmp: str) -> int:
+    """Create the temp file ``tmp`` in ``directory`` (made when missing) and open it for writing."""
+    try:
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:  # a new shard directory: its parent is made at open (one mkdir here)
+        try:
+            os.mkdir(directory)
+        except FileNotFoundError:  # shard_depth > 2, or the tree was removed under us
+            os.makedirs(directory, exist_ok=True)
+        except FileExistsError:  # made by a concurrent put
+            pass
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+
+def _file_size(path: str) -> int | None:
+    """Bytes of the file at ``path``, or None if there is none."""
+    try:
+        return os.stat(path).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class _Ended(Enum):
+    """What is left to do when a put of a key ends (``PosixAdapter._end_put``)."""
+
+    DONE = "done"
+    REMOVE = "remove"
+    RECOUNT = "recount"
 
 
 def _unlink(path: str) -> bool:
@@ -226,8 +269,9 @@ class PosixOptions:
     """Bytes of values kept (LRU eviction beyond; None: unbounded)."""
     fsync: bool = False
     """fsync each value (and its directory) as it is written."""
-    shard_depth: int = 2
-    """Levels of two-hex-character subdirectories (0 to 8)."""
+    shard_depth: int | None = None
+    """Levels of two-hex-character subdirectories (0 to 8); None: the store's own (2 for a tree written
+    with the former default, which has second-level directories), else 1."""
     threads: int = _DEFAULT_THREADS
     """File I/O threads (at least 1)."""
     temp_sweep_s: float = 300.0
@@ -257,7 +301,7 @@ class PosixAdapter(Adapter):
             raise ConfigError(f"file: root must be an absolute path, got {root!r}")
         if capacity is not None and capacity < 0:
             raise ConfigError(f"file: capacity must not be negative, got {capacity}")
-        if not 0 <= shard_depth <= 8:
+        if shard_depth is not None and not 0 <= shard_depth <= 8:
             raise ConfigError(f"file: shard_depth must be between 0 and 8, got {shard_depth}")
         if threads < 1:
             raise ConfigError(f"file: threads must be at least 1, got {threads}")
@@ -273,23 +317,29 @@ class PosixAdapter(Adapter):
             "inline_slow_writes": 0,
         }
         """``temp_files``/``temp_bytes``: writers' temp files seen by the last sweep (live writers, or not
-        yet known dead); ``temp_files_removed``: dead writers' temp files removed so far; ``inline_puts``:
-        values written on the loop thread; ``inline_slow_writes``: those that were slow (each sent puts
-        back to the pool for a while)."""
+        yet known dead; an open adapter's spares among them); ``temp_files_removed``: dead writers' temp
+        files removed so far; ``inline_puts``: values written on the loop thread; ``inline_slow_writes``:
+        those that were slow (each sent puts back to the pool for a while)."""
         self.inline = InlineWritePolicy(0, local=False)
         """Whether a put may be written on the loop thread; ``_load`` arms it (local filesystems only)."""
         self._sweeper: asyncio.Task[None] | None = None
         self.root = os.path.normpath(root)
+        self._first_level = [os.path.join(self.root, name) for name in _FIRST_LEVEL]
         self.capacity = capacity
         self.fsync = fsync
-        self.shard_depth = shard_depth
+        self.shard_depth = _DEFAULT_DEPTH if shard_depth is None else shard_depth
+        """Shard levels of the layout; when not given, ``_load`` sets it from the tree it finds."""
+        self._depth_known = shard_depth is not None
+        """Whether ``shard_depth`` is settled (given, or found by the scan at open)."""
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix")
         # Helpers only read ranges (never wait on anything), so a read waiting on them cannot deadlock.
         self._helpers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix-read")
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._used = 0
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
+        self._raced: set[str] = set()  # keys with overlapping puts in flight (``_begin_put``)
         self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
+        self._spares: SpareFiles | None = None  # temp files made ahead for inline puts (``_load``)
         self._closed = False
 
     @classmethod
@@ -325,6 +375,9 @@ class PosixAdapter(Adapter):
         if self.inline_put_bytes > 0:
             fstype = await self._run(partial(filesystem_type, self.root))
             self.inline = InlineWritePolicy(self.inline_put_bytes, local=fstype in LOCAL_FILESYSTEMS)
+            if self.inline.max_bytes > 0:  # in directories at the layout's depth, where sweeps look
+                spare_dirs = [os.path.join(self.root, *[name] * self.shard_depth) for name in _FIRST_LEVEL]
+                self._spares = SpareFiles(spare_dirs if self.shard_depth else [self.root], self._submit)
         entries.sort(key=lambda e: e[2])
         self._index = OrderedDict((key, size) for key, size, _ in entries)
         self._used = sum(self._index.values())
@@ -334,23 +387,32 @@ class PosixAdapter(Adapter):
 
     def _scan(self, objects: bool = True) -> list[tuple[str, int, float]]:
         """Walk the tree: (key, size, mtime) of each object (unless ``objects`` is False) and, on the way,
-        remove dead writers' temp files and count the others (``stats``)."""
+        remove dead writers' temp files and count the others (``stats``).
+
+        When ``shard_depth`` was not given, the first walk (at open) also settles it: files are looked for
+        one and two levels down, and the store is taken as two levels deep (the former default) if any
+        first-level directory holds a second-level one, else as one; objects of the other depth are not
+        ours (as objects written with another ``shard_depth`` never were)."""
         os.makedirs(self.root, exist_ok=True)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "not writable", self.root)
-        found: list[tuple[str, int, float]] = []
+        found: list[tuple[str, int, float, str]] = []
         temp_files = temp_bytes = removed = 0
+        detect = not self._depth_known
+        lowest, deepest = (_DEFAULT_DEPTH, _LEGACY_DEPTH) if detect else (self.shard_depth,) * 2
+        second_level = False
 
         def walk(directory: str, depth: int) -> None:
-            nonlocal temp_files, temp_bytes, removed
+            nonlocal temp_files, temp_bytes, removed, second_level
             with os.scandir(directory) as it:
                 for entry in it:
                     name = entry.name
-                    if depth < self.shard_depth:
-                        if entry.is_dir(follow_symlinks=False) and len(name) == 2:
+                    if depth < deepest and entry.is_dir(follow_symlinks=False):
+                        if len(name) == 2:
+                            second_level = second_level or depth == 1
                             walk(entry.path, depth + 1)
                         continue
-                    if not entry.is_file(follow_symlinks=False):
+                    if depth < lowest or not entry.is_file(follow_symlinks=False):
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -370,18 +432,20 @@ class PosixAdapter(Adapter):
                         check_key(name)
                     except ValueError:
                         continue
-                    if os.path.dirname(self._path(name)) != directory:
-                        continue  # not ours (e.g. written with another shard_depth)
-                    found.append((name, st.st_size, st.st_mtime))
+                    found.append((name, st.st_size, st.st_mtime, directory))
 
         walk(self.root, 0)
+        if detect:
+            self.shard_depth = _LEGACY_DEPTH if second_level else _DEFAULT_DEPTH
+            self._depth_known = True  # settled: later sweeps walk this depth only
         self.stats["temp_files"], self.stats["temp_bytes"] = temp_files, temp_bytes
         self.stats["temp_files_removed"] += removed
-        return found
+        # An object in another directory than its key's is not ours (e.g. written with another shard_depth).
+        return [(k, size, mtime) for k, size, mtime, d in found if self._directory(k) == d]
 
     def _make_first_level(self) -> None:
         """Create the 256 first-level shard directories that are missing (once per store: a put into a new
-        tree then makes at most its leaf directory; a first-level mkdir measured ~80 µs here, a leaf ~11)."""
+        one-level tree then makes no directory; a deeper tree's put makes its missing leaf)."""
         if self.shard_depth == 0:
             return
         present = set(os.listdir(self.root))
@@ -413,8 +477,14 @@ class PosixAdapter(Adapter):
         """Bytes of the objects this adapter knows about."""
         return self._used
 
+    def _directory(self, key: str) -> str:
+        """The directory that holds ``key``'s file."""
+        if self.shard_depth == 1:  # the default: one of the directories made at open, no hex formatting
+            return self._first_level[xxhash.xxh64_intdigest(key.encode()) >> 56]
+        return os.path.join(self.root, *_shard_dirs(key, self.shard_depth))
+
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *_shard_dirs(key, self.shard_depth), key)
+        return os.path.join(self._directory(key), key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -444,20 +514,25 @@ class PosixAdapter(Adapter):
             self._used -= old
 
     def _reserve_victims(self, extra: int) -> list[str] | None:
-        """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit."""
-        if self.capacity is None:
+        """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit (then
+        nothing is dropped: the bytes held by writes in flight cannot be freed)."""
+        if self.capacity is None or self._used + extra <= self.capacity:
             return []
-        victims: list[str] = []
-        if self._used + extra <= self.capacity:
-            return victims
-        for key in list(self._index):
+        dropped: list[tuple[str, int]] = []
+        for key, size in list(self._index.items()):
             if self._used + extra <= self.capacity:
                 break
             if key in self._writing:
                 continue
             self._forget(key)
-            victims.append(self._path(key))
-        return victims if self._used + extra <= self.capacity else None
+            dropped.append((key, size))
+        if self._used + extra > self.capacity:
+            for key, size in reversed(dropped):  # back where they were, least recently used first
+                self._index[key] = size
+                self._index.move_to_end(key, last=False)
+                self._used += size
+            return None
+        return [self._path(key) for key, _ in dropped]
 
     # -- the adapter API -------------------------------------------------------------------------------
 
@@ -540,52 +615,88 @@ class PosixAdapter(Adapter):
 
     def _begin_put(self, key: str, size: int) -> list[str] | None:
         """Account for ``size`` bytes under ``key`` (a put in flight); the paths to evict first, or None if
-        the value does not fit (nothing changed)."""
-        if self.capacity is not None and size > self.capacity:
+        the value does not fit (nothing changed). A put that starts while another of the key runs makes
+        the key raced: the renames may land in any order, so the size that counts is read back once the
+        last has ended (``_end_put``)."""
+        if self.capacity is None:  # unbounded: nothing to evict (the path of every put, kept short)
+            victims: list[str] | None = []
+            index = self._index
+            self._used += size - index.pop(key, 0)
+            index[key] = size
+        elif size > self.capacity:
             return None
-        old = self._index.get(key)
-        self._forget(key)
-        victims = self._reserve_victims(size)
-        if victims is None:
-            if old is not None:  # the old object stays; keep accounting for it
-                self._touch(key, old)
-            return None
-        self._touch(key, size)
-        self._writing[key] = self._writing.get(key, 0) + 1
+        else:
+            old = self._index.get(key)
+            self._forget(key)
+            victims = self._reserve_victims(size)
+            if victims is None:
+                if old is not None:  # the old object stays; keep accounting for it
+                    self._touch(key, old)
+                return None
+            self._touch(key, size)
+        writers = self._writing.get(key, 0)
+        if writers:
+            self._raced.add(key)
+        self._writing[key] = writers + 1
         return victims
 
-    def _end_put(self, key: str, ok: bool) -> bool:
-        """A put of ``key`` ended; True if it failed and no other put of the key is in flight (then its
-        file must go: a failed put leaves no object under the key, never a stale one)."""
+    def _end_put(self, key: str, ok: bool) -> _Ended:
+        """A put of ``key`` ended: ``REMOVE`` if it failed and no other put of the key is in flight (its
+        file must go: a failed put leaves no object under the key, never a stale one), ``RECOUNT`` if it
+        was the last of puts that raced (count the file that landed: ``_recount``), else ``DONE``."""
         others = self._writing.pop(key) - 1
         if others:
             self._writing[key] = others
-        elif not ok:
+            return _Ended.DONE
+        raced = key in self._raced
+        self._raced.discard(key)
+        if not ok:
             self._forget(key)
-        return not ok and not others
+            return _Ended.REMOVE
+        return _Ended.RECOUNT if raced else _Ended.DONE
+
+    def _recount(self, key: str, size: int | None) -> list[str]:
+        """Raced puts of ``key`` have all ended and its file now holds ``size`` bytes (None: no file):
+        count that; the paths of the LRU objects to unlink if it is more than was counted."""
+        if key in self._writing:  # a newer put started meanwhile: it counts what it writes
+            return []
+        if size is None:
+            self._forget(key)
+            return []
+        self._touch(key, size)
+        return self._reserve_victims(0) or []
 
     def _put_inline(self, key: str, value: Buffer, size: int, victims: list[str]) -> bool:
         """Write one value on the loop thread and tell the inline policy how long it took."""
-        path = self._path(key)
+        directory = self._directory(key)
+        path = f"{directory}{os.sep}{key}"
+        policy = self.inline
         ok = False
+        spares = self._spares
+        spare = spares.take() if spares is not None else None
         switches = voluntary_switches()
-        start = self.inline.clock()
+        start = policy.clock()
         try:
-            ok = _write_file(os.path.dirname(path), path, key, value, False, victims)
+            ok = _write_file(directory, path, key, value, False, victims, spare)
+            if not ok and spare is not None:  # e.g. the spares' directory was removed: create as before
+                ok = _write_file(directory, path, key, value, False, ())
         finally:
-            took = self.inline.clock() - start
-            after = voluntary_switches()
-            self.inline.record(size, took, switches is None or after is None or after > switches)
+            if policy.record_write(size, policy.clock() - start, switches):
+                self.stats["inline_slow_writes"] = policy.slow_writes
             self.stats["inline_puts"] += 1
-            self.stats["inline_slow_writes"] = self.inline.slow_writes
-            if self._end_put(key, ok):
+            ended = self._end_put(key, ok)
+            if ended is _Ended.REMOVE:
                 _unlink(path)
+            elif ended is _Ended.RECOUNT:  # rare; a local filesystem (inline): a stat is microseconds
+                for victim in self._recount(key, _file_size(path)):
+                    _unlink(victim)
         return ok
 
     def _submit_write(self, key: str, value: Buffer, victims: list[str]) -> asyncio.Future[bool]:
         """Hand one write to the pool now (a failed future if the adapter is closing)."""
-        path = self._path(key)
-        write = partial(_write_file, os.path.dirname(path), path, key, value, self.fsync, victims)
+        directory = self._directory(key)
+        path = os.path.join(directory, key)
+        write = partial(_write_file, directory, path, key, value, self.fsync, victims)
         try:
             return self._submit(write)
         except AdapterUnavailable as exc:
@@ -604,10 +715,15 @@ class PosixAdapter(Adapter):
         try:
             ok = await write
         finally:
-            remove = self._end_put(key, ok)
-        if remove:
-            with contextlib.suppress(AdapterUnavailable):
-                await self._run(partial(_unlink, self._path(key)))
+            ended = self._end_put(key, ok)
+        path = self._path(key)
+        with contextlib.suppress(AdapterUnavailable):
+            if ended is _Ended.REMOVE:
+                await self._run(partial(_unlink, path))
+            elif ended is _Ended.RECOUNT:
+                victims = self._recount(key, await self._run(partial(_file_size, path)))
+                if victims:
+                    await self._run(lambda: [_unlink(p) for p in victims])
         return ok
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
@@ -633,5 +749,7 @@ class PosixAdapter(Adapter):
             with contextlib.suppress(BaseException):
                 await self._sweeper
         await self._detached.wait(self.close_timeout_s)
+        if self._spares is not None:
+            self._spares.close()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         self._helpers.shutdown(wait=True)  # idle by now: every read waits for its helpers

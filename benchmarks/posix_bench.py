@@ -5,17 +5,22 @@ with ``--fsync`` the file and its directory fsynced) and read them back from the
 key per call, and batched (one batched_put/get of all objects, as the storage manager calls it, against the
 same raw sequential loop).
 
-Per-key puts, four kinds interleaved object by object in a rotating order (so a shared machine's drift hits
-all alike): ``raw_put`` (the raw write inline: the baseline), ``posix_put`` (the adapter into a fresh tree:
-each key's shard directory is new, the worst case), ``posix_put_warm_tree`` (the adapter where the shard
-directories exist, as in a store that has been running), ``raw_put_thread`` (the raw write through one
-thread hop, what an event loop caller that hands every write to a thread pays). ``put_ratio*`` are
-adapter / raw speeds from totals over all rounds; ``*_median`` from the median durations; ``put_p50_us`` the
-median durations; ``inline_put_share`` the share of adapter puts written on the loop thread.
+Per-key puts, five kinds interleaved object by object in a shuffled order (so a shared machine's drift hits
+all alike, and no kind always follows the same other): ``raw_put`` (the raw write inline into one flat
+directory made at the start of the round: the baseline, what a program writing its own files does),
+``raw_put_sharded`` (the same raw write into the directory where the adapter puts the same key, under
+another name: like for like, the same directories and so the same inode groups of the filesystem, which is
+where a create's cost varies most),
+``posix_put`` (the adapter into a store opened at the start of the round, as a user's first puts),
+``posix_put_warm_tree`` (the adapter for keys whose directories were written to before, as in a store that
+has been running), ``raw_put_thread`` (the raw write through one thread hop, what an event loop caller that
+hands every write to a thread pays). ``put_ratio*`` are adapter / raw speeds from totals over all rounds;
+``*_median`` from the median durations; ``put_p50_us`` the median durations; ``inline_put_share`` the share
+of adapter puts written on the loop thread. ``--shard-depth`` sets the adapter's (default: its own).
 
 Run: ``python benchmarks/posix_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--rounds R] [--fsync]
-[--dir PATH] [--runs K]`` prints JSON (with ``--runs``: the last run, plus each ratio's value per run and its
-median over runs).
+[--dir PATH] [--runs K] [--shard-depth D]`` prints JSON (with ``--runs``: the last run, plus each ratio's
+value per run and its median over runs).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -83,7 +89,7 @@ def _clear(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
 
 
-_PER_KEY = ("raw_put", "posix_put", "raw_put_thread", "posix_put_warm_tree")
+_PER_KEY = ("raw_put", "posix_put", "raw_put_thread", "posix_put_warm_tree", "raw_put_sharded")
 
 
 def _median(samples: Sequence[float]) -> float:
@@ -100,14 +106,23 @@ async def _per_key_puts(
     fsync: bool,
     totals: dict[str, float],
     samples: dict[str, list[float]],
+    order: random.Random,
 ) -> None:
     """One put per key of each ``_PER_KEY`` kind, object by object; adds each duration to ``totals`` and
-    ``samples``. The order of the four rotates per object, so the (often large) drift of a shared machine's
-    page cache and writeback hits every side alike."""
+    ``samples``. The order of the kinds is shuffled per object, so the (often large) drift of a shared
+    machine's page cache and writeback hits every side alike."""
     loop = asyncio.get_running_loop()
 
     async def raw_put(i: int) -> None:
         _raw_write(os.path.join(raw_dir, f"f{i}"), data, fsync)
+
+    async def raw_put_sharded(i: int) -> None:  # next to the adapter's object of the same key
+        directory = os.path.dirname(adapter._path(keys[i]))
+        try:
+            _raw_write(os.path.join(directory, f"raw-{i}"), data, fsync)
+        except FileNotFoundError:  # a deeper layout's leaf not made yet: made here, as the adapter does
+            os.makedirs(directory, exist_ok=True)
+            _raw_write(os.path.join(directory, f"raw-{i}"), data, fsync)
 
     async def posix_put(i: int) -> None:
         if await adapter.batched_put([keys[i]], [data]) != [True]:
@@ -120,11 +135,10 @@ async def _per_key_puts(
         if await adapter.batched_put([warm_keys[i]], [data]) != [True]:
             raise RuntimeError(f"put of {warm_keys[i]} failed")
 
-    ops = [raw_put, posix_put, raw_put_thread, posix_put_warm_tree]
+    ops = [raw_put, posix_put, raw_put_thread, posix_put_warm_tree, raw_put_sharded]
     clock = time.perf_counter
     for i in range(len(keys)):
-        for j in range(len(ops)):
-            op = ops[(i + j) % len(ops)]
+        for op in order.sample(ops, len(ops)):
             t0 = clock()
             await op(i)
             took = clock() - t0
@@ -133,13 +147,15 @@ async def _per_key_puts(
 
 
 async def _measure(
-    sizes: Sequence[int], repeats: int | None, rounds: int, fsync: bool, base: str
+    sizes: Sequence[int], repeats: int | None, rounds: int, fsync: bool, base: str, shard_depth: int | None
 ) -> dict[str, Any]:
     from tiercache.adapters.posix import PosixAdapter
 
     raw_dir = os.path.join(base, "raw")
     store_dir = os.path.join(base, "store")
     results: dict[str, Any] = {}
+    order = random.Random(0)
+    depth = {} if shard_depth is None else {"shard_depth": shard_depth}
     for size in sizes:
         n = repeats or max(4, min(64, (512 << 20) // size))
         data = os.urandom(size)
@@ -163,15 +179,17 @@ async def _measure(
         for _ in range(rounds):
             _clear(raw_dir)
             _clear(store_dir)
-            adapter = await PosixAdapter.open(f"file://{store_dir}", fsync=fsync)
+            adapter = await PosixAdapter.open(f"file://{store_dir}", fsync=fsync, **depth)
             hop = ThreadPoolExecutor(1)  # the same raw write from a thread, as any async caller must
-            # The warm keys' shard directories exist (as in a store that has been running): a tiny object
-            # put and deleted leaves them behind.
+            # The warm keys' shard directories have been written to (as in a store that has been running): a
+            # tiny object put and deleted (with two levels it leaves their leaf directories behind).
             await adapter.batched_put(warm_keys, [b"x"] * n)
             await adapter.batched_delete(warm_keys)
             inline_before = adapter.stats["inline_puts"]
             try:
-                await _per_key_puts(adapter, hop, data, keys, warm_keys, raw_dir, fsync, totals, samples)
+                await _per_key_puts(
+                    adapter, hop, data, keys, warm_keys, raw_dir, fsync, totals, samples, order
+                )
                 inline_puts += adapter.stats["inline_puts"] - inline_before
                 await adapter.batched_get(keys)  # warm the page cache for both sides
                 for i in range(n):
@@ -225,6 +243,8 @@ async def _measure(
             "put_ratio_warm_tree": round(med["posix_put_warm_tree"] / med["raw_put"], 3),
             "put_ratio_median": round(p50["raw_put"] / p50["posix_put"], 3),
             "put_ratio_warm_tree_median": round(p50["raw_put"] / p50["posix_put_warm_tree"], 3),
+            "put_ratio_vs_raw_sharded": round(med["posix_put"] / med["raw_put_sharded"], 3),
+            "raw_sharded_vs_flat": round(med["raw_put_sharded"] / med["raw_put"], 3),
             "put_p50_us": {name: round(p50[name] * 1e6, 1) for name in _PER_KEY},
             "inline_put_share": round(inline_puts / (2 * n * rounds), 3),
             "raw_put_thread_GBps": round(med["raw_put_thread"], 3),
@@ -249,21 +269,24 @@ def posix_vs_raw(
     rounds: int = 5,
     fsync: bool = False,
     directory: str | None = None,
+    shard_depth: int | None = None,
 ) -> dict[str, Any]:
     """Put/get GB/s of PosixAdapter and of raw os.write/os.read per object size, with posix/raw ratios.
 
     ``repeats`` objects per size and round (default: about 512 MiB per round, 4..64 objects), ``rounds``
-    rounds (throughput = total bytes / total time). Files go to a fresh temp directory under ``directory``.
+    rounds (throughput = total bytes / total time). Files go to a fresh temp directory under ``directory``;
+    ``shard_depth`` is the adapter's (None: its default).
     """
     load_before = round(os.getloadavg()[0], 2)  # ratios are unreliable on a machine busy with other work
     base = tempfile.mkdtemp(prefix="tiercache-posix-bench-", dir=directory)
     try:
-        per_size = asyncio.run(_measure(sizes, repeats, rounds, fsync, base))
+        per_size = asyncio.run(_measure(sizes, repeats, rounds, fsync, base, shard_depth))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return {
         "benchmark": "posix_vs_raw",
         "fsync": fsync,
+        "shard_depth": shard_depth,
         "directory": directory or tempfile.gettempdir(),
         "cpus": os.cpu_count(),
         "loadavg_1m_before": load_before,
@@ -283,10 +306,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fsync", action="store_true", help="fsync every object (both sides)")
     parser.add_argument("--dir", default=None, help="parent directory for the temp files")
     parser.add_argument("--runs", type=int, default=1, help="whole runs; the ratios' medians over runs too")
+    parser.add_argument("--shard-depth", type=int, default=None, help="the adapter's (default: its own)")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     runs = [
-        posix_vs_raw(sizes, args.repeats, rounds=args.rounds, fsync=args.fsync, directory=args.dir)
+        posix_vs_raw(
+            sizes,
+            args.repeats,
+            rounds=args.rounds,
+            fsync=args.fsync,
+            directory=args.dir,
+            shard_depth=args.shard_depth,
+        )
         for _ in range(max(1, args.runs))
     ]
     result = runs[-1]
@@ -303,7 +334,7 @@ def _ratios_over_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for size, last in runs[-1]["sizes"].items():
         out[size] = {}
         for name in last:
-            if "ratio" in name or name == "inline_put_share":
+            if "ratio" in name or name in ("inline_put_share", "raw_sharded_vs_flat"):
                 values = [r["sizes"][size][name] for r in runs]
                 out[size][name] = {"median": round(statistics.median(values), 3), "runs": values}
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import xxhash
 
 from tiercache.adapters import posix
+from tiercache.adapters._spare_files import SPARE_KEY
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.errors import AdapterUnavailable, ConfigError
 from tiercache.testing.adapters import AdapterConformance
@@ -67,25 +69,98 @@ def _drops_page_cache(directory: Path) -> bool:
 
 
 def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    """Files under ``root`` but an open adapter's spare temp files (made ahead for inline puts)."""
+    spare = f".{SPARE_KEY}."
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith(spare)
+    )
 
 
 @pytest.mark.asyncio
 async def test_sharded_layout(tmp_path: Path) -> None:
-    adapter = await PosixAdapter.open(f"file://{tmp_path}")
+    """A new store is one level deep (``<h0h1>/<key>``); ``shard_depth`` 2 and 0 as given."""
+    adapter = await PosixAdapter.open(f"file://{tmp_path}/one")
+    assert adapter.shard_depth == 1
     assert await adapter.batched_put(["alpha", "beta"], [b"1", b"22"]) == [True, True]
     await adapter.aclose()
-    expected = []
+    one, two = [], []
     for key in ("alpha", "beta"):
         h = xxhash.xxh64_hexdigest(key.encode())
-        expected.append(f"{h[0:2]}/{h[2:4]}/{key}")
-        assert (tmp_path / h[0:2] / h[2:4] / key).read_bytes() == (b"1" if key == "alpha" else b"22")
-    assert _files(tmp_path) == sorted(expected)
+        one.append(f"{h[0:2]}/{key}")
+        two.append(f"{h[0:2]}/{h[2:4]}/{key}")
+        assert (tmp_path / "one" / h[0:2] / key).read_bytes() == (b"1" if key == "alpha" else b"22")
+    assert _files(tmp_path / "one") == sorted(one)
+    reopened = await PosixAdapter.open(f"file://{tmp_path}/one")  # stays one level deep
+    assert (reopened.shard_depth, reopened.used_bytes) == (1, 3)
+    await reopened.aclose()
+
+    deep = await PosixAdapter.open(f"file://{tmp_path}/two", shard_depth=2)
+    assert await deep.batched_put(["alpha", "beta"], [b"1", b"22"]) == [True, True]
+    await deep.aclose()
+    assert _files(tmp_path / "two") == sorted(two)
 
     flat = await PosixAdapter.open(f"file://{tmp_path}/flat", shard_depth=0)
     assert await flat.batched_put(["gamma"], [b"3"]) == [True]
     await flat.aclose()
     assert _files(tmp_path / "flat") == ["gamma"]
+
+
+def _two_level_path(root: Path, key: str) -> Path:
+    """Where the former default layout (two levels, before issue 14) kept ``key``."""
+    h = xxhash.xxh64_hexdigest(key.encode())
+    return root / h[0:2] / h[2:4] / key
+
+
+@pytest.mark.asyncio
+async def test_store_in_the_former_two_level_layout_is_read_counted_evicted_and_written(
+    tmp_path: Path,
+) -> None:
+    """A tree written with the former default (``<h0h1>/<h2h3>/<key>``, built here by hand from that
+    layout's description) opened without ``shard_depth``: its objects are found, counted at open, evicted
+    oldest first, read, deleted, and new puts go where the same layout puts them."""
+    from tiercache.adapters import _tempfiles
+
+    values = {f"old{i}": bytes([i]) * (1000 + i) for i in range(6)}
+    for i, (key, value) in enumerate(values.items()):
+        path = _two_level_path(tmp_path, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value)
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))  # old0 is the oldest
+    dead_temp = (
+        _two_level_path(tmp_path, "old0").parent / f".old0.{_tempfiles._host()}_{_exited_pid()}_1.x.tmp"
+    )
+    dead_temp.write_bytes(b"partial")
+    total = sum(map(len, values.values()))
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
+    try:
+        assert adapter.shard_depth == 2
+        assert adapter.used_bytes == total
+        assert not dead_temp.exists()  # swept at the leaf level
+        assert await adapter.batched_contains(list(values)) == [True] * 6
+        assert [bytes(v) for v in await adapter.batched_get(list(values)) if v is not None] == list(
+            values.values()
+        )
+        assert await adapter.batched_delete(["old5"]) == [True]
+        assert not _two_level_path(tmp_path, "old5").exists()
+        assert adapter.used_bytes == total - len(values["old5"])
+        assert await adapter.batched_put(["new"], [b"n" * 10]) == [True]
+        assert _two_level_path(tmp_path, "new").read_bytes() == b"n" * 10
+    finally:
+        await adapter.aclose()
+
+    # Reopened with a smaller capacity: still two levels, the oldest objects evicted at open.
+    capacity = len(values["old3"]) + len(values["old4"]) + 10
+    bounded = await PosixAdapter.open(f"file://{tmp_path}", capacity=capacity, temp_sweep_s=0)
+    try:
+        assert bounded.shard_depth == 2
+        assert bounded.used_bytes == capacity
+        assert await bounded.batched_contains([*values, "new"]) == [False] * 3 + [True, True, False, True]
+        assert _files(tmp_path) == sorted(
+            str(_two_level_path(tmp_path, k).relative_to(tmp_path)) for k in ("new", "old3", "old4")
+        )
+    finally:
+        await bounded.aclose()
 
 
 @pytest.mark.asyncio
@@ -439,3 +514,96 @@ async def test_shard_directories_made_at_open_and_on_demand(tmp_path: Path) -> N
         assert await deep.batched_get(["k"]) == [b"w"]
     finally:
         await deep.aclose()
+
+
+def _object_bytes(adapter: PosixAdapter, key: str) -> int:
+    try:
+        return os.stat(adapter._path(key)).st_size
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("inline_put_bytes", [0, 4 << 20], ids=["pooled", "inline-and-pooled"])
+async def test_racing_puts_of_one_key_count_the_bytes_that_landed(
+    tmp_path: Path, inline_put_bytes: int
+) -> None:
+    """Puts of one key with different sizes, many at once (threads racing to rename; with inline writes,
+    small values land on the loop thread while large ones are still being written): once all have ended,
+    ``used_bytes`` is the size of the file that won, in every round, also with a capacity."""
+    rng = random.Random(7)
+    for capacity in (None, 24 << 20):
+        root = tmp_path / f"cap{capacity}"
+        bound = {} if capacity is None else {"capacity": capacity}
+        adapter = await PosixAdapter.open(
+            f"file://{root}", inline_put_bytes=inline_put_bytes, threads=8, **bound
+        )
+        try:
+            assert await adapter.batched_put(["other"], [b"o" * 1000]) == [True]
+            for _ in range(12):
+                sizes = [rng.choice([1 << 10, 300 << 10, 5 << 20]) + rng.randrange(1000) for _ in range(8)]
+                puts = [adapter.batched_put(["k"], [bytes(size)]) for size in sizes]
+                puts.append(adapter.batched_put(["k", "k"], [bytes(6 << 20), b"x" * 10]))  # one batch, twice
+                assert all(all(r) for r in await asyncio.gather(*puts))
+                on_disk = _object_bytes(adapter, "k") + _object_bytes(adapter, "other")
+                assert adapter.used_bytes == on_disk == _bytes_on_disk(root)
+        finally:
+            await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_put_that_cannot_fit_keeps_counting_the_objects_it_would_have_evicted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put refused because the rest of the capacity is held by a write in flight evicts nothing and
+    forgets nothing: ``used_bytes`` keeps following the files."""
+    import threading
+
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=3000, inline_put_bytes=0)
+    release = threading.Event()
+    original = posix._write_file
+
+    def held(directory: str, path: str, key: str, *args: object) -> bool:
+        if key == "held":  # fault injection: this write waits until the test lets it go
+            release.wait(30)
+        return original(directory, path, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(posix, "_write_file", held)
+    try:
+        assert await adapter.batched_put(["a"], [b"a" * 1000]) == [True]
+        in_flight = asyncio.ensure_future(adapter.batched_put(["held"], [b"h" * 1500]))
+        for _ in range(1000):  # bounded poll: until the held put is accounted for
+            if adapter.used_bytes == 2500:
+                break
+            await asyncio.sleep(0.001)
+        assert await adapter.batched_put(["c"], [b"c" * 2500]) == [False]  # needs the held bytes too
+        assert await adapter.batched_contains(["a"]) == [True]
+        assert adapter.used_bytes == 2500
+        release.set()
+        assert await in_flight == [True]
+        assert adapter.used_bytes == _bytes_on_disk(tmp_path) == 2500
+    finally:
+        release.set()
+        await adapter.aclose()
+
+
+def test_a_forked_child_names_temp_files_as_itself() -> None:
+    """The owner tag is cached per process: a child made by fork gets its own pid in its temp names."""
+    from tiercache.adapters import _tempfiles
+
+    parent = _tempfiles.owner_tag()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tag and leave without running any cleanup
+        os.write(write_end, _tempfiles.temp_name("k").encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        child_name = os.read(read_end, 4096).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    assert f"_{pid}_" in child_name
+    assert parent not in child_name
+    assert _tempfiles.owner_tag() == parent
+    assert _tempfiles.temp_name("k") != _tempfiles.temp_name("k")  # serial: no two names alike

@@ -366,11 +366,21 @@ def test_kit_through_pytest(pytester: pytest.Pytester) -> None:
 
 
 def _write_in_place(
-    directory: str, path: str, key: str, value: Buffer, fsync: bool, victims: Sequence[str]
+    directory: str,
+    path: str,
+    key: str,
+    value: Buffer,
+    fsync: bool,
+    victims: Sequence[str],
+    spare: tuple[int, str] | None = None,
 ) -> bool:
     """The classic bug: write the object at its final path in pieces (no temp file + rename)."""
     import os
     import time
+
+    if spare is not None:  # a temp file made ahead: not used by this bug
+        os.close(spare[0])
+        os.unlink(spare[1])
 
     os.makedirs(directory, exist_ok=True)
     view = memoryview(value)

@@ -25,6 +25,7 @@ from tiercache.adapters._inline_writes import (
     read_dirty_pages,
     slow_s,
 )
+from tiercache.adapters._spare_files import SPARE_KEY, make_spares
 from tiercache.adapters.posix import PosixAdapter
 
 MiB = 1 << 20
@@ -41,13 +42,19 @@ class FakeClock:
         return self.now
 
 
-def _all_files(root: Path) -> list[str]:
-    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)
+def _all_files(root: Path, spares: bool = False) -> list[str]:
+    """Files under ``root``; the spare temp files made ahead for inline puts only if ``spares``."""
+    return sorted(
+        os.path.join(d, f)
+        for d, _, files in os.walk(root)
+        for f in files
+        if spares or not f.startswith(f".{SPARE_KEY}.")
+    )
 
 
-def _temp_files(root: Path) -> dict[str, int]:
-    """Each temp file under ``root`` and its size."""
-    return {f: os.stat(f).st_size for f in _all_files(root) if os.path.basename(f).startswith(".")}
+def _temp_files(root: Path, spares: bool = False) -> dict[str, int]:
+    """Each temp file under ``root`` and its size (spares only if ``spares``)."""
+    return {f: os.stat(f).st_size for f in _all_files(root, spares) if os.path.basename(f).startswith(".")}
 
 
 def _policy(
@@ -234,7 +241,8 @@ async def test_a_write_that_waited_on_the_disk_sends_puts_to_the_pool_for_a_whil
     spy = WriteSpy(monkeypatch)
     adapter, clock = await _open(tmp_path)
     switches = 0
-    monkeypatch.setattr(posix, "voluntary_switches", lambda: switches)
+    monkeypatch.setattr(posix, "voluntary_switches", lambda: switches)  # read as a write begins
+    monkeypatch.setattr(_inline_writes, "voluntary_switches", lambda: switches)  # and after a slow one
 
     def slow_cpu_bound() -> None:  # the write took long, but the loop thread never slept
         clock.now += 1.0
@@ -352,11 +360,12 @@ async def test_crash_during_an_inline_put_leaves_the_old_object_whole(tmp_path: 
     assert writer.returncode == 17, stderr.decode()
     leftovers = _temp_files(tmp_path)
     assert list(leftovers.values()) == [MiB if mode == "rename" else MiB // 2]  # the crashed writer's
+    spares = _temp_files(tmp_path, spares=True).keys() - leftovers.keys()  # made ahead, never used
     reopened = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
     try:
         assert await reopened.batched_get(["obj"]) == [b"O" * 5000]
-        assert reopened.stats["temp_files_removed"] == 1
-        assert _temp_files(tmp_path) == {}
+        assert reopened.stats["temp_files_removed"] == 1 + len(spares)  # a dead writer's, all of them
+        assert _temp_files(tmp_path, spares=True) == {}
         assert reopened.used_bytes == 5000
     finally:
         await reopened.aclose()
@@ -385,3 +394,68 @@ async def test_concurrent_inline_and_pooled_puts_of_one_key_keep_one_whole_value
         assert len(_all_files(tmp_path)) == 1  # no temp file left
     finally:
         await adapter.aclose()
+
+
+async def _spares_ready(adapter: PosixAdapter) -> list[str]:
+    """The spare temp files of ``adapter`` once a refill has made them (bounded poll)."""
+    spares = adapter._spares
+    assert spares is not None
+    for _ in range(2000):
+        ready = [path for _, path in spares._ready]
+        if ready:
+            return ready
+        await asyncio.sleep(0.001)
+    pytest.fail("no spare temp file was made")
+
+
+@pytest.mark.asyncio
+async def test_inline_puts_write_into_spare_files_made_ahead_and_close_removes_the_rest(
+    tmp_path: Path,
+) -> None:
+    """After the first inline put asked for spares, a put's object is one of them (its inode: no create on
+    the loop thread), renamed into the key's directory; values stay whole; aclose leaves no temp file."""
+    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
+        pytest.skip("the temp directory is not on a local filesystem")
+    adapter, _ = await _open(tmp_path, temp_sweep_s=0)
+    try:
+        assert await adapter.batched_put(["first"], [b"1" * 1000]) == [True]
+        spare_inodes = {os.stat(path).st_ino for path in await _spares_ready(adapter)}
+        values = {f"k{i}": os.urandom(5000 + i) for i in range(3)}
+        for key, value in values.items():
+            assert await adapter.batched_put([key], [value]) == [True]
+            assert os.stat(adapter._path(key)).st_ino in spare_inodes
+        assert await adapter.batched_get(list(values)) == list(values.values())
+        assert adapter.used_bytes == 1000 + sum(map(len, values.values()))
+        assert adapter.stats["inline_puts"] == 4
+    finally:
+        await adapter.aclose()
+    assert _temp_files(tmp_path, spares=True) == {}
+
+
+@pytest.mark.asyncio
+async def test_a_put_whose_spare_is_gone_creates_its_file_as_before(tmp_path: Path) -> None:
+    """The directory of the next spare removed under the adapter: the put still lands (written the usual
+    way); a refill makes a missing directory again."""
+    import shutil
+
+    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
+        pytest.skip("the temp directory is not on a local filesystem")
+    adapter, _ = await _open(tmp_path, temp_sweep_s=0)
+    try:
+        assert await adapter.batched_put(["first"], [b"1"]) == [True]
+        spare_dir = os.path.dirname((await _spares_ready(adapter))[0])
+        await asyncio.to_thread(shutil.rmtree, spare_dir)
+        keys = [k for k in (f"k{i}" for i in range(400)) if os.path.dirname(adapter._path(k)) != spare_dir][
+            :3
+        ]
+        for key in keys:
+            assert await adapter.batched_put([key], [key.encode()]) == [True]
+        assert await adapter.batched_get(keys) == [k.encode() for k in keys]
+        made = make_spares([spare_dir], 2)
+        assert sorted(os.listdir(spare_dir)) == sorted(os.path.basename(path) for _, path in made)
+        for fd, path in made:
+            os.close(fd)
+            os.unlink(path)
+    finally:
+        await adapter.aclose()
+    assert _temp_files(tmp_path, spares=True) == {}
