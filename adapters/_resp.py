@@ -183,13 +183,18 @@ class _Conn:
     ) -> bytes | memoryview | int | _Landed | None:
         """Send one command and read its reply (see ``reply`` for ``into`` and ``tail``); AdapterTimeout
         when ``timeout`` passes with no progress."""
+        return await self.exchange(parts, lambda: self.reply(into, tail))
+
+    async def exchange(self, parts: list[memoryview], read: Callable[[], Awaitable[_T]]) -> _T:
+        """Send ``parts`` (one or more commands), then ``read`` their replies; AdapterTimeout when
+        ``timeout`` passes with no progress."""
         loop = asyncio.get_running_loop()
         fd = self.sock.fileno()
         loop.add_reader(fd, self._on_readable)  # one registration per call, not one per receive
         try:
             async with asyncio.timeout(self.timeout) as self._deadline:
                 await self.send(parts)
-                return await self.reply(into, tail)
+                return await read()
         except TimeoutError:
             raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
         finally:
@@ -334,6 +339,29 @@ class RespPool:
             args += [b"PX", str(px).encode()]
         reply = await self._run(lambda c: c.call(_command(*args)))
         return reply == b"OK"
+
+    async def replace(
+        self, key: bytes, value: memoryview, px: int | None = None, tail: bytes = b"", peek: int = 0
+    ) -> bytes:
+        """``GETRANGE key 0 peek-1`` then ``SET`` as ``set`` does, sent together on one connection (the
+        server runs them in that order, one round trip): the first ``peek`` bytes the key held before the
+        SET (``b""`` if none, or not a string); RespError if the SET was refused."""
+        args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
+        if px is not None:
+            args += [b"PX", str(px).encode()]
+        parts = _command(b"GETRANGE", key, b"0", str(peek - 1).encode()) + _command(*args)
+
+        async def read(conn: _Conn) -> tuple[object, object]:
+            try:
+                old: object = await conn.reply()
+            except RespError:  # not a string: nothing to peek at; the SET's reply still follows
+                old = b""
+            return old, await conn.reply()
+
+        old, reply = await self._run(lambda c: c.exchange(parts, lambda: read(c)))
+        if reply != b"OK":
+            raise AdapterUnavailable(f"redis {self.host}:{self.port}: unexpected SET reply {reply!r}")
+        return bytes(old) if isinstance(old, bytes | memoryview) else b""
 
     def close(self) -> None:
         """Close the idle connections; connections in use close when their call ends. Idempotent."""
