@@ -488,9 +488,10 @@ COUNT_OBJECTS = (
 
 
 def redis_part(args: argparse.Namespace) -> dict[str, Any]:
-    """Redis only (no L1 hit): write-through (time until every chunk of the request is readable in Redis)
-    and cold retrieve into the KV (tiercache: a fresh engine each round; LMCache: ``local_cpu=False``, so
-    every retrieve reads Redis), both contenders on one redis-server started here, interleaved, bit-exact."""
+    """Redis only (no L1 hit): write-through (time until every chunk of the request is readable in Redis;
+    each contender stores through its one long-lived engine, warmed up first) and cold retrieve into the KV
+    (tiercache: a fresh engine each round; LMCache: ``local_cpu=False``, so every retrieve reads Redis), both
+    contenders on one redis-server started here, interleaved, bit-exact."""
     import asyncio
 
     import numpy as np

@@ -57,6 +57,12 @@ async def _stored_keys(port: int, prefix: str) -> list[bytes]:
 VIAS = pytest.mark.parametrize("via", ["resp", "redis-py"])
 
 
+async def _reads_back(adapter: RedisAdapter, key: str, want: bytes) -> None:
+    (got,) = await adapter.batched_get([key])
+    assert got is not None
+    assert bytes(got) == want
+
+
 # -- the conformance kit with small parts -------------------------------------------------------------
 
 
@@ -206,9 +212,7 @@ async def test_overwrite_with_a_plain_value_drops_every_part(redis_server: Any, 
             [f"{prefix}obj".encode()] + [f"{prefix}other{s}".encode() for s in ("", "#0", "#1")]
         )
         for reader in (adapter, whole):
-            (got,) = await reader.batched_get(["obj"])
-            assert got is not None
-            assert bytes(got) == value
+            await _reads_back(reader, "obj", value)
     finally:
         await adapter.aclose()
         await whole.aclose()
@@ -280,9 +284,7 @@ async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any,
         assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts
         newer = _value(len(value), 6)
         assert await adapter.batched_put(["obj"], [newer]) == [True]
-        (got,) = await adapter.batched_get(["obj"])
-        assert got is not None
-        assert bytes(got) == newer
+        await _reads_back(adapter, "obj", newer)
     finally:
         await adapter.aclose()
         await raw.aclose()
