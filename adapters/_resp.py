@@ -363,6 +363,25 @@ class RespPool:
             raise AdapterUnavailable(f"redis {self.host}:{self.port}: unexpected SET reply {reply!r}")
         return bytes(old) if isinstance(old, bytes | memoryview) else b""
 
+    async def pipeline(self, commands: list[list[bytes | memoryview]]) -> list[object]:
+        """Send ``commands`` (each a list of arguments) together on one connection and read their replies
+        in order: simple strings and bulk strings as bytes, integers, None, or the ``RespError`` of an
+        error reply in its place (every reply is read, so the connection stays in step)."""
+        parts = [p for args in commands for p in _command(*args)]
+
+        async def read(conn: _Conn) -> list[object]:
+            out: list[object] = []
+            for _ in commands:
+                reply: object
+                try:
+                    reply = await conn.reply()
+                except RespError as exc:
+                    reply = exc
+                out.append(bytes(reply) if isinstance(reply, memoryview) else reply)
+            return out
+
+        return await self._run(lambda c: c.exchange(parts, lambda: read(c)))
+
     def close(self) -> None:
         """Close the idle connections; connections in use close when their call ends. Idempotent."""
         self._closed = True

@@ -407,3 +407,27 @@ async def test_replace_peeks_then_sets_and_keeps_the_connection_in_step(
     finally:
         pool.close()
         await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_pipeline_replies_in_order_with_errors_in_place(redis_factory: Callable[..., Any]) -> None:
+    """``RespPool.pipeline`` (the pipelined small puts on plain TCP) returns every reply in order, an error
+    reply as its ``RespError`` in place; a put refused for memory on that path is False, not an error."""
+    server = redis_factory("--maxmemory-policy", "noeviction")
+    pool = RespPool("127.0.0.1", server.port, size=1)
+    raw = aredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        await raw.rpush("lst", "x")
+        got = await pool.pipeline([[b"GETRANGE", b"lst", b"0", b"3"], [b"SET", b"k", b"v"], [b"GET", b"k"]])
+        assert isinstance(got[0], RespError)
+        assert got[1:] == [b"OK", b"v"]
+        async with await RedisAdapter.open(server.url, prefix="t:") as adapter:
+            assert await adapter.batched_put(["a", "b"], [b"x" * 100, b"y"]) == [True, True]
+            await raw.config_set("maxmemory", "1")  # over the limit: every write is refused
+            assert await adapter.batched_put(["c", "d"], [b"x" * 100, b"y"]) == [False, False]
+            await raw.config_set("maxmemory", "0")
+            assert await adapter.batched_get(["a", "b", "c"]) == [b"x" * 100, b"y", None]
+        assert await pool.pipeline([[b"GET", b"k"]]) == [b"v"]
+    finally:
+        pool.close()
+        await raw.aclose()
