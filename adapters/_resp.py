@@ -222,6 +222,14 @@ def _command(*args: bytes | memoryview | tuple[bytes | memoryview, ...]) -> list
     return out
 
 
+def _set_command(key: bytes, value: memoryview, px: int | None, tail: bytes) -> list[memoryview]:
+    """``SET key <value + tail> [PX px]`` as parts to send (the value from the caller's buffer)."""
+    args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
+    if px is not None:
+        args += [b"PX", str(px).encode()]
+    return _command(*args)
+
+
 class RespPool:
     """Up to ``size`` connections to one server, opened on demand (AUTH and SELECT done on each)."""
 
@@ -334,10 +342,8 @@ class RespPool:
     async def set(self, key: bytes, value: memoryview, px: int | None = None, tail: bytes = b"") -> bool:
         """SET ``key`` to ``value`` followed by ``tail`` (sent from the caller's buffer); RespError for a
         refusal such as OOM."""
-        args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
-        if px is not None:
-            args += [b"PX", str(px).encode()]
-        reply = await self._run(lambda c: c.call(_command(*args)))
+        parts = _set_command(key, value, px, tail)
+        reply = await self._run(lambda c: c.call(parts))
         return reply == b"OK"
 
     async def replace(
@@ -346,10 +352,7 @@ class RespPool:
         """``GETRANGE key 0 peek-1`` then ``SET`` as ``set`` does, sent together on one connection (the
         server runs them in that order, one round trip): the first ``peek`` bytes the key held before the
         SET (``b""`` if none, or not a string); RespError if the SET was refused."""
-        args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
-        if px is not None:
-            args += [b"PX", str(px).encode()]
-        parts = _command(b"GETRANGE", key, b"0", str(peek - 1).encode()) + _command(*args)
+        parts = _command(b"GETRANGE", key, b"0", str(peek - 1).encode()) + _set_command(key, value, px, tail)
 
         async def read(conn: _Conn) -> tuple[object, object]:
             try:
