@@ -171,6 +171,12 @@ class _Conn:
                 if bytes(end[tail:]) != b"\r\n":
                     raise _Reset("bulk reply without its CRLF: not a RESP server")
                 return _Landed(bytes(end[:tail]))
+            if len(self.pending) >= size + 2:  # a small reply received whole already: sliced off, no buffer
+                if self.pending[size : size + 2] != b"\r\n":
+                    raise _Reset("bulk reply without its CRLF: not a RESP server")
+                value = memoryview(bytes(self.pending[:size]))
+                del self.pending[: size + 2]
+                return value
             whole = new_buffer(size + 2)  # the value and its CRLF, received in place
             await self._take(whole)
             if bytes(whole[size:]) != b"\r\n":
