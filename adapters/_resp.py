@@ -171,6 +171,12 @@ class _Conn:
                 if bytes(end[tail:]) != b"\r\n":
                     raise _Reset("bulk reply without its CRLF: not a RESP server")
                 return _Landed(bytes(end[:tail]))
+            if len(self.pending) >= size + 2:  # a small reply received whole already: sliced off, no buffer
+                if self.pending[size : size + 2] != b"\r\n":
+                    raise _Reset("bulk reply without its CRLF: not a RESP server")
+                value = memoryview(bytes(self.pending[:size]))
+                del self.pending[: size + 2]
+                return value
             whole = new_buffer(size + 2)  # the value and its CRLF, received in place
             await self._take(whole)
             if bytes(whole[size:]) != b"\r\n":
@@ -183,13 +189,18 @@ class _Conn:
     ) -> bytes | memoryview | int | _Landed | None:
         """Send one command and read its reply (see ``reply`` for ``into`` and ``tail``); AdapterTimeout
         when ``timeout`` passes with no progress."""
+        return await self.exchange(parts, lambda: self.reply(into, tail))
+
+    async def exchange(self, parts: list[memoryview], read: Callable[[], Awaitable[_T]]) -> _T:
+        """Send ``parts`` (one or more commands), then ``read`` their replies; AdapterTimeout when
+        ``timeout`` passes with no progress."""
         loop = asyncio.get_running_loop()
         fd = self.sock.fileno()
         loop.add_reader(fd, self._on_readable)  # one registration per call, not one per receive
         try:
             async with asyncio.timeout(self.timeout) as self._deadline:
                 await self.send(parts)
-                return await self.reply(into, tail)
+                return await read()
         except TimeoutError:
             raise AdapterTimeout(f"redis: no answer within the socket timeout ({self.timeout} s)") from None
         finally:
@@ -215,6 +226,14 @@ def _command(*args: bytes | memoryview | tuple[bytes | memoryview, ...]) -> list
         head += b"\r\n"
     out.append(memoryview(head))
     return out
+
+
+def _set_command(key: bytes, value: memoryview, px: int | None, tail: bytes) -> list[memoryview]:
+    """``SET key <value + tail> [PX px]`` as parts to send (the value from the caller's buffer)."""
+    args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
+    if px is not None:
+        args += [b"PX", str(px).encode()]
+    return _command(*args)
 
 
 class RespPool:
@@ -329,11 +348,48 @@ class RespPool:
     async def set(self, key: bytes, value: memoryview, px: int | None = None, tail: bytes = b"") -> bool:
         """SET ``key`` to ``value`` followed by ``tail`` (sent from the caller's buffer); RespError for a
         refusal such as OOM."""
-        args: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = [b"SET", key, (value, tail)]
-        if px is not None:
-            args += [b"PX", str(px).encode()]
-        reply = await self._run(lambda c: c.call(_command(*args)))
+        parts = _set_command(key, value, px, tail)
+        reply = await self._run(lambda c: c.call(parts))
         return reply == b"OK"
+
+    async def replace(
+        self, key: bytes, value: memoryview, px: int | None = None, tail: bytes = b"", peek: int = 0
+    ) -> bytes:
+        """``GETRANGE key 0 peek-1`` then ``SET`` as ``set`` does, sent together on one connection (the
+        server runs them in that order, one round trip): the first ``peek`` bytes the key held before the
+        SET (``b""`` if none, or not a string); RespError if the SET was refused."""
+        parts = _command(b"GETRANGE", key, b"0", str(peek - 1).encode()) + _set_command(key, value, px, tail)
+
+        async def read(conn: _Conn) -> tuple[object, object]:
+            try:
+                old: object = await conn.reply()
+            except RespError:  # not a string: nothing to peek at; the SET's reply still follows
+                old = b""
+            return old, await conn.reply()
+
+        old, reply = await self._run(lambda c: c.exchange(parts, lambda: read(c)))
+        if reply != b"OK":
+            raise AdapterUnavailable(f"redis {self.host}:{self.port}: unexpected SET reply {reply!r}")
+        return bytes(old) if isinstance(old, bytes | memoryview) else b""
+
+    async def pipeline(self, commands: list[list[bytes | memoryview]]) -> list[object]:
+        """Send ``commands`` (each a list of arguments) together on one connection and read their replies
+        in order: simple strings and bulk strings as bytes, integers, None, or the ``RespError`` of an
+        error reply in its place (every reply is read, so the connection stays in step)."""
+        parts = [p for args in commands for p in _command(*args)]
+
+        async def read(conn: _Conn) -> list[object]:
+            out: list[object] = []
+            for _ in commands:
+                reply: object
+                try:
+                    reply = await conn.reply()
+                except RespError as exc:
+                    reply = exc
+                out.append(bytes(reply) if isinstance(reply, memoryview) else reply)
+            return out
+
+        return await self._run(lambda c: c.exchange(parts, lambda: read(c)))
 
     def close(self) -> None:
         """Close the idle connections; connections in use close when their call ends. Idempotent."""

@@ -25,15 +25,20 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
 1-32 MiB frames; redis-py 8.1, Redis 7.0):
 
 * contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
-  per part for the keys that hold a manifest. delete: one pipeline of ``GETRANGE`` + ``DEL`` per key, then one
-  of ``DEL`` per part of the manifests found.
+  and ``GETRANGE`` (from where its nonce starts) per part for the keys that hold a manifest. delete: one
+  pipeline of ``GETRANGE`` + ``DEL`` per key, then one of ``DEL`` per part of the manifests found.
 * get: ``GET`` one after another while the values seen (read or written) are large (running mean > 256 KiB),
-  else one pipeline of ``GET``. For 1-4 MiB values sequential GETs beat a pipeline (~1.5x), MGET (never
-  faster, and its single reply must arrive within one socket timeout) and concurrent GETs (0.6x at 1 MiB);
-  small values need the pipeline's one round trip.
-* put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values); each larger value is
-  its own ``SET``, all of a batch at once (up to ``pool_size`` in flight): pipelining large values makes Redis
-  copy them through its query buffer and ran ~2x slower (see the bench JSON).
+  else one pipeline of ``MGET``s of about 1 MiB of values each (cluster: of ``GET``s). For 1-4 MiB values
+  sequential GETs beat a pipeline (~1.5x), MGET (never faster, and its single reply must arrive within one
+  socket timeout) and concurrent GETs (0.6x at 1 MiB); small values need the pipeline's one round trip, and
+  1-64 KiB values read 1.4-2x faster by MGET than by a pipeline of GETs (redis-py's cost per command).
+* put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
+  ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces; on plain TCP the pipeline goes
+  through the RESP client, whose replies parse faster than redis-py's: 64 x 1 KiB puts 1.5x faster than the
+  redis-py pipeline of SETs alone, 64 x 64 KiB the same); each larger value is its own ``SET`` (on the RESP
+  client sent together with that ``GETRANGE``), all of a batch at once (up to ``pool_size`` in flight):
+  pipelining large values makes Redis copy them through its query buffer and ran ~2x slower (see the bench
+  JSON).
 * Large values (over 256 KiB) on a plain-TCP standalone server go through ``adapters/_resp.py``, a small RESP
   client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (the asyncio redis-py
   copies a value twice on the way out and twice on the way in): 2x redis-py's best mode at 32 MiB, 1.2-1.5x at
@@ -41,8 +46,8 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
   password, the user name and the database; TLS and Cluster use redis-py for every value.
 
 Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
-``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PARTS_IN_FLIGHT`` (4) at
-a time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the head,
+``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PARTS_IN_FLIGHT`` (4) at a
+time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the head,
 then the parts 4 at a time straight into one buffer (the RESP client receives each in place; the buffer is
 reused once the caller dropped every view of it, ``adapters/_recvbuf.py``). Why: the server's allocator
 (jemalloc) serves allocations of 8 MiB and more from an arena that returns pages at once, so every SET or
@@ -50,19 +55,22 @@ reply of a bigger value faulted in fresh pages; with 4 MiB parts one 64 MiB valu
 0.86-1.15x) the speed of the same bytes as 16 separate 4 MiB values (unsplit 0.42-0.89; 8 MiB parts
 0.73-0.76), and 4 in flight beat 1, 2, 8 and 16 for reads (``benchmarks/adapters_bench.py``, README). A 4 MiB
 part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``): parts sized to
-fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed.
-Rules: parts are written before the head, so a head only names parts that were complete; a rewrite
-overwrites the parts in place (the server reuses their memory) and deletes the parts past its count after
-its head; a reader checks each part's length and nonce against its manifest: a missing part (evicted,
-expired) is a miss counted in ``stats["parts_missing"]``, and the head (only if unchanged: a
-compare-and-delete script) and the parts are removed; a part of another write (by nonce or length: a
-rewrite in progress) is a miss counted in ``stats["parts_stale"]``; a head that starts like a manifest and
-does not decode is a miss counted in ``stats["bad_manifests"]`` (a value that starts with the manifest magic
-is always stored parted, so it is never mistaken for one). ``contains`` is the head and every part existing
-(one more pipeline, only for manifests); ``delete`` removes the head, then the parts. Part keys land on
-their own cluster slots (no hash tags: no command spans two keys, and spreading a value over the masters
-spreads its load). A part refused for memory removes the parts and fails the put; a writer that dies
-between parts leaves them to the TTL, eviction or the next put of the key (which overwrites them).
+fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed. Rules:
+parts are written before the head, so a head only names parts that were complete; a rewrite overwrites the
+parts in place (the server reuses their memory) and deletes the parts past its count after its head; a value
+stored whole over a parted one deletes all of its parts after its SET (the replaced head is read before it: in
+the same pipeline, or on the same connection); a reader checks each part's length and nonce against its
+manifest: a missing part (evicted, expired) is a miss counted in ``stats["parts_missing"]``, and the head
+(only if unchanged: a compare-and-delete script) and the parts are removed; a part of another write (by nonce
+or length: a rewrite in progress) is a miss counted in ``stats["parts_stale"]``; a head that starts like a
+manifest and does not decode is a miss counted in ``stats["bad_manifests"]`` (a value that starts with the
+manifest magic is always stored parted, so it is never mistaken for one). ``contains`` is the head and every
+part existing with the manifest's length and nonce, checked and counted as a read checks them (one more
+pipeline, only for manifests: a part of another write is not contained, so a lookup never counts a hit that
+the read misses); ``delete`` removes the head, then the parts. Part keys land on their own cluster slots (no
+hash tags: no command spans two keys, and spreading a value over the masters spreads its load). A part refused
+for memory removes the parts and fails the put; a writer that dies between parts leaves them to the TTL,
+eviction or the next put of the key (which overwrites them).
 
 Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
 that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
@@ -128,7 +136,6 @@ _COMPARE_AND_DELETE = (
     "then return redis.call('DEL', KEYS[1]) end return 0"
 )
 """Delete a head only if it still holds the manifest a reader found broken (never a newer write's head)."""
-
 _TLS_SCHEMES = {"rediss", "valkeys"}
 _PLAIN_SCHEMES = {"redis", "valkey"}
 _CERT_REQS = {"required": "required", "optional": "optional", "none": "none"}
@@ -422,20 +429,34 @@ class RedisAdapter(Adapter):
     async def _parts_exist(
         self, full: Sequence[str], manifests: dict[int, Manifest | None]
     ) -> dict[int, bool]:
-        """For each object index, whether every part of its manifest is on the server (one pipeline);
-        a broken object is counted and removed."""
+        """For each object index, whether every part of its manifest is on the server and of that write
+        (its length and nonce, as a read checks them; one pipeline). An object with a part gone is counted
+        in ``parts_missing`` and removed; one with a part of another write in ``parts_stale`` (kept: a
+        rewrite in progress), as a read would count them."""
         todo = [(i, m, m.part_keys(full[i])) for i, m in manifests.items() if m is not None]
-        flat = [k for _, _, keys in todo for k in keys]
-        results = await self._guard(self._pipeline(lambda p: [p.exists(k) for k in flat])) if flat else []
+        probes = [(k, b - a) for _, m, keys in todo for k, (a, b) in zip(keys, m.bounds(), strict=True)]
+        results = (
+            await self._guard(
+                self._pipeline(
+                    lambda p: [(p.exists(k), p.getrange(k, n, n + NONCE_BYTES)) for k, n in probes]
+                )
+            )
+            if probes
+            else []
+        )
         self._raise_first(results)
+        pairs = list(zip(results[0::2], results[1::2], strict=True))  # (exists, bytes from its nonce on)
         whole = {i: False for i in manifests}
         at = 0
         for i, m, keys in todo:
-            whole[i] = all(results[at : at + len(keys)])
-            at += len(keys)
-            if not whole[i]:
+            mine, at = pairs[at : at + len(keys)], at + len(keys)
+            if not all(found for found, _ in mine):
                 self.stats["parts_missing"] += 1
                 await self._drop_broken(full[i], m)
+            elif any(tail != m.nonce for _, tail in mine):  # another nonce, or another length
+                self.stats["parts_stale"] += 1
+            else:
+                whole[i] = True
         return whole
 
     async def _drop_broken(self, head: str, manifest: Manifest) -> None:
@@ -446,7 +467,7 @@ class RedisAdapter(Adapter):
                 await self._pipeline(lambda p: [p.delete(k) for k in manifest.part_keys(head)])
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
-        """For each key, its bytes or None: one pipeline of GET for small values, else GETs one by one.
+        """For each key, its bytes or None: one pipeline of MGETs for small values, else GETs one by one.
 
         The mode follows the sizes seen so far (a running mean of hit sizes): pipelined GETs of MiB-sized
         values measured slower than the same GETs one after another, while small values need the pipeline.
@@ -458,8 +479,7 @@ class RedisAdapter(Adapter):
         if len(full) == 1 or self._mean_hit_bytes > PIPELINE_VALUE_BYTES:
             results = [await self._guard(self._get_one(k)) for k in full]
         else:
-            results = await self._guard(self._pipeline(lambda p: [p.get(k) for k in full]))
-            self._raise_first(results)
+            results = await self._guard(self._get_small(full))
         results = list(results)
         for i, r in enumerate(results):
             if r is not None and Manifest.looks_like(r):
@@ -467,6 +487,17 @@ class RedisAdapter(Adapter):
                 results[i] = None if manifest is None else await self._read_parts(full[i], manifest)
         self._learn_sizes([len(r) for r in results if r is not None])
         return results
+
+    async def _get_small(self, full: Sequence[str]) -> list[Any]:
+        """Small values: one pipeline of ``MGET``s, each for about ``PIPELINE_BATCH_BYTES`` of values by the
+        running mean (one command per group, not per key: 64 x 1 KiB and 64 x 64 KiB read 1.4-2x faster
+        than a pipeline of GETs; each reply is read within its own socket timeout). A key of another type
+        is a miss."""
+        group = max(1, min(512, int(PIPELINE_BATCH_BYTES // max(self._mean_hit_bytes, 1.0))))
+        groups = [full[i : i + group] for i in range(0, len(full), group)]
+        replies = await self._pipeline(lambda p: [p.mget(g) for g in groups])
+        self._raise_first(replies)
+        return [v for r in replies for v in r]
 
     async def _read_parts(self, head: str, manifest: Manifest) -> Buffer | None:
         """The whole value of a parted object, its parts read concurrently into one buffer. None if a part
@@ -530,11 +561,11 @@ class RedisAdapter(Adapter):
             if not small:
                 return
             todo, small, small_bytes = small, [], 0
-            results = await self._guard(
-                self._pipeline(lambda p: [self._set(p, full[i], data[i]) for i in todo])
-            )
-            for i, r in zip(todo, results, strict=True):
+            results = await self._guard(self._peek_and_set([full[i] for i in todo], [data[i] for i in todo]))
+            for i, r in zip(todo, results[1::2], strict=True):
                 out[i] = self._put_result(r)
+            replaced = [(full[i], old) for i, old in zip(todo, results[0::2], strict=True) if out[i]]
+            await self._drop_replaced(replaced)
 
         large: list[int] = []
         for i, value in enumerate(data):
@@ -555,15 +586,71 @@ class RedisAdapter(Adapter):
                 out[i] = self._put_result(r)
         return out
 
+    async def _peek_and_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[Any]:
+        """One pipeline of ``GETRANGE`` (a key's first ``MANIFEST_BYTES``) then ``SET`` per key: (old head,
+        SET result) pairs, flat; per-command errors in place. On plain TCP through the RESP client (its
+        replies parse at a fraction of redis-py's cost per command), else redis-py."""
+        if self._resp is None:
+            return await self._pipeline(
+                lambda p: [
+                    (p.getrange(k, 0, MANIFEST_BYTES - 1), self._set(p, k, v))
+                    for k, v in zip(keys, values, strict=True)
+                ]
+            )
+        px = [] if self.ttl_ms is None else [b"PX", str(self.ttl_ms).encode()]
+        peek = str(MANIFEST_BYTES - 1).encode()
+        commands: list[list[bytes | memoryview]] = []
+        for k, v in zip(keys, values, strict=True):
+            key = k.encode()
+            commands += [[b"GETRANGE", key, b"0", peek], [b"SET", key, v, *px]]
+        replies = await self._resp.pipeline(commands)
+        return [
+            rexc.ResponseError(str(r)) if isinstance(r, RespError) else (r == b"OK" if i % 2 else r)
+            for i, r in enumerate(replies)
+        ]
+
     def _parted(self, value: memoryview) -> bool:
         """Whether ``value`` is stored as parts: over ``part_size``, or starting like a manifest."""
         return bool(self.part_size and value.nbytes > self.part_size) or Manifest.looks_like(value)
 
     async def _put_large(self, key: str, value: memoryview) -> Any:
-        """One SET, or a parted write (``_parted``)."""
+        """One SET (then the parts of a parted value it replaced are dropped), or a parted write."""
         if self._parted(value):
             return await self._put_parts(key, value)
-        return await self._set_one(key, value)
+        if self._resp is not None:  # GETRANGE + SET on one connection, one round trip
+            try:
+                old: Any = await self._resp.replace(key.encode(), value, self.ttl_ms, peek=MANIFEST_BYTES)
+            except RespError as exc:
+                return rexc.ResponseError(str(exc))
+        else:  # the head before the SET (concurrently, the GETRANGE could run after it)
+            old = await self._old_head(key)
+            written = await self._set_one(key, value)
+            if written is not True:
+                return written
+        await self._drop_replaced([(key, old)])
+        return True
+
+    async def _old_head(self, head: str) -> Any:
+        """The first ``MANIFEST_BYTES`` of ``head`` as it was before a put (a manifest names its parts), or
+        the exception that read raised (then nothing is dropped)."""
+        try:
+            return (await self._pipeline(lambda p: p.getrange(head, 0, MANIFEST_BYTES - 1)))[0]
+        except _TRANSPORT_ERRORS as exc:
+            return exc
+
+    async def _drop_replaced(self, replaced: Sequence[tuple[str, Any]], keep: int = 0) -> None:
+        """After a put of each head: delete the parts past ``keep`` of the manifest it replaced (``old``: its
+        first bytes, as ``_old_head`` read them). Best effort: a failure leaves them to TTL or eviction."""
+        extra = [
+            k
+            for head, old in replaced
+            if not isinstance(old, BaseException)
+            and (previous := Manifest.decode(old, MAX_VALUE_BYTES)) is not None
+            for k in previous.part_keys(head, start=keep)
+        ]
+        if extra:
+            with contextlib.suppress(*_TRANSPORT_ERRORS):
+                await self._pipeline(lambda p: [p.delete(k) for k in extra])
 
     async def _put_parts(self, head: str, value: memoryview) -> Any:
         """Write the parts (each followed by the nonce) concurrently, then the head, so no reader sees a
@@ -577,9 +664,7 @@ class RedisAdapter(Adapter):
                 return await self._set_one(k, part, manifest.nonce)
 
         writes = [write(k, value[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
-        *written, old = await self._all(
-            [*writes, self._pipeline(lambda p: p.getrange(head, 0, MANIFEST_BYTES - 1))]
-        )
+        *written, old = await self._all([*writes, self._old_head(head)])
         refused = next((r for r in written if r is not True), None)
         if refused is None:
             refused = r = await self._set_one(head, manifest.encode())
@@ -588,10 +673,7 @@ class RedisAdapter(Adapter):
         if refused is not None:
             await self._pipeline(lambda p: [p.delete(k) for k in keys])
             return refused
-        previous = None if isinstance(old[0], BaseException) else Manifest.decode(old[0], MAX_VALUE_BYTES)
-        if previous is not None and previous.count > manifest.count:
-            extra = previous.part_keys(head, start=manifest.count)
-            await self._pipeline(lambda p: [p.delete(k) for k in extra])
+        await self._drop_replaced([(head, old)], keep=manifest.count)
         return True
 
     async def _set_one(self, key: str, value: bytes | memoryview, tail: bytes = b"") -> Any:
@@ -712,6 +794,12 @@ class RedisClusterAdapter(RedisAdapter):
     async def _set_one(self, key: str, value: bytes | memoryview, tail: bytes = b"") -> Any:
         async with self._slots:
             return await super()._set_one(key, value, tail)
+
+    async def _get_small(self, full: Sequence[str]) -> list[Any]:
+        """One cluster pipeline of GETs (an MGET across slots is refused; redis-py splits it per node)."""
+        results = await self._pipeline(lambda p: [p.get(k) for k in full])
+        self._raise_first(results)
+        return results
 
     async def _get_one(self, key: str) -> Any:
         async with self._slots:

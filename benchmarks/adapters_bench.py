@@ -3,14 +3,16 @@
 One section per backend (``BACKENDS``: name -> async function returning a JSON-able dict); each starts its own
 server on a free 127.0.0.1 port and stops it by PID at the end.
 
-redis / valkey: for 1, 4 and 32 MiB frames (about 64 MiB per batch), the adapter's batched put/get against
-raw ``redis.asyncio`` in every mode (sequential SET/GET one after another on the pool, one pipeline,
-concurrent tasks over the pool, MGET), alternating rounds so drift hits all alike; ratios are adapter / best
-raw mode. Then one 64 MiB SET/GET vs the same bytes as 16 x 4 MiB values, through the adapter (one batched
-call each; the 64 MiB value also with ``part_size=0``, unsplit) and through raw redis-py (one 64 MiB value;
-16 x 4 MiB sequential and pipelined), ``3 * rounds`` interleaved rounds: ``adapter_*_one_vs_parts`` is the
-adapter's 64 MiB value against the same bytes as 4 MiB values through the adapter, ``*_vs_raw_parts``
-against raw redis-py's best 4 MiB mode, ``*_vs_raw_one`` against raw redis-py's own 64 MiB SET/GET.
+redis / valkey: for 1 and 64 KiB frames (64 per batch: the pipelined small-value path) and 1, 4 and 32 MiB
+frames (about 64 MiB per batch), the adapter's batched put/get against raw ``redis.asyncio`` in every mode
+(sequential SET/GET one after another on the pool, one pipeline, concurrent tasks over the pool, MGET),
+alternating rounds so drift hits all alike; ratios are adapter / best raw mode. Then one 64 MiB SET/GET vs the
+same bytes as 16 x 4 MiB values, through the adapter (one batched call each; the 64 MiB value also with
+``part_size=0``, unsplit) and through raw redis-py (one 64 MiB value; 16 x 4 MiB sequential and pipelined),
+each mode warmed up once, then ``3 * rounds`` interleaved rounds (order reversed every other round):
+``adapter_*_one_vs_parts`` is the adapter's 64 MiB value against the same bytes as 4 MiB values through the
+adapter, ``*_vs_raw_parts`` against raw redis-py's best 4 MiB mode, ``*_vs_raw_one`` against raw redis-py's
+own 64 MiB SET/GET.
 
 s3: 1, 4 and 32 MiB through the adapter vs raw aioboto3 on a moto server (benchmarks/s3_bench.py).
 
@@ -39,7 +41,7 @@ from _common import ServerProcess, free_port, port_open, start_process
 
 __all__ = ["BACKENDS", "bench_mooncake", "bench_redis", "bench_s3", "bench_valkey"]
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 GB = 1e9
 
 
@@ -54,6 +56,12 @@ def _start_redis(binary: str, directory: str) -> tuple[ServerProcess, int]:
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     argv += ["--dir", directory, "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
     return start_process(argv, ready=lambda: _redis_answers(port)), port
+
+
+SIZES = [("1KiB", KiB, 64), ("64KiB", 64 * KiB, 64)] + [
+    (f"{m}MiB", m * MiB, max(2, 64 // m)) for m in (1, 4, 32)
+]
+"""Redis/Valkey sections: (label, frame bytes, frames per batch); the small ones go through put pipelines."""
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -89,14 +97,12 @@ async def _compare_modes(
     }
 
 
-async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dict[str, Any]:
-    """Adapter vs every raw mode for one frame size."""
-    size = size_mib * MiB
-    n = max(2, 64 // size_mib)
+async def _bench_size(raw: Any, adapter: Any, size: int, n: int, rounds: int) -> dict[str, Any]:
+    """Adapter vs every raw mode for ``n`` frames of ``size`` bytes per batch."""
     values = [os.urandom(size) for _ in range(n)]
-    keys = [f"bench:raw-o{size_mib}-{i}" for i in range(n)]  # raw keys apart from the adapter's (its own
+    keys = [f"bench:raw-o{size}-{i}" for i in range(n)]  # raw keys apart from the adapter's (its own
     # layout: a value over part_size is a manifest head plus parts)
-    akeys = [f"o{size_mib}-{i}" for i in range(n)]
+    akeys = [f"o{size}-{i}" for i in range(n)]
 
     async def seq_set() -> None:
         for k, v in zip(keys, values, strict=True):
@@ -149,6 +155,7 @@ async def _bench_size(raw: Any, adapter: Any, size_mib: int, rounds: int) -> dic
     }
     await a_put()  # warm up: server memory, connections; raw keys written before any raw get
     await seq_set()
+    rounds *= min(50, max(1, (16 * MiB) // (n * size)))  # small batches: more rounds, about as many bytes
     result = await _compare_modes(puts, gets, rounds, n * size)
     result["objects_per_batch"] = n
     await raw.delete(*keys)
@@ -179,8 +186,8 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         if "valkey_version" in info:
             out["valkey_version"] = info["valkey_version"]
         sizes: dict[str, Any] = {}
-        for size_mib in (1, 4, 32):
-            sizes[f"{size_mib}MiB"] = await _bench_size(raw, adapter, size_mib, rounds)
+        for label, size, n in SIZES:
+            sizes[label] = await _bench_size(raw, adapter, size, n, rounds)
         out["sizes"] = sizes
 
         # One 64 MiB object vs 16 x 4 MiB parts.
@@ -254,14 +261,15 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
             "get_16x4MiB_pipeline_joined": parts_pipe_get,
         }
         split_total = dict.fromkeys(split_fns, 0.0)
-        await one_set()
-        await parts_seq_set()  # warm up; every raw get below reads what a raw set wrote
-        await a_one_set()
-        await a_parts_set()
-        await u_one_set()
-        for _ in range(3 * rounds):
-            for m, fn in split_fns.items():
-                split_total[m] += await _timed(fn)
+        # warm up every mode once (sets first: every get below reads what a set of its mode wrote): server
+        # memory, connections, and each client's receive buffers (a parted read's first 64 MiB block is
+        # fresh pages, as the sequential gets' 4 MiB buffers were in the sections above)
+        for fn in split_fns.values():
+            await fn()
+        names = list(split_fns)
+        for r in range(3 * rounds):
+            for m in names if r % 2 == 0 else names[::-1]:  # alternating order: no mode always after another
+                split_total[m] += await _timed(split_fns[m])
         split = {k: round(3 * rounds * len(big) / t / GB, 3) for k, t in split_total.items()}
         for op in ("set", "get"):
             one, many = split[f"adapter_{op}_one_64MiB"], split[f"adapter_{op}_16x4MiB"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from tiercache.buffers import copy_bytes
 from tiercache.serde._codec import Codec, CodecContext, Stage
 
 if TYPE_CHECKING:
@@ -24,14 +25,14 @@ class RawCodec(Codec):
         return nbytes
 
     def encode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
-        """Copy ``src`` into ``dst``."""
+        """Copy ``src`` into ``dst`` (a large copy with the GIL released: ``copy_bytes``)."""
         n = len(src)
-        dst[:n] = src
+        copy_bytes(dst[:n], src)
         return n
 
     def decode_into(self, src: memoryview, dst: memoryview, spec: KVSpec, ctx: CodecContext) -> int:
         """Copy ``src`` (exactly ``len(dst)`` bytes) into ``dst``."""
         if len(src) != len(dst):
             raise ValueError(f"raw payload of {len(src)} bytes for a {len(dst)}-byte array")
-        dst[:] = src
+        copy_bytes(dst, src)
         return len(src)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis.asyncio as aredis
 
 import tiercache
 from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
@@ -159,6 +160,25 @@ async def test_maxmemory_eviction_gives_misses(redis_factory: Callable[..., Any]
             assert g is None or g == v
             assert p or g is None
         assert any(g is None for g in got)
+
+
+async def test_small_values_read_in_order_across_mget_groups(redis_server: Any) -> None:
+    """Small values are read by a pipeline of MGETs of about 1 MiB each: every value comes back in key order
+    across the groups, an absent key and a key of another type are misses (a GET of a list was an error that
+    failed the whole batch)."""
+    prefix = _prefix()
+    async with await RedisAdapter.open(redis_server.url, prefix=prefix) as adapter:
+        keys = _keys(12)
+        values = [bytes([i]) * (200_000 + i) for i in range(12)]
+        for _ in range(10):  # the running mean of sizes near 200 KB: ~5 values per MGET, three groups
+            assert await adapter.batched_put(keys, values) == [True] * 12
+        raw = aredis.Redis(host="127.0.0.1", port=redis_server.port)
+        try:
+            await raw.rpush(f"{prefix}lst", "x")
+        finally:
+            await raw.aclose()
+        got = await adapter.batched_get([*keys[:6], "lst", "absent", *keys[6:]])
+        assert [None if g is None else bytes(g) for g in got] == [*values[:6], None, None, *values[6:]]
 
 
 async def test_noeviction_refusal_is_a_failed_put(redis_factory: Callable[..., Any]) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import tiercache
 from tiercache.adapters._parts import MAGIC, MANIFEST_BYTES, NONCE_BYTES, Manifest
+from tiercache.adapters._resp import RespError, RespPool
 from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
 from tiercache.errors import ConfigError
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
@@ -54,6 +55,12 @@ async def _stored_keys(port: int, prefix: str) -> list[bytes]:
 
 
 VIAS = pytest.mark.parametrize("via", ["resp", "redis-py"])
+
+
+async def _reads_back(adapter: RedisAdapter, key: str, want: bytes) -> None:
+    (got,) = await adapter.batched_get([key])
+    assert got is not None
+    assert bytes(got) == want
 
 
 # -- the conformance kit with small parts -------------------------------------------------------------
@@ -183,6 +190,34 @@ async def test_overwrite_with_fewer_parts_drops_the_rest(redis_server: Any, via:
         await adapter.aclose()
 
 
+@pytest.mark.asyncio
+@VIAS
+@pytest.mark.parametrize("plain", ["pipelined", "large"])
+async def test_overwrite_with_a_plain_value_drops_every_part(redis_server: Any, via: str, plain: str) -> None:
+    """A parted object overwritten by a value stored whole (a small, pipelined one; or a large one written
+    by an adapter that does not split it) leaves no part behind (they used to stay until TTL or eviction)."""
+    prefix = _prefix()
+    adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
+    whole = await _open(redis_server.url, via, prefix=prefix, part_size=0)
+    try:
+        assert await adapter.batched_put(["obj", "other"], [_value(3 * PART, 2), _value(2 * PART, 3)]) == [
+            True,
+            True,
+        ]
+        assert len(await _stored_keys(redis_server.port, prefix)) == 2 + 3 + 2
+        value = _value(100, 4) if plain == "pipelined" else _value(5 * PART, 4)
+        writer = adapter if plain == "pipelined" else whole
+        assert await writer.batched_put(["obj"], [value]) == [True]
+        assert await _stored_keys(redis_server.port, prefix) == sorted(
+            [f"{prefix}obj".encode()] + [f"{prefix}other{s}".encode() for s in ("", "#0", "#1")]
+        )
+        for reader in (adapter, whole):
+            await _reads_back(reader, "obj", value)
+    finally:
+        await adapter.aclose()
+        await whole.aclose()
+
+
 # -- broken objects are misses, counted --------------------------------------------------------------
 
 
@@ -249,9 +284,33 @@ async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any,
         assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts
         newer = _value(len(value), 6)
         assert await adapter.batched_put(["obj"], [newer]) == [True]
-        (got,) = await adapter.batched_get(["obj"])
-        assert got is not None
-        assert bytes(got) == newer
+        await _reads_back(adapter, "obj", newer)
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+@pytest.mark.parametrize("change", ["nonce", "length"])
+async def test_contains_is_false_for_a_part_of_another_write(
+    redis_server: Any, via: str, change: str
+) -> None:
+    """``contains`` checks each part's nonce and length as a read does: a part of another write (a rewrite
+    in progress, or one that died between its parts and its head) is not contained (it was: every part
+    existed), counted in ``parts_stale``, and kept; the read agrees."""
+    adapter, raw, prefix, _ = await _parted(redis_server, via)
+    try:
+        part = await raw.get(f"{prefix}obj#3")
+        if change == "nonce":
+            await raw.set(f"{prefix}obj#3", part[:-NONCE_BYTES] + b"n" * NONCE_BYTES)
+        else:
+            await raw.set(f"{prefix}obj#3", part + b"x")
+        assert await adapter.batched_contains(["obj"]) == [False]
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts, kept
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert adapter.stats["parts_stale"] == 2
     finally:
         await adapter.aclose()
         await raw.aclose()
@@ -321,3 +380,54 @@ async def test_part_size_option(redis_server: Any) -> None:
         value = _value(3 * MiB, 9)
         assert await adapter.batched_put(["obj"], [value]) == [True]  # 0: never split
         assert await _stored_keys(redis_server.port, prefix) == [f"{prefix}obj".encode()]
+
+
+# -- GETRANGE + SET on one connection (the RESP client's replace) ------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_replace_peeks_then_sets_and_keeps_the_connection_in_step(
+    redis_factory: Callable[..., Any],
+) -> None:
+    """``RespPool.replace`` returns the old value's first bytes (``b""`` for no key or a non-string) and
+    reads both replies, also when the GETRANGE or the SET is refused, so the pooled connection's next
+    reply is its own."""
+    server = redis_factory("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    pool = RespPool("127.0.0.1", server.port, size=1)  # one connection: every call reuses it
+    raw = aredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        assert await pool.replace(b"k", memoryview(b"first value"), peek=5) == b""
+        assert await pool.replace(b"k", memoryview(b"second"), peek=5) == b"first"
+        await raw.rpush("lst", "x")
+        assert await pool.replace(b"lst", memoryview(b"now a string"), peek=5) == b""  # WRONGTYPE peek
+        assert bytes(await pool.get(b"lst") or b"") == b"now a string"
+        with pytest.raises(RespError, match="OOM"):
+            await pool.replace(b"big", memoryview(bytes(6 * MiB)), peek=5)
+        assert bytes(await pool.get(b"k") or b"") == b"second"
+    finally:
+        pool.close()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_pipeline_replies_in_order_with_errors_in_place(redis_factory: Callable[..., Any]) -> None:
+    """``RespPool.pipeline`` (the pipelined small puts on plain TCP) returns every reply in order, an error
+    reply as its ``RespError`` in place; a put refused for memory on that path is False, not an error."""
+    server = redis_factory("--maxmemory-policy", "noeviction")
+    pool = RespPool("127.0.0.1", server.port, size=1)
+    raw = aredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        await raw.rpush("lst", "x")
+        got = await pool.pipeline([[b"GETRANGE", b"lst", b"0", b"3"], [b"SET", b"k", b"v"], [b"GET", b"k"]])
+        assert isinstance(got[0], RespError)
+        assert got[1:] == [b"OK", b"v"]
+        async with await RedisAdapter.open(server.url, prefix="t:") as adapter:
+            assert await adapter.batched_put(["a", "b"], [b"x" * 100, b"y"]) == [True, True]
+            await raw.config_set("maxmemory", "1")  # over the limit: every write is refused
+            assert await adapter.batched_put(["c", "d"], [b"x" * 100, b"y"]) == [False, False]
+            await raw.config_set("maxmemory", "0")
+            assert await adapter.batched_get(["a", "b", "c"]) == [b"x" * 100, b"y", None]
+        assert await pool.pipeline([[b"GET", b"k"]]) == [b"v"]
+    finally:
+        pool.close()
+        await raw.aclose()

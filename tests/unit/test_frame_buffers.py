@@ -32,3 +32,17 @@ def test_buffers_beyond_the_limit_are_not_kept() -> None:
         assert id(c) == kept
         assert id(c) != b_id
         del c
+
+
+def test_keep_frames_of_the_largest_size_even_past_the_limit() -> None:
+    """Frames larger than a batch (one 32 MiB chunk per store worker): ``keep`` of them are reused though
+    their bytes pass ``limit`` (the old pool kept what fit under it and faulted the rest in each time)."""
+    pool = FrameBuffers(1500, keep=3)
+    held = [pool.take(1000) for _ in range(3)]  # three in flight at once, 3000 bytes > limit
+    ids = {id(b) for b in held}
+    extra = pool.take(1000)  # a fourth: past keep x largest, not kept
+    del held, extra
+    again = [pool.take(1000) for _ in range(3)]
+    assert {id(b) for b in again} == ids
+    fourth = pool.take(1000)
+    assert id(fourth) not in ids  # the three kept ones are in use; the fourth is fresh

@@ -15,10 +15,14 @@ __all__ = ["FrameBuffers"]
 
 
 class FrameBuffers:
-    """Up to ``limit`` bytes of bytearrays kept for reuse, one list per size; thread-safe."""
+    """Bytearrays kept for reuse, one list per size, up to ``limit`` bytes or ``keep`` buffers of the largest
+    size asked for, whichever is more (so ``keep`` frames in flight at once are reused however large a frame
+    is); thread-safe."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, keep: int = 0) -> None:
         self._limit = limit
+        self._keep = keep
+        self._largest = 0
         self._kept = 0
         self._free: dict[int, list[bytearray]] = {}
         self._lock = threading.Lock()
@@ -32,7 +36,8 @@ class FrameBuffers:
                 if sys.getrefcount(buf) <= 3:
                     return buf
             buf = bytearray(size)
-            if self._kept + size <= self._limit:
+            self._largest = max(self._largest, size)
+            if self._kept + size <= max(self._limit, self._keep * self._largest):
                 kept.append(buf)
                 self._kept += size
             return buf

@@ -58,8 +58,11 @@ class StoreController:
         self._run = run  # runs a codec job off the event loop
         self.store_batch = store_batch
         self._l1_codec = l1_codec(l1)
-        # frames of stores in flight reuse their buffers (room for two batches per store worker)
-        self._frames = FrameBuffers(2 * policy.store_parallel * STORE_BATCH_BYTES + (64 << 20))
+        # frames of stores in flight reuse their buffers: room for two batches per store worker, or for two
+        # frames per worker where one frame is larger than a batch (a batch of one large object)
+        self._frames = FrameBuffers(
+            2 * policy.store_parallel * STORE_BATCH_BYTES + (64 << 20), keep=2 * policy.store_parallel
+        )
 
     def submit(self, keys: Sequence[str]) -> None:
         """Queue the published objects under ``keys`` for every tier (never blocks; drops are counted)."""
