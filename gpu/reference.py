@@ -9,12 +9,12 @@ CPU tensors take the native row kernel when it is built (``cpu_rows``: one call 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,9 +122,15 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
 
 def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
     """Expected shape of an object for ``tokens`` tokens of ``layers``."""
+    return _layer_range_shape(layout, tokens, layers.start, layers.stop)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_range_shape(layout: PagedLayout, tokens: int, first: int, stop: int) -> tuple[int, ...]:
+    """``_object_shape``, computed once per layout, length and layer range (a call builds a KVSpec)."""
     spec = object_spec(layout, tokens)
-    if len(layers) != layout.num_layers:
-        spec = spec.with_layers(layers.start, layers.stop)
+    if stop - first != layout.num_layers:
+        spec = spec.with_layers(first, stop)
     return spec.shape
 
 
@@ -380,7 +386,7 @@ def _scatter(
                 job_spans.append((start + skip, end))
             else:
                 pages_left = all_pages[:, skip // bs :]
-                work.append(partial(_scatter_pages, layers, kv, pages_left, firsts, slots, bs))
+                work.append(functools.partial(_scatter_pages, layers, kv, pages_left, firsts, slots, bs))
             continue
         job = _native_job(geo, _object_planes(src_obj, layout), slots, skip)
         if job is not None:
@@ -388,7 +394,7 @@ def _scatter(
             job_spans.append((start + skip, end))
             continue
         _check_slots((start + skip, end), slots, n_slots, negative_ok=True)
-        work.append(partial(_scatter_span, layers, kv, layout, slots, src_obj, skip))
+        work.append(functools.partial(_scatter_span, layers, kv, layout, slots, src_obj, skip))
     if jobs and geo is not None:
         covered = _run_kernel(False, geo, jobs, job_spans, negative_ok=True)
         if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
