@@ -344,7 +344,9 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     keyspace = KeySpace("bench/llama-8b-shape", "bfloat16", LAYERS, HEADS, HEAD_DIM)
     chunk_bytes = object_spec(layout, CHUNK).nbytes
-    l1 = L1Cache(nbytes + 2 * chunk_bytes, chunk_bytes)
+    # one request and two chunks (each slot is written again a few rounds after it was read back), or
+    # ``--l1 same``: LMCache's local CPU size (each store writes memory untouched for ~30 rounds)
+    l1 = L1Cache(int(gib * 2**30) if args.l1 == "same" else nbytes + 2 * chunk_bytes, chunk_bytes)
     engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
     loop = asyncio.new_event_loop()
 
@@ -374,7 +376,8 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         t1 = time.perf_counter()
         lmc.retrieve(toks)
         lmc_ret.append(time.perf_counter() - t1)
-        lmc.clear()  # the next round stores afresh
+        if args.peer == "clear":
+            lmc.clear()  # the next round stores into the buffer just freed
         return dt
 
     bare_dst = torch.empty_like(src)
@@ -447,6 +450,9 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         "kernel_stores": cpu_rows.STORES,
         "load_average_before_after": [load_before, load_after],
         "rounds": args.rounds,
+        "l1_slots": l1.num_slots,
+        "lmcache_after_round": args.peer,
+        "lmcache_local_cpu_GiB": gib,
         "bare_copy_GBps": gbps(times["bare_copy"]),
         "tiercache": {
             "store_GBps": gbps(times["tiercache"]),
@@ -720,6 +726,19 @@ def main() -> None:
     c.add_argument("--layout", choices=["flash", "cpu_blocks"], default="flash", help="tiercache's paged KV")
     c.add_argument("--lookup-tokens", type=int, default=131072, help="0: no lookup part")
     c.add_argument("--rounds", type=int, default=7)
+    c.add_argument(
+        "--l1",
+        choices=["small", "same"],
+        default="small",
+        help="tiercache's L1: one request and two chunks (small) or LMCache's local CPU size (same)",
+    )
+    c.add_argument(
+        "--peer",
+        choices=["clear", "evict"],
+        default="clear",
+        help="LMCache after each round: cleared (its next store reuses the buffer just freed, read moments "
+        "ago) or left full like tiercache's L1 (each store evicts its least recently used chunk)",
+    )
     c.add_argument(
         "--store-kinds",
         type=lambda v: [int(x) for x in v.split(",")],
