@@ -24,7 +24,9 @@ package tree: ``PYTHONPATH=TREE [OMP_NUM_THREADS=1] python benchmarks/vs_lmcache
 [--layout cpu_blocks] [--lookup-tokens 0] > benchmarks/results/vs_lmcache_cpu*.json``, where
 ``TREE/tiercache`` holds links to ``tiercache/*`` plus ``gpu``, ``serde`` and ``adapters`` (the ``_rowcopy``
 library built in place by the editable install sits in ``gpu/``). ``--store-kinds 1,0`` adds tiercache with
-the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds.
+the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds; ``--l1 same`` gives
+tiercache's L1 LMCache's capacity (default: one request and two chunks), ``--peer evict`` leaves LMCache full
+(default: cleared after each round), ``--settle MiB`` reads scratch memory (untimed) before every timed op.
 """
 
 from __future__ import annotations
