@@ -396,7 +396,7 @@ def _scatter(
             job_spans.append((start + skip, end))
             continue
         _check_slots((start + skip, end), slots, n_slots, negative_ok=True)
-        work.append(functools.partial(_scatter_span, layers, kv, layout, slots, src_obj, skip))
+        work.append(functools.partial(_scatter_tokens, layers, kv, layout, slots, src_obj, skip))
     if jobs and geo is not None:
         covered = _run_kernel(False, geo, jobs, job_spans, negative_ok=True)
         if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
@@ -404,33 +404,6 @@ def _scatter(
     for copy in work:
         written += copy()
     return written
-
-
-def _scatter_span(
-    layers: range,
-    kv: Sequence[torch.Tensor],
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    src_obj: torch.Tensor,
-    skip: int,
-) -> int:
-    """Torch path of one checked token-layout span: object tokens ``skip..`` to ``slots`` (< 0: left alone);
-    returns the tokens written."""
-    keep = slots >= 0
-    n_keep = int(keep.sum())
-    if n_keep == 0:
-        return 0
-    if n_keep == slots.numel():
-        _scatter_tokens(layers, kv, layout, slots, src_obj, skip)
-        return n_keep
-    sel = keep.nonzero().squeeze(1)
-    rows = _Rows(slots[sel], layout.block_size, layout.num_kv_heads)
-    sel = sel + skip
-    for j, layer in enumerate(layers):
-        dst_planes = _planes(_bits(kv[layer]), layout)
-        for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
-            _write_rows(dst, rows, src.index_select(0, sel))
-    return n_keep
 
 
 def _check_slots(span: tuple[int, int], slots: torch.Tensor, n_slots: int, *, negative_ok: bool) -> None:
@@ -681,8 +654,22 @@ def _scatter_tokens(
     slots: torch.Tensor,
     src_obj: torch.Tensor,
     skip: int,
-) -> None:
-    """Token-layout scatter of object tokens ``skip..`` to ``slots`` (all >= 0): whole blocks, then rows."""
+) -> int:
+    """Token-layout scatter of object tokens ``skip..`` to ``slots`` (< 0: left alone; checked spans): whole
+    blocks, then rows (rows alone when some slots are < 0); returns the tokens written."""
+    keep = slots >= 0
+    n_keep = int(keep.sum())
+    if n_keep != slots.numel():
+        if n_keep == 0:
+            return 0
+        sel = keep.nonzero().squeeze(1)
+        kept = _Rows(slots[sel], layout.block_size, layout.num_kv_heads)
+        sel = sel + skip
+        for j, layer in enumerate(layers):
+            dst_planes = _planes(_bits(kv[layer]), layout)
+            for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
+                _write_rows(dst, kept, src.index_select(0, sel))
+        return n_keep
     found = _whole_blocks(slots, layout.block_size)
     t = slots.numel()
     parts = [(0, t)]
@@ -705,6 +692,7 @@ def _scatter_tokens(
             dst_planes = _planes(_bits(kv[layer]), layout)
             for dst_p, src_p in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
                 _write_rows(dst_p, rows, src_p[skip + a : skip + b])
+    return n_keep
 
 
 def _page_pair(layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
