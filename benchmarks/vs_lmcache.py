@@ -24,7 +24,9 @@ package tree: ``PYTHONPATH=TREE [OMP_NUM_THREADS=1] python benchmarks/vs_lmcache
 [--layout cpu_blocks] [--lookup-tokens 0] > benchmarks/results/vs_lmcache_cpu*.json``, where
 ``TREE/tiercache`` holds links to ``tiercache/*`` plus ``gpu``, ``serde`` and ``adapters`` (the ``_rowcopy``
 library built in place by the editable install sits in ``gpu/``). ``--store-kinds 1,0`` adds tiercache with
-the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds.
+the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds; ``--l1 same`` gives
+tiercache's L1 LMCache's capacity (default: one request and two chunks), ``--peer evict`` leaves LMCache full
+(default: cleared after each round), ``--settle MiB`` reads scratch memory (untimed) before every timed op.
 """
 
 from __future__ import annotations
@@ -353,9 +355,20 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     keyspace = KeySpace("bench/llama-8b-shape", "bfloat16", LAYERS, HEADS, HEAD_DIM)
     chunk_bytes = object_spec(layout, CHUNK).nbytes
-    l1 = L1Cache(nbytes + 2 * chunk_bytes, chunk_bytes)
+    # one request and two chunks (each slot is written again a few rounds after it was read back), or
+    # ``--l1 same``: LMCache's local CPU size (each store writes memory untouched for ~30 rounds)
+    l1 = L1Cache(int(gib * 2**30) if args.l1 == "same" else nbytes + 2 * chunk_bytes, chunk_bytes)
     engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
     loop = asyncio.new_event_loop()
+
+    # ``--settle MiB``: between timed ops (untimed) read that much scratch memory, so that every op starts
+    # with the dirty lines of the ops before it written back: without it a cached-store copy leaves its
+    # write-back to whichever op runs next (a streaming-store op pays its own writes at once, plus those)
+    scratch = torch.ones(args.settle << 20 >> 3, dtype=torch.int64) if args.settle else None
+
+    def settle() -> None:
+        if scratch is not None:
+            scratch.max()
 
     def t_store(stores: int, rets: list[float]) -> float:
         toks = prompt()
@@ -363,6 +376,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         loop.run_until_complete(engine.store(toks, kv, slots))
         dt = time.perf_counter() - t0
+        settle()
         t1 = time.perf_counter()
         loop.run_until_complete(engine.retrieve(toks, kv_back, slots))
         rets.append(time.perf_counter() - t1)
@@ -380,10 +394,12 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         lmc.store(toks)
         dt = time.perf_counter() - t0
+        settle()
         t1 = time.perf_counter()
         lmc.retrieve(toks)
         lmc_ret.append(time.perf_counter() - t1)
-        lmc.clear()  # the next round stores afresh
+        if args.peer == "clear":
+            lmc.clear()  # the next round stores into the buffer just freed
         return dt
 
     bare_dst = torch.empty_like(src)
@@ -432,6 +448,7 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     order_rng = np.random.default_rng(2)
     for _ in range(args.rounds):
         for c in order_rng.permutation(list(fns)):
+            settle()
             times[str(c)].append(fns[str(c)]())
     load_after = os.getloadavg()
     ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
@@ -456,6 +473,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         "kernel_stores": cpu_rows.STORES,
         "load_average_before_after": [load_before, load_after],
         "rounds": args.rounds,
+        "l1_slots": l1.num_slots,
+        "lmcache_after_round": args.peer,
+        "settle_MiB": args.settle,
+        "lmcache_local_cpu_GiB": gib,
         "bare_copy_GBps": gbps(times["bare_copy"]),
         "tiercache": {
             "store_GBps": gbps(times["tiercache"]),
@@ -736,6 +757,26 @@ def main() -> None:
     c.add_argument("--layout", choices=["flash", "cpu_blocks"], default="flash", help="tiercache's paged KV")
     c.add_argument("--lookup-tokens", type=int, default=131072, help="0: no lookup part")
     c.add_argument("--rounds", type=int, default=7)
+    c.add_argument(
+        "--l1",
+        choices=["small", "same"],
+        default="small",
+        help="tiercache's L1: one request and two chunks (small) or LMCache's local CPU size (same)",
+    )
+    c.add_argument(
+        "--settle",
+        type=int,
+        default=0,
+        help="MiB of scratch memory read (untimed) before every timed op: each op starts with the writes "
+        "of the ops before it written back (0: none, as before)",
+    )
+    c.add_argument(
+        "--peer",
+        choices=["clear", "evict"],
+        default="clear",
+        help="LMCache after each round: cleared (its next store reuses the buffer just freed, read moments "
+        "ago) or left full like tiercache's L1 (each store evicts its least recently used chunk)",
+    )
     c.add_argument(
         "--store-kinds",
         type=lambda v: [int(x) for x in v.split(",")],

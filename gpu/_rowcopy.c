@@ -8,12 +8,13 @@
  * plane p, with slot = slots[slot0 + t]:
  *   paged  = layers[j] + (slot / bs) * s_blk + (slot % bs) * s_off + h * s_head + poff[p]
  *   object = obj + p * o_plane + j * o_layer + (tok0 + t) * o_tok + h * row_bytes
- * dir 0 (gather) copies paged -> object; dir 1 (scatter) object -> paged. Slots < 0 are skipped (the
- * caller has rejected them for a gather). Tokens are walked in order and, within a token, heads then
+ * dir 0 (gather) copies paged -> object; dir 1 (scatter) object -> paged. Slots < 0 are skipped where
+ * allowed (a scatter's tokens without KV); every slot is checked before any byte moves (tc_copy_rows). Tokens are walked in order and, within a token, heads then
  * planes, so a token's paged bytes are touched in address order. ``stores``: 0 plain ``memcpy``; 1 stores
  * that bypass the cache (streaming) where rows and addresses are 16-byte aligned (the data is not read
  * back soon, and it saves the read-for-ownership traffic); 2 the same with one 64-byte store per line
- * where the CPU has AVX-512F and rows and addresses are 64-byte aligned (else as 1). Returns the number of slots >= 0 over all spans. Threads (the caller's and
+ * where the CPU has AVX-512F and rows and addresses are 64-byte aligned (else as 1). Returns the number
+ * of slots >= 0 over all spans, or a negative error code. Threads (the caller's and
  * helper threads kept between calls) take (span, layer) tasks in turn; two spans that write one slot (never
  * in a request) race.
  */
@@ -209,11 +210,14 @@ static void run_job(struct job *g, int64_t extra) {
   pthread_mutex_unlock(&call_mu);
 }
 
-/* ``threads`` > 1: that many threads (the caller's included) take (span, layer) tasks in turn. */
+/* Every slot of every span is checked before anything is copied: a slot >= ``n_slots`` returns
+ * TC_OUT_OF_RANGE, a slot < 0 where ``negative_ok`` is 0 TC_NEGATIVE, and nothing is written. Else the
+ * copy runs; ``threads`` > 1: that many threads (the caller's included) take (span, layer) tasks in turn. */
+enum { TC_NEGATIVE = -1, TC_OUT_OF_RANGE = -2 };
 int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n_spans, const int64_t *spans,
                      const int64_t *slots, int64_t bs, int64_t s_blk, int64_t s_off, int64_t s_head,
                      int64_t heads, int64_t planes, const int64_t *poff, int64_t row_bytes, int64_t threads,
-                     int stores) {
+                     int stores, int64_t n_slots, int negative_ok) {
   struct job g = {dir, 0, 0, n_layers, n_spans * n_layers, layers, spans, slots, poff,
                   bs, s_blk, s_off, s_head, heads, planes, row_bytes, 0};
 #if defined(__SSE2__)
@@ -222,11 +226,18 @@ int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n
 #if defined(TC_WIDE)
   g.wide = stores > 1 && g.stream && (row_bytes % 64) == 0 && __builtin_cpu_supports("avx512f");
 #endif
-  int64_t valid = 0;
+  int64_t valid = 0, total = 0, over = 0;
   for (int64_t i = 0; i < n_spans; i++) {
     const int64_t *sp = spans + i * SPAN_FIELDS;
-    for (int64_t t = 0; t < sp[SPAN_N_TOK]; t++) valid += slots[sp[SPAN_SLOT0] + t] >= 0;
+    const int64_t *sl = slots + sp[SPAN_SLOT0];
+    total += sp[SPAN_N_TOK];
+    for (int64_t t = 0; t < sp[SPAN_N_TOK]; t++) {
+      valid += sl[t] >= 0;
+      over |= sl[t] >= n_slots;
+    }
   }
+  if (over) return TC_OUT_OF_RANGE;
+  if (valid != total && !negative_ok) return TC_NEGATIVE;
   if (threads > g.n_tasks) threads = g.n_tasks;
   run_job(&g, threads - 1);
   return valid;

@@ -5,8 +5,8 @@ token, head and plane and copies whole rows with streaming stores (64-byte ones 
 AVX-512F; ``memcpy`` where rows are not 16-byte aligned), on up to torch's
 intra-op thread count (the caller's thread and helper threads the library keeps between calls take (span,
 layer) tasks in turn); the torch reference path runs instead
-when it is missing or ``TIERCACHE_CPU_KERNELS=0``. Callers validate slots and shapes first:
-this module only describes tensors to the kernel and trusts the indices it is given.
+when it is missing or ``TIERCACHE_CPU_KERNELS=0``. The kernel checks every slot before it copies
+anything (a bad one: an error code, nothing written); callers validate shapes first.
 """
 
 from __future__ import annotations
@@ -15,11 +15,21 @@ import ctypes
 import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STORES", "Geometry", "RowJob", "copy", "native", "object_fits", "threads"]
+__all__ = [
+    "NEGATIVE",
+    "OUT_OF_RANGE",
+    "STORES",
+    "Geometry",
+    "RowJob",
+    "copy",
+    "native",
+    "object_fits",
+    "threads",
+]
 
 _SPAN_FIELDS = 7
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -44,8 +54,9 @@ def native() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(spec.origin)
                 fn = lib.tc_copy_rows
                 fn.restype = ctypes.c_int64
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P]
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_void_p]
                 fn.argtypes += [ctypes.c_int64] * 6 + [_I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                fn.argtypes += [ctypes.c_int64, ctypes.c_int]
                 _LIB = lib
         except (ImportError, OSError, AttributeError):
             _LIB = None
@@ -55,7 +66,8 @@ def native() -> ctypes.CDLL | None:
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """Where paged rows lie: each layer's address; block size; byte strides of a block, an in-block
-    offset and a head; each plane's byte offset; bytes per row (rows must be dense)."""
+    offset and a head; each plane's byte offset; bytes per row (rows must be dense); how many slots the
+    paged KV holds (blocks for CPU_BLOCKS). Computed once per registered KV caches (``reference``)."""
 
     layers: tuple[int, ...]
     block_size: int
@@ -65,6 +77,15 @@ class Geometry:
     heads: int
     plane_offsets: tuple[int, ...]
     row_bytes: int
+    n_slots: int
+    c_layers: ctypes.Array[ctypes.c_int64] = field(init=False, compare=False, repr=False)
+    c_planes: ctypes.Array[ctypes.c_int64] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """The layer addresses and plane offsets as the C arrays every call passes (built once)."""
+        object.__setattr__(self, "c_layers", (ctypes.c_int64 * len(self.layers))(*self.layers))
+        planes = self.plane_offsets
+        object.__setattr__(self, "c_planes", (ctypes.c_int64 * len(planes))(*planes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +103,26 @@ def object_fits(plane: torch.Tensor, row_elems: int, heads: int) -> bool:
     return plane.device.type == "cpu" and plane.shape[2] == heads * row_elems and plane.stride(2) == 1
 
 
-def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob]) -> int:
-    """Run the kernel over ``jobs`` (gather: paged -> objects; else objects -> paged, slots < 0 skipped);
-    returns the slots >= 0 it covered. The caller has checked every slot and shape."""
+NEGATIVE = -1
+"""``copy``'s answer when a slot < 0 is not allowed (a gather): nothing was copied."""
+OUT_OF_RANGE = -2
+"""``copy``'s answer when a slot lies past the paged KV (``Geometry.n_slots``): nothing was copied."""
+
+
+def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob], negative_ok: bool) -> int:
+    """Run the kernel over ``jobs`` (gather: paged -> objects; else objects -> paged): the slots >= 0 it
+    covered, or ``NEGATIVE`` / ``OUT_OF_RANGE`` when a slot of any job is bad (< 0 unless ``negative_ok``,
+    or past the paged KV): the kernel checks every slot before it copies, so then nothing is written. The
+    caller has checked the shapes."""
     lib = native()
     if lib is None:
         raise RuntimeError("the native row-copy kernel is not loaded")
-    slots = torch.cat([j.slots.to(torch.int64) for j in jobs]) if len(jobs) > 1 else jobs[0].slots
-    slots = slots.to(torch.int64).contiguous()
+    if len(jobs) == 1:
+        slots = jobs[0].slots
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+    else:
+        slots = torch.cat([j.slots.to(torch.int64) for j in jobs])
     table: list[int] = []
     at = 0
     e = jobs[0].planes[0].element_size()
@@ -100,27 +133,26 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob]) -> int:
         table += [p0.data_ptr(), o_plane, p0.stride(0) * e, p0.stride(1) * e, at, n, j.tok0]
         at += n
     moved = at * len(geo.layers) * geo.heads * len(geo.plane_offsets) * geo.row_bytes
-    layers = (ctypes.c_int64 * len(geo.layers))(*geo.layers)
-    spans = (ctypes.c_int64 * len(table))(*table)
-    poff = (ctypes.c_int64 * len(geo.plane_offsets))(*geo.plane_offsets)
     return int(
         lib.tc_copy_rows(
             0 if gather else 1,
             len(geo.layers),
-            layers,
+            geo.c_layers,
             len(jobs),
-            spans,
-            ctypes.cast(slots.data_ptr(), _I64P),
+            (ctypes.c_int64 * len(table))(*table),
+            slots.data_ptr(),
             geo.block_size,
             geo.s_blk,
             geo.s_off,
             geo.s_head,
             geo.heads,
             len(geo.plane_offsets),
-            poff,
+            geo.c_planes,
             geo.row_bytes,
             threads(moved),
             STORES,
+            geo.n_slots,
+            1 if negative_ok else 0,
         )
     )
 

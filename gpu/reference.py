@@ -9,11 +9,15 @@ CPU tensors take the native row kernel when it is built (``cpu_rows``: one call 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tiercache.gpu import cpu_rows
@@ -119,9 +123,15 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
 
 def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
     """Expected shape of an object for ``tokens`` tokens of ``layers``."""
+    return _layer_range_shape(layout, tokens, layers.start, layers.stop)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_range_shape(layout: PagedLayout, tokens: int, first: int, stop: int) -> tuple[int, ...]:
+    """``_object_shape``, computed once per layout, length and layer range (a call builds a KVSpec)."""
     spec = object_spec(layout, tokens)
-    if len(layers) != layout.num_layers:
-        spec = spec.with_layers(layers.start, layers.stop)
+    if stop - first != layout.num_layers:
+        spec = spec.with_layers(first, stop)
     return spec.shape
 
 
@@ -262,22 +272,23 @@ def _obj_planes(obj: torch.Tensor, layout: PagedLayout, j: int) -> list[torch.Te
 def _block_pages(
     slots: torch.Tensor, block_size: int, span: tuple[int, int], final: bool, allow_negative: bool
 ) -> torch.Tensor:
-    """First slot of each block of a block-aligned span (< 0: page not on the GPU); else ``ValueError``."""
+    """First slot of each block of a block-aligned span (< 0: page not on the GPU); else ``ValueError``.
+    Checked in numpy on a host view of the slots (a dozen small torch ops cost ~50 us a span)."""
     start, end = span
     if start % block_size or (end % block_size and not final):
         raise ValueError(
             f"span {span} is not block-aligned (block_size {block_size}); CPU_BLOCKS copies whole pages only"
         )
-    firsts = slots[::block_size]
-    t = slots.numel()
-    per_token = firsts.repeat_interleave(block_size)[:t]
-    offs = torch.arange(t, device=slots.device) % block_size
-    ok = torch.where(per_token >= 0, (slots == per_token + offs) & (per_token % block_size == 0), slots < 0)
-    if not bool(ok.all()):
+    host = slots.cpu().numpy()
+    firsts = host[::block_size]
+    per_token = np.repeat(firsts, block_size)[: host.shape[0]]
+    offs = np.arange(host.shape[0]) % block_size
+    ok = np.where(per_token >= 0, (host == per_token + offs) & (per_token % block_size == 0), host < 0)
+    if not ok.all():
         raise ValueError(f"slot_mapping of span {span} does not map whole blocks in order")
-    if not allow_negative and bool((firsts < 0).any()):
+    if not allow_negative and (firsts < 0).any():
         raise ValueError(f"span {span} has slots < 0: a token without KV cannot be stored")
-    return firsts
+    return slots[::block_size]
 
 
 def _gather(
@@ -288,41 +299,50 @@ def _gather(
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
 ) -> None:
-    """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j])."""
-    kv, n_slots = _layers(kv_caches, layout)
+    """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j]). Every span is checked
+    before any object is written (a bad slot anywhere writes nothing), kernel path or torch path."""
+    reg = _registered(kv_caches, layout)
+    kv, n_slots = reg.layers, reg.n_slots
     device = kv[0].device
     span_list = check_spans(spans, slot_mapping.shape[0], len(out))
-    geo = _native_geometry(kv, layers, layout)
+    geo = reg.geometry(layers, layout)
     jobs: list[cpu_rows.RowJob] = []
+    job_spans: list[tuple[int, int]] = []
+    work: list[tuple[torch.Tensor, torch.Tensor]] = []  # torch path: (object, slots or pages), checked
     for i, (start, end) in enumerate(span_list):
         obj = out[i]
         _check_object(obj, layout, end - start, layers, f"out[{i}]")
         slots = _slots(slot_mapping, start, end, device)
-        _check_range(slots, n_slots)
-        stage = obj if obj.device == device else torch.empty_like(obj, device=device)
         if layout.block_aligned:
+            _check_range(slots, n_slots)
             firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
             blocks = firsts // layout.block_size
-            pages = _object_pages(stage, len(layers), blocks.numel())
-            job = _native_job(geo, [pages], blocks, 0)
-            if job is not None and stage is obj:
-                jobs.append(job)
-                continue
+            pages = _object_pages(obj, len(layers), blocks.numel())
+            job = _native_job(geo, [pages], blocks, 0) if obj.device == device else None
+            idx = blocks
+        else:
+            job = _native_job(geo, _object_planes(obj, layout), slots, 0)
+            if job is None:  # the kernel checks its slots itself
+                _check_slots((start, end), slots, n_slots, negative_ok=False)
+            idx = slots
+        if job is not None:
+            jobs.append(job)
+            job_spans.append((start, end))
+        else:
+            work.append((obj, idx))
+    if jobs and geo is not None:
+        _run_kernel(True, geo, jobs, job_spans, negative_ok=False)
+    for obj, idx in work:
+        stage = obj if obj.device == device else torch.empty_like(obj, device=device)
+        if layout.block_aligned:
+            pages = _object_pages(stage, len(layers), idx.numel())
             for j, layer in enumerate(layers):
                 paged, dst = _page_pair(kv[layer], pages[j])
-                torch.index_select(paged, 0, blocks, out=dst)
+                torch.index_select(paged, 0, idx, out=dst)
         else:
-            if slots.numel() and int(slots.min()) < 0:
-                raise ValueError(f"span ({start}, {end}) has slots < 0: a token without KV cannot be stored")
-            job = _native_job(geo, _object_planes(obj, layout), slots, 0)
-            if job is not None:
-                jobs.append(job)
-                continue
-            _gather_tokens(layers, kv, layout, slots, stage)
+            _gather_tokens(layers, kv, layout, idx, stage)
         if stage is not obj:
             obj.copy_(stage)
-    if jobs and geo is not None:
-        cpu_rows.copy(True, geo, jobs)
 
 
 def _scatter(
@@ -334,67 +354,150 @@ def _scatter(
     spans: Sequence[tuple[int, int]],
     skip_prefix: int | Sequence[int],
 ) -> int:
-    """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer)."""
-    kv, n_slots = _layers(kv_caches, layout)
+    """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer). Every span is
+    checked before the paged KV is written (a bad slot anywhere writes nothing), kernel path or torch path."""
+    reg = _registered(kv_caches, layout)
+    kv, n_slots = reg.layers, reg.n_slots
     device = kv[0].device
     span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
     skips = span_skips(skip_prefix, span_list)
     written = 0
-    geo = _native_geometry(kv, layers, layout)
+    geo = reg.geometry(layers, layout)
     jobs: list[cpu_rows.RowJob] = []
+    job_spans: list[tuple[int, int]] = []
+    work: list[Callable[[], int]] = []  # torch path: each span's copy, run once every span is checked
     for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
         obj = objects[i]
         _check_object(obj, layout, end - start, layers, f"objects[{i}]")
         if skip == end - start:
             continue
         slots = _slots(slot_mapping, start + skip, end, device)
-        _check_range(slots, n_slots)
         src_obj = _bits(obj.to(device))
+        job: cpu_rows.RowJob | None
         if layout.block_aligned:
-            written += _scatter_pages(
-                layers, kv, layout, slots, src_obj, (start, end), skip, slot_mapping, geo, jobs
-            )
+            _check_range(slots, n_slots)
+            pages = _checked_pages(layout, len(layers), slots, src_obj, (start, end), skip, slot_mapping)
+            if pages is None:
+                continue
+            all_pages, firsts = pages
+            bs = layout.block_size
+            job = _native_job(geo, [all_pages], firsts // bs, skip // bs)
+            if job is not None:
+                written += int((slots >= 0).sum())  # the kernel counts pages: count the tokens here
+                jobs.append(job)
+                job_spans.append((start + skip, end))
+            else:
+                pages_left = all_pages[:, skip // bs :]
+                work.append(functools.partial(_scatter_pages, layers, kv, pages_left, firsts, slots, bs))
             continue
         job = _native_job(geo, _object_planes(src_obj, layout), slots, skip)
         if job is not None:
             jobs.append(job)
+            job_spans.append((start + skip, end))
             continue
-        keep = slots >= 0
-        n_keep = int(keep.sum())
-        if n_keep == 0:
-            continue
-        sel: torch.Tensor | None = None
-        if n_keep != slots.numel():
-            sel = keep.nonzero().squeeze(1)
-            slots = slots[sel]
-            sel = sel + skip
-        written += n_keep
-        if sel is None:
-            _scatter_tokens(layers, kv, layout, slots, src_obj, skip)
-            continue
-        rows = _Rows(slots, layout.block_size, layout.num_kv_heads)
-        for j, layer in enumerate(layers):
-            dst_planes = _planes(_bits(kv[layer]), layout)
-            for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
-                _write_rows(dst, rows, src.index_select(0, sel))
+        _check_slots((start + skip, end), slots, n_slots, negative_ok=True)
+        work.append(functools.partial(_scatter_tokens, layers, kv, layout, slots, src_obj, skip))
     if jobs and geo is not None:
-        covered = cpu_rows.copy(False, geo, jobs)
+        covered = _run_kernel(False, geo, jobs, job_spans, negative_ok=True)
         if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
             written += covered
+    for copy in work:
+        written += copy()
     return written
+
+
+def _check_slots(span: tuple[int, int], slots: torch.Tensor, n_slots: int, *, negative_ok: bool) -> None:
+    """``ValueError`` for a slot past the paged KV, or < 0 unless ``negative_ok`` (a gather needs KV)."""
+    _check_range(slots, n_slots)
+    if not negative_ok and slots.numel() and int(slots.min()) < 0:
+        raise ValueError(f"span {span} has slots < 0: a token without KV cannot be stored")
+
+
+def _run_kernel(
+    gather: bool,
+    geo: cpu_rows.Geometry,
+    jobs: list[cpu_rows.RowJob],
+    spans: list[tuple[int, int]],
+    *,
+    negative_ok: bool,
+) -> int:
+    """One kernel call for every job (the slots >= 0 it covered); ``ValueError`` naming the bad slot when
+    the kernel refused one (it checks all of them first: nothing was written)."""
+    covered = cpu_rows.copy(gather, geo, jobs, negative_ok)
+    if covered >= 0:
+        return covered
+    for span, job in zip(spans, jobs, strict=True):  # the kernel said which kind of slot; find where
+        _check_slots(span, job.slots, geo.n_slots, negative_ok=negative_ok)
+    raise RuntimeError(f"the row kernel refused a slot ({covered}) that the host finds good")
+
+
+# ----- registered KV caches: the layers, their slot count and row geometry, computed once ---------------
+
+
+@dataclass(slots=True)
+class _Registered:
+    """KV caches seen before: the object, its layer tensors (a later call re-checks them by identity), the
+    first layer's address, the slots each layer holds, and the native row geometry per layer range."""
+
+    kv_caches: object
+    layers: tuple[torch.Tensor, ...]
+    first_ptr: int
+    n_slots: int
+    geos: dict[tuple[int, int], cpu_rows.Geometry | None] = field(default_factory=dict)
+
+    def holds(self, kv_caches: KVCaches) -> bool:
+        """True while ``kv_caches`` is the registered object holding exactly the registered tensors."""
+        if kv_caches is not self.kv_caches:
+            return False
+        layers = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
+        return (
+            len(layers) == len(self.layers)
+            and all(map(operator.is_, layers, self.layers))
+            and self.layers[0].data_ptr() == self.first_ptr
+        )
+
+    def geometry(self, layers: range, layout: PagedLayout) -> cpu_rows.Geometry | None:
+        """The kernel's row geometry of ``layers`` (None off the CPU, without the kernel, or where the
+        layers' rows do not suit it)."""
+        if cpu_rows.native() is None:
+            return None
+        key = (layers.start, layers.stop)
+        if key not in self.geos:
+            self.geos[key] = _native_geometry(self.layers, layers, layout, self.n_slots)
+        return self.geos[key]
+
+
+_REGISTERED: dict[tuple[int, PagedLayout], _Registered] = {}
+
+
+def _registered(kv_caches: KVCaches, layout: PagedLayout) -> _Registered:
+    """The registration of ``kv_caches`` for ``layout``: validated and measured once per KV caches object
+    (``ValueError`` for a wrong layer count, shape or dtype); a later call with the same object holding the
+    same tensors reuses it (an identity check per layer instead of reading every shape and stride)."""
+    key = (id(kv_caches), layout)
+    reg = _REGISTERED.get(key)
+    if reg is not None and reg.holds(kv_caches):
+        return reg
+    kv, n_slots = _layers(kv_caches, layout)
+    if len(_REGISTERED) > 16:
+        _REGISTERED.clear()
+    reg = _REGISTERED[key] = _Registered(kv_caches, tuple(kv), kv[0].data_ptr(), n_slots)
+    return reg
 
 
 # ----- CPU tensors: the native row kernel (``cpu_rows``), one call for every span and layer ------------
 
 
-def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout) -> cpu_rows.Geometry | None:
+def _native_geometry(
+    kv: Sequence[torch.Tensor], layers: range, layout: PagedLayout, n_slots: int
+) -> cpu_rows.Geometry | None:
     """Row geometry of ``layers`` for the native kernel, read from the layers' strides; None when not on
-    the CPU, no kernel is loaded, the layers differ in strides or a row is not dense.
+    the CPU, the layers differ in strides or a row is not dense.
 
     Token layouts: a row is one head's K, V or latent of one token. CPU_BLOCKS: a row is a whole page
     (blocks are addressed by block id, block size 1)."""
     first = kv[layers.start]
-    if first.device.type != "cpu" or cpu_rows.native() is None:
+    if first.device.type != "cpu":
         return None
     st = first.stride()
     if any(kv[layer].stride() != st for layer in layers):
@@ -406,7 +509,8 @@ def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout)
             _bits(first).view(first.shape[0], -1)  # pages dense (every layer: same strides)
         except RuntimeError:
             return None
-        return cpu_rows.Geometry(ptrs, 1, st[0] * e, 0, 0, 1, (0,), layout.page_elems * e)
+        blocks = n_slots // layout.block_size
+        return cpu_rows.Geometry(ptrs, 1, st[0] * e, 0, 0, 1, (0,), layout.page_elems * e, blocks)
     d = layout.head_dim
     if layout.kind is LayoutKind.VLLM_LEGACY:  # [2, NB, BS, H, D]: V one stride(0) after K
         _, s_blk, s_off, s_head, inner = st
@@ -416,9 +520,8 @@ def _native_geometry(kv: list[torch.Tensor], layers: range, layout: PagedLayout)
         offsets = (0,) if layout.planes == 1 else (0, d * inner * e)
     if inner != 1 and d > 1:
         return None
-    return cpu_rows.Geometry(
-        ptrs, layout.block_size, s_blk * e, s_off * e, s_head * e, layout.num_kv_heads, offsets, d * e
-    )
+    heads, bs = layout.num_kv_heads, layout.block_size
+    return cpu_rows.Geometry(ptrs, bs, s_blk * e, s_off * e, s_head * e, heads, offsets, d * e, n_slots)
 
 
 def _object_planes(obj: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
@@ -520,7 +623,7 @@ def _object5(obj: torch.Tensor, layout: PagedLayout, j: int, k0: int, nb: int) -
 
 
 def _gather_tokens(
-    layers: range, kv: list[torch.Tensor], layout: PagedLayout, slots: torch.Tensor, stage: torch.Tensor
+    layers: range, kv: Sequence[torch.Tensor], layout: PagedLayout, slots: torch.Tensor, stage: torch.Tensor
 ) -> None:
     """Token-layout gather of one span into ``stage``: whole blocks per layer in one op, the ends by rows."""
     found = _whole_blocks(slots, layout.block_size)
@@ -546,13 +649,27 @@ def _gather_tokens(
 
 def _scatter_tokens(
     layers: range,
-    kv: list[torch.Tensor],
+    kv: Sequence[torch.Tensor],
     layout: PagedLayout,
     slots: torch.Tensor,
     src_obj: torch.Tensor,
     skip: int,
-) -> None:
-    """Token-layout scatter of object tokens ``skip..`` to ``slots`` (all >= 0): whole blocks, then rows."""
+) -> int:
+    """Token-layout scatter of object tokens ``skip..`` to ``slots`` (< 0: left alone; checked spans): whole
+    blocks, then rows (rows alone when some slots are < 0); returns the tokens written."""
+    keep = slots >= 0
+    n_keep = int(keep.sum())
+    if n_keep != slots.numel():
+        if n_keep == 0:
+            return 0
+        sel = keep.nonzero().squeeze(1)
+        kept = _Rows(slots[sel], layout.block_size, layout.num_kv_heads)
+        sel = sel + skip
+        for j, layer in enumerate(layers):
+            dst_planes = _planes(_bits(kv[layer]), layout)
+            for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
+                _write_rows(dst, kept, src.index_select(0, sel))
+        return n_keep
     found = _whole_blocks(slots, layout.block_size)
     t = slots.numel()
     parts = [(0, t)]
@@ -575,6 +692,7 @@ def _scatter_tokens(
             dst_planes = _planes(_bits(kv[layer]), layout)
             for dst_p, src_p in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
                 _write_rows(dst_p, rows, src_p[skip + a : skip + b])
+    return n_keep
 
 
 def _page_pair(layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -597,21 +715,18 @@ def _object_pages(obj: torch.Tensor, layers: int, pages: int) -> torch.Tensor:
     return _bits(obj).view(layers, pages, -1)
 
 
-def _scatter_pages(
-    layers: range,
-    kv: list[torch.Tensor],
+def _checked_pages(
     layout: PagedLayout,
+    n_layers: int,
     slots: torch.Tensor,
     src_obj: torch.Tensor,
     span: tuple[int, int],
     skip: int,
     slot_mapping: torch.Tensor,
-    geo: cpu_rows.Geometry | None = None,
-    jobs: list[cpu_rows.RowJob] | None = None,
-) -> int:
-    """CPU_BLOCKS scatter of one span: whole pages from page ``skip // block_size`` on; returns tokens.
-
-    With a native ``geo`` the pages are queued on ``jobs`` (pages < 0 skipped by the kernel) instead."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A CPU_BLOCKS scatter span, checked: the object's pages ``[layers, pages, page]`` and the first slot
+    of each page from page ``skip // block_size`` on (< 0: not on the GPU); None when no page is written.
+    ``ValueError`` for a skip or span that is not whole pages."""
     bs = layout.block_size
     start, end = span
     if skip % bs:
@@ -619,18 +734,24 @@ def _scatter_pages(
             f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
         )
     firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
-    total_pages = -(-(end - start) // bs)
-    all_pages = _object_pages(src_obj, len(layers), total_pages)
-    pages = all_pages[:, skip // bs :]
+    all_pages = _object_pages(src_obj, n_layers, -(-(end - start) // bs))
+    if not bool((firsts >= 0).any()):
+        return None
+    return all_pages, firsts
+
+
+def _scatter_pages(
+    layers: range,
+    kv: Sequence[torch.Tensor],
+    pages: torch.Tensor,
+    firsts: torch.Tensor,
+    slots: torch.Tensor,
+    bs: int,
+) -> int:
+    """Torch path of one checked CPU_BLOCKS scatter span (``_checked_pages``): object ``pages[:, i]`` to
+    the block of ``firsts[i]`` (< 0: left alone); returns the tokens written."""
     keep = firsts >= 0
-    n_keep = int(keep.sum())
-    if n_keep == 0:
-        return 0
-    job = _native_job(geo, [all_pages], firsts // bs, skip // bs)
-    if job is not None and jobs is not None:
-        jobs.append(job)
-        return int((slots >= 0).sum())
-    if n_keep == firsts.numel():
+    if bool(keep.all()):
         blocks, sel = firsts // bs, None
     else:
         idx = keep.nonzero().squeeze(1)

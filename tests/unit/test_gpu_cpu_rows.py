@@ -7,6 +7,7 @@ and asserts equal objects, equal KV and equal token counts, and that the kernel 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -68,10 +69,10 @@ def scatter_layer(
 
 
 @contextmanager
-def torch_path() -> Iterator[None]:
-    """Run the body with the native kernel switched off."""
+def cpu_kernels(value: str) -> Iterator[None]:
+    """Run the body with ``TIERCACHE_CPU_KERNELS`` set to ``value`` (restored after)."""
     old = os.environ.get("TIERCACHE_CPU_KERNELS")
-    os.environ["TIERCACHE_CPU_KERNELS"] = "0"
+    os.environ["TIERCACHE_CPU_KERNELS"] = value
     try:
         yield
     finally:
@@ -79,6 +80,11 @@ def torch_path() -> Iterator[None]:
             del os.environ["TIERCACHE_CPU_KERNELS"]
         else:
             os.environ["TIERCACHE_CPU_KERNELS"] = old
+
+
+def torch_path() -> contextlib.AbstractContextManager[None]:
+    """Run the body with the native kernel switched off."""
+    return cpu_kernels("0")
 
 
 @contextmanager
@@ -89,14 +95,15 @@ def kernel_calls() -> Iterator[mock.MagicMock]:
 
 
 def test_kernel_is_built_where_a_compiler_is() -> None:
-    """The editable / wheel install compiles the kernel with the system C compiler when there is one."""
+    """The editable / wheel install compiles the kernel with the system C compiler when there is one; the
+    environment switch turns it off and on at run time (whatever it was set to for the test run)."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the torch path is the only one")
-    if os.environ.get("TIERCACHE_CPU_KERNELS") == "0":
-        pytest.skip("TIERCACHE_CPU_KERNELS=0 turns the kernel off")
-    assert cpu_rows.native() is not None
-    with torch_path():
-        assert cpu_rows.native() is None
+    with cpu_kernels("1"):
+        assert cpu_rows.native() is not None
+        with torch_path():
+            assert cpu_rows.native() is None
+        assert cpu_rows.native() is not None
 
 
 VARIANTS = ["flash-strided", "flash-contiguous", "flash-padded", "legacy", "mla"]
@@ -265,21 +272,62 @@ def test_cpu_blocks_kernel_equals_torch_path(case: BlockCase) -> None:
         assert torch.equal(bits(a), bits(b))
 
 
-def test_bad_slots_leave_every_object_untouched() -> None:
-    """A bad slot in a later span is rejected before the kernel copies anything (no half-filled objects; the
-    torch path, without the kernel, checks and copies span by span)."""
-    if cpu_rows.native() is None:
-        pytest.skip("no native kernel built")
-    layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 12, 4, 32, seed=5)
-    spans = [(0, 16), (16, 32)]
-    for bad in (-1, 12 * 4):
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_bad_slots_leave_every_object_untouched(kernel: str) -> None:
+    """A bad slot in a later span is rejected before anything is copied, on the kernel path and on the torch
+    path alike: no half-filled objects after a gather, no half-written KV after a scatter."""
+    with cpu_kernels(kernel):
+        if kernel == "1" and cpu_rows.native() is None:
+            pytest.skip("no native kernel built")
+        layout, kv, slots = _engine_kv("flash-strided", torch.bfloat16, 12, 4, 32, seed=5)
+        spans = [(0, 16), (16, 32)]
+        for bad in (-1, 12 * 4):
+            s = slots.clone()
+            s[20] = bad
+            out = [poisoned(object_spec(layout, 16).shape, torch.bfloat16) for _ in spans]
+            with pytest.raises(ValueError, match="slot"):
+                gather(kv, layout, s, spans, out)
+            assert all(bool((bits(o) == -1).all()) for o in out)
+        gen = torch.Generator().manual_seed(4)
+        objs = [random_tensor(object_spec(layout, 16).shape, torch.bfloat16, gen) for _ in spans]
+        before = [t.clone() for t in kv]
         s = slots.clone()
-        s[20] = bad
-        out = [poisoned(object_spec(layout, 16).shape, torch.bfloat16) for _ in spans]
-        with kernel_calls() as spy, pytest.raises(ValueError, match="slot"):
-            gather(kv, layout, s, spans, out)
-        assert spy.call_count == 0
-        assert all(bool((bits(o) == -1).all()) for o in out)
+        s[20] = 12 * 4  # past the paged KV (a scatter skips slots < 0)
+        with pytest.raises(ValueError, match="outside the paged KV"):
+            scatter(objs, kv, layout, s, spans)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kv, before, strict=True))
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_bad_pages_leave_every_object_untouched(kernel: str) -> None:
+    """CPU_BLOCKS: a later span whose slots are not whole blocks, lie past the KV or (gather) are < 0
+    writes nothing, kernel path or torch path."""
+    with cpu_kernels(kernel):
+        if kernel == "1" and cpu_rows.native() is None:
+            pytest.skip("no native kernel built")
+        bs, h, d, nblocks = 4, 2, 8, 12
+        layout = PagedLayout(LayoutKind.CPU_BLOCKS, L, h, d, bs, "bfloat16")
+        gen = torch.Generator().manual_seed(3)
+        kv = [random_tensor(layout.layer_shape(nblocks), torch.bfloat16, gen) for _ in range(L)]
+        table = torch.randperm(nblocks - 1, generator=gen)[:8] + 1
+        pos = torch.arange(32)
+        slots = table[pos // bs] * bs + pos % bs
+        spans = [(0, 16), (16, 32)]
+        shuffled, past, negative = slots.clone(), slots.clone(), slots.clone()
+        shuffled[[20, 21]] = shuffled[[21, 20]]
+        past[20:24] = torch.arange(nblocks * bs, nblocks * bs + 4)
+        negative[20:24] = -1
+        for bad, what in ((shuffled, "whole blocks"), (past, "outside the paged KV"), (negative, "< 0")):
+            out = [poisoned(object_spec(layout, 16).shape, torch.bfloat16) for _ in spans]
+            with pytest.raises(ValueError, match=what):
+                gather(kv, layout, bad, spans, out)
+            assert all(bool((bits(o) == -1).all()) for o in out)
+        objs = [random_tensor(object_spec(layout, 16).shape, torch.bfloat16, gen) for _ in spans]
+        before = [t.clone() for t in kv]
+        for bad, what in ((shuffled, "whole blocks"), (past, "outside the paged KV")):
+            with pytest.raises(ValueError, match=what):
+                scatter(objs, kv, layout, bad, spans)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kv, before, strict=True))
 
 
 @pytest.mark.parametrize("threads", [2, 3, 64])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import random
 import subprocess
 import sys
@@ -84,6 +85,34 @@ def test_construction_and_geometry() -> None:
     auto = L1Cache(SLOT, SLOT)
     assert auto.pinned is torch.cuda.is_available()
     assert auto._pool.is_pinned() is torch.cuda.is_available()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (Linux ``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages (not Linux)")
+def test_unpinned_pool_asks_for_huge_pages() -> None:
+    """An unpinned pool starts on a 2 MiB boundary of a private mapping advised for transparent huge pages
+    (a slot of a few MiB then takes a few TLB entries), and its slots hold what was written."""
+    c = L1Cache(3 * (4 << 20), 4 << 20, pinned=False)
+    assert c._pool.data_ptr() % (2 << 20) == 0
+    assert c._pool.numel() == 3 * (4 << 20)
+    flags = _vm_flags(c._pool.data_ptr())
+    assert "hg" in flags  # MADV_HUGEPAGE
+    assert "sh" not in flags  # private: a forked child gets copy-on-write pages, as with malloc
+    obj = put(c, "a")
+    assert obj.payload().data_ptr() % (2 << 20) == 0
+    assert read(c, "a") == pattern("a", SPEC.nbytes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
