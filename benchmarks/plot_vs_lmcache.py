@@ -2,7 +2,8 @@
 
     .venv/bin/python -P benchmarks/plot_vs_lmcache.py [--results benchmarks/results] [--out PATH]
 
-Left: GPU whole calls (wall time through each public API) per request size, tiercache and LMCache side by side
+Left: GPU whole calls (wall time through each public API) per request size, tiercache (device-checked slots,
+and trusted where measured: no checks, as LMCache's kernel) and LMCache side by side
 (``vs_lmcache_gpu_h200.json``). Right: CPU L1 store / retrieve with the bare copy of the same bytes
 (``vs_lmcache_cpu.json``). Figures are the medians each run recorded; nothing is re-measured here.
 """
@@ -32,15 +33,17 @@ def main() -> None:
     gpu = json.loads((res / "vs_lmcache_gpu_h200.json").read_text())
     cpu = json.loads((Path(args.cpu_json) if args.cpu_json else res / "vs_lmcache_cpu.json").read_text())
     fig, (ax_g, ax_c) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
-    labels, tc, lm = [], [], []
+    labels, tc, tt, lm = [], [], [], []
     for size, row in gpu["sizes"].items():
         for op in OPS:
             labels.append(f"{op}\n{size.replace('_tokens', '')} tok")
             tc.append(row[op]["tiercache"]["call_wall_GBps"])
+            tt.append(row[op].get("tiercache_trusted", {}).get("call_wall_GBps", 0.0))
             lm.append(row[op]["lmcache"]["call_wall_GBps"])
     xs = range(len(labels))
-    ax_g.bar([x - 0.2 for x in xs], tc, 0.4, label="tiercache")
-    ax_g.bar([x + 0.2 for x in xs], lm, 0.4, label="LMCache 0.5.6")
+    ax_g.bar([x - 0.27 for x in xs], tc, 0.27, label="tiercache (checked slots)")
+    ax_g.bar(list(xs), tt, 0.27, label="tiercache (trusted)", color="C2")
+    ax_g.bar([x + 0.27 for x in xs], lm, 0.27, label="LMCache 0.5.6", color="C1")
     ax_g.set_yscale("log")
     ax_g.set_xticks(list(xs), labels, fontsize=7)
     ax_g.set_ylabel("GB/s (whole call, log scale)")
