@@ -26,6 +26,7 @@ from tiercache.metrics import Metrics
 from tiercache.store.hits import L1_TIER, PrefixHit, TierHit
 from tiercache.store.l1_frames import check_tier, l1_codec
 from tiercache.store.l1_surface import LocatesL2
+from tiercache.store.l2_controller import L2Context
 from tiercache.store.prefetch_controller import PrefetchController
 from tiercache.store.store_controller import STORE_LEASE_DEADLINES, StoreController
 from tiercache.store.tier import TierClient, open_tier_adapter
@@ -80,12 +81,9 @@ class StorageManager:
             TierClient(name, adapter, pipeline, self.policy, self.metrics, clock)
             for name, adapter, pipeline in tiers
         ]
-        self.store = StoreController(
-            l1, self.tiers, self.policy, self.metrics, self._run, store_batch=store_batch
-        )
-        self.prefetch = PrefetchController(
-            l1, self.tiers, self.policy, self.metrics, self._run, read_timer=read_timer
-        )
+        ctx = L2Context(l1, self.tiers, self.policy, self.metrics, self._run)
+        self.store = StoreController(ctx, store_batch=store_batch)
+        self.prefetch = PrefetchController(ctx, read_timer=read_timer)
         self._closed = False
 
     @classmethod

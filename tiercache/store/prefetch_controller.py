@@ -15,39 +15,28 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import FrameError
 from tiercache.keys import contiguous_prefix
-from tiercache.store.l1_frames import decode_into_l1, l1_codec
+from tiercache.store.l1_frames import decode_into_l1
+from tiercache.store.l2_controller import L2Context, L2Controller
 
 if TYPE_CHECKING:
     from tiercache.adapters import Buffer
-    from tiercache.config import ManagerConfig
-    from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
-    from tiercache.store.l1_surface import AnyL1
-    from tiercache.store.tier import JobRunner, TierClient
+    from tiercache.store.tier import TierClient
 
 __all__ = ["PrefetchController"]
 
 
-class PrefetchController:
+class PrefetchController(L2Controller):
     """Loads keys from L2 tiers into one L1 (on one event loop); at most one load per key at a time."""
 
     def __init__(
         self,
-        l1: AnyL1,
-        tiers: Sequence[TierClient],
-        policy: ManagerConfig,
-        metrics: Metrics,
-        run: JobRunner,
+        ctx: L2Context,
         *,
         read_timer: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self.l1 = l1
-        self.tiers = tiers
-        self.policy = policy
-        self.metrics = metrics
-        self._run = run  # runs a codec job off the event loop
+        super().__init__(ctx)
         self._read_timer = read_timer  # awaited for an L2 read's deadline (tests inject a controlled one)
-        self._l1_codec = l1_codec(l1)
         self.loading: dict[str, asyncio.Future[bool]] = {}
         """Key -> future of its load in flight (True when it landed in L1)."""
 

@@ -16,13 +16,12 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from tiercache.store._frames import FrameBuffers
-from tiercache.store.l1_frames import encode_from_l1, l1_codec
+from tiercache.store.l1_frames import encode_from_l1
+from tiercache.store.l2_controller import L2Context, L2Controller
 
 if TYPE_CHECKING:
-    from tiercache.config import ManagerConfig
-    from tiercache.metrics import Metrics
-    from tiercache.store.l1_surface import AnyL1, L1LeaseView
-    from tiercache.store.tier import JobRunner, TierClient
+    from tiercache.store.l1_surface import L1LeaseView
+    from tiercache.store.tier import TierClient
 
 __all__ = ["STORE_LEASE_DEADLINES", "StoreController"]
 
@@ -38,30 +37,21 @@ STORE_BATCH_BYTES = 8 << 20
 large objects go out one per batch and ``store_parallel`` of them are encoded and sent at once."""
 
 
-class StoreController:
+class StoreController(L2Controller):
     """Write-behind from one L1 to its L2 tiers (all on one event loop)."""
 
     def __init__(
         self,
-        l1: AnyL1,
-        tiers: Sequence[TierClient],
-        policy: ManagerConfig,
-        metrics: Metrics,
-        run: JobRunner,
+        ctx: L2Context,
         *,
         store_batch: int = 8,
     ) -> None:
-        self.l1 = l1
-        self.tiers = tiers
-        self.policy = policy
-        self.metrics = metrics
-        self._run = run  # runs a codec job off the event loop
+        super().__init__(ctx)
         self.store_batch = store_batch
-        self._l1_codec = l1_codec(l1)
         # frames of stores in flight reuse their buffers: room for two batches per store worker, or for two
         # frames per worker where one frame is larger than a batch (a batch of one large object)
         self._frames = FrameBuffers(
-            2 * policy.store_parallel * STORE_BATCH_BYTES + (64 << 20), keep=2 * policy.store_parallel
+            2 * ctx.policy.store_parallel * STORE_BATCH_BYTES + (64 << 20), keep=2 * ctx.policy.store_parallel
         )
 
     def submit(self, keys: Sequence[str]) -> None:

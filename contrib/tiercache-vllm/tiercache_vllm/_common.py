@@ -472,7 +472,16 @@ def open_engine(
             key_source=ident.key_source,
         )
 
-    engine = _loop.call(opener(config), timeout_s)  # a tier down at start is re-opened by the manager
+    # a tier down at start is re-opened by the manager
+    return _open_on_loop(opener(config), ident, timeout_s, register=register)
+
+
+def _open_on_loop(
+    opening: Coroutine[Any, Any, CacheEngine], ident: EngineIdentity, timeout_s: float, *, register: bool
+) -> CacheEngine:
+    """Run ``opening`` on the background loop; with ``register``, make its engine the one of ``ident`` for
+    this process's scheduler."""
+    engine = _loop.call(opening, timeout_s)
     if register:
         with _registry_lock:
             _ENGINES[ident] = engine
@@ -522,11 +531,7 @@ def _open_on_server(
             layerwise=ident.layerwise,
         )
 
-    engine = _loop.call(opener(), timeout_s)
-    if register:
-        with _registry_lock:
-            _ENGINES[ident] = engine
-    return engine
+    return _open_on_loop(opener(), ident, timeout_s, register=register)
 
 
 def engine_for_rank(base: CacheEngine, rank: int | str) -> CacheEngine:
