@@ -177,19 +177,9 @@ def bind_launch(
     def through_triton() -> None:
         run(g0, g1, g2, raw_stream(index), function, packed, None, None, None, *values)
 
-    def on_device(fire: Callable[[], None]) -> None:
-        with torch.cuda.device(index):
-            fire()
-
     handle = _direct_handle(compiled, grid, values) if DIRECT else None
     if handle is None:
-
-        def go() -> None:
-            if current() != index:
-                on_device(through_triton)
-                return
-            through_triton()
-
+        fire = through_triton
     else:
         native_launch = _native.launch
 
@@ -197,11 +187,12 @@ def bind_launch(
             if native_launch(handle, raw_stream(index)):  # refused (no context on this thread): Triton
                 through_triton()  # sets it up
 
-        def go() -> None:
-            if current() != index:
-                on_device(fire)
-            elif native_launch(handle, raw_stream(index)):
-                through_triton()
+    def go() -> None:
+        if current() != index:
+            with torch.cuda.device(index):
+                fire()
+            return
+        fire()
 
     go.direct = handle is not None  # type: ignore[attr-defined]  # for tests and benchmarks
     return go
