@@ -17,7 +17,11 @@ Per size (``per_size``: 256, 1024 and 4096 tokens): the public ``dispatch`` call
 kernel's device time (gather, scatter), with pre-bound launches and with Triton's own ``run``
 (``TIERCACHE_PREBOUND=0``), and the calls into / out of pinned L1 objects against a pinned copy of the same
 bytes (median and worst of 5 rounds), plus a host profile of the 256-token gather.
-Usage: ``python benchmarks/gpu_bench.py [--only per_size] > out.json``.
+Pinned sizes (``--only pinned_sizes``): one object to / from pinned L1 from 2 to 64 MiB along every path a
+small pinned move can take, against the pinned copy (what ``dispatch.PIECED_MIN_BYTES`` is chosen from).
+Calls that wait for their own device work (checked moves, moves to or from pinned memory) are timed until
+they return (``returns_time``: the device is checked idle then); the others until a synchronize after them.
+Usage: ``python benchmarks/gpu_bench.py [--only per_size|pinned_sizes] > out.json``.
 """
 
 from __future__ import annotations
@@ -98,6 +102,26 @@ def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def returns_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
+    """Median wall seconds from an idle, synchronized device until ``fn`` returns, for a call that waits for
+    its own device work (a checked move, a move to or from pinned memory): its data is ready when it
+    returns, so a further wait would only time a synchronize call no caller needs. After each timed call the
+    current stream must be idle (``RuntimeError`` otherwise: the call did not wait for its work)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if not stream.query():
+            raise RuntimeError("the call returned before its device work was done")
+        torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -277,7 +301,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             t_kernel = t_sk if name.startswith("scatter") else t_gk
             for o in objs if name == "gather" else []:
                 bits(o).fill_(-1)
-            t_call = wall_time(fn, reps=201, warmup=5)
+            checked = "trusted" not in name  # a checked call waits for its kernel's flags itself
+            t_call = (returns_time if checked else wall_time)(fn, reps=201, warmup=5)
             row[name] = {
                 "kernel_device_GBps": nbytes / t_kernel / GB,
                 "call_wall_GBps": nbytes / t_call / GB,
@@ -286,6 +311,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
                 "host_us": host_time(fn) * 1e6,
                 "back_to_back_vs_kernel": t_kernel / back_to_back_time(fn),
             }
+            if checked:
+                row[name]["call_with_extra_sync_vs_kernel"] = t_kernel / wall_time(fn, reps=201, warmup=5)
             if name == "gather":
                 row[name]["bit_exact"] = all(
                     torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True)
@@ -303,36 +330,32 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         store, load = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl2, sp, houts)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
-        st, rt, d2h, h2d = [], [], [], []
+        st, rt, d2h, h2d, st_sync, rt_sync = [], [], [], [], [], []
         for _ in range(5):  # interleaved rounds: ceiling, call, ceiling, call
             d2h.append(cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=11))  # noqa: B023
-            st.append(wall_time(lambda: dispatch.gather(kv, store), reps=21))  # noqa: B023
+            st.append(returns_time(lambda: dispatch.gather(kv, store), reps=21))  # noqa: B023
+            st_sync.append(wall_time(lambda: dispatch.gather(kv, store), reps=21))  # noqa: B023
             h2d.append(cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=11))  # noqa: B023
-            rt.append(wall_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
+            rt.append(returns_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
+            rt_sync.append(wall_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
         c_d2h, c_h2d = statistics.median(d2h), statistics.median(h2d)
         row["to_pinned"] = {
+            "path": type(store.prepared[id(kv)][2]).__name__,
             "ceiling_GBps": nbytes / c_d2h / GB,
             "call_wall_GBps": nbytes / statistics.median(st) / GB,
             "vs_ceiling_median": c_d2h / statistics.median(st),
             "vs_ceiling_worst_of_5": c_d2h / max(st),
+            "with_extra_sync_vs_ceiling_median": c_d2h / statistics.median(st_sync),
             "bit_exact": all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(houts, want, strict=True)),
         }
         row["from_pinned"] = {
+            "path": type(load.prepared[id(kv2)][2]).__name__,
             "ceiling_GBps": nbytes / c_h2d / GB,
             "call_wall_GBps": nbytes / statistics.median(rt) / GB,
             "vs_ceiling_median": c_h2d / statistics.median(rt),
             "vs_ceiling_worst_of_5": c_h2d / max(rt),
+            "with_extra_sync_vs_ceiling_median": c_h2d / statistics.median(rt_sync),
         }
-        if nbytes <= dispatch.ZERO_COPY_BYTES:  # the staged pipeline at this size too, for comparison
-            old, dispatch.ZERO_COPY_BYTES = dispatch.ZERO_COPY_BYTES, 0
-            try:
-                pst, prt = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl2, sp, houts)
-                ps = [wall_time(lambda: dispatch.gather(kv, pst), reps=21) for _ in range(3)]  # noqa: B023
-                pr = [wall_time(lambda: dispatch.scatter(kv2, prt), reps=21) for _ in range(3)]  # noqa: B023
-            finally:
-                dispatch.ZERO_COPY_BYTES = old
-            row["to_pinned"]["staged_pipeline_vs_ceiling_median"] = c_d2h / statistics.median(ps)
-            row["from_pinned"]["staged_pipeline_vs_ceiling_median"] = c_h2d / statistics.median(pr)
         out[f"{n}_tokens"] = row
         log(f"per_size {n}", json.dumps(row))
     sp = [(0, CHUNK)]
@@ -341,13 +364,84 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
     out["host_profile_gather_256"] = _host_profile(lambda: dispatch.gather(kv, mv))
     out["note"] = (
         "call: wall time of the public tiercache.gpu.dispatch call from a synchronized device (slot checks "
-        "included unless *_trusted), the Move built once (built_per_call: built in each call); kernel: "
+        "included unless *_trusted; a checked call and a pinned call wait for their own work and are timed "
+        "until they return, *_with_extra_sync adds a torch.cuda.synchronize() after them), the Move built "
+        "once (built_per_call: built in each call); kernel: "
         "device "
         "time of the same launch; host_us: wall time until the call returns minus nothing (a checked call "
         "waits for its kernel); back_to_back: 32 calls with one wait at the end, per call, vs the kernel; "
         "floors: the bound launch alone and torch's device copy, each call's wall time vs device time; "
         "pinned: wall time of the call vs device time of one pinned copy, interleaved"
     )
+    return out
+
+
+PINNED_SIZES = (16, 32, 64, 128, 256, 512)  # tokens: 2 to 64 MiB, every size a small pinned move can be
+
+
+def pinned_sizes(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
+    """One object to / from pinned L1 at each of ``PINNED_SIZES`` tokens, along every path a small pinned
+    move can take (one kernel over the bus; staged in 2 or 4 layer pieces; the object-group pipeline),
+    until the call returns, against the device time of one pinned copy of the same bytes (7 interleaved
+    rounds: median and worst). What ``dispatch.PIECED_MIN_BYTES`` is chosen from."""
+    from tiercache.gpu import dispatch, layer_pieces
+    from tiercache.store.l1 import L1Cache
+
+    _, kv2, slots2, _ = make_engine(
+        layout.kind, layout.num_layers, layout.num_kv_heads, layout.head_dim, seed=7
+    )
+    paths: dict[str, tuple[int, int, int]] = {  # PIECED_MIN_BYTES, PIECES, ZERO_COPY_BYTES
+        "over_the_bus": (1 << 62, 2, dispatch.ZERO_COPY_BYTES),
+        "pieces_2": (0, 2, dispatch.ZERO_COPY_BYTES),
+        "pieces_4": (0, 4, dispatch.ZERO_COPY_BYTES),
+        "object_pipeline": (0, 2, 0),
+    }
+    saved = (dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES)
+    out: dict[str, Any] = {}
+    try:
+        for n in PINNED_SIZES:
+            sp = [(0, n)]
+            spec = object_spec(layout, n)
+            l1 = L1Cache(spec.nbytes, spec.nbytes, pinned=True)
+            reserved = l1.reserve_write("p", spec)
+            assert reserved is not None
+            hobj = [reserved.tensor()]
+            host = torch.empty(spec.nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(spec.nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
+            want = [torch.empty(spec.shape, dtype=torch.bfloat16, device=DEV)]
+            reference.gather(kv, Move.gather(layout, slots[:n], sp, want))
+            calls: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
+            for name, (lo, pieces, zc) in paths.items():
+                dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = lo, pieces, zc
+                g, s = Move.gather(layout, slots[:n], sp, hobj), Move.scatter(layout, slots2[:n], sp, hobj)
+                dispatch.gather(kv, g)  # prepared here, under this path's settings; runs keep to it
+                assert torch.equal(bits(hobj[0]), bits(want[0].cpu())), name
+                dispatch.scatter(kv2, s)
+                calls[name] = (
+                    lambda g=g: dispatch.gather(kv, g),  # type: ignore[misc]
+                    lambda s=s: dispatch.scatter(kv2, s),  # type: ignore[misc]
+                )
+            times: dict[str, dict[str, list[float]]] = {k: {"to": [], "from": []} for k in calls}
+            d2h, h2d = [], []
+            for r in range(7):
+                d2h.append(cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=11))  # noqa: B023
+                h2d.append(cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=11))  # noqa: B023
+                for k in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+                    times[k]["to"].append(returns_time(calls[k][0], reps=15))
+                    times[k]["from"].append(returns_time(calls[k][1], reps=15))
+            c_to, c_from = statistics.median(d2h), statistics.median(h2d)
+            row: dict[str, Any] = {"bytes": spec.nbytes}
+            for k, t in times.items():
+                row[k] = {
+                    "to_vs_ceiling_median": c_to / statistics.median(t["to"]),
+                    "to_vs_ceiling_worst": c_to / max(t["to"]),
+                    "from_vs_ceiling_median": c_from / statistics.median(t["from"]),
+                    "from_vs_ceiling_worst": c_from / max(t["from"]),
+                }
+            out[f"{n}_tokens"] = row
+            log(f"pinned_sizes {n}", json.dumps(row))
+    finally:
+        dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = saved
     return out
 
 
@@ -387,6 +481,10 @@ def main() -> None:
     sp = spans()
     payload = object_spec(layout, T).nbytes
     res["payload_bytes"] = payload
+    if only == "pinned_sizes":
+        res["pinned_sizes"] = pinned_sizes(layout, kv, slots)
+        print(json.dumps(res, indent=2))
+        return
     res["per_size"] = per_size(layout, kv, slots)
     if only == "per_size":
         print(json.dumps(res, indent=2))

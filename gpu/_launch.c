@@ -8,6 +8,14 @@
  * ``cuFuncGetParamInfo``), ``sync(stream)`` waits for a stream (``cuStreamSynchronize``, the GIL released)
  * and returns its status. libcuda is opened on first use (``dlopen``): without it, or with a driver older
  * than CUDA 12.4, ``make`` and ``param_size`` raise OSError. No CUDA headers: the few types are declared here.
+ *
+ * Copies and events, for the layer-piece pipeline (tiercache.gpu.layer_pieces): ``make_copy(dst, dst_dev,
+ * dst_pitch, src, src_dev, src_pitch, width, height)`` returns a capsule holding one 2D copy (``height`` rows
+ * of ``width`` bytes; ``*_dev``: a device address, else host memory), ``copy(capsule, stream)`` queues it
+ * (``cuMemcpy2DAsync``), ``record(event, stream)`` and ``wait_event(stream, event)`` order streams
+ * (``cuEventRecord``, ``cuStreamWaitEvent``), and ``context(ordinal)`` makes the device's primary context
+ * current on a thread that has none (as the CUDA runtime does on a thread's first call). Each returns the
+ * driver's status.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,14 +36,56 @@ static launch_fn cu_launch;
 static param_info_fn cu_param_info;
 static sync_fn cu_sync;
 
+typedef void *CUevent;
+typedef void *CUcontext;
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    unsigned long long srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    unsigned long long dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} CUDA_MEMCPY2D;
+enum { MEMORY_HOST = 1, MEMORY_DEVICE = 2 };
+typedef CUresult (*copy2d_fn)(const CUDA_MEMCPY2D *, CUstream);
+typedef CUresult (*record_fn)(CUevent, CUstream);
+typedef CUresult (*wait_event_fn)(CUstream, CUevent, unsigned);
+typedef CUresult (*ctx_get_fn)(CUcontext *);
+typedef CUresult (*device_get_fn)(int *, int);
+typedef CUresult (*retain_fn)(CUcontext *, int);
+typedef CUresult (*ctx_set_fn)(CUcontext);
+
+static copy2d_fn cu_copy2d;
+static record_fn cu_record;
+static wait_event_fn cu_wait_event;
+static ctx_get_fn cu_ctx_get;
+static device_get_fn cu_device_get;
+static retain_fn cu_retain;
+static ctx_set_fn cu_ctx_set;
+
+/* libcuda, opened once, or NULL with OSError set. */
+static void *driver_lib(void) {
+    static void *lib;
+    if (!lib)
+        lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib)
+        PyErr_SetString(PyExc_OSError, "libcuda.so.1 cannot be opened");
+    return lib;
+}
+
 static int load_driver(void) {
     if (cu_launch && cu_param_info && cu_sync)
         return 0;
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!lib) {
-        PyErr_SetString(PyExc_OSError, "libcuda.so.1 cannot be opened");
+    void *lib = driver_lib();
+    if (!lib)
         return -1;
-    }
     cu_launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
     cu_param_info = (param_info_fn)dlsym(lib, "cuFuncGetParamInfo");
     cu_sync = (sync_fn)dlsym(lib, "cuStreamSynchronize");
@@ -45,6 +95,28 @@ static int load_driver(void) {
                                        "cuStreamSynchronize (a driver older than CUDA 12.4)");
         return -1;
     }
+    return 0;
+}
+
+/* The copy and event entry points (all of CUDA 4.0's API): 0, or -1 with OSError set. */
+static int load_copies(void) {
+    if (cu_copy2d)
+        return 0;
+    void *lib = driver_lib();
+    if (!lib)
+        return -1;
+    cu_record = (record_fn)dlsym(lib, "cuEventRecord");
+    cu_wait_event = (wait_event_fn)dlsym(lib, "cuStreamWaitEvent");
+    cu_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
+    cu_device_get = (device_get_fn)dlsym(lib, "cuDeviceGet");
+    cu_retain = (retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
+    cu_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
+    copy2d_fn copy2d = (copy2d_fn)dlsym(lib, "cuMemcpy2DAsync_v2");
+    if (!copy2d || !cu_record || !cu_wait_event || !cu_ctx_get || !cu_device_get || !cu_retain || !cu_ctx_set) {
+        PyErr_SetString(PyExc_OSError, "libcuda.so.1 lacks a copy, event or context entry point");
+        return -1;
+    }
+    cu_copy2d = copy2d;
     return 0;
 }
 
@@ -164,7 +236,114 @@ static PyObject *tc_sync(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(rc);
 }
 
+static const char COPY_CAPSULE[] = "tiercache.gpu._launch.Copy";
+
+static void free_copy(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, COPY_CAPSULE)); }
+
+static PyObject *tc_make_copy(PyObject *self, PyObject *args) {
+    unsigned long long dst, src;
+    int dst_dev, src_dev;
+    Py_ssize_t dst_pitch, src_pitch, width, height;
+    if (!PyArg_ParseTuple(args, "KpnKpnnn", &dst, &dst_dev, &dst_pitch, &src, &src_dev, &src_pitch, &width,
+                          &height))
+        return NULL;
+    if (width <= 0 || height <= 0 || dst_pitch < width || src_pitch < width) {
+        PyErr_SetString(PyExc_ValueError, "a copy needs width > 0, height > 0 and pitches >= width");
+        return NULL;
+    }
+    if (load_copies() < 0)
+        return NULL;
+    CUDA_MEMCPY2D *c = calloc(1, sizeof(CUDA_MEMCPY2D));
+    if (!c)
+        return PyErr_NoMemory();
+    c->srcMemoryType = src_dev ? MEMORY_DEVICE : MEMORY_HOST;
+    if (src_dev)
+        c->srcDevice = src;
+    else
+        c->srcHost = (const void *)(uintptr_t)src;
+    c->srcPitch = (size_t)src_pitch;
+    c->dstMemoryType = dst_dev ? MEMORY_DEVICE : MEMORY_HOST;
+    if (dst_dev)
+        c->dstDevice = dst;
+    else
+        c->dstHost = (void *)(uintptr_t)dst;
+    c->dstPitch = (size_t)dst_pitch;
+    c->WidthInBytes = (size_t)width;
+    c->Height = (size_t)height;
+    PyObject *capsule = PyCapsule_New(c, COPY_CAPSULE, free_copy);
+    if (!capsule)
+        free(c);
+    return capsule;
+}
+
+/* A handle argument (an int) into ``out``: 0, or -1 with an exception set. */
+static int handle_arg(PyObject *arg, void **out) {
+    *out = (void *)(uintptr_t)PyLong_AsUnsignedLongLongMask(arg);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *tc_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(capsule, stream)");
+        return NULL;
+    }
+    CUDA_MEMCPY2D *c = (CUDA_MEMCPY2D *)PyCapsule_GetPointer(args[0], COPY_CAPSULE);
+    void *stream;
+    if (!c || handle_arg(args[1], &stream) < 0)
+        return NULL;
+    return PyLong_FromLong(cu_copy2d(c, (CUstream)stream));
+}
+
+/* The two handle arguments of ``usage`` (record, wait_event): 0, or -1 with an exception set. */
+static int two_handles(PyObject *const *args, Py_ssize_t nargs, const char *usage, void **a, void **b) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (handle_arg(args[0], a) < 0 || handle_arg(args[1], b) < 0 || load_copies() < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *tc_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *event, *stream;
+    if (two_handles(args, nargs, "record(event, stream)", &event, &stream) < 0)
+        return NULL;
+    return PyLong_FromLong(cu_record((CUevent)event, (CUstream)stream));
+}
+
+static PyObject *tc_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *stream, *event;
+    if (two_handles(args, nargs, "wait_event(stream, event)", &stream, &event) < 0)
+        return NULL;
+    return PyLong_FromLong(cu_wait_event((CUstream)stream, (CUevent)event, 0));
+}
+
+static PyObject *tc_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "context(ordinal)");
+        return NULL;
+    }
+    long ordinal = PyLong_AsLong(args[0]);
+    if ((ordinal == -1 && PyErr_Occurred()) || load_copies() < 0)
+        return NULL;
+    CUcontext ctx = NULL;
+    CUresult rc = cu_ctx_get(&ctx);
+    if (rc != 0 || ctx != NULL)
+        return PyLong_FromLong(rc);
+    int dev = 0;
+    if ((rc = cu_device_get(&dev, (int)ordinal)) == 0 && (rc = cu_retain(&ctx, dev)) == 0)
+        rc = cu_ctx_set(ctx);
+    return PyLong_FromLong(rc);
+}
+
 static PyMethodDef METHODS[] = {
+    {"make_copy", tc_make_copy, METH_VARARGS,
+     "make_copy(dst, dst_dev, dst_pitch, src, src_dev, src_pitch, width, height) -> capsule"},
+    {"copy", (PyCFunction)(void (*)(void))tc_copy, METH_FASTCALL, "copy(capsule, stream) -> status"},
+    {"record", (PyCFunction)(void (*)(void))tc_record, METH_FASTCALL, "record(event, stream) -> status"},
+    {"wait_event", (PyCFunction)(void (*)(void))tc_wait_event, METH_FASTCALL, "wait_event(stream, event) -> status"},
+    {"context", (PyCFunction)(void (*)(void))tc_context, METH_FASTCALL, "context(ordinal) -> status"},
     {"make", tc_make, METH_VARARGS, "make(function, gx, gy, gz, block_x, shared, params, offsets) -> capsule"},
     {"launch", (PyCFunction)(void (*)(void))tc_launch, METH_FASTCALL, "launch(capsule, stream) -> status"},
     {"param_size", tc_param_size, METH_VARARGS, "param_size(function, index) -> bytes or None"},

@@ -29,15 +29,21 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
+    from tiercache.gpu import transfer
+    from tiercache.gpu.layer_pieces import PiecedMove
+    from tiercache.gpu.triton_kernels import BoundMove
+
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = ["gather", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
-# moves into / out of pinned host memory up to this size run as one kernel over the bus (no staging: the
-# H200 measured 0.94 of the pinned-copy ceiling at 32 MiB, the staged pipeline 0.79-0.89); larger ones go
-# through the staged pipeline (0.96-0.98 at 512 MiB)
+# moves into / out of pinned host memory up to ZERO_COPY_BYTES are staged in layer pieces with every step
+# issued to the driver (tiercache.gpu.layer_pieces) from PIECED_MIN_BYTES on, and run as one kernel over the
+# bus below it or without the launch extension; larger ones go through the object-group pipeline of
+# tiercache.gpu.transfer (0.96-0.98 of the pinned-copy ceiling at 512 MiB)
 ZERO_COPY_BYTES = 64 << 20
+PIECED_MIN_BYTES = 16 << 20  # the H200: over the bus ahead below 16 MiB, pieces ahead from 32 MiB
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
@@ -103,12 +109,12 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
                 path, n = "plan", p.finish()
             elif where == "host":
                 nbytes = sum(o.numel() * o.element_size() for o in move.objects)
-                b = tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
-                if b is not None:  # small: the kernel reads / writes the pinned objects in place
-                    n = b.run()
-                    move.prepared[id(kv_caches)] = ("bound", kv_caches, b)
-                    return n
                 xfer = transfer.transfer_for(device)
+                small = _small_host_move(kv_caches, move, xfer, nbytes) if nbytes <= ZERO_COPY_BYTES else None
+                if small is not None:
+                    n = small.run()
+                    move.prepared[id(kv_caches)] = ("bound", kv_caches, small)
+                    return n
                 n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
                 move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
                 return n
@@ -116,6 +122,22 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
             path, n = _REFERENCE, None
     move.prepared[id(kv_caches)] = (path, kv_caches)
     return n
+
+
+def _small_host_move(
+    kv_caches: KVCaches, move: Move, xfer: transfer.Transfer, nbytes: int
+) -> PiecedMove | BoundMove | None:
+    """The prepared run of a move of at most ``ZERO_COPY_BYTES`` to or from pinned objects: staged in layer
+    pieces from ``PIECED_MIN_BYTES`` on (where the launch extension can issue the copies), else one kernel
+    over the bus; None for the object-group pipeline."""
+    from tiercache.gpu import layer_pieces
+    from tiercache.gpu import triton_kernels as tk
+
+    if nbytes >= PIECED_MIN_BYTES:
+        pieced = layer_pieces.prepare(kv_caches, move, xfer)
+        if pieced is not None:
+            return pieced
+    return tk.bind(kv_caches, move, host=True)
 
 
 def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:

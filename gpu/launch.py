@@ -43,7 +43,16 @@ def _load_native() -> Any:
 
 _native: Any = _load_native()
 
-__all__ = ["Ptr", "bind_launch", "current_stream", "launch", "param_plan", "prebound_enabled", "sync_stream"]
+__all__ = [
+    "Ptr",
+    "bind_launch",
+    "current_stream",
+    "launch",
+    "native_copies",
+    "param_plan",
+    "prebound_enabled",
+    "sync_stream",
+]
 
 
 class Ptr:
@@ -277,6 +286,15 @@ def sync_stream(index: int) -> None:
         except OSError:  # a driver older than CUDA 12.4
             pass
     current_stream(index).synchronize()
+
+
+def native_copies() -> Any:
+    """The launch extension when it can also issue copies and events to the driver (``make_copy``, ``copy``,
+    ``record``, ``wait_event``, ``context``, ``sync``; see ``gpu/_launch.c``), else None: not built, or
+    ``TIERCACHE_DIRECT_LAUNCH=0``, or launches not pre-bound."""
+    if _native is None or not DIRECT or not prebound_enabled() or not hasattr(_native, "make_copy"):
+        return None
+    return _native
 
 
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}

@@ -127,7 +127,7 @@ class Transfer:
         copies = []
         for g, idx in enumerate(groups):
             part = [objs[i] for i in idx]
-            vs = self._views(g % 2, part)
+            vs = self.staging_views(g % 2, [(tuple(o.shape), o.dtype) for o in part])
             for i, v in zip(idx, vs, strict=True):
                 views[i] = v
             copies.append(self._copies(g % 2, part, vs, coalesce))
@@ -206,9 +206,13 @@ class Transfer:
                 pairs.append((_flat(objs[a], n), buf[offsets[a] : offsets[a] + n]))
         return pairs
 
-    def _views(self, b: int, objs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device views shaped like ``objs`` carved from staging buffer ``b`` (grown when too small)."""
-        sizes = [-(-o.numel() * o.element_size() // _ALIGN) * _ALIGN for o in objs]
+    def staging_views(
+        self, b: int, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        """Contiguous device tensors of these (shape, dtype)s carved in order from staging buffer ``b``
+        (grown when too small; hold ``self.lock``)."""
+        nbytes = [torch.Size(shape).numel() * dt.itemsize for shape, dt in shapes]
+        sizes = [-(-n // _ALIGN) * _ALIGN for n in nbytes]
         need = sum(sizes)
         buf = self.buffers[b]
         if buf is None or buf.numel() < need:
@@ -217,10 +221,9 @@ class Transfer:
             buf = torch.empty(max(need, self.staging_bytes), dtype=torch.uint8, device=self.device)
             self.buffers[b] = buf
         out, at = [], 0
-        for o, n in zip(objs, sizes, strict=True):
-            nbytes = o.numel() * o.element_size()
-            out.append(buf[at : at + nbytes].view(o.dtype).view(o.shape))
-            at += n
+        for (shape, dt), n, size in zip(shapes, nbytes, sizes, strict=True):
+            out.append(buf[at : at + n].view(dt).view(shape))
+            at += size
         return out
 
     def _prepare(self, kv_caches: KVCaches, move: Move, cfg: tk.TileConfig) -> _Pipeline:

@@ -401,7 +401,7 @@ def test_bound_moves_launch_through_the_driver_from_any_thread(
         assert same()
         path, _, bound = move.prepared[id(kv)]
         assert path == "bound"
-        assert bound.go.direct
+        assert all(b.go.direct for b in getattr(bound, "bounds", [bound]))  # pinned: its layer pieces
         for o in outs:
             bits(o).fill_(-1)
         t = threading.Thread(target=run_on_thread, args=(move,))
@@ -427,3 +427,100 @@ def test_bound_moves_launch_through_the_driver_from_any_thread(
         bound = tk.bind(kv, move, cfg)
         assert bound is not None
         assert not bound.go.direct  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_small_pinned_moves_run_in_layer_pieces(
+    kind: LayoutKind, strided: bool, pieces: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move of pinned objects up to ``ZERO_COPY_BYTES`` runs staged in layer pieces, every step issued to
+    the driver: bit-exact gathers (several objects, an unfull one, a layerwise one) and scatters (skips, a
+    slot < 0), device checks that refuse a bad gather slot and count a scatter's exactly, a kept move run
+    again on new slot values, a run from a new thread, and runs between the object-group pipeline's on the
+    same staging buffer; with the launch extension's copies off, the move goes over the bus instead."""
+    import threading
+
+    from tiercache.gpu import launch, layer_pieces
+
+    monkeypatch.setattr(layer_pieces, "PIECES", pieces)
+    monkeypatch.setattr(dispatch, "PIECED_MIN_BYTES", 0)  # these moves are 1-2 MiB
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(kind, torch.bfloat16, strided, seed=41, tokens=n)
+    cpu = torch.device("cpu")
+    outs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16, cpu, pin=True) for s, e in spans]
+
+    def check_gather(move: Move, kv_: Any = kv) -> None:
+        for o in move.objects:
+            bits(o).fill_(-1)
+        dispatch.gather(kv_, move)
+        want = [poisoned(o.shape, torch.bfloat16) for o in move.objects]
+        ref_gather(kv_, layout, move.slot_mapping, move.spans, want, move.layers)
+        for a, b in zip(want, move.objects, strict=True):
+            assert not sentinel_left(b)
+            assert torch.equal(bits(a), bits(b.to(a.device)))
+
+    move = Move.gather(layout, slots, spans, outs)
+    check_gather(move)
+    path, _, pm = move.prepared[id(kv)]
+    assert path == "bound"
+    assert isinstance(pm, layer_pieces.PiecedMove)
+    assert len(pm.bounds) == min(pieces, layout.num_layers)
+    check_gather(Move.gather(layout, slots, spans, outs, trusted=True))
+    original = slots.clone()
+    slots.copy_(original.roll(5))  # the same tensor, new values: the kept move reads them
+    check_gather(move)
+    slots[300] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        dispatch.gather(kv, move)
+    slots.copy_(original)
+    check_gather(move)  # no error left behind
+    # layerwise: an object of layers 1-3
+    spec1 = object_spec(layout, 256).with_layers(1, 4)
+    one = poisoned(spec1.shape, torch.bfloat16, cpu, pin=True)
+    check_gather(Move.gather(layout, slots, [(256, 512)], [one], layers=range(1, 4)))
+    # from a new thread (maybe without a current context)
+    errors: list[BaseException] = []
+
+    def on_thread() -> None:
+        try:
+            check_gather(move)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=on_thread)
+    t.start()
+    t.join()
+    assert not errors
+    # scatters: skips, a slot < 0 counted exactly, checked and trusted
+    _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=42, tokens=n)
+    dst_ref = [x.clone() for x in dst]
+    other[450] = -1
+    scatter = Move.scatter(layout, other, spans, outs, [7, 0, 0])
+    assert dispatch.scatter(dst, scatter) == n - 7 - 1
+    assert isinstance(scatter.prepared[id(dst)][2], layer_pieces.PiecedMove)
+    assert ref_scatter(outs, dst_ref, layout, other, spans, [7, 0, 0]) == n - 7 - 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    for x, y in zip(dst, dst_ref, strict=True):
+        bits(x).neg_()
+        bits(y).neg_()
+    trusted = Move.scatter(layout, other, spans, outs, [7, 0, 0], trusted=True)
+    assert dispatch.scatter(dst, trusted) == n - 7  # trusted: every token past the skips
+    ref_scatter(outs, dst_ref, layout, other, spans, [7, 0, 0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    # the object-group pipeline on the same staging, then the pieces again
+    big = [poisoned(o.shape, torch.bfloat16, cpu, pin=True) for o in outs]
+    pipe = Move.gather(layout, slots, spans, big)
+    transfer.transfer_for(DEV).store(kv, pipe)
+    check_gather(move)
+    want = [poisoned(o.shape, torch.bfloat16) for o in big]
+    ref_gather(kv, layout, slots, spans, want)
+    assert all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, big, strict=True))
+    # without the extension's copies: one kernel over the bus
+    monkeypatch.setattr(launch, "DIRECT", False)
+    bus = Move.gather(layout, slots, spans, outs)
+    check_gather(bus)
+    assert isinstance(bus.prepared[id(kv)][2], tk.BoundMove)

@@ -73,3 +73,37 @@ def test_without_a_driver_nothing_is_bound_natively() -> None:
         metadata=SimpleNamespace(num_warps=4, shared=0, global_scratch_size=0, profile_scratch_size=0),
     )
     assert launch._direct_handle(compiled, (1, 1, 1), (0x1000, 7, 16)) is None
+
+
+def test_a_copy_with_bad_geometry_is_refused_before_the_driver() -> None:
+    """``make_copy`` refuses an empty copy or a pitch shorter than a row, driver or not."""
+    native = pytest.importorskip("tiercache.gpu._launch")
+    for args in (
+        (0, True, 64, 0, False, 32, 64, 1),
+        (0, True, 64, 0, False, 64, 0, 1),
+        (0, True, 8, 0, 1, 8, 8, 0),
+    ):
+        with pytest.raises(ValueError, match="pitches >= width"):
+            native.make_copy(*args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA driver")
+def test_without_a_driver_no_copy_is_made() -> None:
+    """With no libcuda a copy cannot be made: OSError, not a crash."""
+    native = pytest.importorskip("tiercache.gpu._launch")
+    with pytest.raises(OSError, match="libcuda"):
+        native.make_copy(0, True, 64, 0, False, 64, 64, 2)
+
+
+def test_driver_copies_follow_the_direct_launch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer pieces issue their copies through the extension only while direct launches are on."""
+    native = pytest.importorskip("tiercache.gpu._launch")
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "DIRECT", True)
+    assert launch.native_copies() is native
+    monkeypatch.setattr(launch, "DIRECT", False)
+    assert launch.native_copies() is None
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert launch.native_copies() is None
