@@ -91,8 +91,12 @@ def pipeline_gpu_time(fn: Callable[[], object], side: torch.cuda.Stream, reps: i
     return statistics.median(times)
 
 
-def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
-    """Median wall seconds of ``fn`` from an idle, synchronized device to its end (host work included)."""
+def wall_time(
+    fn: Callable[[], object], reps: int = 7, warmup: int = 2, wait: Callable[[], object] | None = None
+) -> float:
+    """Median wall seconds of ``fn`` from an idle, synchronized device to its end (host work included): until
+    ``wait()`` after it returns (default ``torch.cuda.synchronize()``; ``stream_wait`` is the cheapest)."""
+    wait = wait or torch.cuda.synchronize
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -100,9 +104,37 @@ def wall_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        wait()
         times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def stream_wait() -> None:
+    """Wait for the current stream with one driver call (``cuStreamSynchronize`` through the launch
+    extension): what a caller pays that waits without torch's Python layers around its device-wide wait."""
+    from tiercache.gpu import launch
+
+    launch.sync_stream(torch.cuda.current_device())
+
+
+def idle_waits() -> dict[str, float]:
+    """Microseconds each way of waiting costs on an idle device (median of 201)."""
+    torch.cuda.synchronize()
+    out = {}
+    waits: dict[str, Callable[[], object]] = {
+        "torch_cuda_synchronize": torch.cuda.synchronize,
+        "current_stream_synchronize": lambda: torch.cuda.current_stream().synchronize(),
+        "stream_wait": stream_wait,
+    }
+    for name, w in waits.items():
+        times = []
+        for _ in range(201):
+            t0 = time.perf_counter()
+            w()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e6
+    return out
 
 
 def returns_time(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
@@ -278,6 +310,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         t_copy = cuda_time(lambda: flat_dst.copy_(flat_src), reps=50)  # noqa: B023
         row["floors"] = {
             "bound_launch_alone_vs_kernel": t_gk / wall_time(gbound.go, reps=201, warmup=5),
+            "bound_launch_alone_stream_wait_vs_kernel": t_gk
+            / wall_time(gbound.go, reps=201, warmup=5, wait=stream_wait),
             "torch_copy_call_vs_its_device_time": t_copy
             / wall_time(lambda: flat_dst.copy_(flat_src), reps=201, warmup=5),  # noqa: B023
             "torch_copy_device_GBps": nbytes / t_copy / GB,
@@ -313,6 +347,10 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             }
             if checked:
                 row[name]["call_with_extra_sync_vs_kernel"] = t_kernel / wall_time(fn, reps=201, warmup=5)
+            else:  # the same call, waited for on its stream alone
+                row[name]["call_stream_wait_vs_kernel"] = t_kernel / wall_time(
+                    fn, reps=201, warmup=5, wait=stream_wait
+                )
             if name == "gather":
                 row[name]["bit_exact"] = all(
                     torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True)
@@ -362,6 +400,7 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
     objs = [torch.empty(object_spec(layout, CHUNK).shape, dtype=torch.bfloat16, device=DEV)]
     mv = Move.gather(layout, slots[:CHUNK], sp, objs)
     out["host_profile_gather_256"] = _host_profile(lambda: dispatch.gather(kv, mv))
+    out["idle_wait_us"] = idle_waits()
     out["note"] = (
         "call: wall time of the public tiercache.gpu.dispatch call from a synchronized device (slot checks "
         "included unless *_trusted; a checked call and a pinned call wait for their own work and are timed "

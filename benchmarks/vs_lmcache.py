@@ -168,9 +168,8 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                 gb.log(f"first call: {n} tokens {path} {c}")
                 fn()
                 torch.cuda.synchronize()
-            times: dict[str, dict[str, list[float]]] = {
-                c: {"device": [], "wall": [], "back_to_back": [], "extra_sync": []} for c in fns
-            }
+            kinds = ("device", "wall", "back_to_back", "extra_sync", "stream_wait")
+            times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in fns}
             order = list(fns)
             for r in range(args.rounds):
                 for c in order if r % 2 == 0 else order[::-1]:
@@ -178,8 +177,10 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                     if c in WAITS_ITSELF:  # ready when it returns; also timed with a redundant sync after it
                         times[c]["wall"].append(gb.returns_time(fns[c], reps=51, warmup=3))
                         times[c]["extra_sync"].append(gb.wall_time(fns[c], reps=51, warmup=3))
-                    else:
+                    else:  # asynchronous: until a synchronize; also until a wait on the stream alone
                         times[c]["wall"].append(gb.wall_time(fns[c], reps=51, warmup=3))
+                        waited = gb.wall_time(fns[c], reps=51, warmup=3, wait=gb.stream_wait)
+                        times[c]["stream_wait"].append(waited)
                     if path not in ceilings:  # device moves: also a step's calls made back to back
                         times[c]["back_to_back"].append(gb.back_to_back_time(fns[c], reps=3))
             entry: dict[str, Any] = {}
@@ -194,6 +195,8 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                 if t["extra_sync"]:
                     extra = statistics.median(t["extra_sync"])
                     entry[c]["call_with_extra_sync_GBps"] = nbytes / extra / gb.GB
+                if t["stream_wait"]:
+                    entry[c]["call_stream_wait_GBps"] = nbytes / statistics.median(t["stream_wait"]) / gb.GB
                 if t["back_to_back"]:
                     entry[c]["back_to_back_GBps"] = nbytes / statistics.median(t["back_to_back"]) / gb.GB
                 if path in ceilings:
@@ -206,6 +209,10 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
                 entry["tiercache"]["device_GBps"] / entry["lmcache"]["device_GBps"]
             )
             if "tiercache_trusted" in entry:
+                trusted, lmcache = entry["tiercache_trusted"], entry["lmcache"]
+                entry["tiercache_trusted_vs_lmcache_stream_wait"] = (
+                    trusted["call_stream_wait_GBps"] / lmcache["call_stream_wait_GBps"]
+                )
                 entry["tiercache_trusted_vs_lmcache_call"] = (
                     entry["tiercache_trusted"]["call_wall_GBps"] / entry["lmcache"]["call_wall_GBps"]
                 )

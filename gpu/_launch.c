@@ -15,7 +15,7 @@
  * (``cuMemcpy2DAsync``), ``record(event, stream)`` and ``wait_event(stream, event)`` order streams
  * (``cuEventRecord``, ``cuStreamWaitEvent``), and ``context(ordinal)`` makes the device's primary context
  * current on a thread that has none (as the CUDA runtime does on a thread's first call). Each returns the
- * driver's status.
+ * driver's status. ``same_items(items, reference)`` checks a container's items by identity (below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -337,7 +337,40 @@ static PyObject *tc_context(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(rc);
 }
 
+/* same_items(items, reference): True when ``items`` (a list, a tuple or an exact dict's values, in order)
+ * holds exactly the objects of the tuple ``reference`` (identity), False when not, None for any other kind of
+ * container (the caller checks it itself). The repeat path of a bound move checks its KV caches this way. */
+static PyObject *tc_same_items(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "same_items(items, reference tuple)");
+        return NULL;
+    }
+    PyObject *items = args[0], *ref = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(ref);
+    if (PyDict_CheckExact(items)) {
+        if (PyDict_GET_SIZE(items) != n)
+            Py_RETURN_FALSE;
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(items, &pos, &key, &value))
+            if (value != PyTuple_GET_ITEM(ref, i++))
+                Py_RETURN_FALSE;
+        Py_RETURN_TRUE;
+    }
+    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
+        Py_RETURN_NONE;
+    if (PySequence_Fast_GET_SIZE(items) != n)
+        Py_RETURN_FALSE;
+    PyObject **got = PySequence_Fast_ITEMS(items);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (got[i] != PyTuple_GET_ITEM(ref, i))
+            Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef METHODS[] = {
+    {"same_items", (PyCFunction)(void (*)(void))tc_same_items, METH_FASTCALL,
+     "same_items(items, reference) -> True, False or None"},
     {"make_copy", tc_make_copy, METH_VARARGS,
      "make_copy(dst, dst_dev, dst_pitch, src, src_dev, src_pitch, width, height) -> capsule"},
     {"copy", (PyCFunction)(void (*)(void))tc_copy, METH_FASTCALL, "copy(capsule, stream) -> status"},

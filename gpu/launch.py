@@ -42,8 +42,12 @@ def _load_native() -> Any:
 
 
 _native: Any = _load_native()
+# the extension's identity check of a container's items (``same_items``: True, False, or None for a kind it
+# does not know), or None without the extension
+SAME_ITEMS: Callable[[Any, tuple[Any, ...]], bool | None] | None = getattr(_native, "same_items", None)
 
 __all__ = [
+    "SAME_ITEMS",
     "Ptr",
     "bind_launch",
     "current_stream",

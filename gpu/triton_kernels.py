@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiercache.errors import Unsupported
+from tiercache.gpu.launch import SAME_ITEMS as _SAME_ITEMS
 from tiercache.gpu.launch import Ptr, bind_launch, launch, prebound_enabled, sync_stream
 from tiercache.gpu.layouts import (
     LayoutKind,
@@ -537,7 +538,11 @@ _REGISTERED: dict[tuple[int, PagedLayout, int, int], _Registered] = {}
 
 
 def _same_layers(reg: _Registered, kv_caches: KVCaches) -> bool:
-    """True when ``kv_caches`` still holds exactly the registered tensors (identity, not values)."""
+    """True when ``kv_caches`` still holds exactly the registered tensors (identity, not values): one C call
+    for a list, a tuple or a dict where the launch extension is built."""
+    same = _SAME_ITEMS(kv_caches, reg.layers) if _SAME_ITEMS is not None else None
+    if same is not None:
+        return same and reg.layers[0].data_ptr() == reg.first_ptr
     layers = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
     if len(layers) != len(reg.layers):
         return False

@@ -4,16 +4,19 @@ pointers; without a driver nothing is bound natively (Triton's launcher runs).""
 
 from __future__ import annotations
 
+import collections
 import struct
+import types
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiercache.gpu import launch
+from tiercache.gpu import triton_kernels as tk
 from tiercache.gpu.launch import param_plan
 
 FORMATS = {"*bf16": "Q", "*i64": "Q", "i32": "i", "i64": "q", "u64": "Q"}
@@ -107,3 +110,49 @@ def test_driver_copies_follow_the_direct_launch_switch(monkeypatch: pytest.Monke
     monkeypatch.setattr(launch, "DIRECT", True)
     monkeypatch.setattr(launch, "ENABLED", False)
     assert launch.native_copies() is None
+
+
+@settings(max_examples=200)
+@given(data=st.data(), n=st.integers(0, 40))
+def test_same_items_is_identity_of_every_item_in_order(data: st.DataObject, n: int) -> None:
+    """The extension's ``same_items`` answers as the Python identity check for lists, tuples and dicts (in
+    order), whatever was changed (an item swapped for an equal object, two items exchanged, one added or
+    removed), and declines (None) any other container."""
+    native = pytest.importorskip("tiercache.gpu._launch")
+    objs = [object() for _ in range(n)]
+    ref = tuple(objs)
+    items = list(objs)
+    change = data.draw(st.sampled_from(["none", "swap_in", "exchange", "append", "drop"]))
+    if change == "swap_in" and n:
+        items[data.draw(st.integers(0, n - 1))] = object()
+    elif change == "exchange" and n >= 2:
+        i, j = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+        items[i], items[j] = items[j], items[i]
+    elif change == "append":
+        items.append(object())
+    elif change == "drop" and n:
+        items.pop(data.draw(st.integers(0, n - 1)))
+    want = len(items) == len(ref) and all(a is b for a, b in zip(items, ref, strict=False))
+    assert native.same_items(items, ref) is want
+    assert native.same_items(tuple(items), ref) is want
+    assert native.same_items({f"layer.{i}": x for i, x in enumerate(items)}, ref) is want
+    assert native.same_items(collections.OrderedDict(enumerate(items)), ref) is None
+    assert native.same_items(types.MappingProxyType(dict(enumerate(items))), ref) is None
+    with pytest.raises(TypeError):
+        native.same_items(items, list(ref))
+
+
+def test_registered_kv_caches_are_rechecked_by_identity() -> None:
+    """A registration notices a layer tensor swapped for another (also an equal one), in a list or a dict,
+    through the extension and without it."""
+    layers = [torch.zeros(4) for _ in range(3)]
+    reg = tk._Registered(layers, tuple(layers), layers[0].data_ptr(), ())
+    named = {f"l{i}": t for i, t in enumerate(layers)}
+    for check in (tk._SAME_ITEMS, None):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tk, "_SAME_ITEMS", check)
+            assert tk._same_layers(reg, layers)
+            assert tk._same_layers(reg, named)
+            assert not tk._same_layers(reg, [*layers[:2], torch.zeros(4)])
+            assert not tk._same_layers(reg, {**named, "l2": torch.zeros(4)})
+            assert not tk._same_layers(reg, layers[:2])
