@@ -46,14 +46,16 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
   password, the user name and the database; TLS and Cluster use redis-py for every value.
 
 Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
-``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PARTS_IN_FLIGHT`` (4) at a
-time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the head,
-then the parts 4 at a time straight into one buffer (the RESP client receives each in place; the buffer is
-reused once the caller dropped every view of it, ``adapters/_recvbuf.py``). Why: the server's allocator
-(jemalloc) serves allocations of 8 MiB and more from an arena that returns pages at once, so every SET or
-reply of a bigger value faulted in fresh pages; with 4 MiB parts one 64 MiB value moved at 0.69-1.15x (mostly
-0.86-1.15x) the speed of the same bytes as 16 separate 4 MiB values (unsplit 0.42-0.89; 8 MiB parts
-0.73-0.76), and 4 in flight beat 1, 2, 8 and 16 for reads (``benchmarks/adapters_bench.py``, README). A 4 MiB
+``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PART_WRITES_IN_FLIGHT`` (8)
+at a time; then the head ``<key>`` with a 52-byte manifest (size, part size, count, nonce). A read GETs the
+head, then the parts ``PART_READS_IN_FLIGHT`` (4) at a time straight into one buffer (the RESP client
+receives each in place; the buffer is reused once the caller dropped every view of it,
+``adapters/_recvbuf.py``). Why: the server's allocator (jemalloc) serves allocations of 8 MiB and more from an
+arena that returns pages at once, so every SET or reply of a bigger value faulted in fresh pages; with 4 MiB
+parts one 64 MiB value moved at 0.69-1.15x (mostly 0.86-1.15x) the speed of the same bytes as 16 separate
+4 MiB values (unsplit 0.42-0.89; 8 MiB parts 0.73-0.76), 4 in flight beat 1, 2, 8 and 16 for reads
+(``benchmarks/adapters_bench.py``, README), and 8 beat 4 and 16 for writes (a same-run A/B on Redis and
+Valkey: 8 in flight at 1.01-1.15x the same bytes as 16 values in 6 of 6 runs, 4 at 0.89-1.11x). A 4 MiB
 part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``): parts sized to
 fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed. Rules:
 parts are written before the head, so a head only names parts that were complete; a rewrite overwrites the
@@ -129,8 +131,10 @@ PIPELINE_BATCH_BYTES = 1 << 20
 """Bytes of small values per put pipeline."""
 DEFAULT_PART_SIZE = 4 << 20
 """Values over this size are stored as parts of this size (``part_size`` option; 0: never split)."""
-PARTS_IN_FLIGHT = 4
-"""Part GETs/SETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
+PART_READS_IN_FLIGHT = 4
+"""Part GETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
+PART_WRITES_IN_FLIGHT = 8
+"""Part SETs in flight per adapter: 8 beat 4 and 16 (see the module docstring)."""
 _COMPARE_AND_DELETE = (
     "if redis.call('STRLEN', KEYS[1]) == string.len(ARGV[1]) and redis.call('GET', KEYS[1]) == ARGV[1] "
     "then return redis.call('DEL', KEYS[1]) end return 0"
@@ -311,7 +315,8 @@ class RedisAdapter(Adapter):
         self._resp: RespPool | None = None
         """Plain-TCP standalone servers: the zero-copy path for values over ``PIPELINE_VALUE_BYTES``."""
         self.part_size = common.part_size
-        self._part_lanes = asyncio.Semaphore(PARTS_IN_FLIGHT)
+        self._read_lanes = asyncio.Semaphore(PART_READS_IN_FLIGHT)
+        self._write_lanes = asyncio.Semaphore(PART_WRITES_IN_FLIGHT)
         self._recv = RecvBuffers()
         """Whole-value buffers of parted reads, reused once the caller has dropped every view of one."""
         self.stats: dict[str, int] = {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
@@ -507,7 +512,7 @@ class RedisAdapter(Adapter):
         keys = manifest.part_keys(head)
 
         async def read(k: str, into: memoryview) -> bytes | None:
-            async with self._part_lanes:
+            async with self._read_lanes:
                 return await self._get_into(k, into)
 
         calls = [read(k, whole[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
@@ -660,7 +665,7 @@ class RedisAdapter(Adapter):
         keys = manifest.part_keys(head)
 
         async def write(k: str, part: memoryview) -> Any:
-            async with self._part_lanes:
+            async with self._write_lanes:
                 return await self._set_one(k, part, manifest.nonce)
 
         writes = [write(k, value[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
