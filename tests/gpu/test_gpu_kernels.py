@@ -514,8 +514,17 @@ def test_small_pinned_moves_run_in_layer_pieces(
     # the object-group pipeline on the same staging, then the pieces again
     big = [poisoned(o.shape, torch.bfloat16, cpu, pin=True) for o in outs]
     pipe = Move.gather(layout, slots, spans, big)
-    transfer.transfer_for(DEV).store(kv, pipe)
+    xfer = transfer.transfer_for(DEV)
+    xfer.store(kv, pipe)
     check_gather(move)
+    # a staging buffer replaced (grown by a bigger move): the kept move prepares its pieces again
+    old_staging = xfer.buffers[0]
+    assert old_staging is not None
+    with xfer.lock:
+        xfer.buffers[0] = torch.empty_like(old_staging)
+    assert not pm.valid_for(kv)
+    check_gather(move)
+    assert move.prepared[id(kv)][2] is not pm
     want = [poisoned(o.shape, torch.bfloat16) for o in big]
     ref_gather(kv, layout, slots, spans, want)
     assert all(torch.equal(bits(a), bits(b.to(a.device))) for a, b in zip(want, big, strict=True))
