@@ -6,6 +6,7 @@ contiguous L2 prefix, a read waits for it; CLEAR / DRAIN are admin ops.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -111,3 +112,42 @@ async def test_clear_and_drain_need_the_admin_role(served: tuple[L1Server, Memor
             await asyncio.to_thread(conn.request, op, body)
         assert err.value.code == "forbidden"
         conn.close()
+
+
+async def test_a_socket_opened_while_the_server_stops_connects(tmp_path: Path) -> None:
+    """What a store worker does while the server stops: open a new socket and connect it. The number the
+    closed listener had is free again then; stop() must have withdrawn the listener from the event loop
+    before closing it, or the loop still watches that number and the new socket's connect fails (the L2
+    store was dropped, the drain saw nothing pending: the SIGTERM tests of test_server_l2.py, under load)."""
+    loop = asyncio.get_running_loop()
+    target = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = target.sockets[0].getsockname()[1]
+    server = L1Server(ServerOptions(str(tmp_path / "l1.sock"), [SlotClass(4096, 4)]))
+    await server.start()
+    assert server._listener is not None
+    listener = server._listener
+    await asyncio.sleep(0)  # the accept loop is waiting on the listener
+    errors: list[BaseException] = []
+    connected: list[int] = []
+
+    async def connect_once_the_listener_closes() -> None:
+        while listener.fileno() != -1:  # noqa: ASYNC110 - the moment the listener closes, not an event
+            await asyncio.sleep(0)
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            connected.append(sock.fileno())
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            sock.close()
+
+    racer = asyncio.ensure_future(connect_once_the_listener_closes())
+    await server.stop()
+    await racer
+    target.close()
+    await target.wait_closed()
+    assert errors == []
+    assert len(connected) == 1

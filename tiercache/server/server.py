@@ -164,16 +164,20 @@ class L1Server:
                 st = os.lstat(self.options.socket_path)
                 if (st.st_dev, st.st_ino) == self._socket_id:  # ours, not a successor's
                     os.unlink(self.options.socket_path)
-            self._listener.close()
+        # Cancel the accept loop and the connections' tasks and let them end before their sockets close: a
+        # socket closed while the loop still watches it leaves a stale registration behind, and the next
+        # socket given the same number (a store worker's new connection to L2, still running now) fails.
         for task in list(self._tasks):
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self._conns.values()):
             conn.sock.close()
         for fd in self._pidfds.values():
             loop.remove_reader(fd)
             os.close(fd)
         self._pidfds.clear()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.storage is not None:
             pending = self.storage.pending_stores()
             if not await self.storage.drain(self.options.drain_s):
