@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tiercache.gpu import LayoutKind, Move, PagedLayout, object_spec, reference
+from tiercache.gpu import LayoutKind, Move, PagedLayout, launch, object_spec, reference
 from tiercache.gpu import transfer as tr
 from tiercache.gpu import triton_kernels as tk
 
@@ -113,9 +113,7 @@ def wall_time(
 def stream_wait() -> None:
     """Wait for the current stream with one driver call (``cuStreamSynchronize`` through the launch
     extension): what a caller pays that waits without torch's Python layers around its device-wide wait."""
-    from tiercache.gpu import launch
-
-    launch.sync_stream(torch.cuda.current_device())
+    launch.sync_stream(torch._C._cuda_getDevice())
 
 
 def idle_waits() -> dict[str, float]:

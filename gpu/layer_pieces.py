@@ -148,26 +148,25 @@ class PiecedMove:
     def run(self) -> int:
         """Run the move: the tokens written (a gather's count is unused). ``ValueError`` for a gather's bad
         slots, the exact count for a scatter's."""
-        nat = _launch.native_copies()
-        assert nat is not None
-        copy, record, wait = nat.copy, nat.record, nat.wait_event
-        t = self.transfer
         for b in self.bounds:
             if b.flag_bytes is not None:
                 b.flag_bytes[:] = b.clear
         if torch._C._cuda_getDevice() != self.index:
             with torch.cuda.device(self.index):
-                self._queue(nat, copy, record, wait, t)
+                self._queue()
         else:
-            self._queue(nat, copy, record, wait, t)
+            self._queue()
         for b in self.bounds:
             if b.flag_bytes is not None and b.flag_bytes != b.clear:
                 return tk.exact_count(b.mv)
         return self.count
 
-    def _queue(self, nat: Any, copy: Any, record: Any, wait: Any, t: Transfer) -> None:
+    def _queue(self) -> None:
         """Queue every launch, copy and event, and wait for what the run must wait for (holds the
         transfer's lock: its staging buffer 0 and side stream)."""
+        nat = _launch.native_copies()
+        assert nat is not None
+        copy, record, wait, t = nat.copy, nat.record, nat.wait_event, self.transfer
         _check(nat.context(self.index))
         cur = torch._C._cuda_getCurrentRawStream(self.index)
         side = t.stream.cuda_stream
@@ -222,7 +221,7 @@ def prepare(kv_caches: KVCaches, move: Move, transfer: Transfer) -> PiecedMove |
     piece_shapes = [[(*s[:-3], len(cut), *s[-2:]) for s in shapes] for cut in cuts]
     with transfer.lock:
         views = transfer.staging_views(0, [(shp, dtype) for shps in piece_shapes for shp in shps])
-    buf = transfer.buffers[0]
+        buf = transfer.buffers[0]
     assert buf is not None
     bounds: list[tk.BoundMove] = []
     copies: list[list[Any]] = []

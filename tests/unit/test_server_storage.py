@@ -131,8 +131,13 @@ async def test_a_socket_opened_while_the_server_stops_connects(tmp_path: Path) -
     connected: list[int] = []
 
     async def connect_once_the_listener_closes() -> None:
-        while listener.fileno() != -1:  # noqa: ASYNC110 - the moment the listener closes, not an event
+        for _ in range(100_000):  # bounded: yield to stop() until it has closed the listener
+            if listener.fileno() == -1:
+                break
             await asyncio.sleep(0)
+        else:
+            errors.append(AssertionError("stop() never closed the listener"))
+            return
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
