@@ -17,8 +17,8 @@ Per size (``per_size``: 256, 1024 and 4096 tokens): the public ``dispatch`` call
 kernel's device time (gather, scatter), with pre-bound launches and with Triton's own ``run``
 (``TIERCACHE_PREBOUND=0``), and the calls into / out of pinned L1 objects against a pinned copy of the same
 bytes (median and worst of 5 rounds), plus a host profile of the 256-token gather.
-Pinned sizes (``--only pinned_sizes``): one object to / from pinned L1 from 2 to 64 MiB along every path a
-small pinned move can take, against the pinned copy (what ``dispatch.PIECED_MIN_BYTES`` is chosen from).
+Pinned sizes (``--only pinned_sizes``): one object to / from pinned L1 from 2 to 512 MiB along every path
+a pinned move can take, against the pinned copy (what ``dispatch.PIECED_MIN_BYTES`` is chosen from).
 Calls that wait for their own device work (checked moves, moves to or from pinned memory) are timed until
 they return (``returns_time``: the device is checked idle then); the others until a synchronize after them.
 Usage: ``python benchmarks/gpu_bench.py [--only per_size|pinned_sizes] > out.json``.
@@ -413,12 +413,12 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
     return out
 
 
-PINNED_SIZES = (16, 32, 64, 128, 256, 512)  # tokens: 2 to 64 MiB, every size a small pinned move can be
+PINNED_SIZES = (16, 32, 64, 128, 256, 512, 1024, 4096)  # tokens: 2 to 512 MiB
 
 
 def pinned_sizes(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
-    """One object to / from pinned L1 at each of ``PINNED_SIZES`` tokens, along every path a small pinned
-    move can take (one kernel over the bus; staged in 2 or 4 layer pieces; the object-group pipeline),
+    """One object to / from pinned L1 at each of ``PINNED_SIZES`` tokens, along every path a pinned move can
+    take (one kernel over the bus; staged in at least 2 or 4 layer pieces; the object-group pipeline),
     until the call returns, against the device time of one pinned copy of the same bytes (7 interleaved
     rounds: median and worst). What ``dispatch.PIECED_MIN_BYTES`` is chosen from."""
     from tiercache.gpu import dispatch, layer_pieces
@@ -427,13 +427,19 @@ def pinned_sizes(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tenso
     _, kv2, slots2, _ = make_engine(
         layout.kind, layout.num_layers, layout.num_kv_heads, layout.head_dim, seed=7
     )
-    paths: dict[str, tuple[int, int, int]] = {  # PIECED_MIN_BYTES, PIECES, ZERO_COPY_BYTES
-        "over_the_bus": (1 << 62, 2, dispatch.ZERO_COPY_BYTES),
-        "pieces_2": (0, 2, dispatch.ZERO_COPY_BYTES),
-        "pieces_4": (0, 4, dispatch.ZERO_COPY_BYTES),
-        "object_pipeline": (0, 2, 0),
+    big = 1 << 62
+    paths: dict[str, tuple[int, int, int, int]] = {  # PIECED_MIN_BYTES, _MAX_BYTES, PIECES, ZERO_COPY_BYTES
+        "over_the_bus": (big, big, 2, big),
+        "pieces_2": (0, big, 2, dispatch.ZERO_COPY_BYTES),
+        "pieces_4": (0, big, 4, dispatch.ZERO_COPY_BYTES),
+        "object_pipeline": (big, big, 2, 0),
     }
-    saved = (dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES)
+    saved = (
+        dispatch.PIECED_MIN_BYTES,
+        dispatch.PIECED_MAX_BYTES,
+        layer_pieces.PIECES,
+        dispatch.ZERO_COPY_BYTES,
+    )
     out: dict[str, Any] = {}
     try:
         for n in PINNED_SIZES:
@@ -448,8 +454,9 @@ def pinned_sizes(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tenso
             want = [torch.empty(spec.shape, dtype=torch.bfloat16, device=DEV)]
             reference.gather(kv, Move.gather(layout, slots[:n], sp, want))
             calls: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
-            for name, (lo, pieces, zc) in paths.items():
-                dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = lo, pieces, zc
+            for name, (lo, hi, pieces, zc) in paths.items():
+                dispatch.PIECED_MIN_BYTES, dispatch.PIECED_MAX_BYTES = lo, hi
+                layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = pieces, zc
                 g, s = Move.gather(layout, slots[:n], sp, hobj), Move.scatter(layout, slots2[:n], sp, hobj)
                 dispatch.gather(kv, g)  # prepared here, under this path's settings; runs keep to it
                 assert torch.equal(bits(hobj[0]), bits(want[0].cpu())), name
@@ -478,7 +485,12 @@ def pinned_sizes(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tenso
             out[f"{n}_tokens"] = row
             log(f"pinned_sizes {n}", json.dumps(row))
     finally:
-        dispatch.PIECED_MIN_BYTES, layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = saved
+        (
+            dispatch.PIECED_MIN_BYTES,
+            dispatch.PIECED_MAX_BYTES,
+            layer_pieces.PIECES,
+            dispatch.ZERO_COPY_BYTES,
+        ) = saved
     return out
 
 

@@ -4,10 +4,12 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 
 - KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
   one pre-bound launch plus, unless trusted, the wait for its slot flags.
-- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool): up to ``ZERO_COPY_BYTES`` one
-  launch that reads / writes them in place over the bus; larger moves the staged, double-buffered pipeline
-  of ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side stream). Both return once the
-  host memory is no longer touched.
+- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool): from ``PIECED_MIN_BYTES`` to
+  ``PIECED_MAX_BYTES``, staged in layer pieces with every step issued to the driver
+  (``tiercache.gpu.layer_pieces``); below that one launch that reads / writes them in place over the bus;
+  above it (or without the launch extension, or with slot checks on the host, from ``ZERO_COPY_BYTES``)
+  the object-group pipeline of ``tiercache.gpu.transfer`` (kernel into device staging, copies on a side
+  stream). All return once the host memory is no longer touched.
 - An fp8 move (``Move.gather_fp8`` / ``Move.scatter_fp8``) on CUDA: the fused fp8 kernel on device
   payloads (pinned host payloads read / written in place by ``triton_kernels`` when called directly), the
   staged pipeline of ``tiercache.gpu.fp8_transfer`` for host payloads (an fp8 L1).
@@ -38,12 +40,17 @@ if TYPE_CHECKING:
 __all__ = ["gather", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
-# moves into / out of pinned host memory up to ZERO_COPY_BYTES are staged in layer pieces with every step
-# issued to the driver (tiercache.gpu.layer_pieces) from PIECED_MIN_BYTES on, and run as one kernel over the
-# bus below it or without the launch extension; larger ones go through the object-group pipeline of
-# tiercache.gpu.transfer (0.96-0.98 of the pinned-copy ceiling at 512 MiB)
+# Moves into / out of pinned host memory from PIECED_MIN_BYTES to PIECED_MAX_BYTES are staged in layer pieces
+# with every step issued to the driver (tiercache.gpu.layer_pieces), smaller ones run as one kernel over the
+# bus, larger ones through the object-group pipeline of tiercache.gpu.transfer; where pieces do not apply,
+# moves up to ZERO_COPY_BYTES go over the bus. Pieces of at most one staging buffer (64 MiB) each: every
+# object's piece is one more copy, and the H200 measured ~3 us of copy-engine time per copy, so from 256 MiB
+# of 256-token objects the pipeline's one copy per object is ahead (512 MiB: 0.976 against 0.933 in 11
+# pieces), while up to 128 MiB pieces are (0.964-0.973 against 0.958-0.964; one 128 MiB object: 0.966-0.971
+# against 0.928-0.937).
 ZERO_COPY_BYTES = 64 << 20
 PIECED_MIN_BYTES = 16 << 20  # the H200: over the bus ahead below 16 MiB, pieces ahead from 32 MiB
+PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger than the pipeline's groups
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
@@ -110,10 +117,10 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
             elif where == "host":
                 nbytes = sum(o.numel() * o.element_size() for o in move.objects)
                 xfer = transfer.transfer_for(device)
-                small = _small_host_move(kv_caches, move, xfer, nbytes) if nbytes <= ZERO_COPY_BYTES else None
-                if small is not None:
-                    n = small.run()
-                    move.prepared[id(kv_caches)] = ("bound", kv_caches, small)
+                prepared = _host_move(kv_caches, move, xfer, nbytes)
+                if prepared is not None:
+                    n = prepared.run()
+                    move.prepared[id(kv_caches)] = ("bound", kv_caches, prepared)
                     return n
                 n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
                 move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
@@ -124,20 +131,20 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     return n
 
 
-def _small_host_move(
+def _host_move(
     kv_caches: KVCaches, move: Move, xfer: transfer.Transfer, nbytes: int
 ) -> PiecedMove | BoundMove | None:
-    """The prepared run of a move of at most ``ZERO_COPY_BYTES`` to or from pinned objects: staged in layer
-    pieces from ``PIECED_MIN_BYTES`` on (where the launch extension can issue the copies), else one kernel
-    over the bus; None for the object-group pipeline."""
+    """The prepared run of a move of ``nbytes`` to or from pinned objects: staged in layer pieces from
+    ``PIECED_MIN_BYTES`` to ``PIECED_MAX_BYTES`` (where the launch extension can issue the copies), else up
+    to ``ZERO_COPY_BYTES`` one kernel over the bus; None for the object-group pipeline."""
     from tiercache.gpu import layer_pieces
     from tiercache.gpu import triton_kernels as tk
 
-    if nbytes >= PIECED_MIN_BYTES:
+    if PIECED_MIN_BYTES <= nbytes <= PIECED_MAX_BYTES:
         pieced = layer_pieces.prepare(kv_caches, move, xfer)
         if pieced is not None:
             return pieced
-    return tk.bind(kv_caches, move, host=True)
+    return tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
 
 
 def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:

@@ -38,11 +38,11 @@ from tiercache.gpu.move import Move
 if TYPE_CHECKING:
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Stage", "Transfer", "load_from_host", "store_to_host"]
+__all__ = ["DEFAULT_STAGING_BYTES", "STAGING_ALIGN", "Stage", "Transfer", "load_from_host", "store_to_host"]
 
 DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_COALESCE = False
-_ALIGN = 256
+STAGING_ALIGN = 256  # each staging view starts at a multiple of this
 
 
 def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
@@ -52,7 +52,7 @@ def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
     cur: list[int] = []
     used = 0
     for i, n in enumerate(sizes):
-        n = -(-n // _ALIGN) * _ALIGN
+        n = -(-n // STAGING_ALIGN) * STAGING_ALIGN
         if cur and (used + n > limit or len(groups) == 0):
             groups.append(cur)
             cur, used = [], 0
@@ -212,7 +212,7 @@ class Transfer:
         """Contiguous device tensors of these (shape, dtype)s carved in order from staging buffer ``b``
         (grown when too small; hold ``self.lock``)."""
         nbytes = [torch.Size(shape).numel() * dt.itemsize for shape, dt in shapes]
-        sizes = [-(-n // _ALIGN) * _ALIGN for n in nbytes]
+        sizes = [-(-n // STAGING_ALIGN) * STAGING_ALIGN for n in nbytes]
         need = sum(sizes)
         buf = self.buffers[b]
         if buf is None or buf.numel() < need:

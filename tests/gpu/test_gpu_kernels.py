@@ -113,6 +113,7 @@ def test_dispatch_through_pinned_l1(
     xfer.staging_bytes = 3 * spec.nbytes  # 3 chunks per group, 3 groups, 2 buffers
     xfer.coalesce = coalesce
     monkeypatch.setattr(dispatch, "ZERO_COPY_BYTES", 0)  # these small moves would go over the bus
+    monkeypatch.setattr(dispatch, "PIECED_MIN_BYTES", 1 << 62)  # ... or in layer pieces
     try:
         d_gather(kv, layout, slots, spans, outs)
         want = [poisoned(o.shape, o.dtype, torch.device("cpu")) for o in outs]
@@ -427,6 +428,64 @@ def test_bound_moves_launch_through_the_driver_from_any_thread(
         bound = tk.bind(kv, move, cfg)
         assert bound is not None
         assert not bound.go.direct  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("kind", "strided"), KINDS)
+def test_pinned_moves_larger_than_a_staging_buffer_alternate_two(
+    kind: LayoutKind, strided: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pinned move whose pieces would not fit one staging buffer is cut into pieces of at most a buffer
+    each, piece p in buffer p % 2 (each handed over by its ``free`` event): bit-exact gathers and scatters,
+    run again, run after the object-group pipeline used the same buffers, a bad gather slot refused and a
+    scatter's slot < 0 counted exactly."""
+    from tiercache.gpu import layer_pieces
+
+    monkeypatch.setattr(dispatch, "PIECED_MIN_BYTES", 0)
+    monkeypatch.setattr(dispatch, "PIECED_MAX_BYTES", 1 << 62)
+    n = 600
+    spans = spans_of(n, 256)
+    layout, kv, slots = make_kv(kind, torch.bfloat16, strided, seed=51, tokens=n)
+    cpu = torch.device("cpu")
+    outs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16, cpu, pin=True) for s, e in spans]
+    layer_bytes = sum(o.numel() * o.element_size() for o in outs) // layout.num_layers
+    xfer = transfer.transfer_for(DEV)
+    monkeypatch.setattr(xfer, "staging_bytes", layer_bytes + 4096)  # one layer of every object a piece
+
+    def check_gather(move: Move) -> None:
+        for o in move.objects:
+            bits(o).fill_(-1)
+        dispatch.gather(kv, move)
+        want = [poisoned(o.shape, torch.bfloat16) for o in move.objects]
+        ref_gather(kv, layout, move.slot_mapping, move.spans, want, move.layers)
+        for a, b in zip(want, move.objects, strict=True):
+            assert not sentinel_left(b)
+            assert torch.equal(bits(a), bits(b.to(a.device)))
+
+    move = Move.gather(layout, slots, spans, outs)
+    check_gather(move)
+    pm = move.prepared[id(kv)][2]
+    assert isinstance(pm, layer_pieces.PiecedMove)
+    assert len(pm.bounds) == layout.num_layers  # one layer a piece
+    assert len(pm.staging) == 2
+    assert pm.staging[0].data_ptr() != pm.staging[1].data_ptr()
+    check_gather(move)
+    big = [poisoned(o.shape, torch.bfloat16, cpu, pin=True) for o in outs]
+    xfer.store(kv, Move.gather(layout, slots, spans, big))  # the object-group pipeline, same buffers
+    check_gather(move)
+    bad = slots.clone()
+    bad[100] = -1
+    with pytest.raises(ValueError, match="slots < 0"):
+        dispatch.gather(kv, Move.gather(layout, bad, spans, outs))
+    _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=52, tokens=n)
+    dst_ref = [x.clone() for x in dst]
+    other[450] = -1
+    for _ in range(2):  # prepared, then run again
+        scatter = Move.scatter(layout, other, spans, outs, [3, 0, 0])
+        assert dispatch.scatter(dst, scatter) == n - 3 - 1
+        assert isinstance(scatter.prepared[id(dst)][2], layer_pieces.PiecedMove)
+    assert ref_scatter(outs, dst_ref, layout, other, spans, [3, 0, 0]) == n - 3 - 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
 
 
 @pytest.mark.parametrize("pieces", [2, 3])

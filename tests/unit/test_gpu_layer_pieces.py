@@ -26,6 +26,37 @@ def test_pieces_cover_the_layers_in_order(layers: int, pieces: int, lead_last: b
         assert rest == sorted(rest, reverse=True)
 
 
+@given(layers=st.integers(1, 80), pieces=st.integers(1, 9), most=st.integers(0, 40), lead_last=st.booleans())
+def test_bounded_pieces_hold_at_most_most_layers(
+    layers: int, pieces: int, most: int, lead_last: bool
+) -> None:
+    """With a bound (the layers a staging buffer holds), every piece holds at most ``most`` layers (at least
+    one), and no more pieces are cut than the bound and ``pieces`` need."""
+    cuts = piece_layers(layers, pieces, lead_last=lead_last, most=most)
+    assert [i for c in cuts for i in c] == list(range(layers))
+    sizes = [len(c) for c in cuts]
+    cap = max(1, most)
+    assert min(sizes) >= 1
+    assert max(sizes) <= cap
+    want = min(pieces, layers)
+    if len(cuts) == 1:
+        assert want == 1
+        assert layers <= cap
+        return
+    lead, rest = (sizes[-1], sizes[:-1]) if lead_last else (sizes[0], sizes[1:])
+    assert lead == min(max(1, layers // LEAD_DIVISOR), cap, layers - max(1, want - 1))
+    assert len(rest) == max(want - 1, -(-(layers - lead) // cap))  # as few as the bound allows
+    assert max(rest) - min(rest) <= 1
+    assert rest == sorted(rest, reverse=True)
+
+
+def test_a_512_mib_move_is_cut_to_fit_64_mib_buffers() -> None:
+    """32 layers of 16 MiB (4096 tokens of a Llama-8B shape) in 64 MiB staging buffers: 4 layers a piece."""
+    assert piece_layers(32, 2, most=4) == [range(4 * i, 4 * i + 4) for i in range(8)]
+    assert piece_layers(32, 2, most=16) == [range(0, 4), range(4, 18), range(18, 32)]
+    assert piece_layers(32, 2, lead_last=True, most=28) == [range(0, 28), range(28, 32)]
+
+
 def test_the_lead_piece_of_32_layers_is_4() -> None:
     assert piece_layers(32, 2) == [range(0, 4), range(4, 32)]
     assert piece_layers(32, 2, lead_last=True) == [range(0, 28), range(28, 32)]
