@@ -9,17 +9,17 @@
  *   paged  = layers[j] + (slot / bs) * s_blk + (slot % bs) * s_off + h * s_head + poff[p]
  *   object = obj + p * o_plane + j * o_layer + (tok0 + t) * o_tok + h * row_bytes
  * dir 0 (gather) copies paged -> object; dir 1 (scatter) object -> paged. Slots < 0 are skipped where
- * allowed (a scatter's tokens without KV); every slot is checked before any byte moves (tc_copy_rows). Tokens are walked in order and, within a token, heads then
- * planes, so a token's paged bytes are touched in address order. ``stores``: 0 plain ``memcpy``; 1 stores
- * that bypass the cache (streaming) where rows and addresses are 16-byte aligned (the data is not read
- * back soon, and it saves the read-for-ownership traffic); 2 the same with one 64-byte store per line
- * where the CPU has AVX-512F and rows and addresses are 64-byte aligned (else as 1). Returns the number
- * of slots >= 0 over all spans, or a negative error code. Threads (the caller's and
- * helper threads kept between calls) take (span, layer) tasks in turn; two spans that write one slot (never
- * in a request) race.
+ * allowed (a scatter's tokens without KV); every slot is checked before any byte moves (tc_copy_rows).
+ * Tokens are walked in order and, within a token, heads then planes, so a token's paged bytes are touched
+ * in address order. ``stores``: 0 plain ``memcpy``; 1 stores that bypass the cache (streaming) where rows
+ * and addresses are 16-byte aligned (the data is not read back soon, and it saves the read-for-ownership
+ * traffic); 2 the same with one 64-byte store per line where the CPU has AVX-512F and rows and addresses
+ * are 64-byte aligned (else as 1). Returns the number
+ * of slots >= 0 over all spans, or a negative error code. Threads (an OpenMP team: the caller's thread and
+ * the runtime's kept workers, ``run_job``) take (span, layer) tasks in turn; two spans that write one slot
+ * (never in a request) race.
  */
 #include <pthread.h>
-#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -130,84 +130,29 @@ static void run_tasks(struct job *g) {
 #endif
 }
 
-/* Helper threads, started on first need and kept (a thread start and join cost about as much as copying
- * 1 MiB): idle ones sleep on ``go``. One call at a time uses them (``call_mu``); a call that finds them
- * busy (another Python thread in a copy: ctypes drops the GIL) runs on its caller's thread alone. A call
- * offers ``open`` seats; a helper that wakes takes one, or none when the caller has already closed them,
- * and the caller waits until every helper that took one has finished before its job leaves scope. */
-enum { MAX_HELPERS = 63 };
-static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t go = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
-static struct job *current;
-static uint64_t generation;
-static int64_t helpers, open_seats, running;
-
-static void *helper_main(void *arg) {
-  sigset_t all;
-  sigfillset(&all);
-  pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the interpreter's threads */
-  uint64_t seen = (uint64_t)(uintptr_t)arg; /* the generation before the call that started it */
-  pthread_mutex_lock(&mu);
-  for (;;) {
-    while (generation == seen) pthread_cond_wait(&go, &mu);
-    seen = generation;
-    if (open_seats <= 0) continue;
-    open_seats--;
-    running++;
-    struct job *g = current;
-    pthread_mutex_unlock(&mu);
-    run_tasks(g);
-    pthread_mutex_lock(&mu);
-    if (--running == 0) pthread_cond_signal(&done);
-  }
-  return NULL;
-}
-
-/* A forked child has none of its parent's helper threads: forget them (and any lock a parent thread held). */
-static void after_fork_child(void) {
-  pthread_mutex_init(&call_mu, NULL);
-  pthread_mutex_init(&mu, NULL);
-  pthread_cond_init(&go, NULL);
-  pthread_cond_init(&done, NULL);
-  helpers = open_seats = running = 0;
-  current = NULL;
-}
-
+/* A forked child: its parent's OpenMP workers do not exist in it, and libgomp would wait for them. */
+static volatile int forked_child;
+static void after_fork_child(void) { forked_child = 1; }
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 static void register_fork(void) { pthread_atfork(NULL, NULL, after_fork_child); }
 
-/* Run ``g`` on the caller's thread and up to ``extra`` helpers. */
-static void run_job(struct job *g, int64_t extra) {
-  if (extra <= 0 || pthread_mutex_trylock(&call_mu) != 0) {
+/* Run ``g`` on ``threads`` threads: an OpenMP team of the caller's thread and the runtime's kept workers.
+ * In a process that has loaded torch, this library binds to torch's own libgomp (same soname), so a copy
+ * runs on the worker pool torch's intra-op work uses instead of on threads of its own: helper threads of
+ * our own lost the second core to torch's workers, which spin for a while after each parallel op, and a
+ * 2-thread copy ran at the speed of one (vs_lmcache.py cpu: 6.8-8.6 GB/s against 11.5-14.7 on the pool).
+ * In a forked child, and without OpenMP at build time, every copy runs on the caller's thread. */
+static void run_job(struct job *g, int64_t threads) {
+  pthread_once(&fork_once, register_fork);
+#if defined(_OPENMP)
+  if (threads > 1 && !forked_child) {
+#pragma omp parallel num_threads((int)threads)
     run_tasks(g);
     return;
   }
-  pthread_once(&fork_once, register_fork);
-  pthread_mutex_lock(&mu);
-  while (helpers < extra && helpers < MAX_HELPERS) {
-    pthread_t tid;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 1 << 16);
-    int rc = pthread_create(&tid, &attr, helper_main, (void *)(uintptr_t)generation);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) break; /* fewer helpers: still complete */
-    helpers++;
-  }
-  current = g;
-  open_seats = extra < helpers ? extra : helpers;
-  generation++;
-  pthread_cond_broadcast(&go);
-  pthread_mutex_unlock(&mu);
+#endif
+  (void)threads;
   run_tasks(g);
-  pthread_mutex_lock(&mu);
-  open_seats = 0; /* helpers not yet awake stay out: every task is taken */
-  while (running > 0) pthread_cond_wait(&done, &mu);
-  current = NULL;
-  pthread_mutex_unlock(&mu);
-  pthread_mutex_unlock(&call_mu);
 }
 
 /* Every slot of every span is checked before anything is copied: a slot >= ``n_slots`` returns
@@ -239,6 +184,6 @@ int64_t tc_copy_rows(int dir, int64_t n_layers, const int64_t *layers, int64_t n
   if (over) return TC_OUT_OF_RANGE;
   if (valid != total && !negative_ok) return TC_NEGATIVE;
   if (threads > g.n_tasks) threads = g.n_tasks;
-  run_job(&g, threads - 1);
+  run_job(&g, threads);
   return valid;
 }

@@ -11,7 +11,9 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -386,9 +388,9 @@ def _kernel_gathers_match(
     return True
 
 
-def test_concurrent_callers_share_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Python threads in kernel calls at once (ctypes drops the GIL): one call holds the kept helper
-    threads, the others run on their callers' threads; every object is still exact."""
+def test_concurrent_callers_copy_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python threads in kernel calls at once (ctypes drops the GIL), each call on its own OpenMP team:
+    every object is still exact."""
     if cpu_rows.native() is None:
         pytest.skip("no native kernel built")
     cases = [_gather_case(seed) for seed in range(20, 28)]
@@ -399,9 +401,10 @@ def test_concurrent_callers_share_the_helpers(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
-def test_forked_child_starts_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child forked after threaded copies (its parent's helper threads exist, the child has none) copies
-    exactly on several threads, and the parent's helpers still work after the fork."""
+def test_forked_child_copies_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after threaded copies (its parent's OpenMP workers exist, the child has none, and
+    libgomp would wait for them) copies exactly, on its caller's thread, and does not hang; the parent's
+    threaded copies still work after the fork."""
     if cpu_rows.native() is None:
         pytest.skip("no native kernel built")
     case = _gather_case(30)
@@ -414,7 +417,15 @@ def test_forked_child_starts_its_own_helpers(monkeypatch: pytest.MonkeyPatch) ->
             code = 0 if _kernel_gathers_match(case, 3) else 2
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 120
+    done, status = os.waitpid(pid, os.WNOHANG)
+    while done == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done, status = os.waitpid(pid, os.WNOHANG)
+    if done == 0:  # hung: kill it, and fail
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done == pid, "the forked child hung"
     assert os.waitstatus_to_exitcode(status) == 0
     assert _kernel_gathers_match(case, 2)
 
