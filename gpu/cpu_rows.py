@@ -3,8 +3,8 @@
 The C kernel (built by setup.py as an optional extension, loaded with ctypes) walks every span, layer,
 token, head and plane and copies whole rows with streaming stores (64-byte ones where the CPU has
 AVX-512F; ``memcpy`` where rows are not 16-byte aligned), on up to torch's
-intra-op thread count (the caller's thread and helper threads the library keeps between calls take (span,
-layer) tasks in turn); the torch reference path runs instead
+intra-op thread count (an OpenMP team on torch's own libgomp pool takes (span, layer) tasks in turn; a
+forked child copies on its caller's thread); the torch reference path runs instead
 when it is missing or ``TIERCACHE_CPU_KERNELS=0``. The kernel checks every slot before it copies
 anything (a bad one: an error code, nothing written); callers validate shapes first.
 """
