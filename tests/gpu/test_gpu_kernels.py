@@ -430,6 +430,48 @@ def test_bound_moves_launch_through_the_driver_from_any_thread(
         assert not bound.go.direct  # type: ignore[attr-defined]
 
 
+def check_pinned_gather(kv: Any, layout: PagedLayout, move: Move) -> None:
+    """Run a gather ``move`` into poisoned host objects and compare them with the reference, byte for byte."""
+    for o in move.objects:
+        bits(o).fill_(-1)
+    dispatch.gather(kv, move)
+    want = [poisoned(o.shape, torch.bfloat16) for o in move.objects]
+    ref_gather(kv, layout, move.slot_mapping, move.spans, want, move.layers)
+    for a, b in zip(want, move.objects, strict=True):
+        assert not sentinel_left(b)
+        assert torch.equal(bits(a), bits(b.to(a.device)))
+
+
+def check_pieced_scatter(
+    kind: LayoutKind,
+    strided: bool,
+    outs: list[torch.Tensor],
+    spans: list[tuple[int, int]],
+    *,
+    seed: int,
+    skip: int,
+    runs: int = 1,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Scatter pinned ``outs`` (the first span's first ``skip`` tokens skipped, token 450 without a slot)
+    into fresh paged KV ``runs`` times in layer pieces: the exact count each time and the reference's bytes.
+    Returns the KV, the reference's KV and the slots."""
+    from tiercache.gpu import layer_pieces
+
+    n = spans[-1][1]
+    layout, dst, other = make_kv(kind, torch.bfloat16, strided, seed=seed, tokens=n)
+    dst_ref = [x.clone() for x in dst]
+    other[450] = -1
+    skips = [skip] + [0] * (len(spans) - 1)
+    for _ in range(runs):
+        scatter = Move.scatter(layout, other, spans, outs, skips)
+        assert dispatch.scatter(dst, scatter) == n - skip - 1
+        assert isinstance(scatter.prepared[id(dst)][2], layer_pieces.PiecedMove)
+    assert ref_scatter(outs, dst_ref, layout, other, spans, skips) == n - skip - 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    return dst, dst_ref, other
+
+
 @pytest.mark.parametrize(("kind", "strided"), KINDS)
 def test_pinned_moves_larger_than_a_staging_buffer_alternate_two(
     kind: LayoutKind, strided: bool, monkeypatch: pytest.MonkeyPatch
@@ -451,15 +493,7 @@ def test_pinned_moves_larger_than_a_staging_buffer_alternate_two(
     xfer = transfer.transfer_for(DEV)
     monkeypatch.setattr(xfer, "staging_bytes", layer_bytes + 4096)  # one layer of every object a piece
 
-    def check_gather(move: Move) -> None:
-        for o in move.objects:
-            bits(o).fill_(-1)
-        dispatch.gather(kv, move)
-        want = [poisoned(o.shape, torch.bfloat16) for o in move.objects]
-        ref_gather(kv, layout, move.slot_mapping, move.spans, want, move.layers)
-        for a, b in zip(want, move.objects, strict=True):
-            assert not sentinel_left(b)
-            assert torch.equal(bits(a), bits(b.to(a.device)))
+    check_gather = functools.partial(check_pinned_gather, kv, layout)
 
     move = Move.gather(layout, slots, spans, outs)
     check_gather(move)
@@ -476,16 +510,7 @@ def test_pinned_moves_larger_than_a_staging_buffer_alternate_two(
     bad[100] = -1
     with pytest.raises(ValueError, match="slots < 0"):
         dispatch.gather(kv, Move.gather(layout, bad, spans, outs))
-    _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=52, tokens=n)
-    dst_ref = [x.clone() for x in dst]
-    other[450] = -1
-    for _ in range(2):  # prepared, then run again
-        scatter = Move.scatter(layout, other, spans, outs, [3, 0, 0])
-        assert dispatch.scatter(dst, scatter) == n - 3 - 1
-        assert isinstance(scatter.prepared[id(dst)][2], layer_pieces.PiecedMove)
-    assert ref_scatter(outs, dst_ref, layout, other, spans, [3, 0, 0]) == n - 3 - 1
-    torch.cuda.synchronize()
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    check_pieced_scatter(kind, strided, outs, spans, seed=52, skip=3, runs=2)  # prepared, then run again
 
 
 @pytest.mark.parametrize("pieces", [2, 3])
@@ -510,15 +535,7 @@ def test_small_pinned_moves_run_in_layer_pieces(
     cpu = torch.device("cpu")
     outs = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16, cpu, pin=True) for s, e in spans]
 
-    def check_gather(move: Move, kv_: Any = kv) -> None:
-        for o in move.objects:
-            bits(o).fill_(-1)
-        dispatch.gather(kv_, move)
-        want = [poisoned(o.shape, torch.bfloat16) for o in move.objects]
-        ref_gather(kv_, layout, move.slot_mapping, move.spans, want, move.layers)
-        for a, b in zip(want, move.objects, strict=True):
-            assert not sentinel_left(b)
-            assert torch.equal(bits(a), bits(b.to(a.device)))
+    check_gather = functools.partial(check_pinned_gather, kv, layout)
 
     move = Move.gather(layout, slots, spans, outs)
     check_gather(move)
@@ -553,15 +570,7 @@ def test_small_pinned_moves_run_in_layer_pieces(
     t.join()
     assert not errors
     # scatters: skips, a slot < 0 counted exactly, checked and trusted
-    _, dst, other = make_kv(kind, torch.bfloat16, strided, seed=42, tokens=n)
-    dst_ref = [x.clone() for x in dst]
-    other[450] = -1
-    scatter = Move.scatter(layout, other, spans, outs, [7, 0, 0])
-    assert dispatch.scatter(dst, scatter) == n - 7 - 1
-    assert isinstance(scatter.prepared[id(dst)][2], layer_pieces.PiecedMove)
-    assert ref_scatter(outs, dst_ref, layout, other, spans, [7, 0, 0]) == n - 7 - 1
-    torch.cuda.synchronize()
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
+    dst, dst_ref, other = check_pieced_scatter(kind, strided, outs, spans, seed=42, skip=7)
     for x, y in zip(dst, dst_ref, strict=True):
         bits(x).neg_()
         bits(y).neg_()
