@@ -11,9 +11,9 @@ ROOTS = {
 }
 PACKAGES = [p for pkg, src in ROOTS.items() for p in (pkg, *(f"{pkg}.{s}" for s in find_packages(src)))]
 
-# The CPU row-copy kernel: plain C loaded with ctypes (no Python headers needed), threaded with OpenMP (it binds
-# to torch's libgomp at load time: one worker pool for torch and the copies); optional, so an install without a
-# C compiler still succeeds and the torch reference path runs instead.
+# The CPU row-copy kernel: plain C loaded with ctypes (no Python headers needed), threaded with OpenMP (it
+# binds to torch's libgomp at load time: one worker pool for torch and the copies); optional, so an install
+# without a C compiler still succeeds and the torch reference path runs instead.
 ROWCOPY = Extension(
     "tiercache.gpu._rowcopy",
     sources=["gpu/_rowcopy.c"],
