@@ -1,4 +1,5 @@
-"""Suite-wide collection order: the files holding a ``slow`` test first, collection order otherwise.
+"""Suite-wide collection order (the files holding a ``slow`` test first, collection order otherwise) and the
+short directory for unix sockets (``sock_dir``).
 
 ``make test`` runs two xdist workers with ``--dist loadfile --no-loadscope-reorder``: each file goes whole to
 the next free worker in this order, so the long vLLM and interpreter files start early and the many short
@@ -7,9 +8,25 @@ files fill both workers at the end (no long file left alone at the tail).
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A fresh directory for unix sockets, directly under /tmp: a socket path must stay under 108 bytes,
+    and pytest's ``tmp_path`` (numbered run, xdist worker, test name) can pass that under a long TMPDIR."""
+    d = Path(tempfile.mkdtemp(prefix="tc-sock-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    os.chmod(d, 0o755)  # other uids may reach a socket when its own mode allows
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -140,8 +140,8 @@ def scrape(url: str) -> str:
 
 
 @pytest.fixture
-def sock(tmp_path: Path) -> str:
-    return str(tmp_path / "l1.sock")
+def sock(sock_dir: Path) -> str:
+    return str(sock_dir / "l1.sock")
 
 
 @pytest.fixture

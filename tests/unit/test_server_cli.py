@@ -57,9 +57,9 @@ def _serve(tmp_path: Path, server_table: str, *args: str) -> subprocess.Popen[st
     )
 
 
-def test_serve_from_config_with_metrics(tmp_path: Path) -> None:
-    sock = str(tmp_path / "ignored.sock")
-    real = str(tmp_path / "cli.sock")
+def test_serve_from_config_with_metrics(tmp_path: Path, sock_dir: Path) -> None:
+    sock = str(sock_dir / "ignored.sock")
+    real = str(sock_dir / "cli.sock")
     proc = _serve(tmp_path, f'socket = "{sock}"\nslot_bytes = 4096\nmetrics_port = 0', "--socket", real)
     try:
         assert proc.stdout is not None
@@ -89,12 +89,12 @@ def test_serve_from_config_with_metrics(tmp_path: Path) -> None:
     assert not os.path.exists(real)
 
 
-def test_serve_config_errors_are_clear(tmp_path: Path) -> None:
+def test_serve_config_errors_are_clear(tmp_path: Path, sock_dir: Path) -> None:
     no_socket = _serve(tmp_path, "slot_bytes = 4096")
     _, err = no_socket.communicate(timeout=60)
     assert no_socket.returncode == 2
     assert "pass --socket or set server.socket" in err
-    no_slot = _serve(tmp_path, "", "--socket", str(tmp_path / "s.sock"))
+    no_slot = _serve(tmp_path, "", "--socket", str(sock_dir / "s.sock"))
     _, err = no_slot.communicate(timeout=60)
     assert no_slot.returncode == 2
     assert "set server.slot_bytes" in err

@@ -27,13 +27,13 @@ SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+def server(sock_dir: Path) -> Iterator[Server]:
     import tests.unit.test_server_processes as sp
 
     old = (sp.SLOT_BYTES, sp.SLOTS)
     sp.SLOT_BYTES, sp.SLOTS = SLOT_BYTES, 16
     try:
-        srv = Server(str(tmp_path / "l1.sock"))
+        srv = Server(str(sock_dir / "l1.sock"))
     finally:
         sp.SLOT_BYTES, sp.SLOTS = old
     assert srv.ready

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,16 +109,6 @@ def wait_for(cond: Callable[[], bool], attempts: int = 2000) -> bool:
             return True
         os.sched_yield()
     return cond()
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="tc-srv-"))
-    os.chmod(d, 0o755)  # other uids may reach the socket when its own mode allows
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
 
 
 @pytest.fixture

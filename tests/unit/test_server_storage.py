@@ -35,9 +35,9 @@ def payload(i: int) -> bytes:
 
 
 @pytest_asyncio.fixture
-async def served(tmp_path: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]]:
+async def served(sock_dir: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]]:
     tier = MemoryAdapter()
-    options = ServerOptions(str(tmp_path / "l1.sock"), [SlotClass(4096, 4)], drain_s=5.0)
+    options = ServerOptions(str(sock_dir / "l1.sock"), [SlotClass(4096, 4)], drain_s=5.0)
     server = L1Server(options, tiers=[("mem", tier, build_pipeline(["raw", "zstd"]))])
     await server.start()
     yield server, tier
@@ -114,7 +114,7 @@ async def test_clear_and_drain_need_the_admin_role(served: tuple[L1Server, Memor
         conn.close()
 
 
-async def test_a_socket_opened_while_the_server_stops_connects(tmp_path: Path) -> None:
+async def test_a_socket_opened_while_the_server_stops_connects(sock_dir: Path) -> None:
     """What a store worker does while the server stops: open a new socket and connect it. The number the
     closed listener had is free again then; stop() must have withdrawn the listener from the event loop
     before closing it, or the loop still watches that number and the new socket's connect fails (the L2
@@ -122,7 +122,7 @@ async def test_a_socket_opened_while_the_server_stops_connects(tmp_path: Path) -
     loop = asyncio.get_running_loop()
     target = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = target.sockets[0].getsockname()[1]
-    server = L1Server(ServerOptions(str(tmp_path / "l1.sock"), [SlotClass(4096, 4)]))
+    server = L1Server(ServerOptions(str(sock_dir / "l1.sock"), [SlotClass(4096, 4)]))
     await server.start()
     assert server._listener is not None
     listener = server._listener
