@@ -14,10 +14,9 @@
  * in address order. ``stores``: 0 plain ``memcpy``; 1 stores that bypass the cache (streaming) where rows
  * and addresses are 16-byte aligned (the data is not read back soon, and it saves the read-for-ownership
  * traffic); 2 the same with one 64-byte store per line where the CPU has AVX-512F and rows and addresses
- * are 64-byte aligned (else as 1). Returns the number
- * of slots >= 0 over all spans, or a negative error code. Threads (an OpenMP team: the caller's thread and
- * the runtime's kept workers, ``run_job``) take (span, layer) tasks in turn; two spans that write one slot
- * (never in a request) race.
+ * are 64-byte aligned (else as 1). Returns the number of slots >= 0 over all spans, or a negative error
+ * code. Threads (an OpenMP team: the caller's thread and the runtime's kept workers, ``run_job``) take
+ * (span, layer) tasks in turn; two spans that write one slot (never in a request) race.
  */
 #include <pthread.h>
 #include <stdint.h>

@@ -234,9 +234,7 @@ def prepare(kv_caches: KVCaches, move: Move, transfer: Transfer) -> PiecedMove |
         # twice: the first pass grows each buffer to its largest piece, the second carves every piece from it
         for _ in range(2):
             views = [transfer.staging_views(p % 2, spec) for p, spec in enumerate(specs)]
-        used = tuple(transfer.buffers[: min(2, len(cuts))])
-    staging = tuple(b for b in used if b is not None)
-    assert len(staging) == len(used)
+        staging = tuple(b for b in transfer.buffers[: min(2, len(cuts))] if b is not None)  # all, once carved
     bounds: list[tk.BoundMove] = []
     copies: list[list[Any]] = []
     first = move.layers.start

@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import select
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -417,17 +417,26 @@ def test_forked_child_copies_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) 
             code = 0 if _kernel_gathers_match(case, 3) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 120
-    done, status = os.waitpid(pid, os.WNOHANG)
-    while done == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        done, status = os.waitpid(pid, os.WNOHANG)
-    if done == 0:  # hung: kill it, and fail
+    exited = _wait_exit(pid, 120)
+    if not exited:  # hung: kill it, and fail
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    assert done == pid, "the forked child hung"
+    _, status = os.waitpid(pid, 0)
+    assert exited, "the forked child hung"
     assert os.waitstatus_to_exitcode(status) == 0
     assert _kernel_gathers_match(case, 2)
+
+
+def _wait_exit(pid: int, limit_s: float) -> bool:
+    """Wait for child ``pid`` to exit (its pidfd turns readable), at most ``limit_s``: False if it did not.
+    Without pidfds, wait for it unbounded (the suite's timeout ends a hang)."""
+    if not hasattr(os, "pidfd_open"):
+        return True
+    fd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([fd], [], [], limit_s)
+    finally:
+        os.close(fd)
+    return bool(ready)
 
 
 def _at_offset(
