@@ -26,9 +26,11 @@ __all__ = [
     "Geometry",
     "RowJob",
     "copy",
+    "host_slots",
     "native",
-    "object_fits",
+    "page_job",
     "threads",
+    "token_job",
 ]
 
 _SPAN_FIELDS = 7
@@ -90,17 +92,48 @@ class Geometry:
 
 @dataclass(frozen=True, slots=True)
 class RowJob:
-    """One span's object: its planes as ``[layers, tokens, heads * row]`` views (K, V or latent) whose
-    token ``tok0 + t`` pairs with ``slots[t]``."""
+    """One span's object rows as addresses: plane p (K, V or latent) of object layer j, token ``tok0 + t``
+    lies at ``obj + p * o_plane + j * o_layer + (tok0 + t) * o_tok`` and pairs with ``slots[slot0 + t]``
+    for ``t < n``. ``slots``: an int64 contiguous CPU tensor, which several jobs may share."""
 
-    planes: Sequence[torch.Tensor]
+    obj: int
+    o_plane: int
+    o_layer: int
+    o_tok: int
     slots: torch.Tensor
+    slot0: int
+    n: int
     tok0: int = 0
 
+    def span_slots(self) -> torch.Tensor:
+        """The job's own slots, ``slots[slot0 : slot0 + n]``."""
+        return self.slots[self.slot0 : self.slot0 + self.n]
 
-def object_fits(plane: torch.Tensor, row_elems: int, heads: int) -> bool:
-    """True when an object plane ``[layers, tokens, heads * row]`` holds each head's row contiguously."""
-    return plane.device.type == "cpu" and plane.shape[2] == heads * row_elems and plane.stride(2) == 1
+
+def token_job(
+    geo: Geometry, obj: torch.Tensor, planes: int, slots: torch.Tensor, slot0: int, n: int, tok0: int
+) -> RowJob | None:
+    """The job of an object ``[2, layers, tokens, heads * row]`` (K and V; ``planes=1``: the latent,
+    ``[layers, tokens, heads * row]``) whose token ``tok0 + t`` pairs with ``slots[slot0 + t]``; None
+    unless the object is on the CPU with each head's row dense. Read from its strides: no view is made."""
+    if obj.device.type != "cpu":
+        return None
+    st = obj.stride()
+    lead = 0 if planes == 1 else 1  # the plane dim, when there are two
+    if obj.shape[lead + 2] * obj.element_size() != geo.heads * geo.row_bytes or st[lead + 2] != 1:
+        return None
+    e = obj.element_size()
+    o_plane = st[0] * e if lead else 0
+    return RowJob(obj.data_ptr(), o_plane, st[lead] * e, st[lead + 1] * e, slots, slot0, n, tok0)
+
+
+def page_job(geo: Geometry, obj: torch.Tensor, pages: int, blocks: torch.Tensor, page0: int) -> RowJob | None:
+    """The job of a CPU_BLOCKS object (contiguous; per layer ``pages`` pages of ``geo.row_bytes``) whose
+    page ``page0 + i`` pairs with block ``blocks[i]`` (an int64 contiguous CPU tensor); None off the CPU."""
+    if obj.device.type != "cpu":
+        return None
+    row = geo.row_bytes
+    return RowJob(obj.data_ptr(), 0, pages * row, row, blocks, 0, blocks.numel(), page0)
 
 
 NEGATIVE = -1
@@ -117,21 +150,15 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob], negative_ok: bool)
     lib = native()
     if lib is None:
         raise RuntimeError("the native row-copy kernel is not loaded")
-    if len(jobs) == 1:
-        slots = jobs[0].slots
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            slots = slots.to(torch.int64).contiguous()
-    else:
-        slots = torch.cat([j.slots.to(torch.int64) for j in jobs])
+    slots = jobs[0].slots
+    shared = all(j.slots is slots for j in jobs)
+    if not shared:  # one array for the kernel: the jobs' own slots, one after another
+        slots = torch.cat([j.span_slots() for j in jobs])
     table: list[int] = []
     at = 0
-    e = jobs[0].planes[0].element_size()
     for j in jobs:
-        p0 = j.planes[0]
-        o_plane = (j.planes[1].data_ptr() - p0.data_ptr()) if len(j.planes) > 1 else 0
-        n = j.slots.numel()
-        table += [p0.data_ptr(), o_plane, p0.stride(0) * e, p0.stride(1) * e, at, n, j.tok0]
-        at += n
+        table += [j.obj, j.o_plane, j.o_layer, j.o_tok, j.slot0 if shared else at, j.n, j.tok0]
+        at += j.n
     moved = at * len(geo.layers) * geo.heads * len(geo.plane_offsets) * geo.row_bytes
     return int(
         lib.tc_copy_rows(
@@ -155,6 +182,17 @@ def copy(gather: bool, geo: Geometry, jobs: Sequence[RowJob], negative_ok: bool)
             1 if negative_ok else 0,
         )
     )
+
+
+def host_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``slot_mapping`` as the kernel reads slots: int64, contiguous, on the CPU (itself when it is)."""
+    if (
+        slot_mapping.dtype is torch.int64
+        and slot_mapping.device.type == "cpu"
+        and slot_mapping.is_contiguous()
+    ):
+        return slot_mapping
+    return slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 def threads(nbytes: int) -> int:

@@ -91,42 +91,44 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
                 return bound.run()  # type: ignore[no-any-return]
         elif path == _REFERENCE:
             return None
+    if move.fp8:
+        return _fp8_run(kv_caches, move)
+    if not move.objects or not kernels_enabled(kv_caches, move.layout):  # CPU KV, CPU_BLOCKS, no triton
+        move.prepared[id(kv_caches)] = (_REFERENCE, kv_caches)
+        return None
     from tiercache.gpu import transfer
     from tiercache.gpu import triton_kernels as tk
 
-    if move.fp8:
-        return _fp8_run(kv_caches, move)
     if picked is not None and picked[1] is kv_caches and picked[0] == "pipeline":
         xfer: transfer.Transfer = picked[2]
         return xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
     path = _REFERENCE
     n: int | None = None
-    if move.objects and kernels_enabled(kv_caches, move.layout):
-        device = layer_tensors(kv_caches)[0].device
-        where = _where(move.objects, device)
-        try:
-            if where == "device":
-                b = tk.bind(kv_caches, move)
-                if b is not None:
-                    n = b.run()
-                    move.prepared[id(kv_caches)] = ("bound", kv_caches, b)
-                    return n
-                p = tk.plan(kv_caches, move)
-                p.launch()
-                path, n = "plan", p.finish()
-            elif where == "host":
-                nbytes = sum(o.numel() * o.element_size() for o in move.objects)
-                xfer = transfer.transfer_for(device)
-                prepared = _host_move(kv_caches, move, xfer, nbytes)
-                if prepared is not None:
-                    n = prepared.run()
-                    move.prepared[id(kv_caches)] = ("bound", kv_caches, prepared)
-                    return n
-                n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
-                move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
+    device = layer_tensors(kv_caches)[0].device
+    where = _where(move.objects, device)
+    try:
+        if where == "device":
+            b = tk.bind(kv_caches, move)
+            if b is not None:
+                n = b.run()
+                move.prepared[id(kv_caches)] = ("bound", kv_caches, b)
                 return n
-        except Unsupported:
-            path, n = _REFERENCE, None
+            p = tk.plan(kv_caches, move)
+            p.launch()
+            path, n = "plan", p.finish()
+        elif where == "host":
+            nbytes = sum(o.numel() * o.element_size() for o in move.objects)
+            xfer = transfer.transfer_for(device)
+            prepared = _host_move(kv_caches, move, xfer, nbytes)
+            if prepared is not None:
+                n = prepared.run()
+                move.prepared[id(kv_caches)] = ("bound", kv_caches, prepared)
+                return n
+            n = xfer.load(kv_caches, move) if move.is_scatter else xfer.store(kv_caches, move)
+            move.prepared[id(kv_caches)] = ("pipeline", kv_caches, xfer)
+            return n
+    except Unsupported:
+        path, n = _REFERENCE, None
     move.prepared[id(kv_caches)] = (path, kv_caches)
     return n
 

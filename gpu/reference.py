@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiercache.gpu import cpu_rows
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, check_spans, layer_tensors, object_spec, span_skips
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
@@ -119,29 +119,6 @@ def _layers(kv_caches: KVCaches, layout: PagedLayout) -> tuple[list[torch.Tensor
             counts = {layout.num_blocks_of(u) for u in layers}  # raises for a bad shape or dtype
             raise ValueError(f"layers hold different block counts: {sorted(counts)}")
     return layers, nb * layout.block_size
-
-
-def _object_shape(layout: PagedLayout, tokens: int, layers: range) -> tuple[int, ...]:
-    """Expected shape of an object for ``tokens`` tokens of ``layers``."""
-    return _layer_range_shape(layout, tokens, layers.start, layers.stop)
-
-
-@functools.lru_cache(maxsize=1024)
-def _layer_range_shape(layout: PagedLayout, tokens: int, first: int, stop: int) -> tuple[int, ...]:
-    """``_object_shape``, computed once per layout, length and layer range (a call builds a KVSpec)."""
-    spec = object_spec(layout, tokens)
-    if stop - first != layout.num_layers:
-        spec = spec.with_layers(first, stop)
-    return spec.shape
-
-
-def _check_object(obj: torch.Tensor, layout: PagedLayout, tokens: int, layers: range, what: str) -> None:
-    """``ValueError`` unless ``obj`` has the object shape and the layout's dtype."""
-    shape = _object_shape(layout, tokens, layers)
-    if tuple(obj.shape) != shape:
-        raise ValueError(f"{what} has shape {tuple(obj.shape)}, expected {shape} for {tokens} tokens")
-    if str(obj.dtype).removeprefix("torch.") != layout.dtype:
-        raise ValueError(f"{what} has dtype {obj.dtype}, layout dtype is {layout.dtype}")
 
 
 def _slots(slot_mapping: torch.Tensor, start: int, end: int, device: torch.device) -> torch.Tensor:
@@ -299,32 +276,29 @@ def _gather(
     spans: Sequence[tuple[int, int]],
     out: Sequence[torch.Tensor],
 ) -> None:
-    """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j]). Every span is checked
-    before any object is written (a bad slot anywhere writes nothing), kernel path or torch path."""
+    """gather/gather_layer for the layers in ``layers`` (object layer j = layers[j]); spans and object shapes
+    as a ``Move`` checked them. Every span's slots are checked before any object is written (a bad slot
+    anywhere writes nothing), kernel path or torch path."""
     reg = _registered(kv_caches, layout)
     kv, n_slots = reg.layers, reg.n_slots
     device = kv[0].device
-    span_list = check_spans(spans, slot_mapping.shape[0], len(out))
     geo = reg.geometry(layers, layout)
+    host = None if geo is None or layout.block_aligned else cpu_rows.host_slots(slot_mapping)
     jobs: list[cpu_rows.RowJob] = []
     job_spans: list[tuple[int, int]] = []
     work: list[tuple[torch.Tensor, torch.Tensor]] = []  # torch path: (object, slots or pages), checked
-    for i, (start, end) in enumerate(span_list):
-        obj = out[i]
-        _check_object(obj, layout, end - start, layers, f"out[{i}]")
-        slots = _slots(slot_mapping, start, end, device)
+    for (start, end), obj in zip(spans, out, strict=True):
         if layout.block_aligned:
+            slots = _slots(slot_mapping, start, end, device)
             _check_range(slots, n_slots)
             firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
-            blocks = firsts // layout.block_size
-            pages = _object_pages(obj, len(layers), blocks.numel())
-            job = _native_job(geo, [pages], blocks, 0) if obj.device == device else None
-            idx = blocks
-        else:
-            job = _native_job(geo, _object_planes(obj, layout), slots, 0)
-            if job is None:  # the kernel checks its slots itself
-                _check_slots((start, end), slots, n_slots, negative_ok=False)
-            idx = slots
+            idx = firsts // layout.block_size
+            job = _page_job(geo, obj, idx.numel(), idx, 0, device)
+        else:  # the kernel checks its slots itself
+            job = _token_job(geo, host, obj, layout, start, end - start, 0)
+            if job is None:
+                idx = _slots(slot_mapping, start, end, device)
+                _check_slots((start, end), idx, n_slots, negative_ok=False)
         if job is not None:
             jobs.append(job)
             job_spans.append((start, end))
@@ -352,36 +326,34 @@ def _scatter(
     layout: PagedLayout,
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
-    skip_prefix: int | Sequence[int],
+    skips: Sequence[int],
 ) -> int:
-    """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer). Every span is
-    checked before the paged KV is written (a bad slot anywhere writes nothing), kernel path or torch path."""
+    """scatter/scatter_layer for the layers in ``layers``; returns tokens written (per layer). Spans, skips
+    and object shapes as a ``Move`` checked them; every span's slots are checked before the paged KV is
+    written (a bad slot anywhere writes nothing), kernel path or torch path."""
     reg = _registered(kv_caches, layout)
     kv, n_slots = reg.layers, reg.n_slots
     device = kv[0].device
-    span_list = check_spans(spans, slot_mapping.shape[0], len(objects))
-    skips = span_skips(skip_prefix, span_list)
     written = 0
     geo = reg.geometry(layers, layout)
+    host = None if geo is None or layout.block_aligned else cpu_rows.host_slots(slot_mapping)
     jobs: list[cpu_rows.RowJob] = []
     job_spans: list[tuple[int, int]] = []
     work: list[Callable[[], int]] = []  # torch path: each span's copy, run once every span is checked
-    for i, ((start, end), skip) in enumerate(zip(span_list, skips, strict=True)):
-        obj = objects[i]
-        _check_object(obj, layout, end - start, layers, f"objects[{i}]")
+    for (start, end), skip, obj in zip(spans, skips, objects, strict=True):
         if skip == end - start:
             continue
-        slots = _slots(slot_mapping, start + skip, end, device)
-        src_obj = _bits(obj.to(device))
         job: cpu_rows.RowJob | None
         if layout.block_aligned:
+            slots = _slots(slot_mapping, start + skip, end, device)
             _check_range(slots, n_slots)
+            src_obj = _bits(obj.to(device))
             pages = _checked_pages(layout, len(layers), slots, src_obj, (start, end), skip, slot_mapping)
             if pages is None:
                 continue
             all_pages, firsts = pages
             bs = layout.block_size
-            job = _native_job(geo, [all_pages], firsts // bs, skip // bs)
+            job = _page_job(geo, src_obj, all_pages.shape[1], firsts // bs, skip // bs, device)
             if job is not None:
                 written += int((slots >= 0).sum())  # the kernel counts pages: count the tokens here
                 jobs.append(job)
@@ -390,13 +362,17 @@ def _scatter(
                 pages_left = all_pages[:, skip // bs :]
                 work.append(functools.partial(_scatter_pages, layers, kv, pages_left, firsts, slots, bs))
             continue
-        job = _native_job(geo, _object_planes(src_obj, layout), slots, skip)
-        if job is not None:
-            jobs.append(job)
-            job_spans.append((start + skip, end))
-            continue
+        if host is not None:
+            job = cpu_rows.token_job(geo, obj, layout.planes, host, start + skip, end - start - skip, skip)  # type: ignore[arg-type]
+            if job is not None:
+                jobs.append(job)
+                job_spans.append((start + skip, end))
+                continue
+        slots = _slots(slot_mapping, start + skip, end, device)
         _check_slots((start + skip, end), slots, n_slots, negative_ok=True)
-        work.append(functools.partial(_scatter_tokens, layers, kv, layout, slots, src_obj, skip))
+        work.append(
+            functools.partial(_scatter_tokens, layers, kv, layout, slots, _bits(obj.to(device)), skip)
+        )
     if jobs and geo is not None:
         covered = _run_kernel(False, geo, jobs, job_spans, negative_ok=True)
         if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
@@ -427,7 +403,7 @@ def _run_kernel(
     if covered >= 0:
         return covered
     for span, job in zip(spans, jobs, strict=True):  # the kernel said which kind of slot; find where
-        _check_slots(span, job.slots, geo.n_slots, negative_ok=negative_ok)
+        _check_slots(span, job.span_slots(), geo.n_slots, negative_ok=negative_ok)
     raise RuntimeError(f"the row kernel refused a slot ({covered}) that the host finds good")
 
 
@@ -524,23 +500,37 @@ def _native_geometry(
     return cpu_rows.Geometry(ptrs, bs, s_blk * e, s_off * e, s_head * e, heads, offsets, d * e, n_slots)
 
 
-def _object_planes(obj: torch.Tensor, layout: PagedLayout) -> list[torch.Tensor]:
-    """An object's planes as ``[layers, tokens, heads * head_dim]`` views (K and V, or the MLA latent)."""
-    return [obj] if layout.planes == 1 else [obj[0], obj[1]]
-
-
-def _native_job(
-    geo: cpu_rows.Geometry | None, planes: list[torch.Tensor], slots: torch.Tensor, tok0: int
+def _token_job(
+    geo: cpu_rows.Geometry | None,
+    host: torch.Tensor | None,
+    obj: torch.Tensor,
+    layout: PagedLayout,
+    slot0: int,
+    n: int,
+    tok0: int,
 ) -> cpu_rows.RowJob | None:
-    """A kernel job for one span when ``geo`` is set and the object's rows are dense; else None."""
-    if geo is None:
+    """The kernel job of a token-layout object (``cpu_rows.token_job``; ``host``: the slot mapping as the
+    kernel reads it), or None for the torch path."""
+    if geo is None or host is None:
         return None
-    row = geo.row_bytes // planes[0].element_size()
-    if not all(cpu_rows.object_fits(p, row, geo.heads) for p in planes):
+    return cpu_rows.token_job(geo, obj, layout.planes, host, slot0, n, tok0)
+
+
+def _page_job(
+    geo: cpu_rows.Geometry | None,
+    obj: torch.Tensor,
+    pages: int,
+    blocks: torch.Tensor,
+    page0: int,
+    device: torch.device,
+) -> cpu_rows.RowJob | None:
+    """The kernel job of a CPU_BLOCKS object (``pages`` pages per layer; page ``page0 + i`` pairs with
+    ``blocks[i]``), or None for the torch path; ``ValueError`` unless the object is contiguous."""
+    if not obj.is_contiguous():
+        raise ValueError("CPU_BLOCKS objects hold raw pages and must be contiguous")
+    if geo is None or obj.device != device:
         return None
-    if len(planes) > 1 and planes[1].stride() != planes[0].stride():
-        return None
-    return cpu_rows.RowJob(planes, slots, tok0)
+    return cpu_rows.page_job(geo, obj, pages, blocks.contiguous(), page0)
 
 
 # ----- token layouts: whole blocks in one op per layer, the ragged ends row by row ----------------------

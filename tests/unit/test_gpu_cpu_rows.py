@@ -117,7 +117,9 @@ KIND = {
     "mla": LayoutKind.VLLM_MLA,
 }
 
-TokenCase = tuple[str, torch.dtype, int, int, list[int], list[int], str, list[int], int | None, int]
+TokenCase = tuple[
+    str, torch.dtype, int, int, list[int], list[int], str, list[int], int | None, int, torch.dtype
+]
 
 
 @st.composite
@@ -134,7 +136,9 @@ def _token_cases(draw: st.DrawFn) -> TokenCase:
     slot_style = draw(st.sampled_from(["blocks", "runs", "tokens"]))
     negative = draw(st.lists(st.integers(0, n - 1), max_size=3))
     layer = draw(st.none() | st.integers(0, L - 1))
-    return variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, draw(st.integers(0, 2**16))
+    slot_dtype = draw(st.sampled_from([torch.int64, torch.int32]))  # the kernel reads int64 slots only
+    seed = draw(st.integers(0, 2**16))
+    return variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, seed, slot_dtype
 
 
 def _engine_kv(variant: str, dtype: torch.dtype, nblocks: int, bs: int, n: int, seed: int) -> tuple:
@@ -154,9 +158,9 @@ def _engine_kv(variant: str, dtype: torch.dtype, nblocks: int, bs: int, n: int, 
 @settings(max_examples=80, deadline=None)
 @given(_token_cases())
 def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
-    """Any spans, skips, shuffled or scattered slots, slots < 0 in a scatter, one layer or all: the kernel
-    writes exactly the bytes the torch path writes, and counts the same tokens."""
-    variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, seed = case
+    """Any spans, skips, shuffled or scattered slots (int64 or int32), slots < 0 in a scatter, one layer or
+    all: the kernel writes exactly the bytes the torch path writes, and counts the same tokens."""
+    variant, dtype, bs, n, bounds, skips, slot_style, negative, layer, seed, slot_dtype = case
     nblocks = -(-n // bs) + 3
     layout, src_kv, slots = _engine_kv(variant, dtype, nblocks, bs, n, seed)
     if slot_style == "tokens":
@@ -164,6 +168,7 @@ def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
         slots = torch.randperm(nblocks * bs, generator=gen)[:n]
     elif slot_style == "runs":
         slots = torch.arange(n) + (seed % (2 * bs + 1))  # fits: nblocks * bs >= n + 3 * bs
+    slots = slots.to(slot_dtype)
     spans = list(itertools.pairwise(bounds))
 
     def objects() -> list[torch.Tensor]:

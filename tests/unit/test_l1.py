@@ -266,6 +266,29 @@ def test_tensor_and_buffer_alias_the_slot(spec: KVSpec) -> None:
     assert bytes(b.buffer()) == b"\xee" * spec.nbytes  # neighbour untouched
 
 
+def test_a_slot_keeps_its_view_until_it_holds_another_shape() -> None:
+    """tensor() hands out the slot's kept view while the spec is the same (no torch op on the store path),
+    and a fresh view of the new shape and dtype once the slot holds a shorter bf16 or a float32 object."""
+    short = KVSpec(2, 2, 4, "bfloat16", KVFormat.KV_2LTD, tokens=2)
+    wide = KVSpec(2, 2, 2, "float32", KVFormat.KV_2LTD, tokens=4)
+    c = make(slots=1)
+    first = put(c, "a")
+    view = first.tensor()
+    assert first.tensor() is view
+    assert c.delete("a")
+    again = put(c, "b")  # the same slot, the same spec: the same view, now over b's bytes
+    assert again.tensor() is view
+    assert view.view(torch.uint8).reshape(-1).numpy().tobytes() == pattern("b", SPEC.nbytes)
+    for key, spec in (("c", short), ("d", wide), ("e", SPEC)):
+        assert c.delete(c._owner[0].key)  # type: ignore[union-attr]
+        obj = put(c, key, spec)
+        t = obj.tensor()
+        assert tuple(t.shape) == spec.shape
+        assert t.dtype == getattr(torch, spec.dtype)
+        assert t.data_ptr() == c._pool.data_ptr()
+        assert t.view(torch.uint8).reshape(-1).numpy().tobytes() == pattern(key, spec.nbytes)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_data_survives_bit_exact(dtype: str) -> None:
     spec = SPEC.with_dtype(dtype)

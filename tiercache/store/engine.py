@@ -202,14 +202,34 @@ class CacheEngine:
         last = self._spec_of(min(num_chunks * chunk, num_tokens) - (num_chunks - 1) * chunk)
         return [full] * (num_chunks - 1) + [last]
 
+    def _chunk_keys(
+        self,
+        tokens: object,
+        mask: object | None = None,
+        *,
+        identity: RequestIdentity | None,
+        block_hashes: BlockHashes | None,
+    ) -> tuple[int, list[str]]:
+        """Whole-chunk objects: the first keyed chunk at or after the mask's first True, and the storage keys
+        of it and every later keyed chunk, straight from the chunk hashes (the hot paths: no spans)."""
+        hashes = self.token_db.prefix_hashes(tokens, identity=identity, block_hashes=block_hashes)
+        num_tokens = len(tokens)  # type: ignore[arg-type]
+        first = 0 if mask is None else self.token_db.mask_start(mask, num_tokens) // self.chunk_size
+        prefix = self.token_db.key_prefix
+        return first, [prefix + h.hex() for h in hashes[first:]]
+
     def _layer_keys(self, span: ChunkSpan) -> list[str]:
         return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
 
-    def _object_keys(self, spans: Sequence[ChunkSpan]) -> tuple[list[str], list[KVSpec]]:
-        """Storage keys and specs of every object of ``spans`` (chunk-major, then layer)."""
+    def _prompt_objects(
+        self, tokens: object, *, identity: RequestIdentity | None, block_hashes: BlockHashes | None
+    ) -> tuple[list[str], list[KVSpec]]:
+        """Storage keys and specs of every object of every keyed chunk of ``tokens`` (chunk-major, then
+        layer in layerwise mode)."""
         if not self.layerwise:
-            prefix = self.token_db.key_prefix
-            return [prefix + s.key.chunk_hash.hex() for s in spans], [self._spec(s) for s in spans]
+            _, chunk_keys = self._chunk_keys(tokens, identity=identity, block_hashes=block_hashes)
+            return chunk_keys, self._chunk_specs(len(chunk_keys), len(tokens))  # type: ignore[arg-type]
+        spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
         keys: list[str] = []
         specs: list[KVSpec] = []
         for span in spans:
@@ -236,27 +256,28 @@ class CacheEngine:
         the same ones, or its keys differ (a miss, never wrong KV)."""
         from tiercache.gpu import dispatch
 
-        spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
-        if not spans:
-            return 0
         if self.layerwise:
+            spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
             fresh = [False] * len(spans)
             for layer in range(self.layout.num_layers):
                 stored = await self._store_layer(layer, spans, kv_caches, slot_mapping)
                 fresh = [a or b for a, b in zip(fresh, stored, strict=True)]
-        else:
-            keys, specs = self._object_keys(spans)
-            async with self.manager.writing(keys, specs) as objects:
-                todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
-                ranges = [(s.start, s.end) for s, _ in todo]
-                if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
-                    outs = [o.payload() for _, o in todo]
-                    dispatch.gather(kv_caches, Move.gather_fp8(self.layout, slot_mapping, ranges, outs))
-                elif todo:
-                    outs = [o.tensor() for _, o in todo]
-                    dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, ranges, outs))
-            fresh = [o is not None for o in objects]
-        return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
+            return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
+        first, keys = self._chunk_keys(tokens, mask, identity=identity, block_hashes=block_hashes)
+        if not keys:
+            return 0
+        num_tokens, chunk = len(tokens), self.chunk_size  # type: ignore[arg-type]
+        specs = self._chunk_specs(first + len(keys), num_tokens)[first:]
+        async with self.manager.writing(keys, specs) as objects:
+            todo = [(c, o) for c, o in enumerate(objects, start=first) if o is not None]
+            ranges = [(c * chunk, min(c * chunk + chunk, num_tokens)) for c, _ in todo]
+            if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
+                outs = [o.payload() for _, o in todo]
+                dispatch.gather(kv_caches, Move.gather_fp8(self.layout, slot_mapping, ranges, outs))
+            elif todo:
+                outs = [o.tensor() for _, o in todo]
+                dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, ranges, outs))
+        return sum(end - start for start, end in ranges)
 
     async def _store_layer(
         self, layer: int, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor
@@ -307,16 +328,8 @@ class CacheEngine:
     ) -> LookupResult:
         """Cached prefix of ``tokens`` (under ``identity``) across L1 and L2, with the tier of each chunk;
         starts prefetching."""
-        if self.layerwise:
-            spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
-            keys, specs = self._object_keys(spans)
-            group = self.layout.num_layers
-        else:  # the hot path (the scheduler's lookup): key strings straight from the hashes, no spans
-            hashes = self.token_db.prefix_hashes(tokens, identity=identity, block_hashes=block_hashes)
-            prefix = self.token_db.key_prefix
-            keys = [prefix + h.hex() for h in hashes]
-            specs = self._chunk_specs(len(keys), len(tokens))  # type: ignore[arg-type]
-            group = 1
+        keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
+        group = self.layout.num_layers if self.layerwise else 1
         num_tokens = len(tokens)  # type: ignore[arg-type]
         if not keys:
             return LookupResult(0, 0, (), num_tokens)
@@ -373,8 +386,7 @@ class CacheEngine:
             )  # the keys of the retrieve's chunks: a prefix of the lookup's
             keys, specs, hits = list(lookup.keys[:n]), list(lookup.specs[:n]), list(lookup.hits[:n])
         else:
-            spans = self.token_db.process_tokens(tokens, identity=identity, block_hashes=block_hashes)
-            keys, specs = self._object_keys(spans)
+            keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
             hits = None
         all_chunks = [(c * chunk, min((c + 1) * chunk, num_tokens)) for c in range(len(keys) // layers)]
         local = skip_tokens

@@ -116,12 +116,20 @@ class KVObject:
 
     def tensor(self) -> torch.Tensor:
         """A no-copy view shaped ``spec.shape``, torch dtype of ``spec.dtype``, on the slot's memory (a raw
-        L1 only: ``ValueError`` in an fp8 L1, whose objects hold the fp8 payload, see ``payload``)."""
+        L1 only: ``ValueError`` in an fp8 L1, whose objects hold the fp8 payload, see ``payload``). The
+        slot keeps its last view, so the same tensor may be handed out again: never reshape it in place."""
+        cache = self._cache
+        if cache.codec != "raw":
+            raise ValueError(f"{self!r} holds the {cache.codec} payload of its KV: use payload()")
+        kept = cache._views[self._slot]
+        spec = self.spec
+        if kept is not None and (kept[0] is spec or kept[0] == spec):
+            return kept[1]
         import torch
 
-        if self._cache.codec != "raw":
-            raise ValueError(f"{self!r} holds the {self._cache.codec} payload of its KV: use payload()")
-        return self.payload().view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+        view = self.payload().view(getattr(torch, spec.dtype)).view(spec.shape)
+        cache._views[self._slot] = (spec, view)
+        return view
 
     def payload(self) -> torch.Tensor:
         """The stored bytes (``nbytes``) as a no-copy uint8 tensor on the slot's memory: the KV's bytes in a
@@ -238,6 +246,7 @@ class L1Cache:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._gens: list[int] = [0] * num_slots
         self._owner: list[KVObject | None] = [None] * num_slots
+        self._views: list[tuple[KVSpec, torch.Tensor] | None] = [None] * num_slots  # each slot's last view
         self._objects: dict[str, KVObject] = {}  # READY and WRITING
         self._lru: OrderedDict[str, KVObject] = OrderedDict()  # READY only, oldest first
         self._leased_objs: set[KVObject] = set()  # objects with at least one registered lease

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -32,6 +32,8 @@ from tiercache.store.store_controller import STORE_LEASE_DEADLINES, StoreControl
 from tiercache.store.tier import TierClient, open_tier_adapter
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from tiercache.adapters import Adapter
     from tiercache.config import Config
     from tiercache.serde import CodecPipeline
@@ -45,6 +47,7 @@ __all__ = [
     "PrefixHit",
     "StorageManager",
     "TierHit",
+    "WriteSession",
 ]
 
 T = TypeVar("T")
@@ -110,21 +113,11 @@ class StorageManager:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ----- allocation and puts ------------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def writing(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> AsyncIterator[list[Any]]:
-        """A write session: reserve L1 objects (None where the key is stored already or L1 is full), let the
-        caller fill them, then publish and queue them for L2 on exit; on an exception every reserved object
-        is aborted (never visible) and the exception propagates."""
-        objects = await self.batched_allocate(keys, specs)
-        reserved = [obj for obj in objects if obj is not None]
-        try:
-            yield objects
-        except BaseException:
-            if reserved:
-                self.l1.batched_abort_write(reserved)
-            raise
-        if reserved:
-            await self.batched_put(reserved)
+    def writing(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> WriteSession:
+        """A write session (``async with``): reserve L1 objects (None where the key is stored already or L1
+        is full), let the caller fill them, then publish and queue them for L2 on exit; on an exception every
+        reserved object is aborted (never visible) and the exception propagates."""
+        return WriteSession(self, keys, specs)
 
     async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[Any]:
         """Reserve L1 objects to write into (one call); None where the key is already stored or L1 has no
@@ -345,3 +338,34 @@ async def open_tiers(config: Config, reopen_delay_s: float = 0.5) -> list[tuple[
             await adapter.aclose()
         raise
     return opened
+
+
+class WriteSession:
+    """``StorageManager.writing``'s session: ``async with`` gives the reserved objects (a plain class, not a
+    generator: it runs once per store, on the store's host path)."""
+
+    __slots__ = ("_keys", "_manager", "_reserved", "_specs")
+
+    def __init__(self, manager: StorageManager, keys: Sequence[str], specs: Sequence[KVSpec]) -> None:
+        """Remember what to reserve on entry."""
+        self._manager = manager
+        self._keys = keys
+        self._specs = specs
+        self._reserved: list[Any] = []
+
+    async def __aenter__(self) -> list[Any]:
+        """Reserve the objects (``batched_allocate``)."""
+        objects = await self._manager.batched_allocate(self._keys, self._specs)
+        self._reserved = [obj for obj in objects if obj is not None]
+        return objects
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Publish the reserved objects and queue them for L2, or abort them all when the body raised."""
+        if not self._reserved:
+            return
+        if exc_type is not None:
+            self._manager.l1.batched_abort_write(self._reserved)
+            return
+        await self._manager.batched_put(self._reserved)
