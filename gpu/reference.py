@@ -25,6 +25,8 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
+
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = ["gather", "scatter"]
@@ -246,26 +248,43 @@ def _obj_planes(obj: torch.Tensor, layout: PagedLayout, j: int) -> list[torch.Te
     return [r.view(r.shape[0], h, d) for r in rows]
 
 
-def _block_pages(
-    slots: torch.Tensor, block_size: int, span: tuple[int, int], final: bool, allow_negative: bool
-) -> torch.Tensor:
-    """First slot of each block of a block-aligned span (< 0: page not on the GPU); else ``ValueError``.
-    Checked in numpy on a host view of the slots (a dozen small torch ops cost ~50 us a span)."""
+@functools.lru_cache(maxsize=64)
+def _block_offsets(tokens: int, block_size: int) -> npt.NDArray[np.int64]:
+    """``arange(tokens) % block_size``, made once per span length (read-only)."""
+    offs = np.arange(tokens, dtype=np.int64) % block_size
+    offs.flags.writeable = False
+    return offs
+
+
+def _block_firsts(
+    slots: npt.NDArray[np.int64],
+    block_size: int,
+    n_slots: int,
+    span: tuple[int, int],
+    final: bool,
+    allow_negative: bool,
+) -> npt.NDArray[np.int64]:
+    """First slot of each block of a block-aligned span of ``slots`` (the whole slot mapping on the host;
+    < 0: page not on the GPU). ``ValueError`` for a span that is not whole blocks (but a ``final`` one), a
+    slot past the paged KV, slots that do not map whole blocks in order, and slots < 0 unless
+    ``allow_negative``. Checked in numpy (a dozen small torch ops cost ~50 us a span)."""
     start, end = span
     if start % block_size or (end % block_size and not final):
         raise ValueError(
             f"span {span} is not block-aligned (block_size {block_size}); CPU_BLOCKS copies whole pages only"
         )
-    host = slots.cpu().numpy()
+    host = slots[start:end]
+    if host.size and int(host.max()) >= n_slots:
+        raise ValueError(f"slot {int(host.max())} outside the paged KV of {n_slots} slots")
     firsts = host[::block_size]
     per_token = np.repeat(firsts, block_size)[: host.shape[0]]
-    offs = np.arange(host.shape[0]) % block_size
+    offs = _block_offsets(host.shape[0], block_size)
     ok = np.where(per_token >= 0, (host == per_token + offs) & (per_token % block_size == 0), host < 0)
     if not ok.all():
         raise ValueError(f"slot_mapping of span {span} does not map whole blocks in order")
     if not allow_negative and (firsts < 0).any():
         raise ValueError(f"span {span} has slots < 0: a token without KV cannot be stored")
-    return slots[::block_size]
+    return firsts
 
 
 def _gather(
@@ -284,16 +303,17 @@ def _gather(
     device = kv[0].device
     geo = reg.geometry(layers, layout)
     host = None if geo is None or layout.block_aligned else cpu_rows.host_slots(slot_mapping)
+    page_slots = cpu_rows.host_slots(slot_mapping).numpy() if layout.block_aligned else None
     jobs: list[cpu_rows.RowJob] = []
     job_spans: list[tuple[int, int]] = []
     work: list[tuple[torch.Tensor, torch.Tensor]] = []  # torch path: (object, slots or pages), checked
+    final = int(slot_mapping.shape[0])
     for (start, end), obj in zip(spans, out, strict=True):
-        if layout.block_aligned:
-            slots = _slots(slot_mapping, start, end, device)
-            _check_range(slots, n_slots)
-            firsts = _block_pages(slots, layout.block_size, (start, end), end == slot_mapping.shape[0], False)
-            idx = firsts // layout.block_size
-            job = _page_job(geo, obj, idx.numel(), idx, 0, device)
+        if page_slots is not None:  # CPU_BLOCKS
+            firsts = _block_firsts(page_slots, layout.block_size, n_slots, (start, end), end == final, False)
+            blocks = torch.from_numpy(firsts // layout.block_size)
+            job = _page_job(geo, obj, len(firsts), blocks, 0, device)
+            idx = blocks
         else:  # the kernel checks its slots itself
             job = _token_job(geo, host, obj, layout, start, end - start, 0)
             if job is None:
@@ -303,7 +323,7 @@ def _gather(
             jobs.append(job)
             job_spans.append((start, end))
         else:
-            work.append((obj, idx))
+            work.append((obj, idx.to(device)))
     if jobs and geo is not None:
         _run_kernel(True, geo, jobs, job_spans, negative_ok=False)
     for obj, idx in work:
@@ -337,42 +357,45 @@ def _scatter(
     written = 0
     geo = reg.geometry(layers, layout)
     host = None if geo is None or layout.block_aligned else cpu_rows.host_slots(slot_mapping)
+    page_slots = cpu_rows.host_slots(slot_mapping).numpy() if layout.block_aligned else None
     jobs: list[cpu_rows.RowJob] = []
     job_spans: list[tuple[int, int]] = []
     work: list[Callable[[], int]] = []  # torch path: each span's copy, run once every span is checked
+    final = int(slot_mapping.shape[0])
+    bs = layout.block_size
     for (start, end), skip, obj in zip(spans, skips, objects, strict=True):
         if skip == end - start:
             continue
         job: cpu_rows.RowJob | None
-        if layout.block_aligned:
-            slots = _slots(slot_mapping, start + skip, end, device)
-            _check_range(slots, n_slots)
-            src_obj = _bits(obj.to(device))
-            pages = _checked_pages(layout, len(layers), slots, src_obj, (start, end), skip, slot_mapping)
-            if pages is None:
+        if page_slots is not None:  # CPU_BLOCKS
+            if skip % bs:
+                raise ValueError(
+                    f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
+                )
+            firsts = _block_firsts(page_slots, bs, n_slots, (start + skip, end), end == final, True)
+            kept = int(np.count_nonzero(page_slots[start + skip : end] >= 0))
+            if not kept:
                 continue
-            all_pages, firsts = pages
-            bs = layout.block_size
-            job = _page_job(geo, src_obj, all_pages.shape[1], firsts // bs, skip // bs, device)
+            pages = -(-(end - start) // bs)
+            job = _page_job(geo, obj, pages, torch.from_numpy(firsts // bs), skip // bs, device)
             if job is not None:
-                written += int((slots >= 0).sum())  # the kernel counts pages: count the tokens here
+                written += kept  # the kernel counts pages: count the tokens here
                 jobs.append(job)
                 job_spans.append((start + skip, end))
             else:
-                pages_left = all_pages[:, skip // bs :]
-                work.append(functools.partial(_scatter_pages, layers, kv, pages_left, firsts, slots, bs))
+                pages_left = _object_pages(_bits(obj.to(device)), len(layers), pages)[:, skip // bs :]
+                firsts_t = torch.from_numpy(firsts).to(device)
+                work.append(functools.partial(_scatter_pages, layers, kv, pages_left, firsts_t, kept, bs))
             continue
-        if host is not None:
-            job = cpu_rows.token_job(geo, obj, layout.planes, host, start + skip, end - start - skip, skip)  # type: ignore[arg-type]
-            if job is not None:
-                jobs.append(job)
-                job_spans.append((start + skip, end))
-                continue
+        job = _token_job(geo, host, obj, layout, start + skip, end - start - skip, skip)
+        if job is not None:
+            jobs.append(job)
+            job_spans.append((start + skip, end))
+            continue
         slots = _slots(slot_mapping, start + skip, end, device)
         _check_slots((start + skip, end), slots, n_slots, negative_ok=True)
-        work.append(
-            functools.partial(_scatter_tokens, layers, kv, layout, slots, _bits(obj.to(device)), skip)
-        )
+        src_obj = _bits(obj.to(device))
+        work.append(functools.partial(_scatter_tokens, layers, kv, layout, slots, src_obj, skip))
     if jobs and geo is not None:
         covered = _run_kernel(False, geo, jobs, job_spans, negative_ok=True)
         if not layout.block_aligned:  # CPU_BLOCKS counted its tokens already (the kernel counts pages)
@@ -705,41 +728,16 @@ def _object_pages(obj: torch.Tensor, layers: int, pages: int) -> torch.Tensor:
     return _bits(obj).view(layers, pages, -1)
 
 
-def _checked_pages(
-    layout: PagedLayout,
-    n_layers: int,
-    slots: torch.Tensor,
-    src_obj: torch.Tensor,
-    span: tuple[int, int],
-    skip: int,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A CPU_BLOCKS scatter span, checked: the object's pages ``[layers, pages, page]`` and the first slot
-    of each page from page ``skip // block_size`` on (< 0: not on the GPU); None when no page is written.
-    ``ValueError`` for a skip or span that is not whole pages."""
-    bs = layout.block_size
-    start, end = span
-    if skip % bs:
-        raise ValueError(
-            f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
-        )
-    firsts = _block_pages(slots, bs, (start + skip, end), end == slot_mapping.shape[0], True)
-    all_pages = _object_pages(src_obj, n_layers, -(-(end - start) // bs))
-    if not bool((firsts >= 0).any()):
-        return None
-    return all_pages, firsts
-
-
 def _scatter_pages(
     layers: range,
     kv: Sequence[torch.Tensor],
     pages: torch.Tensor,
     firsts: torch.Tensor,
-    slots: torch.Tensor,
+    kept: int,
     bs: int,
 ) -> int:
-    """Torch path of one checked CPU_BLOCKS scatter span (``_checked_pages``): object ``pages[:, i]`` to
-    the block of ``firsts[i]`` (< 0: left alone); returns the tokens written."""
+    """Torch path of one checked CPU_BLOCKS scatter span: object ``pages[:, i]`` to the block of
+    ``firsts[i]`` (< 0: left alone); returns ``kept``, the span's tokens with a slot >= 0."""
     keep = firsts >= 0
     if bool(keep.all()):
         blocks, sel = firsts // bs, None
@@ -750,4 +748,4 @@ def _scatter_pages(
         src = pages[j] if sel is None else pages[j].index_select(0, sel)
         paged, src = _page_pair(kv[layer], src)
         paged.index_copy_(0, blocks, src)
-    return int((slots >= 0).sum())
+    return kept

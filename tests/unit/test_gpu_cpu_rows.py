@@ -502,3 +502,54 @@ def test_every_store_kind_equals_torch_path(
     with torch_path():
         scatter(want, ref, layout, slots, spans)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2]),
+    st.sampled_from([(1, 16, 64, torch.bfloat16), (2, 8, 72, torch.float32), (1, 16, 66, torch.bfloat16)]),
+    st.sampled_from([0, 16, 64]),
+    st.sampled_from([0, 16]),
+    st.integers(1, 5),
+    st.integers(0, 2**16),
+)
+def test_long_pages_copy_exactly_in_interleaved_parts(
+    stores: int,
+    page: tuple[int, int, int, torch.dtype],
+    obj_offset: int,
+    kv_offset: int,
+    blocks: int,
+    seed: int,
+) -> None:
+    """CPU_BLOCKS pages of 4 KiB and more (4096 and 9216 bytes: copied as interleaved parts; 4224: not a
+    multiple of the parts, copied whole) under every store kind, objects and KV aligned to 64 or 16 bytes:
+    gather and scatter write exactly the torch path's bytes, shuffled blocks and a partial last page
+    included."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    h, bs, d, dtype = page
+    gen = torch.Generator().manual_seed(seed)
+    layout = PagedLayout(LayoutKind.CPU_BLOCKS, L, h, d, bs, str(dtype).removeprefix("torch."))
+    nblocks = blocks + 3
+    shape = layout.layer_shape(nblocks)
+    kv = [_at_offset(shape, dtype, kv_offset, random_tensor(shape, dtype, gen)) for _ in range(L)]
+    n = blocks * bs - (seed % bs)  # the last page partial unless seed % bs == 0
+    table = torch.randperm(nblocks, generator=gen)[:blocks]
+    pos = torch.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    spans = [(0, (blocks // 2) * bs), ((blocks // 2) * bs, n)] if blocks > 1 else [(0, n)]
+    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
+    want = [poisoned(s, dtype) for s in obj_shape]
+    with torch_path():
+        gather(kv, layout, slots, spans, want)
+    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
+        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
+        gather(kv, layout, slots, spans, got)
+        back = [_at_offset(shape, dtype, kv_offset, poisoned(shape, dtype)) for _ in range(L)]
+        assert scatter(got, back, layout, slots, spans) == n
+    assert spy.call_count == 2
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    ref = [poisoned(shape, dtype) for _ in range(L)]
+    with torch_path():
+        scatter(want, ref, layout, slots, spans)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))

@@ -549,6 +549,7 @@ class PreparedRetrieve:
 
     def finish(self) -> RetrieveResult:
         """Check the leases, release them and report what was retrieved; idempotent."""
+        import numpy as np
         import torch
 
         if self._result is not None:
@@ -560,10 +561,10 @@ class PreparedRetrieve:
         )
         if self.leases:
             self.engine.manager.l1.batched_release(self.leases)  # one RELEASE round trip on the shared L1
-        ret_mask = torch.zeros(self.num_tokens, dtype=torch.bool)
         good_end = self.chunks[valid - 1][1] if valid else self.local
-        if good_end > self.local:
-            ret_mask[self.local : good_end] = True
+        mask = np.zeros(self.num_tokens, dtype=np.bool_)  # numpy, then one torch op: this runs right after
+        mask[self.local : good_end] = True  # the copies, when every torch op starts from cold caches
+        ret_mask = torch.from_numpy(mask)
         tokens_read = sum(end - start for start, end in self.chunks[:valid])
         skip = self.plan.skip_prefix if valid else 0
         self._result = RetrieveResult(ret_mask, tokens_read, max(0, good_end - self.local), skip)
