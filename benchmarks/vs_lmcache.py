@@ -26,7 +26,10 @@ package tree: ``PYTHONPATH=TREE [OMP_NUM_THREADS=1] python benchmarks/vs_lmcache
 library built in place by the editable install sits in ``gpu/``). ``--store-kinds 1,0`` adds tiercache with
 the kernel's other store kinds (``cpu_rows.STORES``) as contenders of the same rounds; ``--l1 same`` gives
 tiercache's L1 LMCache's capacity (default: one request and two chunks), ``--peer evict`` leaves LMCache full
-(default: cleared after each round), ``--settle MiB`` reads scratch memory (untimed) before every timed op.
+(default: cleared after each round). Before every timed op 600 MiB of scratch memory is read (untimed), so
+that every op starts from the same memory state (``--settle MiB`` to change it, 0 for none: then an op's
+time depends on the op before it, see the option's help); ``--own-source`` adds a bare copy from a source no
+other contender reads, as no other reads tiercache's paged KV.
 """
 
 from __future__ import annotations
@@ -382,8 +385,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.new_event_loop()
 
     # ``--settle MiB``: between timed ops (untimed) read that much scratch memory, so that every op starts
-    # with the dirty lines of the ops before it written back: without it a cached-store copy leaves its
-    # write-back to whichever op runs next (a streaming-store op pays its own writes at once, plus those)
+    # from the same state: the dirty lines of the ops before it written back (without it a cached-store copy
+    # leaves its write-back to whichever op runs next; a streaming-store op pays its own writes at once, plus
+    # those) and no source hotter than another (without it the bare copies read ``src``, which LMCache and
+    # the other bare copy read moments before, while tiercache's paged KV was last read a round ago)
     scratch = torch.ones(args.settle << 20 >> 3, dtype=torch.int64) if args.settle else None
 
     def settle() -> None:
@@ -465,6 +470,16 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     # the same one (a fixed order had tiercache's store always after a cached-store copy).
     fns["bare_copy"] = bare_copy
     fns["bare_copy_ring"] = bare_copy_ring
+    if args.own_source:  # the bare copy from a source only it reads (as only tiercache reads its paged KV)
+        own_src, own_dst = src.clone(), torch.empty_like(src)
+
+        def bare_copy_own_source() -> float:
+            t0 = time.perf_counter()
+            own_dst.copy_(own_src)
+            return time.perf_counter() - t0
+
+        fns["bare_copy_own_source"] = bare_copy_own_source
+        times["bare_copy_own_source"] = []
     order_rng = np.random.default_rng(2)
     for _ in range(args.rounds):
         for c in order_rng.permutation(list(fns)):
@@ -523,6 +538,11 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     res["retrieve_tiercache_vs_lmcache"] = res["tiercache"]["retrieve_GBps"] / res["lmcache"]["retrieve_GBps"]
     res["bare_copy_ring"] = {"buffers": len(ring), "GBps": gbps(times["bare_copy_ring"])}
     res["store_tiercache_vs_bare_copy_ring"] = res["tiercache"]["store_GBps"] / res["bare_copy_ring"]["GBps"]
+    if args.own_source:
+        own = gbps(times["bare_copy_own_source"])
+        res["bare_copy_own_source_GBps"] = own
+        res["store_tiercache_vs_bare_copy_own_source"] = res["tiercache"]["store_GBps"] / own
+        res["retrieve_tiercache_vs_bare_copy_own_source"] = res["tiercache"]["retrieve_GBps"] / own
     res["store_tiercache_vs_bare_copy"] = res["tiercache"]["store_GBps"] / res["bare_copy_GBps"]
     res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
     if args.lookup_tokens:
@@ -805,9 +825,17 @@ def main() -> None:
     c.add_argument(
         "--settle",
         type=int,
-        default=0,
-        help="MiB of scratch memory read (untimed) before every timed op: each op starts with the writes "
-        "of the ops before it written back (0: none, as before)",
+        default=600,
+        help="MiB of scratch memory read (untimed) before every timed op: each op starts from the same "
+        "state, the writes of the ops before it written back and every source cold (0: none; then a "
+        "cached-store op leaves its write-back to the next, and the bare copies read a source LMCache just "
+        "read)",
+    )
+    c.add_argument(
+        "--own-source",
+        action="store_true",
+        help="also time a bare copy from a source no other contender reads (tiercache's paged KV is read by "
+        "nothing else)",
     )
     c.add_argument(
         "--peer",
