@@ -152,3 +152,31 @@ def test_server_l1_surface_on_a_slot_table() -> None:
     assert not lease.valid()
     assert l1.table.clear() == 1
     assert l1.stats().ready == 0
+
+
+def test_a_shared_slot_keeps_its_view_until_it_holds_another_shape() -> None:
+    """A shared-L1 slot object's tensor() hands out the slot's kept view while the spec repeats, and a fresh
+    view of the new shape and dtype once the slot holds a shorter or a bfloat16 object; each sits on the
+    slot's memory and reads what was written there."""
+    import torch
+
+    seg, data_fd, header_fd = Segment.create([SlotClass(4096, 1)], epoch=3)
+    os.close(data_fd)
+    os.close(header_fd)
+    l1 = ServerL1(SlotTable(seg))
+    short = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=4)
+    other = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", tokens=16)
+    views = []
+    for i, spec in enumerate((SPEC, SPEC, short, other)):
+        obj = l1.reserve_write(f"k{i}", spec)
+        assert obj is not None
+        obj.buffer()[:] = payload(i)[: spec.nbytes]
+        t = obj.tensor()
+        assert tuple(t.shape) == spec.shape
+        assert t.dtype == getattr(torch, spec.dtype)
+        assert t.view(torch.uint8).reshape(-1).numpy().tobytes() == payload(i)[: spec.nbytes]
+        views.append(t)
+        l1.abort_write(obj)  # the slot is free again for the next spec
+    assert views[1] is views[0]  # the same spec: the kept view
+    assert views[2] is not views[1]
+    assert views[3] is not views[2]

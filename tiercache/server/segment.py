@@ -67,6 +67,7 @@ class Segment:
         self.epoch_cell = header[:1]
         self.table = header[1:].reshape(self.num_slots, 2)  # [generation, state]
         self.view = memoryview(self.data)
+        self._views: list[tuple[KVSpec, torch.Tensor] | None] = [None] * self.num_slots  # each slot's last
         self.cuda_register_s: float | None = None
         """Seconds a client's ``cudaHostRegister`` of ``data`` took (None: not registered)."""
 
@@ -97,6 +98,20 @@ class Segment:
         off = self.offsets[slot]
         return self.view[off : off + nbytes]
 
+    def typed_view(self, slot: int, spec: KVSpec) -> torch.Tensor:
+        """A no-copy tensor on ``slot`` shaped ``spec.shape`` with the spec's dtype. The slot keeps its last
+        view and hands the same tensor out again while the spec repeats (as the in-process L1 does): never
+        reshape it in place."""
+        kept = self._views[slot]
+        if kept is not None and (kept[0] is spec or kept[0] == spec):
+            return kept[1]
+        import torch
+
+        raw = torch.frombuffer(self.buffer(slot, spec.nbytes), dtype=torch.uint8)
+        view = raw.view(getattr(torch, spec.dtype)).view(spec.shape)
+        self._views[slot] = (spec, view)
+        return view
+
 
 class SlotObject:
     """A slot of a segment holding ``spec`` at generation ``gen`` (WRITING after a reservation, READY when
@@ -117,11 +132,9 @@ class SlotObject:
         return self.seg.buffer(self.slot, self.spec.nbytes)
 
     def tensor(self) -> torch.Tensor:
-        """A no-copy view shaped ``spec.shape`` with the spec's dtype on the slot's memory."""
-        import torch
-
-        raw = torch.frombuffer(self.buffer(), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.spec.dtype)).view(self.spec.shape)
+        """A no-copy view shaped ``spec.shape`` with the spec's dtype on the slot's memory (the slot's kept
+        view: ``Segment.typed_view``)."""
+        return self.seg.typed_view(self.slot, self.spec)
 
     def __repr__(self) -> str:
         """Debug representation."""
