@@ -459,6 +459,36 @@ def _at_offset(
     return t
 
 
+def _kernel_round_trip_equals_torch_path(
+    layout: PagedLayout,
+    kv: list[torch.Tensor],
+    slots: torch.Tensor,
+    spans: list[tuple[int, int]],
+    stores: int,
+    obj_offset: int,
+    kv_offset: int,
+) -> None:
+    """With store kind ``stores``, the kernel's gather into objects placed ``obj_offset`` bytes into their
+    buffers, and its scatter of them into fresh poisoned KV placed ``kv_offset`` bytes in, write exactly the
+    torch path's bytes (one kernel call each, every token counted)."""
+    dtype, shape = kv[0].dtype, tuple(kv[0].shape)
+    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
+    want = [poisoned(s, dtype) for s in obj_shape]
+    with torch_path():
+        gather(kv, layout, slots, spans, want)
+    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
+        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
+        gather(kv, layout, slots, spans, got)
+        back = [_at_offset(shape, dtype, kv_offset, poisoned(shape, dtype)) for _ in range(L)]
+        assert scatter(got, back, layout, slots, spans) == slots.numel()
+    assert spy.call_count == 2
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    ref = [poisoned(shape, dtype) for _ in range(L)]
+    with torch_path():
+        scatter(want, ref, layout, slots, spans)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from([0, 1, 2]),
@@ -484,24 +514,7 @@ def test_every_store_kind_equals_torch_path(
     kv = [_at_offset(shape, dtype, kv_offset, random_tensor(shape, dtype, gen)) for _ in range(L)]
     slots = torch.randperm(nblocks * bs, generator=gen)[:n]
     spans = [(0, n // 2), (n // 2, n)] if n > 1 else [(0, n)]
-    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
-    want = [poisoned(s, dtype) for s in obj_shape]
-    with torch_path():
-        gather(kv, layout, slots, spans, want)
-    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
-        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
-        gather(kv, layout, slots, spans, got)
-        back = [
-            _at_offset(shape, dtype, kv_offset, torch.zeros(shape, dtype=torch.float32).to(dtype))
-            for _ in range(L)
-        ]
-        assert scatter(got, back, layout, slots, spans) == n
-    assert spy.call_count == 2
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
-    ref = [torch.zeros(shape, dtype=torch.float32).to(dtype) for _ in range(L)]
-    with torch_path():
-        scatter(want, ref, layout, slots, spans)
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
+    _kernel_round_trip_equals_torch_path(layout, kv, slots, spans, stores, obj_offset, kv_offset)
 
 
 @settings(max_examples=40, deadline=None)
@@ -538,18 +551,4 @@ def test_long_pages_copy_exactly_in_interleaved_parts(
     pos = torch.arange(n)
     slots = table[pos // bs] * bs + pos % bs
     spans = [(0, (blocks // 2) * bs), ((blocks // 2) * bs, n)] if blocks > 1 else [(0, n)]
-    obj_shape = [object_spec(layout, b - a).shape for a, b in spans]
-    want = [poisoned(s, dtype) for s in obj_shape]
-    with torch_path():
-        gather(kv, layout, slots, spans, want)
-    with mock.patch.object(cpu_rows, "STORES", stores), kernel_calls() as spy:
-        got = [_at_offset(s, dtype, obj_offset, None) for s in obj_shape]
-        gather(kv, layout, slots, spans, got)
-        back = [_at_offset(shape, dtype, kv_offset, poisoned(shape, dtype)) for _ in range(L)]
-        assert scatter(got, back, layout, slots, spans) == n
-    assert spy.call_count == 2
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
-    ref = [poisoned(shape, dtype) for _ in range(L)]
-    with torch_path():
-        scatter(want, ref, layout, slots, spans)
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back, ref, strict=True))
+    _kernel_round_trip_equals_torch_path(layout, kv, slots, spans, stores, obj_offset, kv_offset)
