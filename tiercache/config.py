@@ -177,27 +177,52 @@ class ServerConfig:
     """``[server]``: the node's shared-L1 server (``tiercache serve``); the CLI's ``--socket`` wins."""
 
     socket: str | None = None
-    """Unix socket path the server listens on."""
+    """Unix socket path the server listens on (clients: where ``"auto"`` looks for the node's server)."""
     slot_bytes: int | None = None
-    """Bytes of one L1 slot (one KV chunk object); ``l1.capacity`` // slot stride slots. Needed to serve."""
+    """Optional: an object size to make a size class for at start. Without it classes come from the clients'
+    object sizes (every model on the node is served)."""
     mode: int = 0o600
     """Socket file mode (``"0660"`` in files)."""
     group: int | str | None = None
     """Group (gid or name) owning the socket; its members may connect."""
     allowed_uids: tuple[int, ...] = ()
-    """Peer uids allowed besides the group (empty: the server's own uid only)."""
+    """Peer uids allowed besides the group and the server's own uid."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on this port (0 = any free port); None = off."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds."""
     drain_s: float = 10.0
     """On SIGTERM, how long the write-behind of chunks to the L2 tiers may take to drain before exit."""
+    region_bytes: int | None = None
+    """Bytes of one region, the unit a size class takes from ``l1.capacity`` and the largest object the server
+    holds; default ``l1.capacity / 16`` within [64 MiB, 1 GiB] (at least ``slot_bytes``)."""
+    admin_group: int | str | None = None
+    """Group (gid or name) whose members may CLEAR and DRAIN; the server's own uid always may."""
+    server_uid: int | str | None = None
+    """Clients: the uid (or user name) the server must run as; default this process's uid or root."""
+    max_clients: int = 1024
+    """Connections served at once; more are refused with a ``busy`` error."""
+    max_leases_per_client: int = 16384
+    """Read leases one connection may hold; pinned hits beyond it are answered as misses (counted)."""
+    max_share_per_client: float = 0.9
+    """Fraction of the segment one client process may hold reserved or leased, all its connections together
+    (0 < x <= 1; always at least one slot)."""
+    orphan_grace_s: float = 60.0
+    """A lost client whose process cannot be watched (no pidfd): its unfinished writes' slots come back after
+    this many seconds (their keys are free at once)."""
+
+
+def _in_range(value: float, low: float, high: float, name: str) -> None:
+    """ConfigError naming ``name`` unless ``low <= value <= high``."""
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
 def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
     """Parse the ``[server]`` table."""
     r = _Reader(data, "server", source)
     slot_bytes = r.take("slot_bytes", (str, int), None)
+    region_bytes = r.take("region_bytes", (str, int), None)
     mode = r.take("mode", (str, int), 0o600)
     try:
         mode = int(mode, 8) if isinstance(mode, str) else mode
@@ -211,20 +236,37 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
     out = ServerConfig(
         socket=r.take("socket", (str,), None),
         slot_bytes=None if slot_bytes is None else _parse_size(slot_bytes, f"{source}: server.slot_bytes"),
+        region_bytes=None
+        if region_bytes is None
+        else _parse_size(region_bytes, f"{source}: server.region_bytes"),
         mode=mode,
         group=r.take("group", (int, str), None),
         allowed_uids=tuple(uids),
+        admin_group=r.take("admin_group", (int, str), None),
+        server_uid=r.take("server_uid", (int, str), None),
+        max_clients=r.take("max_clients", (int,), 1024),
+        max_leases_per_client=r.take("max_leases_per_client", (int,), 16384),
+        max_share_per_client=float(r.take("max_share_per_client", (int, float), 0.9)),
+        orphan_grace_s=float(r.take("orphan_grace_s", (int, float), 60.0)),
         metrics_port=r.take("metrics_port", (int,), None),
         metrics_host=r.take("metrics_host", (str,), "127.0.0.1"),
         drain_s=float(r.take("drain_s", (int, float), 10.0)),
     )
     r.finish()
-    if not 0 <= out.drain_s <= 3600:
-        raise ConfigError(f"{source}: server.drain_s must be in [0, 3600] seconds, got {out.drain_s}")
     if not 0 <= out.mode <= 0o777:
         raise ConfigError(f"{source}: server.mode {oct(out.mode)} is not a file mode")
-    if out.metrics_port is not None and not 0 <= out.metrics_port < 65536:
-        raise ConfigError(f"{source}: server.metrics_port {out.metrics_port} is not a port")
+    where = f"{source}: server"
+    _in_range(out.drain_s, 0, 3600, f"{where}.drain_s")
+    if out.metrics_port is not None:
+        _in_range(out.metrics_port, 0, 65535, f"{where}.metrics_port")
+    if out.slot_bytes is not None:
+        _in_range(out.slot_bytes, 1, 1 << 40, f"{where}.slot_bytes")
+    if out.region_bytes is not None:
+        _in_range(out.region_bytes, 4096, 1 << 40, f"{where}.region_bytes")
+    _in_range(out.max_clients, 1, 1 << 20, f"{where}.max_clients")
+    _in_range(out.max_leases_per_client, 1, 1 << 24, f"{where}.max_leases_per_client")
+    _in_range(out.max_share_per_client, 1e-6, 1, f"{where}.max_share_per_client")
+    _in_range(out.orphan_grace_s, 0, 86400, f"{where}.orphan_grace_s")
     return out
 
 

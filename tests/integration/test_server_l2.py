@@ -22,7 +22,7 @@ from tests.unit.test_engine import CHUNK, POLICY, Engine, expected_kv, keyspace_
 from tiercache.adapters.redis import RedisAdapter
 from tiercache.serde import build_pipeline
 from tiercache.server.client import SharedL1
-from tiercache.server.segment import SlotClass
+from tiercache.server.segment import stride_of
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
 
@@ -74,7 +74,7 @@ class Serve:
 def write_config(
     directory: Path, port: int, prefix: str, *, drain_s: float = 30.0, metrics: bool = False
 ) -> Path:
-    stride = SlotClass(SLOT_BYTES, 1).stride
+    stride = stride_of(SLOT_BYTES)
     cfg = directory / "serve.toml"
     cfg.write_text(
         f"chunk_size = {CHUNK}\n"

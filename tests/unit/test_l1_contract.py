@@ -36,7 +36,8 @@ def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
     def shared(slots: int) -> SharedL1:
         path = os.path.join(tmp, f"{len(procs)}.sock")
         cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(SLOT)]
-        proc = subprocess.Popen([*cmd, "--slots", str(slots)], stdout=subprocess.PIPE, text=True, cwd=tmp)
+        cmd += ["--slots", str(slots), "--max-share", "1"]  # one client may hold every slot here
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tmp)
         procs.append(proc)
         assert proc.stdout is not None
         assert proc.stdout.readline().startswith("tiercache server listening")

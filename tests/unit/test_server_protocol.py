@@ -28,7 +28,8 @@ def _raw(*fields: object) -> bytes:
 
 def test_round_trip_of_every_request() -> None:
     bodies = {
-        Op.HELLO: {"role": "worker"},
+        Op.HELLO: {"role": "worker", "slot_bytes": [4096], "fence": [b"s" * 16]},
+        Op.FENCE: {"sessions": [b"t" * 16]},
         Op.LOOKUP: {
             "keys": ["a", "b"],
             "pin": True,
@@ -97,6 +98,13 @@ def test_lookup_l2_fields_are_optional_with_defaults() -> None:
         (_raw(PROTOCOL_VERSION, 0, 4, 1, {"slots": [[1, True]]}), "generation"),
         (_raw(PROTOCOL_VERSION, 0, 6, 1, {"leases": ["x"]}), "lease"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {}), "HELLO needs role"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "root"}), "HELLO needs role, one of"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "fence": [b"short"]}), "session token"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "fence": [b"s" * 16] * 65}), "sessions"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "slot_bytes": [-4]}), "slot_bytes"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "slot_bytes": [1] * 17}), "slot_bytes"),
+        (_raw(PROTOCOL_VERSION, 0, 11, 1, {"sessions": ["not bytes" * 2]}), "session token"),
+        (_raw(PROTOCOL_VERSION, 0, 11, 1, {}), "sessions"),
         (
             _raw(PROTOCOL_VERSION, 0, 2, 1, {"keys": ["a"], "pin": True, "prefix": False, "l2": 1}),
             "l2 must be a bool",

@@ -1,88 +1,114 @@
-"""tiercache.server.slots + segment: slot states, generations mirrored in the header, leases, eviction."""
+"""tiercache.server.slots + segment: sealed memfds, slot states, generations mirrored in the header, size
+classes over regions, leases, eviction, orphaned reservations and per-connection caps."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 
 import pytest
 
-from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, SlotClass
-from tiercache.server.slots import SlotTable
+from tiercache.server.segment import FREE, MIN_SLOT, PUBLISHED, RESERVED, Geometry, Segment
+from tiercache.server.slots import Caps, SlotTable
 from tiercache.server.storage import ServerL1
 from tiercache.spec import KVSpec
 
 A, B = 1, 2  # connection ids
+REGION = 4 * MIN_SLOT  # four 4 KiB slots (or one 16 KiB slot) per region
 
 
-def _table(*classes: SlotClass) -> SlotTable:
-    seg, data_fd, header_fd = Segment.create(list(classes) or [SlotClass(100, 2)], epoch=7)
+def _table(regions: int = 1, region: int = REGION, caps: Caps | None = None) -> SlotTable:
+    seg, data_fd, header_fd = Segment.create(Geometry(region, regions), epoch=7)
     os.close(data_fd)
     os.close(header_fd)
-    return SlotTable(seg)
+    return SlotTable(seg, caps or Caps(max_share=1.0))
 
 
-def test_segment_layout_and_header() -> None:
-    t = _table(SlotClass(100, 2), SlotClass(1000, 1))
-    seg = t.seg
-    assert seg.offsets == [0, 128, 256]
-    assert seg.capacities == [100, 100, 1000]
-    assert int(seg.epoch_cell[0]) == 7
-    assert [seg.slot_state(s) for s in range(3)] == [(0, FREE)] * 3
-    with pytest.raises(ValueError, match="slot classes"):
-        Segment.create([SlotClass(0, 1)], epoch=1)
+def _store(t: SlotTable, conn: int, key: str, nbytes: int = 1) -> tuple[int, int]:
+    [ref] = t.alloc(conn, [key], [nbytes], [b""])
+    assert isinstance(ref, list)
+    assert t.commit(conn, [(ref[0], ref[1])]) == [True]
+    return ref[0], ref[1]
+
+
+def test_segment_geometry_header_and_seals() -> None:
+    geo = Geometry(REGION, 3)
+    seg, data_fd, header_fd = Segment.create(geo, epoch=7)
+    try:
+        assert (geo.slots_per_region, geo.num_slot_ids, seg.data_bytes) == (4, 12, 3 * REGION)
+        assert int(seg.epoch_cell[0]) == 7
+        assert [seg.slot_state(s) for s in range(12)] == [(0, FREE)] * 12
+        for fd in (data_fd, header_fd):  # no one can make the server or a client take a SIGBUS
+            with pytest.raises(PermissionError) as shrink:
+                os.ftruncate(fd, 0)
+            assert shrink.value.errno == errno.EPERM
+            with pytest.raises(PermissionError) as grow:
+                os.ftruncate(fd, 1 << 30)
+            assert grow.value.errno == errno.EPERM
+        with pytest.raises(PermissionError):  # the header can only be mapped read-only from now on
+            mmap.mmap(header_fd, geo.header_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(header_fd, b"\x01", 8)
+        client = Segment(geo, data_fd, header_fd, writable_header=False)
+        seg.table[5, 0] = 9  # the server's own mapping stays writable, and a client reads it
+        assert client.slot_state(5) == (9, FREE)
+        client.buffer(4096, 4)[:] = b"abcd"  # the data is shared read-write
+        assert bytes(seg.buffer(4096, 4)) == b"abcd"
+    finally:
+        os.close(data_fd)
+        os.close(header_fd)
+    with pytest.raises(ValueError, match="at least one region"):
+        Geometry(100, 1)
 
 
 def test_reserve_commit_lookup_and_header_mirror() -> None:
     t = _table()
     [ref] = t.alloc(A, ["k"], [10], [b"m"])
     assert isinstance(ref, list)
-    slot, gen = ref
+    slot, gen, offset = ref
     assert t.seg.slot_state(slot) == (gen, RESERVED)
-    assert t.lookup(B, ["k"], pin=False, prefix=False) == [None]  # reserved is invisible
+    assert offset == t.offset_of(slot)
+    assert t.lookup(B, ["k"], pin=False, prefix=False) == ([None], 0)  # reserved is invisible
     assert t.alloc(B, ["k"], [10], [b""]) == ["present"]  # first writer wins
     assert t.commit(B, [(slot, gen)]) == [False]  # not B's reservation
     assert t.commit(A, [(slot, gen + 1)]) == [False]  # wrong generation
     assert t.commit(A, [(slot, gen)]) == [True]
     assert t.seg.slot_state(slot) == (gen, PUBLISHED)
-    [hit] = t.lookup(B, ["k"], pin=True, prefix=False)
+    [hit], _ = t.lookup(B, ["k"], pin=True, prefix=False)
     assert hit is not None
-    assert (hit.slot, hit.generation, hit.nbytes, hit.meta) == (slot, gen, 10, b"m")
+    assert (hit.slot, hit.generation, hit.nbytes, hit.meta, hit.offset) == (slot, gen, 10, b"m", offset)
     assert hit.lease > 0
     assert t.commit(A, [(slot, gen)]) == [False]  # already published
 
 
 def test_prefix_lookup_stops_at_first_miss() -> None:
-    t = _table(SlotClass(100, 3))
+    t = _table()
     for key in ("a", "c"):
-        [(slot, gen)] = t.alloc(A, [key], [1], [b""])  # type: ignore[misc]
-        t.commit(A, [(slot, gen)])
-    assert [h is not None for h in t.lookup(A, ["a", "b", "c"], pin=False, prefix=False)] == [
-        True,
-        False,
-        True,
-    ]
-    assert len(t.lookup(A, ["a", "b", "c"], pin=False, prefix=True)) == 1
+        _store(t, A, key)
+    hits, _ = t.lookup(A, ["a", "b", "c"], pin=False, prefix=False)
+    assert [h is not None for h in hits] == [True, False, True]
+    assert len(t.lookup(A, ["a", "b", "c"], pin=False, prefix=True)[0]) == 1
 
 
 def test_abort_frees_and_bumps_generation() -> None:
     t = _table()
-    [(slot, gen)] = t.alloc(A, ["k"], [10], [b""])  # type: ignore[misc]
+    [(slot, gen, _)] = t.alloc(A, ["k"], [10], [b""])  # type: ignore[misc]
     assert t.abort(A, [(slot, gen)]) == [True]
     assert t.seg.slot_state(slot) == (gen + 1, FREE)
-    assert t.lookup(A, ["k"], pin=False, prefix=False) == [None]
+    assert t.lookup(A, ["k"], pin=False, prefix=False) == ([None], 0)
     assert t.abort(A, [(slot, gen)]) == [False]
 
 
 def test_eviction_takes_lru_unleased_and_never_a_leased_slot() -> None:
-    t = _table(SlotClass(100, 2))
-    refs = [t.alloc(A, [k], [1], [b""])[0] for k in ("old", "new")]
-    t.commit(A, [tuple(r) for r in refs])  # type: ignore[misc]
-    [lease] = t.lookup(B, ["old"], pin=True, prefix=False)  # also makes "old" most recently used
+    t = _table(region=2 * MIN_SLOT)  # one region of two slots
+    old, new = _store(t, A, "old"), _store(t, A, "new")
+    [lease], _ = t.lookup(B, ["old"], pin=True, prefix=False)  # also makes "old" most recently used
     assert lease is not None
     [ref] = t.alloc(A, ["third"], [1], [b""])
     assert isinstance(ref, list)
-    assert ref[0] == refs[1][0]
-    assert t.lookup(A, ["new"], pin=False, prefix=False) == [None]
+    assert ref[0] == new[0]
+    assert t.lookup(A, ["new"], pin=False, prefix=False) == ([None], 0)
     assert t.evictions == 1
     # Only "old" (leased) is published and the other slot is reserved: no room.
     assert t.alloc(A, ["fourth"], [1], [b""]) == [None]
@@ -92,36 +118,87 @@ def test_eviction_takes_lru_unleased_and_never_a_leased_slot() -> None:
     t.release(B, [lease.lease])
     [ref4] = t.alloc(A, ["fourth"], [1], [b""])
     assert isinstance(ref4, list)
-    assert ref4[0] == refs[0][0]
+    assert ref4[0] == old[0]
 
 
-def test_slot_class_choice_and_oversize() -> None:
-    t = _table(SlotClass(1000, 1), SlotClass(10, 1))
-    [small] = t.alloc(A, ["s"], [8], [b""])
-    [second] = t.alloc(A, ["b"], [8], [b""])  # the best-fitting class is full of reservations
+def test_classes_come_from_object_sizes_and_share_regions() -> None:
+    """Each size makes (or reuses) the smallest class that holds it; classes take whole regions from the
+    pool; a region whose slots are all free goes back; an object larger than a region is refused."""
+    t = _table(regions=3)
+    [small] = t.alloc(A, ["s"], [100], [b""])  # a 4 KiB class, one region
+    [big] = t.alloc(A, ["b"], [3 * MIN_SLOT], [b""])  # a 12 KiB class (stride rounded), another region
+    [tail] = t.alloc(A, ["t"], [2 * MIN_SLOT], [b""])  # 8 KiB fits the 12 KiB class: no third class
     assert isinstance(small, list)
-    assert small[0] == 1
-    assert second is None  # an object goes to its best-fitting class only (no spill into larger slots)
-    assert t.alloc(A, ["x"], [2000], [b""]) == [None]
+    assert isinstance(big, list)
+    assert isinstance(tail, list)
+    assert t.classes == [(MIN_SLOT, 1), (3 * MIN_SLOT, 2)]  # one 12 KiB slot per region: two regions
+    assert t.alloc(A, ["x"], [REGION + 1], [b""]) == [None]
+    assert t.too_large == 1
+    assert t.stats()["free_regions"] == 0
+    assert t.abort(A, [(small[0], small[1])]) == [True]  # the 4 KiB region is empty again: back to the pool
+    assert t.classes == [(MIN_SLOT, 0), (3 * MIN_SLOT, 2)]
+    assert t.stats()["free_regions"] == 1
+    assert t.declare(REGION)  # a 16 KiB class, made ahead (a client's HELLO)
+    assert t.classes[-1] == (REGION, 0)
+    assert not t.declare(REGION + 1)
+    # Objects do not overlap: every live slot's bytes lie in its own region and stride.
+    spans = sorted((t.offset_of(r[0]), r[2]) for r in (big, tail))
+    assert spans[0][0] + 3 * MIN_SLOT <= spans[1][0]
 
 
-def test_connection_cleanup_leases_then_reservations() -> None:
-    t = _table(SlotClass(100, 3))
-    [(s1, g1)] = t.alloc(A, ["pub"], [1], [b""])  # type: ignore[misc]
-    t.commit(A, [(s1, g1)])
+def test_a_new_class_takes_a_region_from_another_that_holds_nothing_leased() -> None:
+    t = _table(regions=2)
+    for i in range(8):  # two regions of four 4 KiB slots, all published
+        _store(t, A, f"k{i}")
+    [lease], _ = t.lookup(B, ["k0"], pin=True, prefix=False)  # k0's region is held
+    assert lease is not None
+    [ref] = t.alloc(A, ["big"], [REGION], [b""])  # a 16 KiB object: the other region is taken whole
+    assert isinstance(ref, list)
+    assert t.evictions == 4
+    hits, _ = t.lookup(A, [f"k{i}" for i in range(8)], pin=False, prefix=False)
+    assert sum(h is not None for h in hits) == 4
+    assert hits[0] is not None  # the leased one's region was left alone
+    assert t.alloc(A, ["big2"], [REGION], [b""]) == [None]  # the only other region holds a lease
+
+
+def test_orphaned_reservations_free_their_keys_at_once_and_their_slots_later() -> None:
+    t = _table()
+    _store(t, A, "pub")
     t.lookup(A, ["pub"], pin=True, prefix=False)
-    [(s2, g2)] = t.alloc(A, ["w"], [1], [b""])  # type: ignore[misc]
-    t.drop_leases(A)
+    [(slot, gen, _)] = t.alloc(A, ["w"], [1], [b""])  # type: ignore[misc]
+    assert t.orphan(A) == 1  # the connection is gone
     assert t.stats()["leases"] == 0
-    assert t.reserved_by(A) == 1
-    assert t.seg.slot_state(s2) == (g2, RESERVED)
+    assert t.stats()["orphaned"] == 1
+    assert t.seg.slot_state(slot) == (gen, RESERVED)  # a late write of the lost client may still land here
+    assert t.commit(A, [(slot, gen)]) == [False]  # never published
+    [again] = t.alloc(B, ["w"], [1], [b""])  # the key is not "present": another client stores it
+    assert isinstance(again, list)
+    assert again[0] != slot
     assert t.free_reservations(A) == 1
-    assert t.seg.slot_state(s2) == (g2 + 1, FREE)
-    assert t.lookup(B, ["w", "pub"], pin=False, prefix=False)[0] is None
-    assert t.stats() == {
-        "num_slots": 3, "free": 2, "reserved": 0, "published": 1, "leases": 0, "leased_slots": 0,
-        "evictions": 0, "alloc_failures": 0,
-    }  # fmt: skip
+    assert t.seg.slot_state(slot) == (gen + 1, FREE)
+    assert t.commit(B, [(again[0], again[1])]) == [True]
+    assert t.stats()["orphaned"] == 0
+
+
+def test_caps_bound_what_one_connection_holds() -> None:
+    t = _table(regions=2, caps=Caps(max_leases=3, max_share=0.5))  # 8 slots; half = 4 slots' bytes
+    for i in range(4):
+        _store(t, A, f"k{i}")  # A holds no reservation after commit
+    hits, refused = t.lookup(B, [f"k{i}" for i in range(4)], pin=True, prefix=False)
+    assert refused == 1  # the fourth lease is over max_leases
+    assert [h is not None for h in hits] == [True, True, True, False]
+    assert t.leases_of(B) == 3
+    hits2, refused2 = t.lookup(B, ["k0", "k3"], pin=True, prefix=True)
+    assert (hits2, refused2) == ([], 1)  # a prefix lookup stops at the first refusal
+    refs = t.alloc(A, [f"w{i}" for i in range(5)], [1] * 5, [b""] * 5)
+    assert [isinstance(r, list) for r in refs] == [True] * 4 + [False]  # 4 of 8 slots: its share
+    assert t.cap_refusals == 3
+    one, two = t.alloc(B, ["o1", "o2"], [1, 1], [b"", b""])  # B: 3 leased slots; a 5th would pass half
+    assert isinstance(one, list)
+    assert two is None
+    t.drop_leases(B)
+    assert isinstance(t.alloc(B, ["o2"], [1], [b""])[0], list)
+    assert t.lookup(0, ["k0"] * 10, pin=True, prefix=False)[1] == 0  # the server itself is not capped
 
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
@@ -133,10 +210,7 @@ def payload(i: int) -> bytes:
 
 def test_server_l1_surface_on_a_slot_table() -> None:
     """ServerL1 (the controllers' L1 inside the server) and CLEAR, which never frees a leased slot."""
-    seg, data_fd, header_fd = Segment.create([SlotClass(4096, 2)], epoch=3)
-    os.close(data_fd)
-    os.close(header_fd)
-    l1 = ServerL1(SlotTable(seg))
+    l1 = ServerL1(_table(region=2 * MIN_SLOT))
     obj = l1.reserve_write("k", SPEC)
     assert obj is not None
     assert l1.reserve_write("k", SPEC) is None  # first writer wins
@@ -160,10 +234,7 @@ def test_a_shared_slot_keeps_its_view_until_it_holds_another_shape() -> None:
     slot's memory and reads what was written there."""
     import torch
 
-    seg, data_fd, header_fd = Segment.create([SlotClass(4096, 1)], epoch=3)
-    os.close(data_fd)
-    os.close(header_fd)
-    l1 = ServerL1(SlotTable(seg))
+    l1 = ServerL1(_table(region=MIN_SLOT))
     short = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=4)
     other = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", tokens=16)
     views = []

@@ -18,7 +18,6 @@ from tiercache.errors import AdapterUnavailable
 from tiercache.serde import build_pipeline
 from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.protocol import Op
-from tiercache.server.segment import SlotClass
 from tiercache.server.server import L1Server, ServerOptions
 from tiercache.spec import KVSpec
 from tiercache.store.hits import L1_TIER, TierHit
@@ -37,7 +36,7 @@ def payload(i: int) -> bytes:
 @pytest_asyncio.fixture
 async def served(sock_dir: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]]:
     tier = MemoryAdapter()
-    options = ServerOptions(str(sock_dir / "l1.sock"), [SlotClass(4096, 4)], drain_s=5.0)
+    options = ServerOptions(str(sock_dir / "l1.sock"), 4 * 4096, (4096,), region_bytes=4096, drain_s=5.0)
     server = L1Server(options, tiers=[("mem", tier, build_pipeline(["raw", "zstd"]))])
     await server.start()
     yield server, tier
@@ -122,7 +121,7 @@ async def test_a_socket_opened_while_the_server_stops_connects(sock_dir: Path) -
     loop = asyncio.get_running_loop()
     target = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = target.sockets[0].getsockname()[1]
-    server = L1Server(ServerOptions(str(sock_dir / "l1.sock"), [SlotClass(4096, 4)]))
+    server = L1Server(ServerOptions(str(sock_dir / "l1.sock"), 4 * 4096, (4096,), region_bytes=4096))
     await server.start()
     assert server._listener is not None
     listener = server._listener

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_serve_command"]
+__all__ = ["add_health_command", "add_serve_command"]
 
 
 def add_serve_command(sub: Any) -> None:
@@ -17,47 +17,56 @@ def add_serve_command(sub: Any) -> None:
         "(default: an L1 of 1 GiB, no L2 tier)",
     )
     p.add_argument("--socket", help="Unix socket path (wins over server.socket)")
-    p.add_argument("--slot-bytes", type=int, help="bytes of one L1 slot (wins over server.slot_bytes)")
+    p.add_argument(
+        "--slot-bytes",
+        type=int,
+        help="an object size to make a size class for at start (wins over server.slot_bytes; optional: "
+        "classes come from the clients' object sizes)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 2 on a config error or another live server on the socket."""
-    import grp
     import sys
 
     from tiercache.config import Config, load_config
-    from tiercache.server.main import run_server
-    from tiercache.server.segment import SlotClass
-    from tiercache.server.server import ServerOptions
+    from tiercache.server.main import options_from_config, run_server
 
     config = load_config(args.config) if args.config else Config()
-    srv = config.server
-    socket_path = args.socket or srv.socket
-    slot_bytes = args.slot_bytes or srv.slot_bytes
+    socket_path = args.socket or config.server.socket
     if not socket_path:
         print("tiercache serve: no socket: pass --socket or set server.socket", file=sys.stderr)
         return 2
-    if not slot_bytes or slot_bytes < 0:
-        print(
-            f"tiercache serve: {args.config or 'no config'}: set server.slot_bytes or --slot-bytes "
-            "(bytes of one KV chunk)",
-            file=sys.stderr,
-        )
+    try:
+        options = options_from_config(config, socket_path, args.slot_bytes)
+    except ValueError as exc:
+        print(f"tiercache serve: {args.config or 'no config'}: {exc}", file=sys.stderr)
         return 2
-    slot = SlotClass(slot_bytes, 1)
-    count = config.l1.capacity // slot.stride
-    if count <= 0:
-        print(f"tiercache serve: l1.capacity holds no slot of {slot_bytes} bytes", file=sys.stderr)
-        return 2
-    group = grp.getgrnam(srv.group).gr_gid if isinstance(srv.group, str) else srv.group
-    options = ServerOptions(
-        socket_path=socket_path,
-        slot_classes=[SlotClass(slot_bytes, count)],
-        mode=srv.mode,
-        group=group,
-        allowed_uids=frozenset(srv.allowed_uids),
-        drain_s=srv.drain_s,
-    )
+    srv = config.server
     metrics = None if srv.metrics_port is None else (srv.metrics_host, srv.metrics_port)
     return run_server(options, metrics=metrics, config=config)
+
+
+def add_health_command(sub: Any) -> None:
+    """Register ``health`` (probe a running server through its socket) on the CLI's subparsers."""
+    p = sub.add_parser(
+        "health",
+        help="probe a running server through its socket: exit 0 healthy, 1 not, 2 usage/config error",
+        description="Connect as a probe (HELLO role probe, no segment mapped), ask for STATS, and print one "
+        "line. Exit 0 when the server answered both within the timeout, 1 otherwise, 2 on a usage or "
+        "config error. For systemd ExecStartPost/watchdog scripts and Kubernetes exec probes.",
+    )
+    p.add_argument("socket", nargs="?", help="Unix socket path (wins over server.socket of --config)")
+    p.add_argument("--config", help="config file whose server.socket to probe")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds for the whole probe, HELLO and STATS (default 5)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (with the server's STATS)")
+
+    def _cmd_health(args: argparse.Namespace) -> int:
+        from tiercache.server.health import run_health
+
+        return run_health(args)
+
+    p.set_defaults(func=_cmd_health)

@@ -14,11 +14,14 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
+import select
 import socket
+import struct
+import sys
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,7 @@ from tiercache.server.protocol import (
     meta_spec,
     spec_meta,
 )
-from tiercache.server.segment import PUBLISHED, Segment, SlotClass, SlotObject
+from tiercache.server.segment import PUBLISHED, Geometry, Segment, SlotObject
 from tiercache.store.hits import L1_TIER, TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 
 LOOKUP_BATCH = 128  # keys per LOOKUP: 128 keys of MAX_KEY_LEN fit MAX_MESSAGE, and so do their hits
 ALLOC_BATCH = 128  # keys per ALLOC (keys + 256-byte metadata each fit MAX_MESSAGE)
+_UCRED = struct.Struct("3i")
 
 
 class ServerUnavailable(ConnectionError):
@@ -76,56 +80,113 @@ def _pin_for_cuda(segment: Segment) -> None:
         weakref.finalize(segment, cuda.unregister, segment.data)
 
 
-class ServerConnection:
-    """One connection: HELLO maps the segment; :meth:`request` is one blocking round trip (thread-safe)."""
+def _uses_cuda() -> bool:
+    """Whether this process already uses torch with a CUDA device (then a worker registers the segment)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_available())
 
-    def __init__(self, socket_path: str, *, role: str = "worker", timeout_s: float = 5.0) -> None:
-        """Connect and HELLO; ServerUnavailable / ServerRefused on failure."""
+
+def _own_pidfd() -> list[int]:
+    """A pidfd of this process, passed with HELLO so the server sees it exit even across PID namespaces."""
+    try:
+        return [os.pidfd_open(os.getpid())]
+    except (AttributeError, OSError):
+        return []
+
+
+def _trusted_server_uids(server_uid: int | None) -> frozenset[int]:
+    return frozenset({server_uid}) if server_uid is not None else frozenset({os.getuid(), 0})
+
+
+class ServerConnection:
+    """One connection: HELLO maps the segment (not for role ``probe``); :meth:`request` is one blocking round
+    trip (thread-safe). The server must run as ``server_uid`` (default: this process's uid or root)."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        role: str = "worker",
+        timeout_s: float = 5.0,
+        slot_bytes: Sequence[int] = (),
+        fence: Sequence[bytes] = (),
+        server_uid: int | None = None,
+    ) -> None:
+        """Connect and HELLO (declaring ``slot_bytes``, ending the lost sessions ``fence``);
+        ServerUnavailable / ServerRefused on failure."""
         self._lock = threading.Lock()
         self._req_ids = itertools.count(1)
         self.closed = False
         self.epoch = 0
+        self.role = role
         self._timeout_s = timeout_s
+        self.open_writes = 0
+        """Objects reserved on this connection whose writer has not settled them (COMMIT/ABORT) yet."""
         self.requests: collections.Counter[str] = collections.Counter()
         """Round trips made, by op name (after HELLO)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(timeout_s)
+        pidfds = [] if role == "probe" else _own_pidfd()
         try:
             sock.connect(socket_path)
+            _, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if uid not in _trusted_server_uids(server_uid):
+                sock.close()
+                raise ServerRefused(
+                    "untrusted_server",
+                    f"the server on {socket_path} runs as uid {uid}, not "
+                    f"{server_uid if server_uid is not None else f'{os.getuid()} or 0'} (server.server_uid)",
+                )
+            hello = {"role": role, "slot_bytes": list(slot_bytes), "fence": list(fence)}
+            anc = (
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", pidfds).tobytes())] if pidfds else []
+            )
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                sock.send(encode(Op.HELLO, 0, 0, {"role": role}))  # a refusing server may have closed already
-            data, anc, _, _ = sock.recvmsg(MAX_MESSAGE + 1, socket.CMSG_SPACE(2 * 4))
+                sock.sendmsg([encode(Op.HELLO, 0, 0, hello)], anc)  # a refusing server may have closed
+            data, anc_in, _, _ = sock.recvmsg(MAX_MESSAGE + 1, socket.CMSG_SPACE(2 * 4))
         except OSError as exc:
             sock.close()
             raise ServerUnavailable(f"cannot reach the tiercache server at {socket_path}: {exc}") from exc
+        finally:
+            for fd in pidfds:
+                os.close(fd)
         self._sock = sock
         fds = [
             fd
-            for lvl, typ, raw in anc
+            for lvl, typ, raw in anc_in
             if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS
             for fd in array.array("i", raw[: len(raw) - len(raw) % 4])
         ]
+        self.segment: Segment | None = None
         try:
             body = self._reply(data, 0)
-            if len(fds) != 2:
-                raise ServerUnavailable(f"HELLO passed {len(fds)} fds, expected 2")
-            classes = [SlotClass(int(b), int(c)) for b, c in body["classes"]]
-            self.segment = Segment(classes, fds[0], fds[1], writable_header=False)
-            if role == "worker":  # GPU <-> shared L1 at pinned speed where this process uses CUDA
-                _pin_for_cuda(self.segment)
             self.epoch = int(body["epoch"])
             self.server_pid = int(body["pid"])
+            self.session = bytes(body["session"])
+            self.max_object = int(body["max_object"])
             self.tiers = [str(t) for t in body.get("tiers", [])]
+            if role != "probe":
+                if len(fds) != 2:
+                    raise ServerUnavailable(f"HELLO passed {len(fds)} fds, expected 2")
+                region_bytes, num_regions = body["geometry"]
+                self.segment = Segment(
+                    Geometry(int(region_bytes), int(num_regions)), fds[0], fds[1], writable_header=False
+                )
         except (ServerUnavailable, KeyError, TypeError, ValueError) as exc:
             self.close()
             raise (
                 exc if isinstance(exc, ServerUnavailable) else ServerUnavailable(f"bad HELLO reply: {exc}")
             ) from exc
         finally:
-            import os
-
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
+
+    @property
+    def seg(self) -> Segment:
+        """The mapped segment (every role but ``probe`` has one)."""
+        if self.segment is None:
+            raise ServerUnavailable("a probe connection maps no segment")
+        return self.segment
 
     def _reply(self, data: bytes, req_id: int) -> dict[str, Any]:
         if not data:
@@ -162,7 +223,13 @@ class ServerConnection:
     def _close_locked(self) -> None:
         if not self.closed:
             self.closed = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a watcher polling a duplicate of the socket
             self._sock.close()
+
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 once closed)."""
+        return self._sock.fileno()
 
     def close(self) -> None:
         """Close the socket (the segment stays mapped while objects use it); idempotent."""
@@ -173,13 +240,21 @@ class ServerConnection:
 class SharedObject(SlotObject):
     """A slot of the shared segment, reached through connection ``_conn`` (its objects die with it)."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "_done")
 
     def __init__(
-        self, conn: ServerConnection, key: str, spec: KVSpec, slot: int, gen: int, state: ObjectState
+        self,
+        conn: ServerConnection,
+        key: str,
+        spec: KVSpec,
+        slot: int,
+        gen: int,
+        offset: int,
+        state: ObjectState,
     ):
-        super().__init__(conn.segment, key, spec, slot, gen, state)
+        super().__init__(conn.seg, key, spec, slot, gen, offset, state)
         self._conn = conn
+        self._done = state is not ObjectState.WRITING  # a write settled (COMMIT or ABORT sent or void)
 
 
 class SharedLease:
@@ -198,7 +273,7 @@ class SharedLease:
         conn = self.obj._conn
         if self._released or conn.closed or conn is not self._owner._conn:
             return False
-        return conn.segment.slot_state(self.obj.slot) == (self.obj.gen, PUBLISHED)
+        return self.obj.seg.slot_state(self.obj.slot) == (self.obj.gen, PUBLISHED)
 
     def release(self) -> None:
         """Drop the lease; idempotent and never raises (a lost connection already dropped it)."""
@@ -219,7 +294,13 @@ class SharedLease:
 
 
 class SharedL1:
-    """The L1 surface of :class:`~tiercache.store.l1.L1Cache` on a shared segment (cache-off when down)."""
+    """The L1 surface of :class:`~tiercache.store.l1.L1Cache` on a shared segment (cache-off when down).
+
+    Fail-fast: a request that fails or times out once ends the connection and the client is cache-off at
+    once (misses, skipped stores, no waiting); a background thread reconnects with a doubling backoff,
+    notices a server that went away while the client was idle, registers a new segment with CUDA off the
+    request path, and ends the lost session on the server (a fence) once every write into it has settled.
+    """
 
     pinned = False
 
@@ -231,55 +312,172 @@ class SharedL1:
         timeout_s: float = 5.0,
         backoff_s: float = 0.05,
         max_backoff_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
+        slot_bytes: Sequence[int] = (),
+        server_uid: int | None = None,
     ) -> None:
-        """Connect now if the server answers; otherwise start cache-off (no exception)."""
+        """Connect now if the server answers within ``timeout_s`` (the segment's CUDA registration, where a
+        worker uses CUDA, goes on in the background: misses meanwhile); otherwise start cache-off. Never
+        raises for an absent server. ``slot_bytes``: the object sizes this client stores (declared at HELLO
+        so the server has a size class ready)."""
         self.socket_path = socket_path
         self.role = role
         self.timeout_s = timeout_s
         self._backoff_initial = backoff_s
         self._max_backoff = max_backoff_s
-        self._backoff = backoff_s
-        self._clock = clock
-        self._next_attempt = 0.0
+        self._slot_bytes = tuple(slot_bytes)
+        self._server_uid = server_uid
         self._lock = threading.Lock()
         self._conn: ServerConnection | None = None
+        self._installed = threading.Event()
+        self._stopping = False
+        self._fence_ready: list[bytes] = []  # lost sessions with every write settled, not yet fenced
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.requests: collections.Counter[str] = collections.Counter()
         """Round trips to the server by op name, over every connection this L1 made."""
         self.reconnects = 0
         self.offline_misses = 0
         self.skipped_stores = 0
+        self.lost_connections = 0
+        self.refused_leases = 0
         self.capacity = 0
         self.slot_bytes = 0
-        self._connection()
+        self.last_error = ""
+        """Why the last connection attempt or request failed (empty while none did)."""
+        first = self._open()
+        if first is not None and not (role == "worker" and _uses_cuda()):
+            self._install(first)
+            first = None
+        self._thread = threading.Thread(
+            target=self._watch, args=(first,), name="tiercache-server-watch", daemon=True
+        )
+        self._thread.start()
 
     # ------------------------------------------------------------------ connection
-    def _connection(self) -> ServerConnection | None:
-        """The live connection, reconnecting once the backoff elapsed; None = cache-off."""
+    def _open(self) -> ServerConnection | None:
+        """One HELLO (fencing the lost sessions that are ready); None when the server cannot be reached."""
         with self._lock:
-            conn = self._conn
-            if conn is not None and not conn.closed:
-                return conn
-            now = self._clock()
-            if now < self._next_attempt:
-                return None
-            try:
-                conn = ServerConnection(self.socket_path, role=self.role, timeout_s=self.timeout_s)
-            except ServerUnavailable as exc:
-                log.warning("tiercache server unavailable (%s); cache off for %.2f s", exc, self._backoff)
-                self._next_attempt = now + self._backoff
-                self._backoff = min(self._backoff * 2, self._max_backoff)
-                self._conn = None
-                return None
-            if self._conn is not None:
+            fence = list(self._fence_ready)
+        try:
+            conn = ServerConnection(
+                self.socket_path,
+                role=self.role,
+                timeout_s=self.timeout_s,
+                slot_bytes=self._slot_bytes,
+                fence=fence,
+                server_uid=self._server_uid,
+            )
+        except ServerUnavailable as exc:
+            if str(exc) != self.last_error:
+                log.warning("tiercache server unavailable (%s); cache off, retrying in the background", exc)
+            self.last_error = str(exc)
+            return None
+        with self._lock:
+            self._fence_ready = [t for t in self._fence_ready if t not in fence]
+        return conn
+
+    def _install(self, conn: ServerConnection) -> None:
+        """Make ``conn`` the live connection (after its CUDA registration, where one is due)."""
+        with self._lock:
+            if self._stopping:
+                conn.close()
+                return
+            if self.capacity:
                 self.reconnects += 1
             conn.requests = self.requests  # one tally across reconnects
             self._conn = conn
-            self._backoff = self._backoff_initial
-            seg = conn.segment
-            self.capacity = seg.data_bytes
-            self.slot_bytes = max(c.slot_bytes for c in seg.classes)
-            return conn
+            self.capacity = conn.seg.data_bytes
+            self.slot_bytes = conn.max_object
+            self.last_error = ""
+            self._installed.set()
+        if 0 < conn.max_object < max(self._slot_bytes, default=0):
+            log.warning(
+                "tiercache: the server on %s takes objects of at most %d bytes, this client's need %d: those "
+                "are not stored (raise the server's region_bytes or l1.capacity)",
+                self.socket_path,
+                conn.max_object,
+                max(self._slot_bytes),
+            )
+
+    def _lose(self, conn: ServerConnection, why: str) -> None:
+        """``conn`` failed: cache-off now; the watcher reconnects. Its session is fenced once its writes
+        settled (at once when none is open)."""
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+                self._installed.clear()
+                self.lost_connections += 1
+                log.warning(
+                    "tiercache server connection lost (%s); cache off, reconnecting in the background", why
+                )
+            conn.close()
+            if conn.open_writes == 0 and conn.session not in self._fence_ready:
+                self._fence_ready.append(conn.session)
+            if conn.segment is not None:
+                conn.segment.release_views()
+        self._poke()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _watch(self, pending: ServerConnection | None) -> None:
+        """Background: register and install ``pending``; while connected wait for the socket to hang up;
+        while not, reconnect with a doubling backoff."""
+        delay = self._backoff_initial
+        while not self._stopping:
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                self._wait_hangup(conn)
+                continue
+            if pending is None:
+                pending = self._open()
+            if pending is None:
+                self._sleep(delay)
+                delay = min(delay * 2, self._max_backoff)
+                continue
+            if self.role == "worker":
+                _pin_for_cuda(pending.seg)  # off the request path: requests miss meanwhile
+            self._install(pending)
+            pending = None
+            delay = self._backoff_initial
+        if pending is not None:
+            pending.close()
+
+    def _wait_hangup(self, conn: ServerConnection) -> None:
+        """Block until ``conn``'s server hangs up (then lose it) or the watcher is poked."""
+        try:
+            fd = os.dup(conn.fileno())
+        except OSError:
+            return
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            poller.register(self._wake_r, select.POLLIN)
+            events = dict(poller.poll())
+        finally:
+            os.close(fd)
+        if events.get(self._wake_r):
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+        if events.get(fd) and not conn.closed:
+            self._lose(conn, "the server closed the connection")
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` or until poked (close)."""
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if poller.poll(int(seconds * 1000)):
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until a connection is live (at most ``timeout_s``); whether one is."""
+        return self._installed.wait(timeout_s)
+
+    def _connection(self) -> ServerConnection | None:
+        """The live connection, or None (cache-off: never waits for a reconnect)."""
+        conn = self._conn
+        return conn if conn is not None and not conn.closed else None
 
     def _call(
         self, op: Op, body: dict[str, Any], *, wait_s: float = 0.0
@@ -287,25 +485,39 @@ class SharedL1:
         conn = self._connection()
         if conn is None:
             return None
+        if self._fence_ready:
+            self._send_fences(conn)
         try:
             return conn, conn.request(op, body, wait_s=wait_s)
         except ServerUnavailable as exc:
-            log.warning("tiercache server request %s failed: %s; cache off", op.name, exc)
-            with self._lock:
-                self._next_attempt = self._clock() + self._backoff
+            self._lose(conn, f"{op.name}: {exc}")
             return None
+
+    def _send_fences(self, conn: ServerConnection) -> None:
+        with self._lock:
+            ready, self._fence_ready = self._fence_ready, []
+        try:
+            conn.request(Op.FENCE, {"sessions": ready})
+        except ServerUnavailable as exc:
+            with self._lock:
+                self._fence_ready.extend(ready)
+            self._lose(conn, f"FENCE: {exc}")
 
     def connected(self) -> bool:
         """Whether a live connection exists now (no reconnect attempt)."""
-        conn = self._conn
-        return conn is not None and not conn.closed
+        return self._connection() is not None
 
     def close(self) -> None:
-        """Close the connection (the server drops its leases)."""
+        """Close the connection (the server drops its leases) and stop reconnecting."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-            self._next_attempt = float("inf")
+            self._stopping = True
+            conn, self._conn = self._conn, None
+            self._installed.clear()
+        if conn is not None:
+            conn.close()
+        self._poke()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.timeout_s + 1.0)
 
     # ------------------------------------------------------------------ writes
     def reserve_write(self, key: str, spec: KVSpec) -> SharedObject | None:
@@ -332,14 +544,33 @@ class SharedL1:
                 self.skipped_stores += len(keys) - len(out)
                 return out + [None] * (len(keys) - len(out))  # reservations of a lost connection are void
             conn = got[0]
+            made = 0
             for key, spec, ref in zip(batch, batch_specs, got[1]["slots"], strict=True):
-                ok = isinstance(ref, list)
-                out.append(
-                    SharedObject(conn, key, spec, int(ref[0]), int(ref[1]), ObjectState.WRITING)
-                    if ok
-                    else None
-                )
+                if isinstance(ref, list):
+                    made += 1
+                    out.append(
+                        SharedObject(
+                            conn, key, spec, int(ref[0]), int(ref[1]), int(ref[2]), ObjectState.WRITING
+                        )
+                    )
+                else:
+                    out.append(None)
+            with self._lock:
+                conn.open_writes += made
         return out
+
+    def _settled(self, objs: Sequence[SharedObject]) -> None:
+        """Count ``objs`` as settled on their connections; a lost session whose last write settled is
+        queued for a fence."""
+        with self._lock:
+            for obj in objs:
+                if obj._done:
+                    continue
+                obj._done = True
+                conn = obj._conn
+                conn.open_writes -= 1
+                if conn.closed and conn.open_writes == 0 and conn.session not in self._fence_ready:
+                    self._fence_ready.append(conn.session)
 
     def _settle(self, objs: Sequence[SharedObject], op: Op) -> list[bool]:
         """COMMIT or ABORT ``objs`` in one request; False for those whose connection is gone or stale."""
@@ -347,19 +578,20 @@ class SharedL1:
             if obj.state is not ObjectState.WRITING:
                 raise ValueError(f"{obj!r} is not a WRITING object")
         live = [i for i, obj in enumerate(objs) if obj._conn is self._conn and not obj._conn.closed]
-        # objects of a lost connection: the server frees their slots once we exit, never publishes them
         done = [False] * len(objs)
         for start in range(0, len(live), ALLOC_BATCH):
             idx = live[start : start + ALLOC_BATCH]
             conn = objs[idx[0]]._conn
             try:
                 oks = conn.request(op, {"slots": [[objs[i].slot, objs[i].gen] for i in idx]})["ok"]
-            except ServerUnavailable:
+            except ServerUnavailable as exc:
+                self._lose(conn, f"{op.name}: {exc}")
                 break
             for i, ok in zip(idx, oks, strict=True):
                 done[i] = bool(ok)
                 if ok and op is Op.COMMIT:
                     objs[i].state = ObjectState.READY
+        self._settled(objs)
         return done
 
     def finish_write(self, obj: SharedObject) -> None:
@@ -396,6 +628,9 @@ class SharedL1:
                 self.offline_misses += len(keys)
                 return None  # leases of earlier batches went with their connection
             conn = got[0]
+            refused = int(got[1].get("refused", 0))
+            if refused:
+                self.refused_leases += refused
             replies.append(got[1])
         return None if conn is None else (conn, replies)  # None for no keys: callers answer [] either way
 
@@ -440,7 +675,7 @@ class SharedL1:
                     self._release(conn, [int(hit[4])])
                 out.append(None)
                 continue
-            obj = SharedObject(conn, key, spec, int(hit[0]), int(hit[1]), ObjectState.READY)
+            obj = SharedObject(conn, key, spec, int(hit[0]), int(hit[1]), int(hit[5]), ObjectState.READY)
             out.append(SharedLease(self, obj, int(hit[4])))
         return out
 

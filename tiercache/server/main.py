@@ -10,13 +10,83 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tiercache.server.segment import SlotClass
+from tiercache.server.segment import stride_of
 from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOptions
+from tiercache.server.slots import Caps
 
 if TYPE_CHECKING:
     from tiercache.config import Config
 
-__all__ = ["main", "run_server"]
+__all__ = ["main", "options_from_config", "raise_fd_limit", "run_server", "server_uid_of"]
+
+
+def _gid(group: int | str | None) -> int | None:
+    """A group given by gid or name as a gid; ValueError naming an unknown group."""
+    if group is None or isinstance(group, int):
+        return group
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r}") from None
+
+
+def server_uid_of(user: int | str | None) -> int | None:
+    """``server.server_uid`` as a uid (a user name is looked up); ValueError naming an unknown user."""
+    if user is None or isinstance(user, int):
+        return user
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ValueError(f"no user named {user!r}") from None
+
+
+def options_from_config(config: Config, socket_path: str, slot_bytes: int | None = None) -> ServerOptions:
+    """The server options of ``config`` on ``socket_path`` (``slot_bytes`` wins over server.slot_bytes);
+    ValueError with a one-line reason when they cannot serve."""
+    srv = config.server
+    declared = slot_bytes or srv.slot_bytes
+    if declared is not None and declared <= 0:
+        raise ValueError(f"slot bytes must be positive, got {declared}")
+    options = ServerOptions(
+        socket_path=socket_path,
+        capacity=config.l1.capacity,
+        slot_bytes=() if declared is None else (declared,),
+        region_bytes=srv.region_bytes,
+        mode=srv.mode,
+        group=_gid(srv.group),
+        allowed_uids=frozenset(srv.allowed_uids),
+        admin_group=_gid(srv.admin_group),
+        drain_s=srv.drain_s,
+        caps=Caps(srv.max_leases_per_client, srv.max_share_per_client),
+        max_clients=srv.max_clients,
+        orphan_grace_s=srv.orphan_grace_s,
+    )
+    geometry = options.geometry()
+    if declared is not None and stride_of(declared) > geometry.region_bytes:
+        raise ValueError(
+            f"an object of {declared} bytes does not fit a region of {geometry.region_bytes} bytes "
+            "(raise l1.capacity or server.region_bytes)"
+        )
+    return options
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft open-file limit to its hard limit (a daemon holds a socket and a pidfd per
+    client); the (soft, hard) limits now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft, hard
 
 
 def _say(line: str) -> None:
@@ -35,6 +105,12 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         tiers = await open_tiers(
             config
         )  # a tier down now is kept as a down tier, re-opened in the background
+    soft, _ = raise_fd_limit()
+    if soft < 4 * options.max_clients:
+        _say(
+            f"tiercache server: warning: the open-file limit ({soft}) is below 4 x max_clients "
+            f"({options.max_clients}); raise LimitNOFILE / ulimit -n"
+        )
     try:
         server = L1Server(options, tiers=tiers, policy=None if config is None else config.manager)
         await server.start()
@@ -81,20 +157,46 @@ def run_server(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the flags of the standalone entry point (the slot layout given directly) and serve."""
+    """Parse the flags of the standalone entry point (the segment given directly) and serve."""
     ap = argparse.ArgumentParser(prog="python -m tiercache.server", description=__doc__)
     ap.add_argument("--socket", required=True, help="Unix socket path")
-    ap.add_argument("--slot-bytes", type=int, required=True, help="bytes of one slot")
-    ap.add_argument("--slots", type=int, required=True, help="number of slots")
+    ap.add_argument("--capacity", type=int, help="bytes of the shared segment (default: 1 GiB)")
+    ap.add_argument(
+        "--slot-bytes", type=int, action="append", default=[], help="a size class to make at start"
+    )
+    ap.add_argument(
+        "--slots", type=int, help="exactly this many slots of the (first) --slot-bytes: one slot per region"
+    )
+    ap.add_argument("--region-bytes", type=int, help="bytes of one region (the largest object)")
     ap.add_argument("--mode", type=lambda s: int(s, 8), default=0o600, help="socket file mode (octal)")
     ap.add_argument("--group", type=int, default=None, help="gid owning the socket; its members are allowed")
     ap.add_argument("--allow-uid", type=int, action="append", default=[], help="allowed peer uid (repeat)")
+    ap.add_argument("--admin-group", type=int, default=None, help="gid whose members may CLEAR and DRAIN")
+    ap.add_argument("--max-clients", type=int, default=1024, help="connections served at once")
+    ap.add_argument("--max-leases", type=int, default=Caps().max_leases, help="read leases per connection")
+    ap.add_argument(
+        "--max-share", type=float, default=Caps().max_share, help="fraction of the segment per connection"
+    )
+    ap.add_argument("--orphan-grace-s", type=float, default=60.0, help="see server.orphan_grace_s")
     args = ap.parse_args(argv)
+    capacity = args.capacity or 1 << 30
+    region = args.region_bytes
+    if args.slots is not None:
+        if not args.slot_bytes:
+            ap.error("--slots needs --slot-bytes")
+        region = max(stride_of(args.slot_bytes[0]), 4096)
+        capacity = args.slots * region
     options = ServerOptions(
         socket_path=args.socket,
-        slot_classes=[SlotClass(args.slot_bytes, args.slots)],
+        capacity=capacity,
+        slot_bytes=tuple(args.slot_bytes),
+        region_bytes=region,
         mode=args.mode,
         group=args.group,
         allowed_uids=frozenset(args.allow_uid),
+        admin_group=args.admin_group,
+        caps=Caps(args.max_leases, args.max_share),
+        max_clients=args.max_clients,
+        orphan_grace_s=args.orphan_grace_s,
     )
     return run_server(options)

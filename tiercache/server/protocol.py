@@ -20,6 +20,8 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_WAIT_S",
     "PROTOCOL_VERSION",
+    "ROLES",
+    "SESSION_BYTES",
     "Message",
     "Op",
     "ProtocolError",
@@ -29,12 +31,18 @@ __all__ = [
     "spec_meta",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit the default socket buffer)
 MAX_KEYS = 1024  # keys/slots/leases in one request
 MAX_KEY_LEN = 512
 MAX_META_LEN = 256  # a KV spec takes ~30 bytes
 MAX_WAIT_S = 3600.0  # longest wait a request may ask for (LOOKUP wait_s, DRAIN timeout_s)
+MAX_FENCES = 64  # lost sessions one HELLO or FENCE may end
+MAX_DECLARED = 16  # object sizes one HELLO may declare
+SESSION_BYTES = 16  # a session token: random, known only to the connection it was given to
+ROLES = frozenset({"worker", "scheduler", "admin", "probe"})
+"""``probe``: a health check (no segment passed, STATS only); ``admin``: CLEAR and DRAIN (the server's own uid
+or its admin group only)."""
 
 
 class ProtocolError(ValueError):
@@ -54,6 +62,7 @@ class Op(enum.IntEnum):
     STATS = 8
     CLEAR = 9
     DRAIN = 10
+    FENCE = 11
     OK = 64
     ERR = 65
 
@@ -117,13 +126,29 @@ def _slot_refs(v: object) -> list[tuple[int, int]]:
     return out
 
 
+def _sessions(v: object) -> list[bytes]:
+    tokens = _list(v, "sessions", MAX_FENCES)
+    for t in tokens:
+        if type(t) is not bytes or len(t) != SESSION_BYTES:
+            raise ProtocolError(f"a session token is {SESSION_BYTES} bytes")
+    return tokens
+
+
 def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
     """The normalised body of a request; ProtocolError on a missing/extra/ill-typed field."""
-    if op is Op.HELLO:
+    if op is Op.HELLO:  # slot_bytes: the object sizes the client will store; fence: its lost sessions
         role = body.get("role")
-        if type(role) is not str or len(role) > 32:
-            raise ProtocolError("HELLO needs role: str")
-        return {"role": role}
+        if role not in ROLES:
+            raise ProtocolError(f"HELLO needs role, one of {sorted(ROLES)}")
+        return {
+            "role": role,
+            "slot_bytes": [
+                _u64(n, "slot_bytes") for n in _list(body.get("slot_bytes", []), "slot_bytes", MAX_DECLARED)
+            ],
+            "fence": _sessions(body.get("fence", [])),
+        }
+    if op is Op.FENCE:
+        return {"sessions": _sessions(body.get("sessions"))}
     if op is Op.LOOKUP:  # l2 / prefetch / wait_s are optional (L1-only clients leave them out)
         return {
             "keys": _keys(body.get("keys")),

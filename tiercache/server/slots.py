@@ -1,6 +1,16 @@
 """Slot bookkeeping of the server: FREE -> RESERVED(owner, gen) -> PUBLISHED(leases) -> FREE, the generation
-bumped on every free. Leases and reservations belong to connection ids. Eviction takes only PUBLISHED slots
-without a lease, least recently used first. Pure logic: no sockets, mirrored into the segment header table.
+bumped on every free. Pure logic: no sockets, mirrored into the segment header table.
+
+Size classes come from the objects: an object goes to the smallest class whose slots hold it, or makes a new
+class of its own size (``declare`` makes one ahead, from a client's HELLO or the configured ``slot_bytes``). A
+class takes whole regions of the segment as it needs them: a free region, then its own least recently used
+unleased published slot, then a region of another class that holds nothing reserved or leased. A region whose
+slots are all free goes back to the pool.
+
+Leases and reservations belong to connection ids. When a connection is gone its leases drop, and its
+reservations are *orphaned*: their keys leave the index at once (no key is counted present that no one will
+publish; another client may store it) while their slots stay out of use until nothing of the lost writer can
+still land (:meth:`SlotTable.free_reservations`). Per-connection caps bound what one client can hold.
 """
 
 from __future__ import annotations
@@ -10,19 +20,47 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment
+from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_of
 
-__all__ = ["Hit", "SlotTable"]
+__all__ = ["MAX_CLASSES", "Caps", "Hit", "SlotTable"]
+
+MAX_CLASSES = 64
+"""Size classes one server keeps; an object that would need another is refused (counted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """What one client may hold: ``max_leases`` read leases per connection, and at most ``max_share`` of the
+    segment's bytes reserved or leased per holder (a client process: all its connections, live or lost,
+    together), though always one slot. Connection 0 (the server's own) is not capped."""
+
+    max_leases: int = 16384
+    max_share: float = 0.9
 
 
 @dataclass(slots=True)
 class _Slot:
-    key: str = ""
-    state: int = FREE
-    owner: int = 0  # connection id of a RESERVED slot
-    nbytes: int = 0
-    meta: bytes = b""
+    key: str
+    state: int
+    owner: int  # connection id of a RESERVED slot
+    nbytes: int
+    meta: bytes
     leases: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Region:
+    cls: int = -1  # size class, -1 = in the free pool
+    free: list[int] = field(default_factory=list)  # free slot ids (low ids popped first)
+    live: set[int] = field(default_factory=set)  # RESERVED or PUBLISHED slot ids
+
+
+@dataclass(slots=True)
+class _Class:
+    stride: int
+    regions: set[int] = field(default_factory=set)
+    partial: dict[int, None] = field(default_factory=dict)  # regions with a free slot (ordered set)
+    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # PUBLISHED slots, least recent first
 
 
 class Hit(NamedTuple):
@@ -33,78 +71,205 @@ class Hit(NamedTuple):
     nbytes: int
     meta: bytes
     lease: int
+    offset: int
 
 
 class SlotTable:
-    """Index, states, leases and LRU of one segment; every method is O(keys) and never blocks."""
+    """Index, states, leases, classes and LRU of one segment; every method is O(keys) (a region's slots when
+    a class takes it) and never blocks."""
 
-    def __init__(self, segment: Segment) -> None:
-        """All slots FREE at generation 0."""
+    def __init__(self, segment: Segment, caps: Caps | None = None) -> None:
+        """Every region in the pool, every slot FREE at generation 0."""
         self.seg = segment
-        self._slots = [_Slot() for _ in range(segment.num_slots)]
-        self._gens = [int(g) for g in segment.table[:, 0]]  # mirror of the header's generations (fast reads)
-        self._free: list[list[int]] = [[] for _ in segment.classes]
-        for s in range(segment.num_slots - 1, -1, -1):
-            self._free[segment.class_of[s]].append(s)
+        self.caps = caps or Caps()
+        geo = segment.geometry
+        self._region_bytes = geo.region_bytes
+        self._per_region = geo.slots_per_region
+        self._regions = [_Region() for _ in range(geo.num_regions)]
+        self._free_regions = list(range(geo.num_regions - 1, -1, -1))
+        self._classes: list[_Class] = []
+        self._slots: dict[int, _Slot] = {}  # RESERVED or PUBLISHED slots
+        self._gens: dict[int, int] = {}  # mirror of the header's generations (0 when absent)
         self._index: dict[str, int] = {}  # key -> RESERVED or PUBLISHED slot
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in segment.classes]  # PUBLISHED
         self._leases: dict[int, tuple[int, int]] = {}  # lease id -> (conn, slot)
         self._conn_leases: dict[int, set[int]] = {}
         self._conn_reserved: dict[int, set[int]] = {}
+        self._holders: dict[int, int] = {}  # connection -> holder (its process) whose bytes are capped
+        self._held_bytes: dict[int, int] = {}  # holder -> bytes it holds (reserved + leased slots' strides)
         self._lease_ids = itertools.count(1)
         self.evictions = 0
         self.alloc_failures = 0
+        self.too_large = 0
+        self.cap_refusals = 0
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ geometry
+    @property
+    def max_object(self) -> int:
+        """Bytes of the largest object a slot can hold (one region)."""
+        return self._region_bytes
+
+    @property
+    def classes(self) -> list[tuple[int, int]]:
+        """(stride, regions held) per size class."""
+        return [(c.stride, len(c.regions)) for c in self._classes]
+
+    def declare(self, nbytes: int) -> bool:
+        """Make sure a class holds objects of ``nbytes`` (a client's chunk size); False when too large or out
+        of classes."""
+        return self._class_for(nbytes) is not None
+
+    def _class_for(self, nbytes: int) -> int | None:
+        """The smallest class whose stride holds ``nbytes``; a new class of that stride when none does."""
+        if nbytes > self._region_bytes:
+            return None
+        want = max(stride_of(nbytes), self.seg.geometry.min_stride)
+        best = None
+        for ci, c in enumerate(self._classes):
+            if c.stride >= want and (best is None or c.stride < self._classes[best].stride):
+                best = ci
+        if best is None and len(self._classes) < MAX_CLASSES:
+            self._classes.append(_Class(want))
+            best = len(self._classes) - 1
+        return best
+
+    def offset_of(self, slot: int) -> int:
+        """Byte offset of ``slot`` in the data (its region's class decides the stride)."""
+        region, index = divmod(slot, self._per_region)
+        return region * self._region_bytes + index * self._classes[self._regions[region].cls].stride
+
+    def _gen(self, slot: int) -> int:
+        return self._gens.get(slot, 0)
+
+    # ------------------------------------------------------------------ regions
+    def _assign(self, region: int, ci: int) -> None:
+        c = self._classes[ci]
+        r = self._regions[region]
+        r.cls = ci
+        base = region * self._per_region
+        r.free = list(range(base + self._region_bytes // c.stride - 1, base - 1, -1))
+        c.regions.add(region)
+        c.partial[region] = None
+
+    def _release_region(self, region: int) -> None:
+        r = self._regions[region]
+        c = self._classes[r.cls]
+        c.regions.discard(region)
+        c.partial.pop(region, None)
+        r.cls, r.free = -1, []
+        self._free_regions.append(region)
+
+    def _steal_region(self, ci: int) -> bool:
+        """Free a region of another class that holds nothing reserved or leased (evicting its published
+        slots), fewest published first; False when none can be taken."""
+        best: tuple[int, int] | None = None
+        for region, r in enumerate(self._regions):
+            if r.cls < 0 or r.cls == ci:
+                continue
+            if any(self._slots[slot].state != PUBLISHED or self._slots[slot].leases for slot in r.live):
+                continue
+            if best is None or len(r.live) < best[1]:
+                best = (region, len(r.live))
+        if best is None:
+            return False
+        for slot in list(self._regions[best[0]].live):
+            self._free_slot(slot)
+            self.evictions += 1
+        return True
+
+    def _take(self, ci: int) -> int | None:
+        """A free slot of class ``ci``: a partly used region, a pool region, the class's own LRU victim,
+        then a region of another class; None when every slot is reserved or leased."""
+        c = self._classes[ci]
+        for _ in range(4):
+            if c.partial:
+                region = next(iter(c.partial))
+                r = self._regions[region]
+                slot = r.free.pop()
+                r.live.add(slot)
+                if not r.free:
+                    del c.partial[region]
+                return slot
+            if self._free_regions:
+                self._assign(self._free_regions.pop(), ci)
+                continue
+            victim = next((slot for slot in c.lru if not self._slots[slot].leases), None)
+            if victim is not None:
+                self._free_slot(victim)
+                self.evictions += 1
+                continue
+            if not self._steal_region(ci):
+                return None
+        return None
+
+    # ------------------------------------------------------------------ slot states
     def _set_state(self, slot: int, state: int) -> None:
-        self._slots[slot].state = state
         self.seg.table[slot, 1] = state
 
+    def set_holder(self, conn: int, holder: int) -> None:
+        """Count what ``conn`` holds against ``holder`` (e.g. its process) for the share cap."""
+        self._holders[conn] = holder
+
+    def _charge(self, conn: int, slot: int, sign: int) -> None:
+        if conn:
+            holder = self._holders.get(conn, conn)
+            held = self._held_bytes.get(holder, 0) + sign * self._stride(slot)
+            if held:
+                self._held_bytes[holder] = held
+            else:
+                self._held_bytes.pop(holder, None)
+
+    def _stride(self, slot: int) -> int:
+        return self._classes[self._regions[slot // self._per_region].cls].stride
+
+    def _over_cap(self, conn: int, slot_stride: int) -> bool:
+        if not conn or self.caps.max_share >= 1:
+            return False
+        held = self._held_bytes.get(self._holders.get(conn, conn), 0)
+        return held > 0 and held + slot_stride > self.caps.max_share * self.seg.data_bytes
+
     def _free_slot(self, slot: int) -> None:
-        s = self._slots[slot]
+        s = self._slots.pop(slot)
+        region = slot // self._per_region
+        ci = self._regions[region].cls
         if s.state == PUBLISHED:
-            del self._lru[self.seg.class_of[slot]][slot]
+            del self._classes[ci].lru[slot]
         elif s.state == RESERVED:
             self._conn_reserved.get(s.owner, set()).discard(slot)
+            self._charge(s.owner, slot, -1)
         if self._index.get(s.key) == slot:
             del self._index[s.key]
         for lid in s.leases:
             conn, _ = self._leases.pop(lid)
             self._conn_leases.get(conn, set()).discard(lid)
-        self._slots[slot] = _Slot()
-        self._gens[slot] += 1
-        self.seg.table[slot, 0] = self._gens[slot]  # generation first, then state: never FREE at the old gen
+            self._charge(conn, slot, -1)
+        gen = self._gen(slot) + 1
+        self._gens[slot] = gen
+        self.seg.table[slot, 0] = gen  # generation first, then state: never FREE at the old gen
         self._set_state(slot, FREE)
-        self._free[self.seg.class_of[slot]].append(slot)
-
-    def _class_for(self, nbytes: int) -> int | None:
-        best = None
-        for ci, c in enumerate(self.seg.classes):
-            if c.slot_bytes >= nbytes and (best is None or c.slot_bytes < self.seg.classes[best].slot_bytes):
-                best = ci
-        return best
-
-    def _take(self, ci: int) -> int | None:
-        if self._free[ci]:
-            return self._free[ci].pop()
-        for slot in self._lru[ci]:
-            if not self._slots[slot].leases:
-                self._free_slot(slot)
-                self.evictions += 1
-                return self._free[ci].pop()
-        return None
+        r = self._regions[region]
+        r.free.append(slot)
+        r.live.discard(slot)
+        if not r.live:
+            self._release_region(region)
+        else:
+            self._classes[ci].partial[region] = None
 
     def _check(self, conn: int, slot: int, gen: int, state: int) -> bool:
-        if slot >= len(self._slots):
-            return False
-        s = self._slots[slot]
-        return s.state == state and self._gens[slot] == gen and (state != RESERVED or s.owner == conn)
+        s = self._slots.get(slot)
+        return (
+            s is not None
+            and s.state == state
+            and self._gen(slot) == gen
+            and (state != RESERVED or s.owner == conn)
+        )
 
     # ------------------------------------------------------------------ requests
-    def lookup(self, conn: int, keys: list[str], *, pin: bool, prefix: bool) -> list[Hit | None]:
-        """Per key its published slot or None; ``prefix`` stops at the first miss; ``pin`` leases hits (and
-        makes them most recently used; an unpinned lookup leaves the LRU order alone)."""
+    def lookup(self, conn: int, keys: list[str], *, pin: bool, prefix: bool) -> tuple[list[Hit | None], int]:
+        """Per key its published slot or None, and how many pinned hits the connection's caps refused (those
+        are None). ``prefix`` stops at the first miss; ``pin`` leases hits and makes them most recently used
+        (a presence check leaves the LRU order alone)."""
         out: list[Hit | None] = []
+        refused = 0
         for key in keys:
             slot = self._index.get(key)
             s = None if slot is None else self._slots[slot]
@@ -115,23 +280,44 @@ class SlotTable:
                 continue
             lease = 0
             if pin:  # a pinned hit is about to be read: most recently used (a presence check is not)
-                self._lru[self.seg.class_of[slot]].move_to_end(slot)
+                stride = self._stride(slot)
+                if conn and (
+                    len(self._conn_leases.get(conn, ())) >= self.caps.max_leases
+                    or self._over_cap(conn, stride)
+                ):
+                    refused += 1
+                    if prefix:
+                        break
+                    out.append(None)
+                    continue
+                self._classes[self._regions[slot // self._per_region].cls].lru.move_to_end(slot)
                 lease = next(self._lease_ids)
                 s.leases.add(lease)
                 self._leases[lease] = (conn, slot)
                 self._conn_leases.setdefault(conn, set()).add(lease)
-            out.append(Hit(slot, self._gens[slot], s.nbytes, s.meta, lease))
-        return out
+                self._charge(conn, slot, 1)
+            out.append(Hit(slot, self._gen(slot), s.nbytes, s.meta, lease, self.offset_of(slot)))
+        self.cap_refusals += refused
+        return out, refused
 
     def alloc(self, conn: int, keys: list[str], nbytes: list[int], metas: list[bytes]) -> list[object]:
-        """Per key ``[slot, gen]`` reserved for ``conn``, ``"present"`` if the key exists, None if no room."""
+        """Per key ``[slot, gen, offset]`` reserved for ``conn``, ``"present"`` if the key exists, None if no
+        room (too large, every slot held, or the connection's share used up)."""
         out: list[object] = []
         for key, n, meta in zip(keys, nbytes, metas, strict=True):
             if key in self._index:
                 out.append("present")
                 continue
             ci = self._class_for(n)
-            slot = None if ci is None else self._take(ci)
+            if ci is None:
+                self.too_large += 1
+                out.append(None)
+                continue
+            if self._over_cap(conn, self._classes[ci].stride):
+                self.cap_refusals += 1
+                out.append(None)
+                continue
+            slot = self._take(ci)
             if slot is None:
                 self.alloc_failures += 1
                 out.append(None)
@@ -140,18 +326,21 @@ class SlotTable:
             self._set_state(slot, RESERVED)
             self._index[key] = slot
             self._conn_reserved.setdefault(conn, set()).add(slot)
-            out.append([slot, self._gens[slot]])
+            self._charge(conn, slot, 1)
+            out.append([slot, self._gen(slot), self.offset_of(slot)])
         return out
 
     def commit(self, conn: int, refs: list[tuple[int, int]]) -> list[bool]:
         """Publish each reservation ``conn`` holds at that generation; False for a stale/foreign ref."""
         out = []
         for slot, gen in refs:
-            ok = self._check(conn, slot, gen, RESERVED)
+            ok = self._check(conn, slot, gen, RESERVED) and self._index.get(self._slots[slot].key) == slot
             if ok:
                 self._conn_reserved[conn].discard(slot)
+                self._charge(conn, slot, -1)
+                self._slots[slot].state = PUBLISHED
                 self._set_state(slot, PUBLISHED)
-                self._lru[self.seg.class_of[slot]][slot] = None
+                self._classes[self._regions[slot // self._per_region].cls].lru[slot] = None
             out.append(ok)
         return out
 
@@ -174,28 +363,46 @@ class SlotTable:
             del self._leases[lid]
             self._conn_leases.get(conn, set()).discard(lid)
             self._slots[held[1]].leases.discard(lid)
+            self._charge(conn, held[1], -1)
 
     def drop_leases(self, conn: int) -> None:
         """Release every lease of ``conn`` (END, or the connection closed)."""
         self.release(conn, list(self._conn_leases.get(conn, ())))
         self._conn_leases.pop(conn, None)
 
+    def orphan(self, conn: int) -> int:
+        """``conn`` is gone: drop its leases, and take its reservations' keys out of the index (never
+        published; the slots stay reserved until :meth:`free_reservations`). How many are orphaned."""
+        self.drop_leases(conn)
+        slots = self._conn_reserved.get(conn, set())
+        if not slots:
+            self._conn_reserved.pop(conn, None)
+            self._holders.pop(conn, None)
+        for slot in slots:
+            key = self._slots[slot].key
+            if self._index.get(key) == slot:
+                del self._index[key]
+        return len(slots)
+
     def free_reservations(self, conn: int) -> int:
-        """Free every reservation of ``conn`` (only once its process has exited); the number freed."""
+        """Free every reservation of ``conn`` (once nothing of its writer can land); the number freed."""
         slots = list(self._conn_reserved.pop(conn, ()))
         for slot in slots:
-            if self._slots[slot].state == RESERVED and self._slots[slot].owner == conn:
+            s = self._slots.get(slot)
+            if s is not None and s.state == RESERVED and s.owner == conn:
                 self._free_slot(slot)
+        self._holders.pop(conn, None)
         return len(slots)
 
     def key_of(self, slot: int) -> str:
         """The key a RESERVED or PUBLISHED ``slot`` holds ("" when FREE)."""
-        return self._slots[slot].key
+        s = self._slots.get(slot)
+        return "" if s is None else s.key
 
     def clear(self) -> int:
         """Free every PUBLISHED slot without a lease (CLEAR); reservations and leased slots stay. The number
         freed."""
-        unleased = [slot for lru in self._lru for slot in lru if not self._slots[slot].leases]
+        unleased = [slot for c in self._classes for slot in c.lru if not self._slots[slot].leases]
         for slot in unleased:
             self._free_slot(slot)
         return len(unleased)
@@ -204,16 +411,34 @@ class SlotTable:
         """How many slots ``conn`` holds RESERVED."""
         return len(self._conn_reserved.get(conn, ()))
 
+    def leases_of(self, conn: int) -> int:
+        """How many leases ``conn`` holds."""
+        return len(self._conn_leases.get(conn, ()))
+
     def stats(self) -> dict[str, int]:
-        """Counters and occupancy."""
-        states = [s.state for s in self._slots]
+        """Counters and occupancy. Slot counts are over the regions classes hold, plus the pool's regions
+        counted in slots of the largest class."""
+        reserved = orphaned = 0
+        for slot, s in self._slots.items():
+            if s.state == RESERVED:
+                reserved += 1
+                orphaned += self._index.get(s.key) != slot
+        carved = sum(self._region_bytes // self._classes[r.cls].stride for r in self._regions if r.cls >= 0)
+        largest = max((c.stride for c in self._classes), default=self._region_bytes)
+        pooled = len(self._free_regions) * (self._region_bytes // largest)
         return {
-            "num_slots": len(self._slots),
-            "free": states.count(FREE),
-            "reserved": states.count(RESERVED),
-            "published": states.count(PUBLISHED),
+            "num_slots": carved + pooled,
+            "free": carved + pooled - len(self._slots),
+            "reserved": reserved,
+            "orphaned": orphaned,
+            "published": len(self._slots) - reserved,
             "leases": len(self._leases),
-            "leased_slots": sum(1 for s in self._slots if s.leases),
+            "leased_slots": sum(1 for s in self._slots.values() if s.leases),
             "evictions": self.evictions,
             "alloc_failures": self.alloc_failures,
+            "too_large": self.too_large,
+            "cap_refusals": self.cap_refusals,
+            "regions": len(self._regions),
+            "free_regions": len(self._free_regions),
+            "classes": len(self._classes),
         }

@@ -67,7 +67,7 @@ class ServerL1:
     def __init__(self, table: SlotTable) -> None:
         self.table = table
         self.seg = table.seg
-        self.slot_bytes = max(c.slot_bytes for c in self.seg.classes)
+        self.slot_bytes = table.max_object
         self.capacity = self.seg.data_bytes
 
     def reserve_write(self, key: str, spec: KVSpec) -> ServerObject | None:
@@ -82,7 +82,7 @@ class ServerL1:
             SERVER_CONN, list(keys), [s.nbytes for s in specs], [spec_meta(s) for s in specs]
         )
         return [
-            ServerObject(self.seg, key, spec, ref[0], ref[1], ObjectState.WRITING)
+            ServerObject(self.seg, key, spec, ref[0], ref[1], ref[2], ObjectState.WRITING)
             if isinstance(ref, list)
             else None
             for key, spec, ref in zip(keys, specs, refs, strict=True)
@@ -114,7 +114,8 @@ class ServerL1:
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Per key whether it is published."""
-        return [h is not None for h in self.table.lookup(SERVER_CONN, list(keys), pin=False, prefix=False)]
+        hits, _ = self.table.lookup(SERVER_CONN, list(keys), pin=False, prefix=False)
+        return [h is not None for h in hits]
 
     def acquire(self, key: str, lease_s: float | None = None) -> ServerLease | None:
         """Lease the published ``key`` (no TTL: the holder always releases)."""
@@ -123,16 +124,15 @@ class ServerL1:
     def batched_acquire(self, keys: Sequence[str], lease_s: float | None = None) -> list[ServerLease | None]:
         """:meth:`acquire` for each key."""
         out: list[ServerLease | None] = []
-        for key, hit in zip(
-            keys, self.table.lookup(SERVER_CONN, list(keys), pin=True, prefix=False), strict=True
-        ):
+        hits, _ = self.table.lookup(SERVER_CONN, list(keys), pin=True, prefix=False)
+        for key, hit in zip(keys, hits, strict=True):
             spec = None if hit is None else meta_spec(hit.meta)
             if hit is None or spec is None or spec.nbytes != hit.nbytes:
                 if hit is not None:
                     self.table.release(SERVER_CONN, [hit.lease])
                 out.append(None)
                 continue
-            obj = ServerObject(self.seg, key, spec, hit.slot, hit.generation, ObjectState.READY)
+            obj = ServerObject(self.seg, key, spec, hit.slot, hit.generation, hit.offset, ObjectState.READY)
             out.append(ServerLease(self, obj, hit.lease))
         return out
 
@@ -205,6 +205,16 @@ class ServerStorage:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await self.manager.load_into_l1(keys, None, wait_s)
+
+    def dropped_stores(self) -> dict[str, int]:
+        """Write-behind stores dropped so far, by reason (queue full, evicted, failed, ...), all tiers."""
+        out: dict[str, int] = {}
+        for family in self.manager.metrics.stores_dropped.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels.get("reason", "")
+                    out[reason] = out.get(reason, 0) + int(sample.value)
+        return out
 
     def pending_stores(self) -> int:
         """Write-behind stores queued or in flight."""

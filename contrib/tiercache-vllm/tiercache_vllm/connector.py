@@ -68,8 +68,9 @@ _METRICS = (
 def snapshot() -> dict[str, Any]:
     """Counters of every live connector in this process (tests, benchmarks): per side, plus the worker
     engine's tiercache metrics summed over labels (``{metric: {label: value}}``); in server mode also the
-    client's ``server_connected``, ``server_reconnects``, ``server_offline_misses`` and
-    ``server_skipped_stores`` (the scheduler's ``server`` says how the server was chosen)."""
+    client's ``server_connected``, ``server_reconnects``, ``server_lost_connections``,
+    ``server_offline_misses``, ``server_skipped_stores`` and ``server_refused_leases`` (the scheduler's
+    ``server`` says how the server was chosen)."""
     out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": []}
     down: set[str] = set()
     for conn in list(_LIVE):
