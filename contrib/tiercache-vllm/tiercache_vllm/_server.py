@@ -160,19 +160,15 @@ def _announce(choice: ServerChoice, config: Config) -> ServerChoice:
 
 
 def open_server_manager(socket_path: str, config: Config, *, role: str, slot_bytes: int) -> StorageManager:
-    """A ``StorageManager`` on the server's shared L1 (no L2 tier); call on the engine's event loop."""
+    """A ``StorageManager`` on the server's shared L1 (no L2 tier); call on the engine's event loop.
+    ``slot_bytes`` (one chunk object) is declared to the server, which makes a size class for it."""
     from tiercache.server.client import SharedL1
+    from tiercache.server.main import server_uid_of
     from tiercache.store.manager import StorageManager
 
-    l1 = SharedL1(socket_path, role=role)
-    if 0 < l1.slot_bytes < slot_bytes:
-        logger.warning(
-            "tiercache: the server on %s has %d-byte slots, one chunk object needs %d: nothing is stored; "
-            "raise server.slot_bytes",
-            socket_path,
-            l1.slot_bytes,
-            slot_bytes,
-        )
+    l1 = SharedL1(
+        socket_path, role=role, slot_bytes=[slot_bytes], server_uid=server_uid_of(config.server.server_uid)
+    )
     return StorageManager(l1, [], config.manager)
 
 
@@ -184,6 +180,8 @@ def server_engine_stats(engine: CacheEngine | None) -> dict[str, int]:
     return {
         "server_connected": int(l1.connected()),
         "server_reconnects": int(l1.reconnects),
+        "server_lost_connections": int(l1.lost_connections),
         "server_offline_misses": int(l1.offline_misses),
         "server_skipped_stores": int(l1.skipped_stores),
+        "server_refused_leases": int(l1.refused_leases),
     }
