@@ -405,9 +405,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     p.set_defaults(func=_cmd_conformance)
 
-    from tiercache.server.cli import add_serve_command
+    from tiercache.server.cli import add_health_command, add_serve_command
 
     add_serve_command(sub)
+    add_health_command(sub)
     return parser
 
 
