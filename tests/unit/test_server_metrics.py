@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.server.client import ServerConnection
-from tiercache.server.metrics import OP_SECONDS_BUCKETS, OpLatency, serve_metrics
+from tiercache.server.metrics import OP_SECONDS_BUCKETS, OpLatency, ServerCollector, serve_metrics
 from tiercache.server.protocol import Op
-from tiercache.server.segment import SlotClass
 from tiercache.server.server import L1Server, ServerOptions
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) -> value
@@ -133,7 +133,7 @@ def test_scrapes_while_the_loop_observes_new_ops() -> None:
 # ----------------------------------------------------------------------------------------- a real server
 @pytest_asyncio.fixture
 async def server(sock_dir: Path) -> AsyncIterator[L1Server]:
-    server = L1Server(ServerOptions(str(sock_dir / "m.sock"), [SlotClass(4096, 4)]))
+    server = L1Server(ServerOptions(str(sock_dir / "m.sock"), 4 * 4096, (4096,), region_bytes=4096))
     await server.start()
     yield server
     await server.stop()
@@ -168,8 +168,12 @@ async def test_op_seconds_is_a_histogram_on_metrics(server: L1Server) -> None:
     assert [count for _, count in buckets(samples, "ALLOC")] == [0.0] * len(OP_SECONDS_BUCKETS) + [1.0]
     assert samples[("tiercache_server_op_seconds_sum", (("op", "ALLOC"),))] == 20.0
     assert [count for _, count in buckets(samples, "COMMIT")] == [0.0] * len(bounds)  # there before use
-    # the other families are still there, read from the same server
+    # the other families are still there, read from the same server; every server counter among them
     assert families["tiercache_server_slots"][("tiercache_server_slots", (("state", "free"),))] == 4
+    assert server.counters
+    for name, value in server.counters.items():
+        assert types[f"tiercache_server_{name}"] == "counter"
+        assert families[f"tiercache_server_{name}"][(f"tiercache_server_{name}_total", ())] == value
 
     lat.observe("LOOKUP", 1e-5)  # read at scrape time: the next scrape sees it
     families, _ = await scrape(port)
@@ -180,11 +184,14 @@ async def test_op_seconds_is_a_histogram_on_metrics(server: L1Server) -> None:
 
 @pytest.mark.asyncio
 async def test_metrics_without_op_latency(server: L1Server) -> None:
-    """A server without ``op_latency`` (or with it removed) still serves every other family."""
-    if "op_latency" in vars(server):
-        del server.op_latency  # type: ignore[attr-defined,unused-ignore]
-    port = serve_metrics(server, "127.0.0.1", 0)
-    families, _ = await scrape(port)
+    """A server without ``op_latency`` (None or absent) still gives every other family."""
+    server.op_latency = None  # type: ignore[attr-defined,unused-ignore]
+    registry = CollectorRegistry()
+    registry.register(ServerCollector(server))
+    text = generate_latest(registry).decode()
+    del server.op_latency  # type: ignore[attr-defined,unused-ignore]
+    assert generate_latest(registry).decode() == text
+    families, _ = parse(text)
     assert "tiercache_server_op_seconds" not in families
     assert families["tiercache_server_slots"][("tiercache_server_slots", (("state", "free"),))] == 4
     assert families["tiercache_server_clients"][("tiercache_server_clients", ())] == 0
@@ -192,15 +199,16 @@ async def test_metrics_without_op_latency(server: L1Server) -> None:
 
 @pytest.mark.asyncio
 async def test_requests_are_timed_per_op(server: L1Server) -> None:
-    """The server times each request it answers: a client's three STATS show up on /metrics."""
-    if getattr(server, "op_latency", None) is None:
-        pytest.skip("this L1Server does not time requests yet (no op_latency)")
+    """serve_metrics gives the server an OpLatency; the server times each request it answers: a client's
+    three STATS show up on /metrics."""
+    server.op_latency = None  # type: ignore[attr-defined,unused-ignore]
     port = serve_metrics(server, "127.0.0.1", 0)
+    assert isinstance(server.op_latency, OpLatency)  # type: ignore[attr-defined,unused-ignore]
     families, _ = await scrape(port)
     before = families["tiercache_server_op_seconds"]
 
     def client() -> None:
-        conn = ServerConnection(server.options.socket_path, role="worker")
+        conn = ServerConnection(server.options.socket_path, role="probe")
         try:
             for _ in range(3):
                 conn.request(Op.STATS, {})
@@ -214,7 +222,8 @@ async def test_requests_are_timed_per_op(server: L1Server) -> None:
     def count(samples: Samples, op: str) -> float:
         return samples.get(("tiercache_server_op_seconds_count", (("op", op),)), 0.0)
 
-    assert count(after, "STATS") - count(before, "STATS") == 3
-    assert count(after, "LOOKUP") == count(before, "LOOKUP") == 0
+    assert count(before, "STATS") == 0
+    assert count(after, "STATS") == 3
+    assert count(after, "LOOKUP") == 0
     stats_sum = after[("tiercache_server_op_seconds_sum", (("op", "STATS"),))]
     assert 0 < stats_sum < 60

@@ -92,6 +92,21 @@ class OpLatency:
         return out
 
 
+_COUNTER_HELP = {
+    "drain_timeouts": "stops whose L2 drain passed drain_s (stores dropped)",
+    "protocol_errors": "connections dropped for a malformed message",
+    "refused_peers": "connections refused by the uid/gid check",
+    "connections": "connections accepted",
+    "accept_errors": "accept() failures survived with a backoff (EMFILE included)",
+    "busy_refusals": "connections refused at max_clients",
+    "fenced_sessions": "lost sessions fenced by their client",
+    "freed_on_exit": "reserved slots freed when their writer process exited",
+    "freed_by_fence": "reserved slots freed when their client fenced the lost session",
+    "freed_after_grace": "reserved slots freed after orphan_grace_s (writer not watchable)",
+    "freed_unsent": "reserved slots freed at once: their ALLOC answer never reached the client",
+}
+
+
 class ServerCollector(Collector):
     """Collects ``tiercache_server_*`` from the server's slot table and counters on each scrape."""
 
@@ -127,12 +142,14 @@ class ServerCollector(Collector):
             value=0 if storage is None else storage.pending_stores(),
         )
         for name, help_text in (
-            ("drain_timeouts", "stops whose L2 drain passed drain_s (stores dropped)"),
-            ("protocol_errors", "connections dropped for a malformed message"),
-            ("refused_peers", "connections refused by the uid/gid check"),
-            ("connections", "connections accepted"),
+            ("too_large", "ALLOC keys refused: the object is larger than a region"),
+            ("cap_refusals", "leases or reservations refused by a connection's caps"),
         ):
-            yield CounterMetricFamily(f"tiercache_server_{name}", help_text, value=self.server.counters[name])
+            if name in stats:
+                yield CounterMetricFamily(f"tiercache_server_{name}", help_text, value=stats[name])
+        for name, value in sorted(self.server.counters.items()):  # every server counter, known or new
+            help_text = _COUNTER_HELP.get(name, f"server counter {name}")
+            yield CounterMetricFamily(f"tiercache_server_{name}", help_text, value=value)
         latency: OpLatency | None = getattr(self.server, "op_latency", None)
         if latency is not None:
             yield _op_histogram(latency)
@@ -149,7 +166,13 @@ def _op_histogram(latency: OpLatency) -> HistogramMetricFamily:
 
 
 def serve_metrics(server: L1Server, host: str, port: int) -> int:
-    """Start the ``/metrics`` HTTP endpoint in a daemon thread; returns the bound port (``port`` 0 = any)."""
+    """Start the ``/metrics`` HTTP endpoint in a daemon thread; returns the bound port (``port`` 0 = any).
+
+    Gives the server an :class:`OpLatency` (``server.op_latency``) unless it has one: requests are timed only
+    where someone scrapes them. Call it on the server's event loop thread (before or while it serves).
+    """
+    if getattr(server, "op_latency", None) is None:
+        server.op_latency = OpLatency()
     storage = server.storage
     registry = CollectorRegistry() if storage is None else storage.manager.metrics.registry  # tier metrics
     registry.register(ServerCollector(server))
