@@ -99,8 +99,11 @@ def check_health(
 
     out: dict[str, Any] = {}
     start = time.monotonic()
+    # Each socket call may take a little longer than the whole probe: a server that does not answer is
+    # always reported by the deadline below ("no answer to ..."), never by a socket timeout racing it.
+    socket_timeout_s = timeout_s + 1.0
     thread = threading.Thread(
-        target=_probe, args=(path, timeout_s, server_uid, out), name="tiercache-health", daemon=True
+        target=_probe, args=(path, socket_timeout_s, server_uid, out), name="tiercache-health", daemon=True
     )
     thread.start()
     thread.join(timeout_s)
