@@ -1,15 +1,23 @@
-"""RateLimitedLog: one line per key per interval, the suppressed count on the next line; an injected clock."""
+"""RateLimitedLog: one line per key per interval, the suppressed count on the next line (an injected clock);
+and a real server flooded with malformed messages.
+"""
 
 from __future__ import annotations
 
 import logging
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
+from tiercache.server.client import ServerConnection
 from tiercache.server.logs import RateLimitedLog
+from tiercache.server.protocol import Op
 
 
 class Clock:
@@ -189,3 +197,33 @@ def test_the_record_names_the_callers_line() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.splitlines() == ["<string>:serve:protocol error 0", "<string>:serve:other 0"]
+
+
+def test_a_server_flooded_with_bad_messages_logs_a_few_lines(sock_dir: Path) -> None:
+    """A real server child: 300 connections each dropped for a malformed message are all counted (STATS), and
+    the log gets one line per 10 s interval, not one per connection."""
+    path = str(sock_dir / "flood.sock")
+    cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", "4096", "--slots", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("tiercache server listening")
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(60)
+            s.connect(path)
+            s.send(b"\xc1 not msgpack")
+            s.recv(65536)  # the error reply (or EOF): the server handled this one
+            assert s.recv(65536) == b""  # dropped
+            s.close()
+        conn = ServerConnection(path, role="probe", timeout_s=60)
+        assert conn.request(Op.STATS, {})["protocol_errors"] == 300
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    lines = [line for line in err.splitlines() if "protocol error" in line]
+    assert 1 <= len(lines) <= 1 + int(elapsed // 10)
+    assert len(err.splitlines()) < 20
