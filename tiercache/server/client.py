@@ -328,7 +328,8 @@ class SharedL1:
         self._server_uid = server_uid
         self._lock = threading.Lock()
         self._conn: ServerConnection | None = None
-        self._installed = threading.Event()
+        self._installed = threading.Condition(self._lock)
+        self._live = False
         self._stopping = False
         self._fence_ready: list[bytes] = []  # lost sessions with every write settled, not yet fenced
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -388,7 +389,8 @@ class SharedL1:
             self.capacity = conn.seg.data_bytes
             self.slot_bytes = conn.max_object
             self.last_error = ""
-            self._installed.set()
+            self._live = True
+            self._installed.notify_all()
         if 0 < conn.max_object < max(self._slot_bytes, default=0):
             log.warning(
                 "tiercache: the server on %s takes objects of at most %d bytes, this client's need %d: those "
@@ -404,7 +406,7 @@ class SharedL1:
         with self._lock:
             if self._conn is conn:
                 self._conn = None
-                self._installed.clear()
+                self._live = False
                 self.lost_connections += 1
                 log.warning(
                     "tiercache server connection lost (%s); cache off, reconnecting in the background", why
@@ -470,9 +472,11 @@ class SharedL1:
             with contextlib.suppress(BlockingIOError, OSError):
                 os.read(self._wake_r, 4096)
 
-    def wait_connected(self, timeout_s: float) -> bool:
-        """Wait until a connection is live (at most ``timeout_s``); whether one is."""
-        return self._installed.wait(timeout_s)
+    def wait_connected(self, timeout_s: float, reconnects: int = 0) -> bool:
+        """Wait (at most ``timeout_s``) until a connection is live and at least ``reconnects`` reconnects
+        happened; whether that holds."""
+        with self._lock:
+            return self._installed.wait_for(lambda: self._live and self.reconnects >= reconnects, timeout_s)
 
     def _connection(self) -> ServerConnection | None:
         """The live connection, or None (cache-off: never waits for a reconnect)."""
@@ -512,7 +516,7 @@ class SharedL1:
         with self._lock:
             self._stopping = True
             conn, self._conn = self._conn, None
-            self._installed.clear()
+            self._live = False
         if conn is not None:
             conn.close()
         self._poke()

@@ -107,9 +107,11 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         )  # a tier down now is kept as a down tier, re-opened in the background
     soft, _ = raise_fd_limit()
     if soft < 4 * options.max_clients:
-        _say(
+        print(
             f"tiercache server: warning: the open-file limit ({soft}) is below 4 x max_clients "
-            f"({options.max_clients}); raise LimitNOFILE / ulimit -n"
+            f"({options.max_clients}); raise LimitNOFILE / ulimit -n",
+            file=sys.stderr,
+            flush=True,
         )
     try:
         server = L1Server(options, tiers=tiers, policy=None if config is None else config.manager)

@@ -17,6 +17,7 @@ import array
 import asyncio
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache.server.logs import RateLimitedLog
+from tiercache.server.metrics import OpLatency
 from tiercache.server.protocol import MAX_MESSAGE, Message, Op, ProtocolError, decode, encode
 from tiercache.server.segment import Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
@@ -183,6 +185,7 @@ class L1Server:
             self.storage = ServerStorage(self.table, tiers, policy)
         self._listener: socket.socket | None = None
         self._spare_fd = -1  # closed to accept-and-refuse one client when out of file descriptors
+        self._lock_fd = -1  # flock of PATH.lock while serving
         self._socket_id = (0, 0)
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[bytes, _Conn] = {}  # session token -> live connection
@@ -192,8 +195,8 @@ class L1Server:
         self._stopped = asyncio.Event()  # stop() began
         self._finished = asyncio.Event()  # stop() completed (drained, closed)
         self._log = RateLimitedLog(log)
-        self.op_latency: Any = None
-        """Per-op latency recorder (``observe(op, seconds)``); set by the metrics endpoint."""
+        self.op_latency = OpLatency()
+        """Seconds each request took to handle and answer, by op (``/metrics``)."""
         self.counters = {
             "protocol_errors": 0,
             "refused_peers": 0,
@@ -201,6 +204,7 @@ class L1Server:
             "drain_timeouts": 0,
             "accept_errors": 0,
             "busy_refusals": 0,
+            "shed_clients": 0,
             "fenced_sessions": 0,
             "freed_on_exit": 0,
             "freed_by_fence": 0,
@@ -210,8 +214,16 @@ class L1Server:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Bind the socket (0600 unless configured) and start accepting."""
+        """Take the socket path's lock file (``PATH.lock``, held while serving: two servers started at once
+        on one path cannot both run), bind the socket (0600 unless configured) and start accepting."""
         path = self.options.socket_path
+        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise ServerAlreadyRunning(f"a tiercache server is already listening on {path}") from None
         claim_socket_path(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o177)  # no window in which the socket is reachable by others
@@ -262,9 +274,10 @@ class L1Server:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
-        if self._spare_fd >= 0:
-            os.close(self._spare_fd)
-            self._spare_fd = -1
+        for fd in (self._spare_fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._spare_fd = self._lock_fd = -1
         for conn in list(self._conns.values()):
             conn.sock.close()
             self._close_pidfd(conn)
@@ -294,8 +307,9 @@ class L1Server:
 
     # ------------------------------------------------------------------ connections
     async def _accept_loop(self) -> None:
-        """Accept until stopped; never dies: out of descriptors or memory, it sheds one waiting client (so it
-        sees EOF at once instead of hanging) and backs off; other accept errors are counted and skipped."""
+        """Accept until stopped; never dies: out of descriptors or memory, it sheds the clients waiting now
+        (they see EOF at once instead of hanging); any accept error is counted, logged (rate-limited) and
+        followed by a short backoff."""
         loop = asyncio.get_running_loop()
         listener = self._listener
         assert listener is not None
@@ -307,23 +321,25 @@ class L1Server:
                 self.counters["accept_errors"] += 1
                 self._log.warning("accept", "accept failed: %s; backing off", exc)
                 if exc.errno in _ACCEPT_RESOURCE_ERRORS:
-                    self._shed_one(listener)
-                delay = min(max(2 * delay, 0.005), 1.0)
+                    self._shed_waiting(listener)
+                delay = min(max(2 * delay, 0.005), 0.25)
                 await asyncio.sleep(delay)
                 continue
             delay = 0.0
             self._spawn(self._admit(sock))
 
-    def _shed_one(self, listener: socket.socket) -> None:
-        """Out of descriptors: free the spare one, accept one waiting client and close it, take the spare
-        back (the client goes cache-off at once instead of waiting for a HELLO answer)."""
+    def _shed_waiting(self, listener: socket.socket) -> None:
+        """Out of descriptors: free the spare one, accept every waiting client and close it, take the spare
+        back (the clients go cache-off at once instead of waiting for a HELLO answer)."""
         if self._spare_fd < 0:
             return
         os.close(self._spare_fd)
         self._spare_fd = -1
         with contextlib.suppress(OSError):
-            sock, _ = listener.accept()
-            sock.close()
+            while True:
+                sock, _ = listener.accept()
+                sock.close()
+                self.counters["shed_clients"] += 1
         with contextlib.suppress(OSError):
             self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
@@ -438,8 +454,7 @@ class L1Server:
                     self._unsent(conn)
                     raise
                 conn.last_alloc = []
-                if self.op_latency is not None:
-                    self.op_latency.observe(msg.op.name, time.perf_counter() - started)
+                self.op_latency.observe(msg.op.name, time.perf_counter() - started)
         except (ConnectionError, OSError) as exc:
             self._log.info("lost", "connection of pid %d lost: %s", conn.pid, exc)
         finally:
