@@ -279,8 +279,10 @@ def test_socket_mode_and_clean_sigterm(sock_dir: Path) -> None:
     srv = Server(str(sock_dir / "l1.sock"))
     assert srv.ready
     assert os.stat(srv.path).st_mode & 0o777 == 0o600
+    assert os.path.exists(srv.path + ".lock")  # held while serving
     assert srv.stop() == 0
     assert not os.path.exists(srv.path)
+    assert not os.path.exists(srv.path + ".lock")
 
 
 def test_sigterm_stops_a_server_whose_stdout_reader_went_away(sock_dir: Path) -> None:

@@ -88,6 +88,22 @@ class ServerOptions:
         return Geometry.for_capacity(self.capacity, self.region_bytes, max(self.slot_bytes, default=0))
 
 
+def _lock_path(lock_path: str) -> int:
+    """An open fd holding an exclusive ``flock`` on ``lock_path`` (created 0600); ServerAlreadyRunning when
+    another process holds it, or when the file was replaced while we locked it (a stopping server)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st, now = os.fstat(fd), os.stat(lock_path)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            raise FileNotFoundError(lock_path)
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        socket_path = lock_path.removesuffix(".lock")
+        raise ServerAlreadyRunning(f"a tiercache server is already listening on {socket_path}") from None
+    return fd
+
+
 def claim_socket_path(path: str) -> None:
     """Make ``path`` bindable: refuse if a server answers there or it is no socket; unlink a stale socket."""
     try:
@@ -214,16 +230,11 @@ class L1Server:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Take the socket path's lock file (``PATH.lock``, held while serving: two servers started at once
-        on one path cannot both run), bind the socket (0600 unless configured) and start accepting."""
+        """Take the socket path's lock file (``PATH.lock``, held while serving and removed at stop: two
+        servers started at once on one path cannot both run), bind the socket (0600 unless configured) and
+        start accepting."""
         path = self.options.socket_path
-        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise ServerAlreadyRunning(f"a tiercache server is already listening on {path}") from None
+        self._lock_fd = _lock_path(path + ".lock")
         claim_socket_path(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o177)  # no window in which the socket is reachable by others
@@ -266,6 +277,9 @@ class L1Server:
                 st = os.lstat(self.options.socket_path)
                 if (st.st_dev, st.st_ino) == self._socket_id:  # ours, not a successor's
                     os.unlink(self.options.socket_path)
+        if self._lock_fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.options.socket_path + ".lock")  # still locked: no one else holds this file
         # Cancel the accept loop and the connections' tasks and let them end before their sockets close: a
         # socket closed while the loop still watches it leaves a stale registration behind, and the next
         # socket given the same number (a store worker's new connection to L2, still running now) fails.
