@@ -99,6 +99,7 @@ def test_lookup_l2_fields_are_optional_with_defaults() -> None:
         (_raw(PROTOCOL_VERSION, 0, 6, 1, {"leases": ["x"]}), "lease"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {}), "HELLO needs role"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "root"}), "HELLO needs role, one of"),
+        (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": ["worker"]}), "HELLO needs role, one of"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "fence": [b"short"]}), "session token"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "fence": [b"s" * 16] * 65}), "sessions"),
         (_raw(PROTOCOL_VERSION, 0, 1, 1, {"role": "worker", "slot_bytes": [-4]}), "slot_bytes"),

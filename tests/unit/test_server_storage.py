@@ -155,3 +155,27 @@ async def test_a_socket_opened_while_the_server_stops_connects(sock_dir: Path) -
     await target.wait_closed()
     assert errors == []
     assert len(connected) == 1
+
+
+async def test_stats_count_write_behind_drops(sock_dir: Path) -> None:
+    """Stores the write-behind drops (here: every put of the tier fails) are in STATS, not only in
+    Prometheus."""
+    from tiercache.testing.fakes import FaultInjectingAdapter
+
+    tier = FaultInjectingAdapter(fail_rate=1.0, fail_ops=frozenset({"put"}))
+    options = ServerOptions(str(sock_dir / "l1.sock"), 4 * 4096, (4096,), region_bytes=4096, drain_s=5.0)
+    server = L1Server(options, tiers=[("flaky", tier, build_pipeline(["raw"]))])
+    await server.start()
+    try:
+        l1 = await asyncio.to_thread(SharedL1, options.socket_path)
+        admin = await asyncio.to_thread(SharedL1, options.socket_path, role="admin")
+        await asyncio.to_thread(store, l1, KEYS)
+        assert await asyncio.to_thread(admin.drain, 5.0)
+        stats = await asyncio.to_thread(l1.server_stats)
+        assert stats is not None
+        assert stats["stores_dropped"] == len(KEYS)
+        assert server.storage is not None
+        assert server.storage.dropped_stores() == {"failed": len(KEYS)}
+        assert stats["published"] == len(KEYS)  # L1 keeps them
+    finally:
+        await server.stop()

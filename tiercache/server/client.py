@@ -144,6 +144,8 @@ class ServerConnection:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendmsg([encode(Op.HELLO, 0, 0, hello)], anc)  # a refusing server may have closed
             data, anc_in, _, _ = sock.recvmsg(MAX_MESSAGE + 1, socket.CMSG_SPACE(2 * 4))
+        except ServerUnavailable:
+            raise
         except OSError as exc:
             sock.close()
             raise ServerUnavailable(f"cannot reach the tiercache server at {socket_path}: {exc}") from exc

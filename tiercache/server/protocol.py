@@ -138,7 +138,7 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
     """The normalised body of a request; ProtocolError on a missing/extra/ill-typed field."""
     if op is Op.HELLO:  # slot_bytes: the object sizes the client will store; fence: its lost sessions
         role = body.get("role")
-        if role not in ROLES:
+        if type(role) is not str or role not in ROLES:
             raise ProtocolError(f"HELLO needs role, one of {sorted(ROLES)}")
         return {
             "role": role,
