@@ -171,7 +171,7 @@ def test_a_dead_server_is_cache_off_and_a_new_one_is_found_again(
     s, side = _server_scheduler(tiny_model, served)
     (engine,) = side._get_engines()
     l1 = engine.manager.l1
-    l1._backoff_initial = l1._backoff = 0.0  # reconnect at the next call (the backoff itself is core-tested)
+    l1._backoff_initial = 0.01  # reconnect soon (the backoff itself is core-tested)
     prompt = tokens(50, 256)
     request = prompt + tokens(51, 40)
     world = side._idents[0].world_size
@@ -186,8 +186,8 @@ def test_a_dead_server_is_cache_off_and_a_new_one_is_found_again(
 
     again = Serve(config, Path(server.socket))  # a new epoch on the same path: empty L1, found again
     try:
+        assert l1.wait_connected(60, reconnects=1)  # by the client's own background thread
         assert _loaded(s, "empty", request) == 0
-        assert l1.connected()
         assert l1.reconnects == 1
         assert _store_as_rank(0, prompt, (again, config), side, world_size=1) == 256
         assert _loaded(s, "after", request) == 256
