@@ -251,3 +251,26 @@ def test_a_shared_slot_keeps_its_view_until_it_holds_another_shape() -> None:
     assert views[1] is views[0]  # the same spec: the kept view
     assert views[2] is not views[1]
     assert views[3] is not views[2]
+
+
+def test_classes_are_bounded_and_an_empty_class_takes_a_new_size() -> None:
+    """A client declaring every size it likes cannot use up the classes for good: past MAX_CLASSES a class
+    that holds no region is given the new size, and its objects take regions as any class does."""
+    from tiercache.server.slots import MAX_CLASSES
+
+    t = _table(regions=2, region=MAX_CLASSES * 2 * MIN_SLOT)
+    assert all(t.declare((i + 1) * MIN_SLOT) for i in range(MAX_CLASSES))
+    assert len(t.classes) == MAX_CLASSES
+    [a] = t.alloc(A, ["a"], [MIN_SLOT], [b""])  # class 0 takes region 0
+    [b] = t.alloc(A, ["b"], [2 * MIN_SLOT], [b""])  # class 1 takes region 1
+    assert isinstance(a, list)
+    assert isinstance(b, list)
+    assert t.declare(MAX_CLASSES * MIN_SLOT + 64)  # an unused class is given the new size
+    assert len(t.classes) == MAX_CLASSES
+    [c] = t.alloc(A, ["c"], [MAX_CLASSES * MIN_SLOT + 64], [b""])
+    assert c is None  # no region free and none can be taken (both hold a reservation)
+    assert t.alloc_failures == 1
+    assert t.commit(A, [(a[0], a[1])]) == [True]
+    [c2] = t.alloc(A, ["c2"], [MAX_CLASSES * MIN_SLOT + 64], [b""])  # region 0 holds only "a": taken
+    assert isinstance(c2, list)
+    assert t.lookup(A, ["a"], pin=False, prefix=False) == ([None], 0)

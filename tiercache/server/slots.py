@@ -25,7 +25,8 @@ from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_
 __all__ = ["MAX_CLASSES", "Caps", "Hit", "SlotTable"]
 
 MAX_CLASSES = 64
-"""Size classes one server keeps; an object that would need another is refused (counted)."""
+"""Size classes one server keeps; past it a class that holds no region takes the new size, and an object
+that would need yet another is refused (counted as too large)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +128,14 @@ class SlotTable:
         for ci, c in enumerate(self._classes):
             if c.stride >= want and (best is None or c.stride < self._classes[best].stride):
                 best = ci
-        if best is None and len(self._classes) < MAX_CLASSES:
-            self._classes.append(_Class(want))
-            best = len(self._classes) - 1
+        if best is None:
+            if len(self._classes) < MAX_CLASSES:
+                self._classes.append(_Class(want))
+                return len(self._classes) - 1
+            idle = next((ci for ci, c in enumerate(self._classes) if not c.regions), None)
+            if idle is not None:  # a class holding no region has no slot: it takes the new size
+                self._classes[idle] = _Class(want)
+            best = idle
         return best
 
     def offset_of(self, slot: int) -> int:
