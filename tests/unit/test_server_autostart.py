@@ -1,12 +1,15 @@
-"""``tiercache.server.autostart``: one private ``tiercache serve`` child per instance, shared by every process
-of the instance (flock), gone once the process that started it exited; a failed start is recorded so that
-every process of the instance falls back the same way. Real processes; waits are on pidfds and pipes.
+"""``tiercache.server.autostart``: one private ``tiercache serve`` per instance, shared by every process of
+the instance (flock), run by a keeper that removes the instance's directory once the process that started it
+has exited, however it exited (clean exit, SIGTERM, SIGKILL), once the server died by itself, and after a
+failed start, whose record stays until then so that every process of the live instance falls back the same
+way. Real processes; waits are on pidfds and pipes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,39 +25,78 @@ from tiercache.server.autostart import (
     private_dir,
     socket_answers,
 )
-from tiercache.server.client import SharedL1
+from tiercache.server.client import ServerConnection, SharedL1
 from tiercache.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 
 STARTER = r"""
 import json, sys
-from tiercache.server.autostart import ensure_private_server
-path = ensure_private_server(sys.argv[1], slot_bytes=int(sys.argv[3]), base=sys.argv[2], timeout_s=60)
-print(json.dumps({"socket": path}), flush=True)
-sys.stdin.read()  # hold the server until the test closes our stdin
+from tiercache.server.autostart import AutostartError, ensure_private_server
+config = sys.argv[4] if len(sys.argv) > 4 else None
+try:
+    path = ensure_private_server(
+        sys.argv[1], slot_bytes=int(sys.argv[3]), base=sys.argv[2], config_path=config, timeout_s=60
+    )
+except AutostartError as exc:
+    print(json.dumps({"error": str(exc)}), flush=True)
+else:
+    print(json.dumps({"socket": path}), flush=True)
+sys.stdin.read()  # hold the server (or the failed record) until the test closes our stdin
 """
 
 
 class Starter:
     """A process that calls ``ensure_private_server`` and then waits for its stdin to close."""
 
-    def __init__(self, instance: str, base: Path, slot_bytes: int = 4096) -> None:
+    def __init__(
+        self,
+        instance: str,
+        base: Path,
+        slot_bytes: int = 4096,
+        config: str | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        argv = [sys.executable, "-c", STARTER, instance, str(base), str(slot_bytes)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", STARTER, instance, str(base), str(slot_bytes)],
+            argv + ([config] if config else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=cwd,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        self.socket: str | None = json.loads(line)["socket"] if line else None
+        answer = json.loads(line) if line else {}
+        self.socket: str | None = answer.get("socket")
+        self.error: str | None = answer.get("error")
 
     def exit(self) -> str:
         """Close stdin (the process exits normally); its stderr."""
         _, err = self.proc.communicate(timeout=60)
         return err
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` and reap the process."""
+        self.proc.send_signal(sig)
+        self.proc.communicate(timeout=60)
+
+
+def _info(socket_path: str) -> dict[str, int]:
+    info: dict[str, int] = json.loads((Path(socket_path).parent / INFO_NAME).read_text())
+    return info
+
+
+def _server_pid(info: dict[str, int]) -> int:
+    """The server's pid (``pid`` is its keeper's, which exits after it)."""
+    return info.get("server_pid", info["pid"])
+
+
+def _keeper_pid(where: Path) -> int | None:
+    """The pid of the keeper owning ``where`` (None: no keeper file)."""
+    keeper = where / "keeper"
+    return int(keeper.read_text()) if keeper.exists() else None
 
 
 def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path) -> None:
@@ -64,12 +106,12 @@ def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path
     where = Path(first.socket).parent
     assert where == tmp_path / f"tiercache-{os.getuid()}" / "inst-a"
     assert oct(where.stat().st_mode & 0o777) == oct(0o700)
-    info = json.loads((where / INFO_NAME).read_text())
+    info = _info(first.socket)
     assert info["socket"] == first.socket
 
     second = Starter("inst-a", tmp_path)  # another process of the instance: same server, none started
     assert second.socket == first.socket
-    assert json.loads((where / INFO_NAME).read_text())["pid"] == info["pid"]
+    assert _info(first.socket) == info
     other = Starter("inst-b", tmp_path)  # another instance: its own server
     assert other.socket is not None
     assert other.socket != first.socket
@@ -84,19 +126,98 @@ def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path
     second.exit()  # not the starter: the server stays
     assert socket_answers(first.socket)
     first.exit()
-    assert exits_within(int(info["pid"]), 60.0)
-    assert not where.exists()  # socket, info, lock and log removed with the directory
+    assert exits_within(info["pid"], 60.0)  # the keeper exits last: after the server and the cleanup
+    assert not where.exists()  # everything in it removed (the server's socket lock file too)
+    assert exits_within(_server_pid(info), 1.0)
     assert socket_answers(other.socket)
     other.exit()
 
 
-def test_a_failed_start_is_recorded_and_every_later_call_fails_at_once(tmp_path: Path) -> None:
-    with pytest.raises(AutostartError, match="slot_bytes"):  # the child's own error, from its log
-        ensure_private_server("bad", slot_bytes=-1, base=str(tmp_path), timeout_s=60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_directory_goes_when_the_starter_is_killed(tmp_path: Path, sig: int) -> None:
+    starter = Starter("killed", tmp_path)
+    assert starter.socket is not None
+    info = _info(starter.socket)
+    starter.signal(sig)
+    assert exits_within(info["pid"], 60.0)
+    assert not Path(starter.socket).parent.exists()
+    assert exits_within(_server_pid(info), 1.0)
+
+
+def test_a_server_that_dies_by_itself_is_cleaned_up_and_the_next_caller_starts_a_new_one(
+    tmp_path: Path,
+) -> None:
+    starter = Starter("crash", tmp_path)
+    assert starter.socket is not None
+    where = Path(starter.socket).parent
+    info = _info(starter.socket)
+    os.kill(_server_pid(info), signal.SIGKILL)  # a crash: its socket file stays behind
+    assert exits_within(info["pid"], 60.0)  # the keeper removed the directory and left
+    assert not where.exists()
+
+    again = Starter("crash", tmp_path)  # the same instance asks again: a fresh server
+    assert again.socket == starter.socket
+    assert socket_answers(again.socket)
+    assert _server_pid(_info(again.socket)) != _server_pid(info)
+    starter.exit()  # the first starter's exit leaves the new server alone
+    assert socket_answers(again.socket)
+    fresh = _info(again.socket)
+    again.exit()
+    assert exits_within(fresh["pid"], 60.0)
+    assert not where.exists()
+
+
+def test_a_keeper_killed_takes_its_server_and_directory_with_it(tmp_path: Path) -> None:
+    starter = Starter("keeper", tmp_path)
+    assert starter.socket is not None
+    info = _info(starter.socket)
+    os.kill(info["pid"], signal.SIGKILL)
+    assert exits_within(_server_pid(info), 60.0)  # stopped on its keeper's death, after its cleanup
+    assert not Path(starter.socket).parent.exists()
+    starter.exit()
+
+
+def test_a_failed_start_is_recorded_while_the_starter_lives_then_removed(tmp_path: Path) -> None:
+    first = Starter("bad", tmp_path, slot_bytes=-1)
+    assert first.socket is None
+    assert first.error is not None
+    assert "slot bytes must be positive" in first.error  # the server's own error, from its log
+    assert "\n" not in first.error
     where = tmp_path / f"tiercache-{os.getuid()}" / "bad"
     assert (where / FAILED_NAME).exists()
+    keeper = _keeper_pid(where)  # it keeps the record and removes it with the directory
+
+    second = Starter("bad", tmp_path)  # another process of the live instance: the same choice, at once
+    assert second.error is not None
+    assert "did not start before" in second.error
     with pytest.raises(AutostartError, match="did not start before"):
         ensure_private_server("bad", slot_bytes=4096, base=str(tmp_path), timeout_s=60)
+    second.exit()
+    assert (where / FAILED_NAME).exists()  # only the starter's exit ends the record
+
+    first.exit()
+    assert keeper is None or exits_within(keeper, 60.0)
+    assert not where.exists()
+
+
+def test_a_relative_config_is_the_servers_config(tmp_path: Path) -> None:
+    """The server runs in the private directory; a config path relative to the starter's working directory
+    reaches it absolute (the config's L2 tier is the server's)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tiercache.toml").write_text(
+        f'[l1]\ncapacity = "4MiB"\n\n[[tiers]]\nname = "reltier"\nurl = "file://{tmp_path / "l2"}"\n'
+    )
+    (tmp_path / "rt").mkdir()
+    starter = Starter("relcfg", tmp_path / "rt", config="tiercache.toml", cwd=work)
+    assert starter.error is None
+    assert starter.socket is not None
+    conn = ServerConnection(starter.socket, role="probe")
+    assert conn.tiers == ["reltier"]
+    conn.close()
+    info = _info(starter.socket)
+    starter.exit()
+    assert exits_within(info["pid"], 60.0)
 
 
 def test_private_dir_refuses_a_shared_or_foreign_root(tmp_path: Path) -> None:

@@ -3,10 +3,13 @@
 * ``"off"`` (default): in-process (each worker owns its L1).
 * ``"unix:///path"``: the node's ``tiercache serve`` on that socket. A server that is down (now or later) is
   cache-off for that time (misses, skipped stores) with reconnects; never in-process, never a failed request.
+  A process that cannot run server mode at all (an install without one of its dependencies) logs one error
+  line and runs cache-off.
 * ``"auto"``: the node's daemon if it answers on ``server.socket`` of the tiercache config (default
   ``/run/tiercache/tiercache.sock``); else a private server for this vLLM instance, started by the first of
-  its processes (scheduler or worker, an ``flock`` decides) and gone once that process exited; else
-  in-process with one warning.
+  its processes (scheduler or worker, an ``flock`` decides) with the connector's config (its path made
+  absolute at start) and gone once that process exited; else (any failure, a missing dependency included)
+  in-process with one warning line.
 
 In server mode the scheduler and every worker run a ``CacheEngine`` on ``SharedL1`` (keys computed here), so
 the scheduler's lookups see the shared L1 in every engine mode. The server owns L1 (and the L2 tiers, once it
@@ -65,8 +68,9 @@ class ServerChoice:
 
     socket: str | None
     how: str
-    """``off``, ``configured`` (unix://), ``daemon`` (auto found one), ``autostarted`` (auto, private
-    server), ``fallback`` (auto, private server failed: in-process)."""
+    """``off``, ``configured`` (unix://), ``unavailable`` (unix://, but server mode cannot run in this
+    process, e.g. an install without one of its dependencies: the cache is off), ``daemon`` (auto found one),
+    ``autostarted`` (auto, private server), ``fallback`` (auto, no server: in-process)."""
 
 
 _lock = threading.Lock()
@@ -115,37 +119,57 @@ def server_for(
 def _decide(
     setting: str, config: Config, config_path: str | None, slot_bytes: int, instance: str, timeout_s: float
 ) -> ServerChoice:
-    from tiercache.server.autostart import (
-        DEFAULT_SOCKET,
-        AutostartError,
-        ensure_private_server,
-        socket_answers,
-    )
-
+    """The choice for ``setting``; never raises: a piece of server mode that is missing or fails (an install
+    without it, a server that cannot start) is one log line, then in-process (``auto``) or cache-off
+    (``unix://``)."""
     if setting == "off":
         return ServerChoice(None, "off")
     if setting != "auto":
         path = setting[len(_SCHEME) :]
-        if not socket_answers(path):
+        try:
+            from tiercache.server.autostart import socket_answers
+
+            answers = socket_answers(path)
+        except Exception as exc:
+            logger.error(
+                'tiercache: "server": "%s" cannot be used in this process (%s); the cache is off',
+                setting,
+                _one_line(exc),
+            )
+            return ServerChoice(path, "unavailable")
+        if not answers:
             logger.warning("tiercache: no server answers on %s yet; cache off until it does", path)
         return _announce(ServerChoice(path, "configured"), config)
-    daemon = config.server.socket or DEFAULT_SOCKET
-    if socket_answers(daemon):
-        return _announce(ServerChoice(daemon, "daemon"), config)
-    private = hashlib.sha256(instance.encode()).hexdigest()[:16]
+    daemon = config.server.socket or "the default daemon socket"
     try:
+        from tiercache.server.autostart import DEFAULT_SOCKET, ensure_private_server, socket_answers
+
+        daemon = config.server.socket or DEFAULT_SOCKET
+        if socket_answers(daemon):
+            return _announce(ServerChoice(daemon, "daemon"), config)
+        private = hashlib.sha256(instance.encode()).hexdigest()[:16]
         path = ensure_private_server(
             private, slot_bytes=slot_bytes, config_path=config_path, timeout_s=timeout_s
         )
-    except (AutostartError, OSError) as exc:
+    except Exception as exc:
         logger.warning(
             'tiercache: "server": "auto" found no server on %s and could not start one (%s); running '
             "in-process (in vLLM's multi-process engine the scheduler then sees only the L2 tiers)",
             daemon,
-            exc,
+            _one_line(exc),
         )
         return ServerChoice(None, "fallback")
     return _announce(ServerChoice(path, "autostarted"), config)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line (an install without a dependency says how to get it)."""
+    from tiercache.server.autostart import AutostartError
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, ImportError):
+        return f"{type(exc).__name__}: {text} (install tiercache with its dependencies)"
+    return text if isinstance(exc, AutostartError) else f"{type(exc).__name__}: {text}"
 
 
 def _announce(choice: ServerChoice, config: Config) -> ServerChoice:
