@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +72,9 @@ class ConnectorSettings:
     """The connector's ``kv_connector_extra_config``, validated (unknown keys are errors)."""
 
     config: str | None = None
-    """Path of the tiercache TOML/YAML config; None = L1 only, 1 GiB."""
+    """Path of the tiercache TOML/YAML config, absolute: a relative one is resolved against the working
+    directory once, when the settings are read at start (a private server started in its own directory gets
+    the same file); None = L1 only, 1 GiB."""
     model_id: str | None = None
     """Model identity in the keyspace; default: vLLM's ``model`` (plus its ``revision``)."""
     load_async: bool = False
@@ -98,7 +101,8 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        """Validate ``kv_connector_extra_config``; ``ValueError`` naming a wrong or unknown key."""
+        """Validate ``kv_connector_extra_config``; ``ValueError`` naming a wrong or unknown key. A relative
+        ``config`` path is made absolute against the current working directory (vLLM's)."""
         values: dict[str, Any] = {}
         for key, value in (extra or {}).items():
             kinds = _EXTRA_KEYS.get(key)
@@ -109,6 +113,8 @@ class ConnectorSettings:
             if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be {kinds[0].__name__}: {value!r}")
             values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
+        if values.get("config"):
+            values["config"] = os.path.abspath(values["config"])
         if values.get("key_source", "auto") not in KEY_SOURCES:
             raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
         if "server" in values:
