@@ -28,6 +28,7 @@ __all__ = [
     "Geometry",
     "Record",
     "align_up",
+    "bytes_text",
     "class_index",
     "class_sizes",
     "pack_extent_header",
@@ -61,6 +62,14 @@ _FLAG_VALID = 1
 def align_up(n: int, a: int) -> int:
     """``n`` rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a
+
+
+def bytes_text(n: int) -> str:
+    """``n`` for a message: ``"1073741824 bytes (1.0 GiB)"``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n} bytes ({n / (1 << shift):.1f} {unit})"
+    return f"{n} bytes"
 
 
 def class_sizes(largest: int) -> list[int]:

@@ -33,6 +33,12 @@ One process owns a slab (``flock``); a second open raises ``AdapterUnavailable``
 file, default true), ``format`` (reformat the file, dropping every object, or use one that is not a slab;
 default false), ``read_buffers`` (bytes of recycled read buffers, default 1 GiB).
 
+A new (or reformatted) slab file must fit its filesystem: when the bytes it still needs exceed the free space
+(``statvfs``: blocks available to unprivileged users), ``open`` raises ``ConfigError`` naming the capacity
+and the free bytes, and leaves nothing behind (a file it created is removed, an existing one keeps its old
+size). A ``posix_fallocate`` that runs out of space all the same is undone and refused alike. With
+``preallocate=false`` (a sparse file, by request) the slab opens with a warning instead.
+
 Nothing is destroyed silently: an existing slab is opened with the geometry in its superblock (capacity,
 extent size, largest class; options that differ are logged at warning level), and is reformatted only with
 ``format=true``. A batch whose caller is cancelled runs to its end detached (slots written are committed,
@@ -72,6 +78,7 @@ from tiercache.adapters._slab_layout import (
     Geometry,
     Record,
     align_up,
+    bytes_text,
     class_index,
     class_sizes,
     pack_extent_header,
@@ -216,7 +223,8 @@ class SlabOptions:
     io_threads: int = 8
     """I/O threads (at least 1)."""
     preallocate: bool = True
-    """posix_fallocate a new file."""
+    """posix_fallocate a new file (one that does not fit the free space is refused; false: a sparse file,
+    which may fill the filesystem later)."""
     format: bool = False
     """Reformat the file, dropping every object, or use one that is not a slab."""
     read_buffers: Size = 1 << 30
@@ -326,7 +334,12 @@ class SlabAdapter(Adapter):
 
     def _open_files(self) -> list[tuple[int, int, int, list[Record]]]:
         """Open, lock, format or validate; return (extent, gen, class_size, valid records) per used extent."""
-        mfd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            mfd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            created = True
+        except FileExistsError:
+            mfd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            created = False
         self._mfd = mfd
         try:
             fcntl.flock(mfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -334,6 +347,16 @@ class SlabAdapter(Adapter):
             raise AdapterUnavailable(
                 f"nvme+slab: {self.path!r} is in use by another process (one process owns a slab)"
             ) from exc
+        try:
+            return self._open_locked(mfd)
+        except BaseException:
+            if created:  # a slab that never opened leaves no file behind (we hold its lock)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            raise
+
+    def _open_locked(self, mfd: int) -> list[tuple[int, int, int, list[Record]]]:
+        """``_open_files`` once ``mfd`` is open and locked."""
         st = os.fstat(mfd)
         block = stat.S_ISBLK(st.st_mode)
         size = os.lseek(mfd, 0, os.SEEK_END) if block else st.st_size
@@ -364,18 +387,62 @@ class SlabAdapter(Adapter):
             raise AdapterUnavailable(
                 f"nvme+slab: {self.path!r} is not empty and not a tiercache slab; pass format=true to use it"
             )
+        if not block:
+            self._allocate(mfd, st, capacity, geo.used_bytes)
         if found is not None:
             log.warning("nvme+slab: %s: format=true: reformatting (every object is dropped)", self.path)
         self._format_id = secrets.randbits(63) or 1
-        if not block and size < geo.used_bytes:
-            os.ftruncate(mfd, geo.used_bytes)
-            if self._preallocate:
-                with contextlib.suppress(OSError):  # not supported everywhere; sparse is fine
-                    os.posix_fallocate(mfd, 0, geo.used_bytes)
         os.pwrite(mfd, pack_superblock(geo, self._format_id), 0)
         os.fdatasync(mfd)
         self._open_data(block)
         return self._scan(geo)
+
+    def _allocate(self, fd: int, st: os.stat_result, capacity: int, length: int) -> None:
+        """Make the regular file ``fd`` ``length`` bytes long, allocated with ``posix_fallocate`` when
+        ``preallocate`` is on. A layout that does not fit the filesystem's free space is refused
+        (ConfigError naming the capacity and the free bytes) and the file is left as it was: a slab never
+        fills a disk at open, nor runs out of space later (without ``preallocate`` a sparse slab may: a
+        warning says so)."""
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        missing = length - min(length, st.st_blocks * 512)  # bytes the filesystem must still provide
+        if missing > free:
+            if self._preallocate:
+                raise ConfigError(self._no_space(capacity, missing, free))
+            log.warning(
+                "%s; preallocate=false: the sparse slab may fill the filesystem",
+                self._no_space(capacity, missing, free),
+            )
+        try:
+            if st.st_size < length:
+                os.ftruncate(fd, length)
+            if self._preallocate:
+                try:
+                    os.posix_fallocate(fd, 0, length)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+                    log.debug("nvme+slab: %s: posix_fallocate is not supported here (sparse file)", self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # give back what was allocated beyond the old end
+                os.ftruncate(fd, st.st_size)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                vfs = os.fstatvfs(fd)
+                raise ConfigError(self._no_space(capacity, missing, vfs.f_bavail * vfs.f_frsize)) from None
+            if exc.errno == errno.EFBIG:
+                raise ConfigError(
+                    f"nvme+slab: capacity {bytes_text(capacity)} is more than one file may hold on the "
+                    f"filesystem of {os.path.dirname(self.path)!r}: lower capacity"
+                ) from None
+            raise
+
+    def _no_space(self, capacity: int, missing: int, free: int) -> str:
+        directory = os.path.dirname(self.path) or "/"
+        return (
+            f"nvme+slab: capacity {bytes_text(capacity)} does not fit on the filesystem of {directory!r}: "
+            f"the slab needs {bytes_text(missing)} more and {bytes_text(free)} are free; "
+            "lower capacity or free space"
+        )
 
     def _adopt(self, found: Geometry, size: int) -> Geometry:
         """Use an existing slab's geometry (its capacity, extent size and largest class win over the options,
