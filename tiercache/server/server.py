@@ -446,8 +446,7 @@ class L1Server:
                 try:
                     msg = decode(data)
                     if msg.op is Op.HELLO and not conn.role:
-                        self._watch(conn, fds)
-                        fds = []
+                        self._watch(conn, fds)  # takes the peer's pidfd out of fds; the rest are closed below
                     reply, out_fds = await self._handle(conn, msg)
                 except ProtocolError as exc:
                     self.counters["protocol_errors"] += 1

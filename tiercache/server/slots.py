@@ -16,7 +16,7 @@ still land (:meth:`SlotTable.free_reservations`). Per-connection caps bound what
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,7 +33,9 @@ that would need yet another is refused (counted as too large)."""
 class Caps:
     """What one client may hold: ``max_leases`` read leases per connection, and at most ``max_share`` of the
     segment's bytes reserved or leased per holder (a client process: all its connections, live or lost,
-    together), though always one slot. Connection 0 (the server's own) is not capped."""
+    together), though always one slot. A lost connection's reservations count each region they lie in whole
+    (no other class can take that region until they are freed). Connection 0 (the server's own) is not
+    capped."""
 
     max_leases: int = 16384
     max_share: float = 0.9
@@ -96,7 +98,9 @@ class SlotTable:
         self._conn_leases: dict[int, set[int]] = {}
         self._conn_reserved: dict[int, set[int]] = {}
         self._holders: dict[int, int] = {}  # connection -> holder (its process) whose bytes are capped
-        self._held_bytes: dict[int, int] = {}  # holder -> bytes it holds (reserved + leased slots' strides)
+        self._held_bytes: dict[int, int] = {}  # holder -> bytes it holds (slots' strides, lost regions)
+        self._lost: set[int] = set()  # connections whose reservations are orphaned
+        self._lost_regions: dict[int, Counter[int]] = {}  # holder -> region -> its orphaned reservations
         self._lease_ids = itertools.count(1)
         self.evictions = 0
         self.alloc_failures = 0
@@ -217,12 +221,29 @@ class SlotTable:
 
     def _charge(self, conn: int, slot: int, sign: int) -> None:
         if conn:
-            holder = self._holders.get(conn, conn)
-            held = self._held_bytes.get(holder, 0) + sign * self._stride(slot)
-            if held:
-                self._held_bytes[holder] = held
-            else:
-                self._held_bytes.pop(holder, None)
+            self._add_held(self._holders.get(conn, conn), sign * self._stride(slot))
+
+    def _charge_lost(self, conn: int, slot: int, sign: int) -> None:
+        """Count an orphaned reservation by its region: the holder pays each region its lost writes lie in
+        once, whole (a region holding one reservation is out of every other class's reach)."""
+        holder = self._holders.get(conn, conn)
+        regions = self._lost_regions.setdefault(holder, Counter())
+        region = slot // self._per_region
+        before = regions[region]
+        regions[region] = before + sign
+        if not regions[region]:
+            del regions[region]
+            if not regions:
+                del self._lost_regions[holder]
+        if (before == 0) != (before + sign == 0):
+            self._add_held(holder, sign * self._region_bytes)
+
+    def _add_held(self, holder: int, nbytes: int) -> None:
+        held = self._held_bytes.get(holder, 0) + nbytes
+        if held:
+            self._held_bytes[holder] = held
+        else:
+            self._held_bytes.pop(holder, None)
 
     def _stride(self, slot: int) -> int:
         return self._classes[self._regions[slot // self._per_region].cls].stride
@@ -241,7 +262,10 @@ class SlotTable:
             del self._classes[ci].lru[slot]
         elif s.state == RESERVED:
             self._conn_reserved.get(s.owner, set()).discard(slot)
-            self._charge(s.owner, slot, -1)
+            if s.owner in self._lost:
+                self._charge_lost(s.owner, slot, -1)
+            else:
+                self._charge(s.owner, slot, -1)
         if self._index.get(s.key) == slot:
             del self._index[s.key]
         for lid in s.leases:
@@ -388,6 +412,11 @@ class SlotTable:
             key = self._slots[slot].key
             if self._index.get(key) == slot:
                 del self._index[key]
+            if conn:  # from now on charged by region: see Caps
+                self._charge(conn, slot, -1)
+                self._charge_lost(conn, slot, 1)
+        if slots and conn:
+            self._lost.add(conn)
         return len(slots)
 
     def free_reservations(self, conn: int) -> int:
@@ -397,6 +426,7 @@ class SlotTable:
             s = self._slots.get(slot)
             if s is not None and s.state == RESERVED and s.owner == conn:
                 self._free_slot(slot)
+        self._lost.discard(conn)
         self._holders.pop(conn, None)
         return len(slots)
 

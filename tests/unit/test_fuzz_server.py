@@ -1,0 +1,82 @@
+"""What fuzzing a real ``python -m tiercache.server`` with a hostile client process found."""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tiercache.server.client import ServerConnection
+from tiercache.server.protocol import Op, decode, encode
+from tiercache.server.segment import MIN_SLOT, Geometry, Segment
+from tiercache.server.slots import Caps, SlotTable
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> None:
+    """A HELLO may carry descriptors besides the client's pidfd (or none that is one): the server keeps at
+    most that pidfd and closes the rest, so a client passing junk cannot run the server out of descriptors."""
+    path = str(sock_dir / "s.sock")
+    cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", "4096", "--slots", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("tiercache server listening")
+        probe = ServerConnection(path, role="probe", timeout_s=60)
+        probe.request(Op.STATS, {})
+        before = _open_fds(proc.pid)
+        for i in range(20):
+            r, w = os.pipe()
+            junk = [r, w] + ([os.pidfd_open(os.getpid())] if i % 2 else [])
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(60)
+            sock.connect(path)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", junk).tobytes())]
+            sock.sendmsg([encode(Op.HELLO, 0, 0, {"role": "worker"})], anc)
+            data, anc_in, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(8))
+            assert decode(data, request=False).op is Op.OK
+            for fd in junk + [fd for _, _, raw in anc_in for fd in array.array("i", raw)]:
+                os.close(fd)
+            sock.close()
+        assert probe.request(Op.STATS, {})["clients"] == 1  # every HELLO connection was closed
+        assert _open_fds(proc.pid) == before
+        probe.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
+def test_lost_writes_spread_over_regions_hold_no_more_than_their_share() -> None:
+    """A process's dropped connections each left one unfinished write in a size class of its own. A region
+    holding a reservation cannot go to another class, so those writes count each region they lie in whole:
+    with a share of one half, half the regions stay for the other clients (counted by slot bytes, 15 of the
+    16 regions were held), and once the process exits its whole share is back."""
+    region = 16 * MIN_SLOT
+    seg, data_fd, header_fd = Segment.create(Geometry(region, 16), epoch=7)
+    os.close(data_fd)
+    os.close(header_fd)
+    table = SlotTable(seg, Caps(max_share=0.5))
+    lost = []
+    for i in range(16):  # ascending sizes: each one a new class, which takes a region of its own
+        conn = 100 + i
+        table.set_holder(conn, -7)
+        if isinstance(table.alloc(conn, [f"p{i}"], [MIN_SLOT * (i + 1)], [b""])[0], list):
+            lost.append(conn)
+        table.orphan(conn)
+    assert table.stats()["orphaned"] == len(lost) == 8
+    table.set_holder(200, -9)  # another process, objects of one region each
+    other = table.alloc(200, [f"q{i}" for i in range(8)], [region] * 8, [b""] * 8)
+    assert all(isinstance(ref, list) for ref in other), other
+    assert table.abort(200, [(ref[0], ref[1]) for ref in other if isinstance(ref, list)]) == [True] * 8
+    for conn in lost:  # the process exited
+        table.free_reservations(conn)
+    table.set_holder(300, -7)
+    again = table.alloc(300, [f"r{i}" for i in range(8)], [region] * 8, [b""] * 8)
+    assert all(isinstance(ref, list) for ref in again), again
