@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters.options import (
+    MAX_SIZE,
+    Range,
     Size,
+    check_options,
     merge_options,
     option_parsers,
+    option_ranges,
     parse_bool,
     parse_float,
     parse_int,
@@ -16,14 +20,18 @@ from tiercache.adapters.options import (
 )
 
 __all__ = [
+    "MAX_SIZE",
     "Adapter",
     "Buffer",
     "Capabilities",
+    "Range",
     "Size",
     "check_key",
     "check_lengths",
+    "check_options",
     "merge_options",
     "option_parsers",
+    "option_ranges",
     "parse_bool",
     "parse_float",
     "parse_int",

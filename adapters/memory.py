@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 from urllib.parse import urlsplit
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters.options import Size, parse_options
+from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
 from tiercache.errors import AdapterUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ DEFAULT_CAPACITY = 1 << 30
 class MemoryOptions:
     """Options of ``memory://`` URLs (query string or keywords)."""
 
-    capacity: Size = DEFAULT_CAPACITY
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] = DEFAULT_CAPACITY
     """Bytes the store holds (sum of value lengths); bytes or "64MiB"."""
 
 
@@ -43,8 +43,7 @@ class MemoryAdapter(Adapter):
 
     def __init__(self, *, name: str = "", capacity: int = DEFAULT_CAPACITY) -> None:
         """A new empty store of ``capacity`` bytes (sum of value lengths); ``name`` is a label only."""
-        if capacity < 0:
-            raise ConfigError(f"memory: capacity must not be negative, got {capacity}")
+        check_options(MemoryOptions(capacity=capacity), "memory")
         self.name = name
         self.capacity = capacity
         self._data: OrderedDict[str, bytes] = OrderedDict()

@@ -69,14 +69,14 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 from mooncake.store import MooncakeDistributedStore
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
-from tiercache.adapters.options import Size, parse_options, parse_str
+from tiercache.adapters.options import MAX_SIZE, Range, Size, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
@@ -146,15 +146,15 @@ class MooncakeOptions:
     """RDMA devices (rdma only)."""
     local_hostname: str | None = None
     """This host's address for the transfer engine (default: 127.0.0.1 for a loopback master)."""
-    segment_size: Size = 0
-    """Bytes of this client's memory segment lent to the store (0: none)."""
-    buffer_size: Size = DEFAULT_BUFFER_SIZE
-    """Bytes of the transfer buffer (the largest value is ``buffer_size - 1``)."""
-    timeout: float = DEFAULT_TIMEOUT
-    """Seconds per store call."""
-    workers: int = DEFAULT_WORKERS
-    """Threads running store calls."""
-    capacity: Size | None = None
+    segment_size: Annotated[Size, Range(0, 1 << 44)] = 0
+    """Bytes of this client's memory segment lent to the store (0: none; at most 16 TiB)."""
+    buffer_size: Annotated[Size, Range(2, 1 << 40)] = DEFAULT_BUFFER_SIZE
+    """Bytes of the transfer buffer (the largest value is ``buffer_size - 1``; 2 bytes to 1 TiB)."""
+    timeout: Annotated[float, Range(0.001, 3600)] = DEFAULT_TIMEOUT
+    """Seconds per store call (1 ms to an hour)."""
+    workers: Annotated[int, Range(1, 1024)] = DEFAULT_WORKERS
+    """Threads running store calls (1 to 1024)."""
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
     """Accepted and ignored (Mooncake evicts by its own segment limits)."""
 
 
@@ -226,12 +226,6 @@ class MooncakeAdapter(Adapter):
             opts.timeout,
             opts.workers,
         )
-        if buffer_size < 2:
-            raise ConfigError(f"mooncake: option 'buffer_size' must be at least 2 bytes, got {buffer_size}")
-        if timeout <= 0:
-            raise ConfigError(f"mooncake: option 'timeout' must be positive seconds, got {timeout}")
-        if workers < 1:
-            raise ConfigError(f"mooncake: option 'workers' must be at least 1, got {workers}")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
         master = f"{host}:{port}"
         config = {

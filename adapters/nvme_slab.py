@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -89,7 +89,7 @@ from tiercache.adapters._slab_layout import (
     unpack_record,
     unpack_superblock,
 )
-from tiercache.adapters.options import Size, parse_bool, parse_options
+from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_bool, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
 
@@ -208,27 +208,27 @@ class _Reserved:
 class SlabOptions:
     """Options of ``nvme+slab:///abs/path`` URLs (query string or keywords); each parsed from its type."""
 
-    capacity: Size | None = None
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
     """Bytes of the slab (required for a new regular file; a block device defaults to its size)."""
-    max_object: Size = DEFAULT_MAX_OBJECT
-    """Largest value (bytes or "128MiB")."""
-    extent_size: Size | None = None
-    """Bytes per extent, rounded up to 1 MiB (None: the geometry planner chooses)."""
+    max_object: Annotated[Size, Range(1, 1 << 40)] = DEFAULT_MAX_OBJECT
+    """Largest value (bytes or "128MiB"; at most 1 TiB)."""
+    extent_size: Annotated[Size, Range(1, 1 << 40)] | None = None
+    """Bytes per extent, rounded up to 1 MiB (None: the geometry planner chooses; at most 1 TiB)."""
     direct: bool | None = field(default=None, metadata={"parse": _parse_direct})
     """O_DIRECT data I/O: true, false or auto (None)."""
     fsync: bool = False
     """fdatasync each put batch before committing its records and again after."""
-    threads: int = _DEFAULT_THREADS
-    """Worker threads (at least 1)."""
-    io_threads: int = 8
-    """I/O threads (at least 1)."""
+    threads: Annotated[int, Range(1, 1024)] = _DEFAULT_THREADS
+    """Worker threads (1 to 1024)."""
+    io_threads: Annotated[int, Range(1, 1024)] = 8
+    """I/O threads (1 to 1024)."""
     preallocate: bool = True
     """posix_fallocate a new file (one that does not fit the free space is refused; false: a sparse file,
     which may fill the filesystem later)."""
     format: bool = False
     """Reformat the file, dropping every object, or use one that is not a slab."""
-    read_buffers: Size = 1 << 30
-    """Bytes of recycled read buffers."""
+    read_buffers: Annotated[Size, Range(0, 1 << 40)] = 1 << 30
+    """Bytes of recycled read buffers (at most 1 TiB)."""
 
 
 class SlabAdapter(Adapter):
@@ -244,15 +244,12 @@ class SlabAdapter(Adapter):
     def __init__(self, path: str, options: SlabOptions | None = None) -> None:
         """Settings only (``SlabOptions``); ``open`` (or ``_load``) opens, locks and replays the slab."""
         o = options or SlabOptions()
+        check_options(o, "nvme+slab")
         capacity, max_object, extent_size, direct = o.capacity, o.max_object, o.extent_size, o.direct
         fsync, threads, io_threads, preallocate = o.fsync, o.threads, o.io_threads, o.preallocate
         format, read_buffers = o.format, o.read_buffers
         if not os.path.isabs(path):
             raise ConfigError(f"nvme+slab: path must be absolute, got {path!r}")
-        if max_object < 1:
-            raise ConfigError(f"nvme+slab: max_object must be positive, got {max_object}")
-        if threads < 1 or io_threads < 1:
-            raise ConfigError("nvme+slab: threads and io_threads must be at least 1")
         self.path = path
         self.max_object = max_object
         self._want_capacity = capacity
@@ -381,14 +378,14 @@ class SlabAdapter(Adapter):
             geo = Geometry.plan(capacity, self._sizes[-1], self._extent_size)
         except ValueError as exc:
             raise ConfigError(f"nvme+slab: {exc}") from exc
-        self.geometry = geo
-        self._extents = [_Extent(i) for i in range(geo.n_extents)]
         if found is None and not self._format and any(head) and size > 0:
             raise AdapterUnavailable(
                 f"nvme+slab: {self.path!r} is not empty and not a tiercache slab; pass format=true to use it"
             )
-        if not block:
+        if not block:  # before anything is sized by the geometry: a capacity past the disk stops here
             self._allocate(mfd, st, capacity, geo.used_bytes)
+        self.geometry = geo
+        self._extents = [_Extent(i) for i in range(geo.n_extents)]
         if found is not None:
             log.warning("nvme+slab: %s: format=true: reformatting (every object is dropped)", self.path)
         self._format_id = secrets.randbits(63) or 1

@@ -15,24 +15,37 @@ is parsed, and call ``parse_options``::
     opts = parse_options(MyOptions, "my-scheme", urlsplit(url).query, options)
 
 Unknown options, bad values and wrong types are ``ConfigError`` naming the adapter and the option.
+
+Every number is range-checked: declare an option's inclusive bounds in its type,
+``threads: Annotated[int, Range(1, 1024)]`` (also ``Annotated[Size, Range(0, 1 << 40)] | None``); a value
+outside them is a ``ConfigError`` naming the adapter, the option, the range and the value. A number without
+declared bounds still has its type's: ``int`` a signed 64-bit integer, ``Size`` 0 to ``MAX_SIZE``, ``float``
+any finite number (NaN and the infinities, ``1e400`` in a query, never pass).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
+from tiercache.config import _MAX_SIZE, _in_range
 from tiercache.errors import ConfigError
 
 __all__ = [
+    "MAX_SIZE",
+    "Range",
     "Size",
+    "check_options",
     "merge_options",
     "option_parsers",
+    "option_ranges",
     "parse_bool",
     "parse_float",
     "parse_int",
@@ -82,8 +95,8 @@ def parse_size(value: object) -> int:
             "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '512MiB'"
         )
     number = m.group(1)
-    if "." in number:
-        return int(float(number) * _UNITS[unit])
+    if "." in number:  # exact: a float would overflow on a long number ("1" * 400 + ".5")
+        return int(Fraction(number) * _UNITS[unit])
     return int(number) * _UNITS[unit]
 
 
@@ -117,11 +130,18 @@ def parse_int(value: object) -> int:
 
 
 def parse_float(value: object) -> float:
-    """A number from a float, an int or a string like ``"2.5"`` (URL query values are strings)."""
+    """A number from a float, an int or a string like ``"2.5"`` (URL query values are strings).
+
+    ``"nan"``, ``"inf"`` and ``"1e400"`` parse (to NaN and infinity): an option's range refuses them."""
     if isinstance(value, bool):
         raise ValueError(f"invalid number {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float: as far out of every range as infinity
+            return float("inf") if value > 0 else float("-inf")
     if isinstance(value, str):
         try:
             return float(value.strip())
@@ -142,8 +162,10 @@ def merge_options(
     query: str,
     options: Mapping[str, object],
     parsers: Mapping[str, Callable[[object], Any]],
+    ranges: Mapping[str, Range] | None = None,
 ) -> dict[str, Any]:
-    """``query`` plus ``options`` (which win), each parsed by ``parsers``; unknown/bad ones: ConfigError."""
+    """``query`` plus ``options`` (which win), each parsed by ``parsers`` and checked against its entry in
+    ``ranges``; unknown, bad or out-of-range ones: ConfigError."""
     raw: dict[str, object] = dict(parse_qsl(query, keep_blank_values=True))
     raw.update(options)
     unknown = sorted(set(raw) - set(parsers))
@@ -158,7 +180,22 @@ def merge_options(
             out[name] = parsers[name](value)
         except ValueError as exc:
             raise ConfigError(f"{adapter}: option {name!r}: {exc}") from exc
+        bounds = (ranges or {}).get(name)
+        if bounds is not None and out[name] is not None:
+            _in_range(out[name], bounds.low, bounds.high, f"{adapter}: option {name!r}")
     return out
+
+
+MAX_SIZE = _MAX_SIZE
+"""The most bytes any size option may name (the largest file offset; more would overflow C calls)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Range:
+    """Inclusive bounds of a numeric option, declared in its type: ``Annotated[int, Range(1, 1024)]``."""
+
+    low: float
+    high: float
 
 
 class _SizeMarker:
@@ -174,6 +211,31 @@ _BY_TYPE: dict[object, Callable[[object], Any]] = {
     bool: parse_bool,
     str: parse_str,
 }
+
+
+_INT_RANGE = Range(-(1 << 63), (1 << 63) - 1)
+_DEFAULT_RANGES: dict[object, Range] = {
+    int: _INT_RANGE,
+    float: Range(-sys.float_info.max, sys.float_info.max),
+}
+
+
+def _range_of(annotation: object) -> Range | None:
+    """The declared ``Range`` of a field type, else its type's own (``Size``: 0..MAX_SIZE); None if it is
+    not a number."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        base, *extras = typing.get_args(annotation)
+        for extra in extras:
+            if isinstance(extra, Range):
+                return extra
+        if _SizeMarker in extras:
+            return Range(0, MAX_SIZE)
+        return _range_of(base)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _range_of(members[0]) if len(members) == 1 else None
+    return _DEFAULT_RANGES.get(annotation)
 
 
 def _parser_of(annotation: object, where: str) -> Callable[[object], Any]:
@@ -219,8 +281,32 @@ def option_parsers(cls: type[Any]) -> dict[str, Callable[[object], Any]]:
     return out
 
 
+def option_ranges(cls: type[Any]) -> dict[str, Range]:
+    """The bounds of each numeric field of the options dataclass ``cls``: its declared ``Range``, else its
+    type's own (see the module docstring)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out: dict[str, Range] = {}
+    for f in dataclasses.fields(cls):
+        bounds = _range_of(hints[f.name])
+        if bounds is not None:
+            out[f.name] = bounds
+    return out
+
+
+def check_options(opts: object, adapter: str) -> None:
+    """ConfigError naming ``adapter``, the option, its range and the value unless every numeric field of the
+    options dataclass instance ``opts`` is within its bounds (for options built in code, not parsed)."""
+    for name, bounds in option_ranges(type(opts)).items():
+        value = getattr(opts, name)
+        if value is not None:
+            _in_range(value, bounds.low, bounds.high, f"{adapter}: option {name!r}")
+
+
 def parse_options(cls: type[T], adapter: str, query: str, options: Mapping[str, object]) -> T:
     """``query`` plus ``options`` (which win) parsed into the options dataclass ``cls``; fields not given
-    keep their defaults. Unknown or bad options: ``ConfigError`` naming ``adapter`` and the option."""
-    parsed = merge_options(adapter, query, options, option_parsers(cls))
+    keep their defaults. Unknown, bad or out-of-range options: ``ConfigError`` naming ``adapter`` and the
+    option (and, for a number, its range and the value)."""
+    parsed = merge_options(adapter, query, options, option_parsers(cls), option_ranges(cls))
     return cls(**parsed)

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import xxhash
@@ -65,7 +65,7 @@ from tiercache.adapters._inline_writes import (
 )
 from tiercache.adapters._spare_files import SpareFiles
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
-from tiercache.adapters.options import Size, parse_options
+from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
 
@@ -265,22 +265,23 @@ def _unlink(path: str) -> bool:
 class PosixOptions:
     """Options of ``file:///abs/dir`` URLs (query string or keywords); each parsed from its type."""
 
-    capacity: Size | None = None
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
     """Bytes of values kept (LRU eviction beyond; None: unbounded)."""
     fsync: bool = False
     """fsync each value (and its directory) as it is written."""
-    shard_depth: int | None = None
+    shard_depth: Annotated[int, Range(0, 8)] | None = None
     """Levels of two-hex-character subdirectories (0 to 8); None: the store's own (2 for a tree written
     with the former default, which has second-level directories), else 1."""
-    threads: int = _DEFAULT_THREADS
-    """File I/O threads (at least 1)."""
-    temp_sweep_s: float = 300.0
-    """Seconds between sweeps of dead writers' temp files (0: only at open)."""
-    stale_temp_s: float = 3600.0
-    """Age in seconds after which a temp file of another host or without an owner is removed."""
-    inline_put_bytes: Size = _INLINE_PUT_BYTES
-    """Values up to this size are written on the event loop thread while the disk keeps up (0: never;
-    never with ``fsync`` or on a network filesystem)."""
+    threads: Annotated[int, Range(1, 1024)] = _DEFAULT_THREADS
+    """File I/O threads (1 to 1024)."""
+    temp_sweep_s: Annotated[float, Range(0, 86400)] = 300.0
+    """Seconds between sweeps of dead writers' temp files (0: only at open; at most a day)."""
+    stale_temp_s: Annotated[float, Range(0, 365 * 86400)] = 3600.0
+    """Age in seconds after which a temp file of another host or without an owner is removed (at most a
+    year)."""
+    inline_put_bytes: Annotated[Size, Range(0, 1 << 30)] = _INLINE_PUT_BYTES
+    """Values up to this size (at most 1 GiB) are written on the event loop thread while the disk keeps up
+    (0: never; never with ``fsync`` or on a network filesystem)."""
 
 
 class PosixAdapter(Adapter):
@@ -294,19 +295,12 @@ class PosixAdapter(Adapter):
     def __init__(self, root: str, options: PosixOptions | None = None) -> None:
         """Use the existing directory ``root``; call ``open`` (or ``_load``) to scan it before use."""
         o = options or PosixOptions()
+        check_options(o, "file")
         capacity, shard_depth, threads = o.capacity, o.shard_depth, o.threads
         temp_sweep_s, stale_temp_s, fsync = o.temp_sweep_s, o.stale_temp_s, o.fsync
         self.inline_put_bytes = 0 if fsync else o.inline_put_bytes
         if not os.path.isabs(root):
             raise ConfigError(f"file: root must be an absolute path, got {root!r}")
-        if capacity is not None and capacity < 0:
-            raise ConfigError(f"file: capacity must not be negative, got {capacity}")
-        if shard_depth is not None and not 0 <= shard_depth <= 8:
-            raise ConfigError(f"file: shard_depth must be between 0 and 8, got {shard_depth}")
-        if threads < 1:
-            raise ConfigError(f"file: threads must be at least 1, got {threads}")
-        if temp_sweep_s < 0 or stale_temp_s < 0:
-            raise ConfigError("file: temp_sweep_s and stale_temp_s must not be negative")
         self.temp_sweep_s = temp_sweep_s
         self.stale_temp_s = stale_temp_s
         self.stats: dict[str, int] = {

@@ -41,14 +41,14 @@ import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
-from tiercache.adapters.options import Size, parse_float, parse_options, parse_str
+from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
 from tiercache.config import redact_url
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
@@ -61,6 +61,9 @@ __all__ = ["S3Adapter", "S3Options", "object_name"]
 _T = TypeVar("_T")
 _MIB = 1 << 20
 _MIN_PART = 5 * _MIB  # S3's smallest part (all but the last)
+_MAX_PART = 5 << 30  # S3's largest part
+_MAX_OBJECT = 5 << 40  # S3's largest object
+_MIN_SECONDS = 0.001
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # most keys one DeleteObjects call accepts
 _MISS_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
@@ -68,13 +71,6 @@ _NOT_IMPLEMENTED = frozenset({"501", "NotImplemented"})
 _PRECONDITION = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
 _ADDRESSING = ("auto", "path", "virtual")
 _LENGTH_META = "tc-length"  # x-amz-meta-tc-length: the object's length, checked against every body read
-
-
-def _seconds(value: object) -> float:
-    out = parse_float(value)
-    if not out > 0:
-        raise ValueError(f"must be positive, got {value!r}")
-    return out
 
 
 def _addressing(value: object) -> str:
@@ -94,22 +90,22 @@ class S3Options:
     """Region name (None: the AWS chain's)."""
     addressing_style: str = field(default="auto", metadata={"parse": _addressing})
     """auto, path or virtual."""
-    max_concurrency: int = 16
-    """Requests in flight per adapter (and HTTP connections); at least 1."""
-    multipart_threshold: Size = 64 * _MIB
+    max_concurrency: Annotated[int, Range(1, 4096)] = 16
+    """Requests in flight per adapter (and HTTP connections); 1 to 4096."""
+    multipart_threshold: Annotated[Size, Range(1, _MAX_OBJECT)] = 64 * _MIB
     """Values at least this large are uploaded in parts (bytes or "64MiB")."""
-    part_size: Size = 8 * _MIB
-    """Bytes per multipart part (at least 5 MiB)."""
+    part_size: Annotated[Size, Range(_MIN_PART, _MAX_PART)] = 8 * _MIB
+    """Bytes per multipart part (5 MiB to 5 GiB, S3's limits)."""
     create_only: bool = False
     """Conditional puts (``If-None-Match: *``) where the server honours them."""
     create_bucket: bool = False
     """Create the bucket at open when it is missing."""
-    connect_timeout: float = field(default=5.0, metadata={"parse": _seconds})
-    """Seconds per connection attempt (positive)."""
-    read_timeout: float = field(default=30.0, metadata={"parse": _seconds})
-    """Seconds to wait for an answer per attempt (positive)."""
-    max_attempts: int = 2
-    """Total attempts per request (botocore standard retry mode); at least 1."""
+    connect_timeout: Annotated[float, Range(_MIN_SECONDS, 3600)] = 5.0
+    """Seconds per connection attempt (1 ms to an hour)."""
+    read_timeout: Annotated[float, Range(_MIN_SECONDS, 3600)] = 30.0
+    """Seconds to wait for an answer per attempt (1 ms to an hour)."""
+    max_attempts: Annotated[int, Range(1, 100)] = 2
+    """Total attempts per request (botocore standard retry mode); 1 to 100."""
     checksums: bool = False
     """Let botocore add/validate CRC32 checksums where supported (off: only where S3 requires them; frames
     carry their own checksum)."""
@@ -117,7 +113,7 @@ class S3Options:
     """With ``secret_access_key`` (use ``*_env`` in config files); None: the AWS chain."""
     secret_access_key: str | None = None
     session_token: str | None = None
-    capacity: Size | None = None
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
     """Bytes this tier may hold (None: unbounded)."""
 
 
@@ -153,26 +149,19 @@ class S3Adapter(Adapter):
 
     scheme: ClassVar[str] = "s3"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, delete=True, max_value_bytes=5 << 40
+        persistent=True, shared=True, delete=True, max_value_bytes=_MAX_OBJECT
     )
 
     def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None) -> None:
         """Settings only (``S3Options`` documents each); ``open`` creates the client and checks the bucket."""
         o = options or S3Options()
+        check_options(o, "s3")
         endpoint_url, max_concurrency, part_size = o.endpoint_url, o.max_concurrency, o.part_size
         multipart_threshold, max_attempts = o.multipart_threshold, o.max_attempts
         access_key_id, secret_access_key = o.access_key_id, o.secret_access_key
         connect_timeout, read_timeout = o.connect_timeout, o.read_timeout
         if not bucket:
             raise ConfigError("s3: URL must name a bucket: s3://bucket/prefix")
-        if max_concurrency < 1:
-            raise ConfigError(f"s3: max_concurrency must be at least 1, got {max_concurrency}")
-        if part_size < _MIN_PART:
-            raise ConfigError(f"s3: part_size must be at least 5MiB, got {part_size}")
-        if multipart_threshold < 1:
-            raise ConfigError(f"s3: multipart_threshold must be positive, got {multipart_threshold}")
-        if max_attempts < 1:
-            raise ConfigError(f"s3: max_attempts must be at least 1, got {max_attempts}")
         if (access_key_id is None) != (secret_access_key is None):
             raise ConfigError("s3: access_key_id and secret_access_key must be given together")
         self.bucket = bucket

@@ -6,11 +6,12 @@ Unknown keys are errors naming the key and the file. Secrets never live in the f
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -57,6 +58,12 @@ _SECRET_PARTS = ("password", "passwd", "secret", "token", "credential", "signatu
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _HOST_PORT_RE = re.compile(r"^[^:]*(:\d*)?$")
 REDACTED = "***"
+MIN_SECONDS = 0.001
+"""The shortest deadline or cool-down a config may set (1 ms)."""
+MAX_CHUNK_SIZE = 1 << 20
+"""The most tokens per chunk a config may set."""
+_MAX_SIZE = (1 << 63) - 1  # the most bytes a size may name (tiercache.adapters.options.MAX_SIZE)
+_MAX_ID = (1 << 32) - 2  # the largest uid or gid ((uid_t) -1 means "none")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -158,6 +165,13 @@ def _parse_size(value: object, where: str) -> int:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _size_in_range(value: object, low: int, high: int, where: str) -> int:
+    """A size (bytes or ``"8GiB"``) in ``[low, high]``; ConfigError naming ``where`` otherwise."""
+    size = _parse_size(value, where)
+    _in_range(size, low, high, where)
+    return size
+
+
 @dataclass(frozen=True, slots=True)
 class L1Config:
     """Host-memory tier."""
@@ -212,10 +226,32 @@ class ServerConfig:
     this many seconds (their keys are free at once)."""
 
 
-def _in_range(value: float, low: float, high: float, name: str) -> None:
-    """ConfigError naming ``name`` unless ``low <= value <= high``."""
-    if not low <= value <= high:
-        raise ConfigError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+def _shown(number: float, exact: bool = True) -> str:
+    """``number`` for a one-line message: ints in full up to 64 bits, floats as ``repr`` (when not ``exact``:
+    whole ones as ints, others ``:g``)."""
+    if isinstance(number, int) and not isinstance(number, bool):
+        return str(number) if number.bit_length() <= 64 else f"a {number.bit_length()}-bit integer"
+    if isinstance(number, float):
+        if exact:
+            return repr(number)
+        return str(int(number)) if number.is_integer() and abs(number) < 2**53 else f"{number:g}"
+    return repr(number)
+
+
+def _in_range(value: int | float, low: float, high: float, name: str) -> None:
+    """ConfigError naming ``name``, the range and the value unless ``low <= value <= high`` (NaN and the
+    infinities never are). The one range rule: config tables and adapter options alike."""
+    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
+        bounds = f"[{_shown(low, exact=False)}, {_shown(high, exact=False)}]"
+        raise ConfigError(f"{name} must be in {bounds}, got {_shown(value)}")
+
+
+def _number(r: _Reader, key: str, kinds: tuple[type, ...], default: Any, low: float, high: float) -> Any:
+    """``r.take(key, kinds, default)`` checked to lie in ``[low, high]`` (ConfigError naming the key)."""
+    value = r.take(key, kinds, default)
+    if isinstance(value, int | float):  # the kinds may allow a name too (a group)
+        _in_range(value, low, high, f"{r.source}: {r._name(key)}")
+    return value
 
 
 def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
@@ -231,8 +267,13 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
             f'{source}: server.mode must be an octal string like "0660", got {mode!r}'
         ) from None
     uids = r.take("allowed_uids", (list,), [])
-    if not all(type(u) is int and u >= 0 for u in uids):
+    if not all(type(u) is int for u in uids):
         raise ConfigError(f"{source}: server.allowed_uids must be a list of non-negative ints")
+    for i, uid in enumerate(uids):
+        _in_range(uid, 0, _MAX_ID, f"{source}: server.allowed_uids[{i}]")
+    ids = {
+        key: _number(r, key, (int, str), None, 0, _MAX_ID) for key in ("group", "admin_group", "server_uid")
+    }
     out = ServerConfig(
         socket=r.take("socket", (str,), None),
         slot_bytes=None if slot_bytes is None else _parse_size(slot_bytes, f"{source}: server.slot_bytes"),
@@ -240,33 +281,26 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
         if region_bytes is None
         else _parse_size(region_bytes, f"{source}: server.region_bytes"),
         mode=mode,
-        group=r.take("group", (int, str), None),
+        group=ids["group"],
         allowed_uids=tuple(uids),
-        admin_group=r.take("admin_group", (int, str), None),
-        server_uid=r.take("server_uid", (int, str), None),
-        max_clients=r.take("max_clients", (int,), 1024),
-        max_leases_per_client=r.take("max_leases_per_client", (int,), 16384),
-        max_share_per_client=float(r.take("max_share_per_client", (int, float), 0.9)),
-        orphan_grace_s=float(r.take("orphan_grace_s", (int, float), 60.0)),
-        metrics_port=r.take("metrics_port", (int,), None),
+        admin_group=ids["admin_group"],
+        server_uid=ids["server_uid"],
+        max_clients=_number(r, "max_clients", (int,), 1024, 1, 1 << 20),
+        max_leases_per_client=_number(r, "max_leases_per_client", (int,), 16384, 1, 1 << 24),
+        max_share_per_client=float(_number(r, "max_share_per_client", (int, float), 0.9, 1e-6, 1)),
+        orphan_grace_s=float(_number(r, "orphan_grace_s", (int, float), 60.0, 0, 86400)),
+        metrics_port=_number(r, "metrics_port", (int,), None, 0, 65535),
         metrics_host=r.take("metrics_host", (str,), "127.0.0.1"),
-        drain_s=float(r.take("drain_s", (int, float), 10.0)),
+        drain_s=float(_number(r, "drain_s", (int, float), 10.0, 0, 3600)),
     )
     r.finish()
     if not 0 <= out.mode <= 0o777:
         raise ConfigError(f"{source}: server.mode {oct(out.mode)} is not a file mode")
     where = f"{source}: server"
-    _in_range(out.drain_s, 0, 3600, f"{where}.drain_s")
-    if out.metrics_port is not None:
-        _in_range(out.metrics_port, 0, 65535, f"{where}.metrics_port")
     if out.slot_bytes is not None:
         _in_range(out.slot_bytes, 1, 1 << 40, f"{where}.slot_bytes")
     if out.region_bytes is not None:
         _in_range(out.region_bytes, 4096, 1 << 40, f"{where}.region_bytes")
-    _in_range(out.max_clients, 1, 1 << 20, f"{where}.max_clients")
-    _in_range(out.max_leases_per_client, 1, 1 << 24, f"{where}.max_leases_per_client")
-    _in_range(out.max_share_per_client, 1e-6, 1, f"{where}.max_share_per_client")
-    _in_range(out.orphan_grace_s, 0, 86400, f"{where}.orphan_grace_s")
     return out
 
 
@@ -296,6 +330,20 @@ class ManagerConfig:
     def l2_read_deadline_s(self, nbytes: int) -> float:
         """Deadline of an L2 read of ``nbytes`` bytes: ``l2_read_floor_s + nbytes / l2_read_mib_per_s``."""
         return self.l2_read_floor_s + nbytes / (self.l2_read_mib_per_s * 2**20)
+
+
+MANAGER_RANGES: dict[str, tuple[float, float]] = {
+    "l2_deadline_s": (MIN_SECONDS, 3600.0),
+    "lookup_deadline_s": (MIN_SECONDS, 3600.0),
+    "store_queue_size": (1, 1 << 20),
+    "circuit_failures": (1, 1 << 20),
+    "circuit_cooldown_s": (MIN_SECONDS, 86400.0),
+    "l2_read_floor_s": (MIN_SECONDS, 3600.0),
+    "l2_read_mib_per_s": (0.001, float(1 << 20)),
+    "l2_read_parallel": (1, 1024),
+    "store_parallel": (1, 1024),
+}
+"""Inclusive bounds of each ``[manager]`` number (seconds, counts, MiB/s), checked when a config loads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +474,9 @@ def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
     url = _expand(url, where)
     check_url_secrets(url, where)
     capacity_raw = r.take("capacity", (str, int), None)
-    capacity = None if capacity_raw is None else _parse_size(capacity_raw, f"{where}: capacity")
+    capacity = (
+        None if capacity_raw is None else _size_in_range(capacity_raw, 0, _MAX_SIZE, f"{where}: capacity")
+    )
     codecs_raw = r.take("codecs", (list,), ["raw"])
     codecs: list[str | Mapping[str, Any]] = []
     for item in codecs_raw:
@@ -500,9 +550,7 @@ def check_l1_codec(codec: str, tiers: tuple[TierConfig, ...], source: str = "<co
 def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     """Build a Config from parsed TOML/YAML data (the same checks as ``load_config``)."""
     r = _Reader(data, "", source)
-    chunk_size = r.take("chunk_size", (int,), 256)
-    if chunk_size <= 0:
-        raise ConfigError(f"{source}: chunk_size must be positive")
+    chunk_size = _number(r, "chunk_size", (int,), 256, 1, MAX_CHUNK_SIZE)
     save_unfull = r.take("save_unfull_chunk", (bool,), True)
     cache_salt_env = r.take("cache_salt_env", (str,), None)
 
@@ -511,34 +559,21 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     l1 = L1Config(
         capacity=L1Config().capacity
         if l1_capacity is None
-        else _parse_size(l1_capacity, f"{source}: l1.capacity"),
+        else _size_in_range(l1_capacity, 1, _MAX_SIZE, f"{source}: l1.capacity"),
         pinned=l1r.take("pinned", (bool,), None),
         codec=l1r.take("codec", (str,), "raw"),
     )
     l1r.finish()
 
     mr = _Reader(r.take("manager", (dict,), {}), "manager", source)
-    defaults = ManagerConfig()
-    manager = ManagerConfig(
-        l2_deadline_s=float(mr.take("l2_deadline_s", (int, float), defaults.l2_deadline_s)),
-        lookup_deadline_s=float(mr.take("lookup_deadline_s", (int, float), defaults.lookup_deadline_s)),
-        store_queue_size=mr.take("store_queue_size", (int,), defaults.store_queue_size),
-        circuit_failures=mr.take("circuit_failures", (int,), defaults.circuit_failures),
-        circuit_cooldown_s=float(mr.take("circuit_cooldown_s", (int, float), defaults.circuit_cooldown_s)),
-        l2_read_floor_s=float(mr.take("l2_read_floor_s", (int, float), defaults.l2_read_floor_s)),
-        l2_read_mib_per_s=float(mr.take("l2_read_mib_per_s", (int, float), defaults.l2_read_mib_per_s)),
-        l2_read_parallel=mr.take("l2_read_parallel", (int,), defaults.l2_read_parallel),
-        store_parallel=mr.take("store_parallel", (int,), defaults.store_parallel),
-    )
+    policy: dict[str, Any] = {}
+    for key, default in asdict(ManagerConfig()).items():
+        low, high = MANAGER_RANGES[key]
+        kinds = (int, float) if isinstance(default, float) else (int,)
+        value = _number(mr, key, kinds, default, low, high)
+        policy[key] = float(value) if isinstance(default, float) else value
+    manager = ManagerConfig(**policy)
     mr.finish()
-    if min(manager.l2_deadline_s, manager.lookup_deadline_s, manager.circuit_cooldown_s) <= 0:
-        raise ConfigError(f"{source}: manager deadlines and cool-down must be positive")
-    if min(manager.l2_read_floor_s, manager.l2_read_mib_per_s) <= 0 or manager.l2_read_parallel < 1:
-        raise ConfigError(
-            f"{source}: manager.l2_read_floor_s and l2_read_mib_per_s must be positive, l2_read_parallel >= 1"
-        )
-    if manager.store_parallel < 1:
-        raise ConfigError(f"{source}: manager.store_parallel must be >= 1, got {manager.store_parallel}")
 
     names: set[str] = set()
     tiers = tuple(_tier(t, i, source, names) for i, t in enumerate(r.take("tiers", (list,), [])))
@@ -563,11 +598,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             raise ConfigError(f"{source}: YAML configs need PyYAML: pip install 'tiercache[yaml]'") from None
         try:
             data = yaml.safe_load(raw) or {}
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int of more than 4300 digits
             raise ConfigError(f"{source}: invalid YAML: {exc}") from None
     else:
         try:
             data = tomllib.loads(raw.decode())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except (tomllib.TOMLDecodeError, ValueError) as exc:  # ValueError: bad UTF-8, an int of 4300+ digits
             raise ConfigError(f"{source}: invalid TOML: {exc}") from None
     return config_from_dict(data, source)

@@ -158,3 +158,11 @@ def test_check_fails_the_same_way(small_fs: Path, tmp_path: Path, as_json: bool)
     assert error.startswith("ConfigError: nvme+slab: capacity 1073741824 bytes (1.0 GiB) does not fit")
     assert "are free" in error
     assert _entries(small_fs) == []
+
+
+def test_a_capacity_past_any_disk_is_refused_before_anything_is_sized(tmp_path: Path) -> None:
+    """4 EiB: refused at once (the extent table of such a layout alone would not fit in memory)."""
+    message = str(_refused(f"nvme+slab://{tmp_path}/tier.slab?capacity={1 << 62}"))
+    assert f"capacity {1 << 62} bytes" in message
+    assert "are free" in message
+    assert list(tmp_path.iterdir()) == []
