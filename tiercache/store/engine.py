@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.gpu.move import Move
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from tiercache.store.l1 import L1Lease
 
 __all__ = ["CacheEngine", "LookupResult", "PreparedRetrieve", "RetrieveResult"]
+
+_PLANS = 4096
+"""Read plans an engine keeps (a plan depends only on the local and hit token counts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,8 @@ class CacheEngine:
             if layout.dtype not in ("bfloat16", "float16", "float32"):
                 raise ValueError(f"an fp8 L1 quantizes bfloat16, float16 or float32 KV, not {layout.dtype}")
         self._specs: dict[tuple[int, int | None], KVSpec] = {}
+        self._plans: dict[tuple[int, int], tuple[ReadPlan, tuple[int, ...]]] = {}
+        self._plan_block = layout.block_size if layout.block_aligned else None
 
     @staticmethod
     def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False, codec: str = "raw") -> int:
@@ -345,8 +350,24 @@ class CacheEngine:
         identity: RequestIdentity | None = None,
         block_hashes: BlockHashes | None = None,
     ) -> int:
-        """Tokens of the longest contiguous cached prefix of ``tokens`` (and prefetch of its L2 part)."""
-        return (await self.lookup_hit(tokens, identity=identity, block_hashes=block_hashes)).tokens
+        """Tokens of the longest contiguous cached prefix of ``tokens`` (and prefetch of its L2 part).
+
+        The per-call path of ``lookup_hit`` without its result object (the keys, specs and hits that a later
+        retrieve could reuse): specs only where a prefetch may need them (L2 tiers)."""
+        if self.layerwise:
+            return (await self.lookup_hit(tokens, identity=identity, block_hashes=block_hashes)).tokens
+        _, keys = self._chunk_keys(tokens, identity=identity, block_hashes=block_hashes)
+        if not keys:
+            return 0
+        num_tokens = len(tokens)  # type: ignore[arg-type]
+        manager = self.manager
+        if manager.tiers:
+            chunks = (await manager.lookup_prefix(keys, self._chunk_specs(len(keys), num_tokens))).chunks
+        elif manager.remote:
+            chunks = (await manager.lookup_prefix(keys)).chunks
+        else:  # L1 alone: one call, no hit objects
+            chunks = manager.l1_prefix(keys)
+        return min(chunks * self.chunk_size, num_tokens)
 
     # ----- retrieve -----------------------------------------------------------------------------------------
     async def prepare_retrieve(
@@ -388,30 +409,51 @@ class CacheEngine:
         else:
             keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
             hits = None
-        all_chunks = [(c * chunk, min((c + 1) * chunk, num_tokens)) for c in range(len(keys) // layers)]
+        num_chunks = len(keys) // layers
         local = skip_tokens
         if mask is not None:
             false_count = self.token_db.mask_start(mask, num_tokens)
-            local = max(local, false_count if false_count < len(all_chunks) * chunk else num_tokens)
+            local = max(local, false_count if false_count < num_chunks * chunk else num_tokens)
         first = local // chunk
-        wanted = [(start, end) for start, end in all_chunks[first:] if end > local]
+        wanted = [
+            (c * chunk, end)
+            for c in range(first, num_chunks)
+            if (end := min(c * chunk + chunk, num_tokens)) > local
+        ]
         leases: list[L1Lease | None] = []
         if wanted:
             window = slice(first * layers, (first + len(wanted)) * layers)
             leases = await self.manager.batched_get(
                 keys[window], specs[window], hits=None if hits is None else hits[window]
             )
-        chunks = contiguous_prefix(
-            all(leases[c * layers + layer] is not None for layer in range(layers)) for c in range(len(wanted))
-        )
-        beyond = [lease for lease in leases[chunks * layers :] if lease is not None]
-        if beyond:  # beyond the prefix: not needed (one release call)
-            self.manager.l1.batched_release(beyond)
-        used = [lease for lease in leases[: chunks * layers] if lease is not None]
-        block = self.layout.block_size if self.layout.block_aligned else None
+        if layers == 1:  # batched_get answers a prefix: leases up to the first None
+            chunks = contiguous_prefix(leases)
+            used = cast("list[L1Lease]", leases[:chunks])
+            if chunks < len(leases) and (beyond := [lease for lease in leases[chunks:] if lease is not None]):
+                self.manager.l1.batched_release(beyond)
+        else:
+            chunks = contiguous_prefix(
+                all(leases[c * layers + layer] is not None for layer in range(layers))
+                for c in range(len(wanted))
+            )
+            beyond = [lease for lease in leases[chunks * layers :] if lease is not None]
+            if beyond:  # beyond the prefix: not needed (one release call)
+                self.manager.l1.batched_release(beyond)
+            used = [lease for lease in leases[: chunks * layers] if lease is not None]
         hit_end = wanted[chunks - 1][1] if chunks else local
-        plan = plan_read(local, hit_end, self.chunk_size, block_size=block)
-        return PreparedRetrieve(self, num_tokens, local, wanted[:chunks], used, plan)
+        plan, skips = self._plan(local, hit_end)
+        return PreparedRetrieve(self, num_tokens, local, wanted[:chunks], used, plan, skips)
+
+    def _plan(self, local: int, hit_end: int) -> tuple[ReadPlan, tuple[int, ...]]:
+        """``plan_read`` of ``[local, hit_end)`` and its per-span skips (kept: a plan is immutable and
+        depends on these two numbers only; at most ``_PLANS`` of them)."""
+        found = self._plans.get((local, hit_end))
+        if found is None:
+            plan = plan_read(local, hit_end, self.chunk_size, block_size=self._plan_block)
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            found = self._plans[(local, hit_end)] = (plan, plan.skips)
+        return found
 
     async def retrieve_result(
         self,
@@ -481,6 +523,7 @@ class PreparedRetrieve:
         chunks: list[tuple[int, int]],
         leases: list[L1Lease],
         plan: ReadPlan,
+        skips: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.num_tokens = num_tokens
@@ -488,6 +531,8 @@ class PreparedRetrieve:
         self.chunks = chunks
         self.leases = leases
         self.plan = plan
+        self.skips = plan.skips if skips is None else skips
+        """``plan.skips`` (per span)."""
         self._result: RetrieveResult | None = None
 
     @property
@@ -522,10 +567,10 @@ class PreparedRetrieve:
         plan = self.plan
         if self.engine.l1_codec == "fp8":  # dequantized while scattered
             payloads = [lease.obj.payload() for lease in self.leases]
-            move = Move.scatter_fp8(self.engine.layout, slot_mapping, plan.spans, payloads, plan.skips)
+            move = Move.scatter_fp8(self.engine.layout, slot_mapping, plan.spans, payloads, self.skips)
             dispatch.scatter(kv_caches, move)
             return
-        move = Move.scatter(self.engine.layout, slot_mapping, plan.spans, self._objects(None), plan.skips)
+        move = Move.scatter(self.engine.layout, slot_mapping, plan.spans, self._objects(None), self.skips)
         dispatch.scatter(kv_caches, move)
 
     def scatter_layer(self, layer: int, kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
@@ -542,7 +587,7 @@ class PreparedRetrieve:
             slot_mapping,
             plan.spans,
             self._objects(layer),
-            plan.skips,
+            self.skips,
             layers=range(layer, layer + 1),
         )
         dispatch.scatter(kv_caches, move)
@@ -554,11 +599,18 @@ class PreparedRetrieve:
 
         if self._result is not None:
             return self._result
-        layers = self.engine.layout.num_layers if self.engine.layerwise else 1
-        valid = contiguous_prefix(
-            all(self.leases[c * layers + layer].valid() for layer in range(layers))
-            for c in range(len(self.chunks))
-        )
+        if self.engine.layerwise:
+            layers = self.engine.layout.num_layers
+            valid = contiguous_prefix(
+                all(self.leases[c * layers + layer].valid() for layer in range(layers))
+                for c in range(len(self.chunks))
+            )
+        else:
+            valid = 0
+            for lease in self.leases:
+                if not lease.valid():
+                    break
+                valid += 1
         if self.leases:
             self.engine.manager.l1.batched_release(self.leases)  # one RELEASE round trip on the shared L1
         good_end = self.chunks[valid - 1][1] if valid else self.local

@@ -52,6 +52,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+_L1_HIT = TierHit(L1_TIER, 0)
+"""Every L1 hit (one immutable instance, not one per key and call)."""
+
 L2Tier = TierClient
 """The former name of :class:`~tiercache.store.tier.TierClient` (``StorageManager.tiers`` holds them)."""
 
@@ -72,11 +75,15 @@ class StorageManager:
     ) -> None:
         self.l1 = l1
         self.remote = isinstance(l1, LocatesL2)
-        """Server mode: the L1's owner runs the L2 tiers and controllers."""
+        """Server mode: the L1's owner runs the L2 tiers and controllers (checked here, once: a runtime
+        Protocol ``isinstance`` costs about 10 us, so no per-call path repeats it)."""
         if self.remote and tiers:
             raise ValueError("on a server's shared L1 the server owns the L2 tiers: pass no tiers here")
         self.policy = policy or ManagerConfig()
         self.metrics = metrics or Metrics()
+        # labelled counters looked up once (a ``labels()`` call takes a lock and builds a key: ~1 us)
+        self._hit_counters: dict[str, Any] = {}
+        self._miss_counter = self.metrics.misses.labels("all")
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
         for name, _, pipeline in tiers:
             check_tier(l1_codec(l1), name, pipeline)
@@ -147,15 +154,13 @@ class StorageManager:
     ) -> list[TierHit | None]:
         """For each key, the first tier (L1, then L2 in order) that holds it now; None where none does."""
         wanted = None if tiers is None else set(tiers)
-        if isinstance(self.l1, LocatesL2):
-            located = self.l1.batched_locate(keys, prefetch=False)
+        if self.remote:
+            located = cast("LocatesL2", self.l1).batched_locate(keys, prefetch=False)
             return [h if h is not None and (wanted is None or h.tier in wanted) else None for h in located]
-        hits: list[TierHit | None] = [None] * len(keys)
         if wanted is None or L1_TIER in wanted:
-            l1_hit = TierHit(L1_TIER, 0)
-            for i, present in enumerate(self.l1.batched_contains(keys)):
-                if present:
-                    hits[i] = l1_hit
+            hits: list[TierHit | None] = [_L1_HIT if p else None for p in self.l1.batched_contains(keys)]
+        else:
+            hits = [None] * len(keys)
         for level, tier in enumerate(self.tiers, start=1):
             if wanted is not None and tier.name not in wanted:
                 continue
@@ -184,8 +189,10 @@ class StorageManager:
         """
         if group < 1 or len(keys) % group:
             raise ValueError(f"{len(keys)} keys do not split into groups of {group}")
-        if isinstance(self.l1, LocatesL2):
-            hits = self.l1.batched_locate(keys, prefetch=prefetch)
+        if self.remote:
+            hits = cast("LocatesL2", self.l1).batched_locate(keys, prefetch=prefetch)
+        elif not self.tiers:  # L1 alone: answered here, no second coroutine
+            hits = [_L1_HIT if p else None for p in self.l1.batched_contains(keys)]
         else:
             hits = await self.batched_contains(keys)
         found = self._prefix_hit(hits, group)
@@ -199,6 +206,18 @@ class StorageManager:
                     None if specs is None else [specs[i] for i in below],
                 )
         return found
+
+    def l1_prefix(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` held in L1 alone, counted like a :meth:`lookup_prefix` (hits, a miss): the whole
+        lookup of a manager without L2 tiers (``not tiers and not remote``), with no coroutine and no
+        per-key hit objects."""
+        present = self.l1.batched_contains(keys)
+        chunks = contiguous_prefix(present)
+        if chunks:
+            self._hit_counter(L1_TIER).inc(chunks)
+        if chunks < len(present):
+            self._miss_counter.inc()
+        return chunks
 
     async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
         """:meth:`lookup_prefix` of several key lists (one request's each) in one batched query, without
@@ -223,12 +242,24 @@ class StorageManager:
             found = [h for h in members if h is not None]
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
         chunks = contiguous_prefix(per_chunk)
-        prefix = [h for h in per_chunk[:chunks] if h is not None]
-        for tier_name, count in Counter(h.tier for h in prefix).items():
-            self.metrics.hits.labels(tier_name).inc(count)
+        tiers = tuple(h.tier for h in per_chunk[:chunks] if h is not None)
+        if tiers:
+            first = tiers[0]
+            if tiers.count(first) == len(tiers):  # the usual case: one tier serves the whole prefix
+                self._hit_counter(first).inc(len(tiers))
+            else:
+                for tier_name, count in Counter(tiers).items():
+                    self._hit_counter(tier_name).inc(count)
         if chunks < len(per_chunk):
-            self.metrics.misses.labels("all").inc()
-        return PrefixHit(chunks, tuple(h.tier for h in prefix), tuple(hits))
+            self._miss_counter.inc()
+        return PrefixHit(chunks, tiers, tuple(hits))
+
+    def _hit_counter(self, tier: str) -> Any:
+        """``metrics.hits`` labelled with ``tier`` (kept)."""
+        counter = self._hit_counters.get(tier)
+        if counter is None:
+            counter = self._hit_counters[tier] = self.metrics.hits.labels(tier)
+        return counter
 
     def start_prefetch(
         self, keys: Sequence[str], tiers: Sequence[str], specs: Sequence[KVSpec] | None = None
@@ -255,14 +286,17 @@ class StorageManager:
         if hits is not None and len(hits) != len(keys):
             raise ValueError(f"{len(hits)} hits for {len(keys)} keys")
         deadline_s = self.policy.l2_deadline_s if deadline_s is None else deadline_s
-        if self.remote:  # a LocatesL2 (checked once: a runtime protocol check costs ~10 us a call)
+        if self.remote:
             read_s = self.policy.l2_read_deadline_s(self.prefetch.read_bytes(len(keys), specs))
             wait_s = max(deadline_s, read_s)
             leases = cast("LocatesL2", self.l1).batched_acquire_loaded(keys, wait_s)
         else:
-            await self.load_into_l1(keys, specs, deadline_s, hits)
+            if self.tiers:  # without L2 tiers nothing is ever loaded into L1: nothing to wait for
+                await self.load_into_l1(keys, specs, deadline_s, hits)
             leases = self.l1.batched_acquire(keys)
-        first_missing = contiguous_prefix(lease is not None for lease in leases)
+        first_missing = contiguous_prefix(leases)
+        if first_missing == len(leases):
+            return leases
         beyond = [lease for lease in leases[first_missing:] if lease is not None]
         if beyond:  # the answer is a prefix: leases past a hole are not needed
             self.l1.batched_release(beyond)
