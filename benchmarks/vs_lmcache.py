@@ -30,6 +30,14 @@ tiercache's L1 LMCache's capacity (default: one request and two chunks), ``--pee
 that every op starts from the same memory state (``--settle MiB`` to change it, 0 for none: then an op's
 time depends on the op before it, see the option's help); ``--own-source`` adds a bare copy from a source no
 other contender reads, as no other reads tiercache's paged KV.
+
+``cpu --tiny``: each engine's own per-call host cost: store, lookup and retrieve of one 256-token chunk of
+tiny KV (``TINY_SHAPE``: 8 KiB a chunk, so the copies cost next to nothing), ``--calls`` calls of each op per
+round, contenders alternating; tiercache awaited in a running loop (as the vLLM connector's loop thread runs
+it) and through ``run_until_complete`` per call, LMCache's sync engine called directly (its per-call INFO log
+off). ``PYTHONHASHSEED=0 /work/lmc/bin/python benchmarks/vs_lmcache.py cpu --tiny [--rounds 7] [--calls 300]
+> benchmarks/results/vs_lmcache_cpu_tiny.json`` (a venv holding LMCache 0.5.6 and tiercache; PYTHONPATH as
+above works too).
 """
 
 from __future__ import annotations
@@ -249,10 +257,18 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None = None) -> Any:
+def _lmcache_engine(
+    cpu_gib: float,
+    src: Any,
+    dst: Any,
+    remote_url: str | None = None,
+    shape: tuple[int, int, int] | None = None,
+) -> Any:
     """LMCache 0.5.6's engine without vLLM or a GPU: the standalone starter with a connector that copies
     between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (one torch copy per chunk; LMCache
-    has no paged CPU copy routine, so its side copies contiguous token ranges)."""
+    has no paged CPU copy routine, so its side copies contiguous token ranges). ``shape``: (layers, kv
+    heads, head dim), the Llama-8B shape by default."""
+    layers, heads, head_dim = shape or (LAYERS, HEADS, HEAD_DIM)
     import torch
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
@@ -263,14 +279,14 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None =
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
-                m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM).copy_(src[:, :, a:b])
+                m.tensor.view(2, layers, b - a, heads * head_dim).copy_(src[:, :, a:b])
             KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             t0 = time.perf_counter()
             for m, a, b in zip(memory_objs, starts, ends, strict=True):
                 if m is not None:
-                    dst[:, :, a:b].copy_(m.tensor.view(2, LAYERS, b - a, HEADS * HEAD_DIM))
+                    dst[:, :, a:b].copy_(m.tensor.view(2, layers, b - a, heads * head_dim))
             KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
@@ -300,10 +316,10 @@ def _lmcache_engine(cpu_gib: float, src: Any, dst: Any, remote_url: str | None =
         worker_id=0,
         local_worker_id=0,
         kv_dtype=torch.bfloat16,
-        kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM),
+        kv_shape=(layers, 2, CHUNK, heads, head_dim),
         role="worker",
     )
-    groups = [standalone.LayerGroupSpec(LAYERS, (2, 1, 16, HEADS, HEAD_DIM), torch.bfloat16)]
+    groups = [standalone.LayerGroupSpec(layers, (2, 1, 16, heads, head_dim), torch.bfloat16)]
     starter = standalone.LMCacheStandaloneStarter(config, meta, groups, device="cpu")
     return starter.start()
 
@@ -547,6 +563,214 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     res["retrieve_tiercache_vs_bare_copy"] = res["tiercache"]["retrieve_GBps"] / res["bare_copy_GBps"]
     if args.lookup_tokens:
         res["lookup"] = _lookup(args.lookup_tokens, args.rounds * 4, engine, lmc, loop, rng)
+    return res
+
+
+TINY_SHAPE = (1, 1, 8)
+"""``cpu --tiny``: (layers, kv heads, head dim): one 256-token bf16 chunk is 8 KiB, so its copies cost next to
+nothing and a call's time is the engine's own per-call host cost."""
+
+
+def cpu_tiny(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-call host cost of each engine (``cpu --tiny``): store, lookup and retrieve of ONE 256-token chunk
+    of tiny KV (``TINY_SHAPE``), so the copies cost next to nothing and what is timed is each engine's own
+    work per call (keys, index, allocation, leases, masks, dispatch).
+
+    Each round runs ``--calls`` calls of every op for every contender, the contenders in alternating order;
+    an op's figure is the median over rounds of each round's median call. tiercache's engine is async: it is
+    timed awaited inside a running event loop (``tiercache``: how the vLLM connector runs it, on its loop
+    thread) and, apart, through ``loop.run_until_complete`` per call (``tiercache_run_until_complete``: the
+    same plus the ~6 us of asyncio's start and stop of the loop, which a sync caller would pay). LMCache's
+    engine is sync, called directly. Store: a fresh prompt per call (both evict once full; same capacity).
+    Lookup and retrieve: a prompt stored before the round (a hit; retrieve writes all 256 tokens back)."""
+    import asyncio
+    import gc
+
+    import numpy as np
+    import torch
+
+    # LMCache logs a line at INFO per store and retrieve: off, as a deployment timing its calls would have it
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+    from tiercache.config import ManagerConfig
+    from tiercache.gpu import Move, reference
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+    from tiercache.keys import KeySpace
+    from tiercache.store.engine import CacheEngine
+    from tiercache.store.l1 import L1Cache
+    from tiercache.store.manager import StorageManager
+
+    torch.manual_seed(0)
+    layers, heads, head_dim = TINY_SHAPE
+    nb = CHUNK // BLOCK + 8
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, layers, heads, head_dim, BLOCK, "bfloat16")
+    table = torch.randperm(nb - 1)[: CHUNK // BLOCK] + 1
+    pos = torch.arange(CHUNK)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    raw = [torch.randn(nb, BLOCK, heads, 2 * head_dim).bfloat16() for _ in range(layers)]
+    kv = [r.permute(0, 2, 1, 3) for r in raw]
+    kv_back = [torch.zeros_like(r).permute(0, 2, 1, 3) for r in raw]
+    src = torch.empty(2, layers, CHUNK, heads * head_dim, dtype=torch.bfloat16)
+    reference.gather(kv, Move.gather(layout, slots, [(0, CHUNK)], [src]))
+    dst = torch.zeros_like(src)
+    chunk_bytes = object_spec(layout, CHUNK).nbytes
+    capacity = args.tiny_chunks * chunk_bytes
+    lmc = _lmcache_engine(capacity / 2**30, src, dst, shape=TINY_SHAPE)
+    keyspace = KeySpace("bench/tiny", "bfloat16", layers, heads, head_dim)
+    l1 = L1Cache(capacity, chunk_bytes)
+    engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
+    loop = asyncio.new_event_loop()
+    rng = np.random.default_rng(1)
+    calls = args.calls
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[int(x) for x in rng.integers(0, 128_000, CHUNK)] for _ in range(n)]
+
+    # what each engine is handed: vLLM's token lists for tiercache; LMCache gets a tensor for store and
+    # retrieve (what its vLLM adapter passes) and the list for lookup (as the long-prompt lookup part does)
+    stored = prompts(1)[0]
+    stored_t = torch.tensor(stored)
+    loop.run_until_complete(engine.store(stored, kv, slots))
+    lmc.store(stored_t)
+
+    short_stores = {"tiercache": 0, "lmcache": 0}  # stores that did not keep the whole chunk
+
+    async def in_loop(op: str, todo: list[list[int]]) -> list[float]:
+        out: list[float] = []
+        clock = time.perf_counter
+        if op == "store":
+            for toks in todo:
+                t0 = clock()
+                n = await engine.store(toks, kv, slots)
+                out.append(clock() - t0)
+                short_stores["tiercache"] += n != CHUNK
+        elif op == "lookup":
+            for _ in range(calls):
+                t0 = clock()
+                await engine.lookup(stored)
+                out.append(clock() - t0)
+        else:
+            for _ in range(calls):
+                t0 = clock()
+                await engine.retrieve(stored, kv_back, slots)
+                out.append(clock() - t0)
+        return out
+
+    def tc(op: str) -> list[float]:
+        todo = prompts(calls) if op == "store" else []
+        return loop.run_until_complete(in_loop(op, todo))
+
+    def tc_sync(op: str) -> list[float]:
+        out: list[float] = []
+        clock = time.perf_counter
+        run = loop.run_until_complete
+        if op == "store":
+            for toks in prompts(calls):
+                t0 = clock()
+                n = run(engine.store(toks, kv, slots))
+                out.append(clock() - t0)
+                short_stores["tiercache"] += n != CHUNK
+        elif op == "lookup":
+            for _ in range(calls):
+                t0 = clock()
+                run(engine.lookup(stored))
+                out.append(clock() - t0)
+        else:
+            for _ in range(calls):
+                t0 = clock()
+                run(engine.retrieve(stored, kv_back, slots))
+                out.append(clock() - t0)
+        return out
+
+    def lm(op: str) -> list[float]:
+        out: list[float] = []
+        clock = time.perf_counter
+        if op == "store":
+            todo = [torch.tensor(p) for p in prompts(calls)]
+            for toks in todo:
+                t0 = clock()
+                lmc.store(toks)
+                out.append(clock() - t0)
+            short_stores["lmcache"] += lmc.lookup(tokens=todo[-1].tolist()) != CHUNK  # the last one kept
+        elif op == "lookup":
+            for _ in range(calls):
+                t0 = clock()
+                lmc.lookup(tokens=stored)
+                out.append(clock() - t0)
+        else:
+            for _ in range(calls):
+                t0 = clock()
+                lmc.retrieve(stored_t)
+                out.append(clock() - t0)
+        return out
+
+    contenders: dict[str, Callable[[str], list[float]]] = {
+        "tiercache": tc,
+        "tiercache_run_until_complete": tc_sync,
+        "lmcache": lm,
+    }
+    ops = ("store", "lookup", "retrieve")
+    for op in ops:  # warm-up: both stores fill their capacity once (steady state: every store evicts)
+        for fn in contenders.values():
+            for _ in range(-(-args.tiny_chunks // calls) + 1 if op == "store" else 1):
+                fn(op)
+    # the stored prompt may have been evicted by the warm-up's stores: store it again, hit it every round
+    loop.run_until_complete(engine.store(stored, kv, slots))
+    lmc.store(stored_t)
+    load_before = os.getloadavg()
+    per_round: dict[str, dict[str, list[float]]] = {op: {c: [] for c in contenders} for op in ops}
+    names = list(contenders)
+    gc.collect()
+    for r in range(args.rounds):
+        for op in ops:
+            if op != "store":  # a hit every time, in both (re-stored after the round's stores evicted it)
+                loop.run_until_complete(engine.store(stored, kv, slots))
+                lmc.store(stored_t)
+            for c in names if r % 2 == 0 else names[::-1]:
+                per_round[op][c].append(statistics.median(contenders[c](op)) * 1e6)
+    load_after = os.getloadavg()
+    # every contender really hit and restored the whole chunk, bit-exact
+    lookups = {
+        "tiercache": loop.run_until_complete(engine.lookup(stored)),
+        "lmcache": lmc.lookup(tokens=stored),
+    }
+    kv_back[0].zero_()
+    dst.zero_()
+    mask_tc = loop.run_until_complete(engine.retrieve(stored, kv_back, slots))
+    mask_lm = lmc.retrieve(stored_t)
+    back = torch.empty_like(src)
+    reference.gather(kv_back, Move.gather(layout, slots, [(0, CHUNK)], [back]))
+    res: dict[str, Any] = {
+        "workload": f"one {CHUNK}-token chunk per call, tiny KV {TINY_SHAPE} (layers, kv heads, head dim), "
+        f"bf16, {chunk_bytes} bytes a chunk",
+        "what": "per-call host cost (us): median over rounds of each round's median call",
+        "calls_per_round": calls,
+        "rounds": args.rounds,
+        "capacity_chunks": args.tiny_chunks,
+        "load_average_before_after": [load_before, load_after],
+        "torch_threads": torch.get_num_threads(),
+        "checks": {
+            "short_stores": short_stores,
+            "lookup_tokens": lookups,
+            "retrieved_tokens": {"tiercache": int(mask_tc.sum()), "lmcache": int(mask_lm.sum())},
+            "bit_exact": {
+                "tiercache": torch.equal(back.view(torch.int16), src.view(torch.int16)),
+                "lmcache": torch.equal(dst.view(torch.int16), src.view(torch.int16)),
+            },
+        },
+        "note": "tiercache: awaited in a running loop (as the vLLM connector's loop thread runs it); "
+        "tiercache_run_until_complete: one loop.run_until_complete per call (adds asyncio's loop start and "
+        "stop); LMCache: its sync engine called directly. tiercache gathers from / scatters to paged "
+        "VLLM_FLASH KV, LMCache copies a contiguous token range",
+    }
+    for op in ops:
+        row: dict[str, Any] = {c: statistics.median(v) for c, v in per_round[op].items()}
+        row["rounds_us"] = per_round[op]
+        row["tiercache_vs_lmcache_time"] = row["tiercache"] / row["lmcache"]
+        row["tiercache_run_until_complete_vs_lmcache_time"] = (
+            row["tiercache_run_until_complete"] / row["lmcache"]
+        )
+        res[op] = row
     return res
 
 
@@ -850,6 +1074,15 @@ def main() -> None:
         default=[],
         help="also run tiercache with these cpu_rows.STORES kinds (0 cached, 1 16-byte streaming, 2 widest)",
     )
+    c.add_argument(
+        "--tiny",
+        action="store_true",
+        help="per-call host cost instead: store / lookup / retrieve of one 256-token chunk of tiny KV "
+        "(TINY_SHAPE; the copies cost next to nothing), tiercache awaited in a loop and through "
+        "run_until_complete, beside LMCache",
+    )
+    c.add_argument("--calls", type=int, default=300, help="--tiny: calls of each op per round")
+    c.add_argument("--tiny-chunks", type=int, default=1024, help="--tiny: each engine's capacity in chunks")
     rd = sub.add_parser("redis", help="Redis only: write-through and cold retrieve beside LMCache (its venv)")
     rd.add_argument("--tokens", type=int, default=4096)
     rd.add_argument("--rounds", type=int, default=5)
@@ -870,7 +1103,7 @@ def main() -> None:
     if args.part == "gpu":
         print(json.dumps(gpu(args), indent=2))
     else:
-        res = cpu(args) if args.part == "cpu" else redis_part(args)
+        res = (cpu_tiny(args) if args.tiny else cpu(args)) if args.part == "cpu" else redis_part(args)
         print(json.dumps(res, indent=2))
         sys.stdout.flush()
         os._exit(0)  # LMCache's shutdown can wait for its threads
