@@ -140,14 +140,7 @@ def main() -> None:
         found = sorted({f for pattern in spec["record_files"] for f in glob.glob(pattern, recursive=True)})
         result["files"] = {f: Path(f).read_text() for f in found}
     if spec.get("log_stats"):
-        from prometheus_client import REGISTRY
-
-        result["prom"] = {
-            f"{s.name}|{s.labels.get('tier', '')}": s.value
-            for family in REGISTRY.collect()
-            for s in family.samples
-            if s.name.startswith("vllm:tiercache_")
-        }
+        result["prom"] = prom_samples()
     if conn and "kv_connector" not in spec:
         from tiercache_vllm.connector import drain_all, snapshot
 
@@ -158,6 +151,19 @@ def main() -> None:
     summary = [(r["prompt_len"], r["num_cached_tokens"]) for r in result["results"]]  # type: ignore[attr-defined]
     print("DONE", json.dumps(summary))
     exit_after_handlers()
+
+
+def prom_samples() -> dict[str, float]:
+    """The connector's ``vllm:tiercache_*`` samples in vLLM's Prometheus registry (``name|tier``): in the
+    multi-process engine the only view of the scheduler's and the worker's counters from this process."""
+    from prometheus_client import REGISTRY
+
+    return {
+        f"{s.name}|{s.labels.get('tier', '')}": s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name.startswith("vllm:tiercache_")
+    }
 
 
 def exit_after_handlers() -> None:
@@ -185,7 +191,9 @@ def serve(llm: Any) -> None:
 
     Commands: ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"tokens", "cached", "s"}``
     (or ``{"error", "s"}``: a failed request); ``{"op": "drain"}`` -> ``{}`` (pending saves and stores done);
-    ``{"op": "snapshot"}`` -> the connector's ``snapshot()``; a command that raises -> ``{"error", "s"}``.
+    ``{"op": "snapshot"}`` -> the connector's ``snapshot()`` (connectors of this process only: none in the
+    multi-process engine); ``{"op": "prom"}`` -> ``{"prom": prom_samples()}`` (spec ``log_stats``: every
+    process's counters, as of the last engine step); a command that raises -> ``{"error", "s"}``.
     First line ``{"ready": true}``; stdin closed ends the process."""
     from tiercache_vllm.connector import drain_all, snapshot
     from vllm import SamplingParams
@@ -205,6 +213,8 @@ def serve(llm: Any) -> None:
                 drain_all(cmd.get("timeout_s", 60.0))
             elif cmd["op"] == "snapshot":
                 reply = snapshot()
+            elif cmd["op"] == "prom":
+                reply["prom"] = prom_samples()
             else:
                 reply["error"] = f"unknown op {cmd['op']!r}"
         except Exception as exc:  # a failed request (or drain) is what the caller counts
@@ -212,6 +222,8 @@ def serve(llm: Any) -> None:
         reply["s"] = time.perf_counter() - started
         print(REPLY + json.dumps(reply, default=str), flush=True)
     sys.stdout.flush()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        llm.llm_engine.engine_core.shutdown()  # the EngineCore process (and its workers) outlive os._exit
     os._exit(0)  # vLLM's background threads must not keep the process alive
 
 

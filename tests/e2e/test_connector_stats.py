@@ -251,3 +251,46 @@ def test_fast_reading_equals_the_registry_reading() -> None:
     assert totals[("call_seconds", "disk")] == pytest.approx(0.006)
     depth[0] = 5
     assert read_engine_metrics(m)[1][("store_queue_depth", "disk")] == 5
+
+
+def test_server_client_counters_ship_as_increments() -> None:
+    """In server mode each engine's client counters (requests, lost connections, reconnects, offline misses,
+    skipped stores, refused leases) reach vLLM's stats as increments, once per client."""
+    import collections
+
+    from tiercache_vllm.stats import CONNECTOR_COUNTERS, SERVER_COUNTERS
+
+    class Client:  # the counters SharedL1 keeps
+        reconnects = 0
+        lost_connections = 1
+        offline_misses = 14
+        skipped_stores = 7
+        refused_leases = 0
+
+        def __init__(self) -> None:
+            self.requests = collections.Counter({"LOOKUP": 3, "ALLOC": 1})
+
+        def connected(self) -> bool:
+            return False
+
+    client = Client()
+    engine = type("E", (), {"manager": type("M", (), {"l1": client, "metrics": Metrics()})()})()
+    scheduler = type("S", (), {"stats": None, "_engines": [engine, engine]})()  # TP ranks share one client
+    sides = SideCounters()
+    first = collect_stats(None, scheduler, sides)
+    assert first is not None
+    assert first.counters == {
+        "server_requests": {"": 4},
+        "server_lost_connections": {"": 1},
+        "server_offline_misses": {"": 14},
+        "server_skipped_stores": {"": 7},
+    }
+    client.reconnects = 1
+    client.requests["LOOKUP"] += 2
+    later = collect_stats(None, scheduler, sides)
+    assert later is not None
+    assert later.counters == {"server_requests": {"": 2}, "server_reconnects": {"": 1}}
+    assert collect_stats(None, scheduler, sides) is None  # nothing new
+    assert set(SERVER_COUNTERS) <= set(CONNECTOR_COUNTERS)  # each one exported on /metrics
+    in_process = type("E", (), {"manager": type("M", (), {"l1": object(), "metrics": Metrics()})()})()
+    assert collect_stats(type("W", (), {"stats": None, "engine": in_process})(), None, sides) is None

@@ -82,9 +82,12 @@ class ConnectorSettings:
     layerwise: bool = False
     """Store one object per chunk and layer; saves run layer by layer as the forward proceeds."""
     lookup_timeout_s: float = 2.0
-    """How long the scheduler waits for a lookup before treating it as a miss, seconds."""
+    """How long the scheduler waits for a lookup before treating it as a miss, seconds. In server mode one
+    request to the server may take three quarters of it, at most 5 s (then the connection ends: cache-off)."""
     load_timeout_s: float = 10.0
-    """How long a load (sync or async) may take before it is cancelled and its blocks recomputed, seconds."""
+    """How long a load (sync or async) may take before it is cancelled and its blocks recomputed, seconds. In
+    server mode one request of a worker to the server may take three quarters of it (and of
+    ``lookup_timeout_s``)."""
     save_timeout_s: float = 30.0
     """How long shutdown and preemption wait for pending saves before cancelling them, seconds."""
     open_timeout_s: float = 60.0
@@ -449,18 +452,21 @@ def open_engine(
     lookup_only: bool = False,
     server: str | None = None,
     role: str = "worker",
+    request_timeout_s: float = 5.0,
 ) -> CacheEngine:
     """Open a CacheEngine on the background loop (``register``: make it visible to this process's scheduler).
 
     ``lookup_only`` shrinks L1 to two slots (the scheduler of a multi-process engine never stores).
     ``server``: a socket path; the engine then runs on the server's shared L1 (``role`` in its HELLO), with
-    no L2 tier of its own.
+    no L2 tier of its own, each request to the server limited to ``request_timeout_s``.
     """
     from tiercache.config import L1Config
     from tiercache.store.engine import CacheEngine
 
     if server is not None:
-        return _open_on_server(ident, config, timeout_s, register=register, server=server, role=role)
+        return _open_on_server(
+            ident, config, timeout_s, register=register, server=server, role=role, request_s=request_timeout_s
+        )
     if lookup_only:
         codec = config.l1.codec
         slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise, codec)
@@ -510,7 +516,14 @@ def keyspace_of(config: Config, ident: EngineIdentity) -> KeySpace:
 
 
 def _open_on_server(
-    ident: EngineIdentity, config: Config, timeout_s: float, *, register: bool, server: str, role: str
+    ident: EngineIdentity,
+    config: Config,
+    timeout_s: float,
+    *,
+    register: bool,
+    server: str,
+    role: str,
+    request_s: float,
 ) -> CacheEngine:
     """``open_engine`` on the server's shared L1 (keys computed here, from the same keyspace)."""
     from tiercache.errors import ConfigError
@@ -527,7 +540,7 @@ def _open_on_server(
     slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise)
 
     async def opener() -> CacheEngine:
-        manager = open_server_manager(server, config, role=role, slot_bytes=slot)
+        manager = open_server_manager(server, config, role=role, slot_bytes=slot, timeout_s=request_s)
         return CacheEngine(
             manager,
             ident.layout,

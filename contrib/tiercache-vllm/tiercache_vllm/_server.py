@@ -37,6 +37,7 @@ __all__ = [
     "ServerChoice",
     "check_server_setting",
     "open_server_manager",
+    "request_timeout_s",
     "resolve_server",
     "server_engine_stats",
     "server_for",
@@ -183,15 +184,51 @@ def _announce(choice: ServerChoice, config: Config) -> ServerChoice:
     return choice
 
 
-def open_server_manager(socket_path: str, config: Config, *, role: str, slot_bytes: int) -> StorageManager:
+MAX_REQUEST_TIMEOUT_S = 5.0
+"""The longest one request of a connector side to the server may take (the client's own default)."""
+REQUEST_SHARE = 0.75
+"""The share of its caller's deadline one request to the server may take (the rest: the caller's own work)."""
+
+
+def request_timeout_s(settings: ConnectorSettings, role: str) -> float:
+    """How long one request of this side to the server may take before the client ends the connection
+    (cache-off at once, reconnected in the background): ``REQUEST_SHARE`` of the shortest deadline its
+    callers wait, at most ``MAX_REQUEST_TIMEOUT_S``. The scheduler's callers wait ``lookup_timeout_s``; a
+    worker's wait ``load_timeout_s``, and ``lookup_timeout_s`` too (a scheduler in the same process looks up
+    on the worker's engine). Default: 1.5 s for both.
+
+    The client's requests block the connector's loop: one that outlived its caller's deadline would keep
+    the loop busy after the caller gave up, and each later call would wait out its own deadline behind it
+    (a hung server cost several lookup timeouts). Within the deadline, the request that found the server
+    hung ends the connection, and every later call is answered cache-off at once. The server's own bound on
+    a LOOKUP that asks its L2 tiers (``manager.lookup_deadline_s`` per tier, 0.5 s) must stay below it."""
+    deadline = settings.lookup_timeout_s
+    if role != "scheduler":
+        deadline = min(deadline, settings.load_timeout_s)
+    return min(MAX_REQUEST_TIMEOUT_S, REQUEST_SHARE * deadline)
+
+
+def open_server_manager(
+    socket_path: str,
+    config: Config,
+    *,
+    role: str,
+    slot_bytes: int,
+    timeout_s: float = MAX_REQUEST_TIMEOUT_S,
+) -> StorageManager:
     """A ``StorageManager`` on the server's shared L1 (no L2 tier); call on the engine's event loop.
-    ``slot_bytes`` (one chunk object) is declared to the server, which makes a size class for it."""
+    ``slot_bytes`` (one chunk object) is declared to the server, which makes a size class for it;
+    ``timeout_s``: one request's limit (see ``request_timeout_s``)."""
     from tiercache.server.client import SharedL1
     from tiercache.server.main import server_uid_of
     from tiercache.store.manager import StorageManager
 
     l1 = SharedL1(
-        socket_path, role=role, slot_bytes=[slot_bytes], server_uid=server_uid_of(config.server.server_uid)
+        socket_path,
+        role=role,
+        timeout_s=timeout_s,
+        slot_bytes=[slot_bytes],
+        server_uid=server_uid_of(config.server.server_uid),
     )
     return StorageManager(l1, [], config.manager)
 
@@ -208,4 +245,5 @@ def server_engine_stats(engine: CacheEngine | None) -> dict[str, int]:
         "server_offline_misses": int(l1.offline_misses),
         "server_skipped_stores": int(l1.skipped_stores),
         "server_refused_leases": int(l1.refused_leases),
+        "server_requests": sum(l1.requests.values()),
     }

@@ -27,7 +27,7 @@ from tiercache_vllm._common import (
     worker_disabled,
 )
 from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
-from tiercache_vllm._server import server_for
+from tiercache_vllm._server import request_timeout_s, server_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -166,6 +166,7 @@ class SchedulerSide:
                 lookup_only=True,
                 server=self.server.socket,
                 role="scheduler",
+                request_timeout_s=request_timeout_s(self.settings, "scheduler"),
             )
         except Exception:
             logger.exception("tiercache: the scheduler could not open its tiers; every lookup is a miss")

@@ -18,8 +18,10 @@ Counters from each engine's ``tiercache.metrics.Metrics`` (summed over labels ot
 ``tier_errors``, ``prefetched``, ``call_seconds``/``calls`` (the tier-call latency histogram's sum and
 count over all operations: their rates give the mean latency); from the connector's own counters
 (tier ``""``): ``load_errors``, ``invalid_blocks``, ``tokens_loaded``, ``tokens_saved``, ``save_failures``,
-``lookups``, ``lookup_failures``, ``lookup_hit_tokens``. Gauges (the largest value over workers):
-``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``.
+``lookups``, ``lookup_failures``, ``lookup_hit_tokens``; in server mode, from each engine's client of the
+server (tier ``""``): ``server_requests``, ``server_lost_connections``, ``server_reconnects``,
+``server_offline_misses``, ``server_skipped_stores``, ``server_refused_leases``. Gauges (the largest value
+over workers): ``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``.
 Increments are taken per ``Metrics`` object, shared by every connector side of the process, so an engine the
 scheduler shares with the worker is counted once.
 """
@@ -37,12 +39,14 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from tiercache.metrics import Metrics
+    from tiercache.store.engine import CacheEngine
 
 __all__ = [
     "CONNECTOR_COUNTERS",
     "ENGINE_COUNTERS",
     "GAUGES",
     "PROM_PREFIX",
+    "SERVER_COUNTERS",
     "SideCounters",
     "TierCachePromMetrics",
     "TierCacheStats",
@@ -50,6 +54,7 @@ __all__ = [
     "engine_increments",
     "read_engine_metrics",
     "read_engine_metrics_slow",
+    "server_increments",
 ]
 
 PROM_PREFIX = "vllm:tiercache_"
@@ -78,7 +83,22 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "lookups": "Scheduler lookups of a prompt's stored prefix",
     "lookup_failures": "Scheduler lookups that failed (treated as misses)",
     "lookup_hit_tokens": "Tokens the scheduler reported as external hits",
+    "server_requests": "Round trips to the tiercache server (server mode)",
+    "server_lost_connections": "Connections to the server lost (a failed or timed-out request, a hang-up)",
+    "server_reconnects": "Connections to the server made again after one was lost",
+    "server_offline_misses": "Keys looked up while no connection to the server was up (misses at once)",
+    "server_skipped_stores": "Objects not stored while no connection to the server was up",
+    "server_refused_leases": "Hits the server answered as misses (this client's lease caps)",
 }
+SERVER_COUNTERS = (
+    "server_requests",
+    "server_lost_connections",
+    "server_reconnects",
+    "server_offline_misses",
+    "server_skipped_stores",
+    "server_refused_leases",
+)
+"""The CONNECTOR_COUNTERS read from an engine's client of the server (``_server.server_engine_stats``)."""
 GAUGES: dict[str, tuple[str, str]] = {
     "circuit_open": ("tiercache_circuit_open", "1 while a tier's circuit is open"),
     "store_queue_depth": ("tiercache_store_queue_depth", "Objects waiting in a tier's store queue"),
@@ -180,6 +200,7 @@ class _Baseline:
 
 
 _ENGINE_BASELINES: weakref.WeakKeyDictionary[Metrics, _Baseline] = weakref.WeakKeyDictionary()
+_SERVER_BASELINES: weakref.WeakKeyDictionary[object, _Baseline] = weakref.WeakKeyDictionary()
 _ENGINE_LOCK = threading.Lock()
 
 
@@ -258,6 +279,22 @@ def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
             into.add(name, tier, baseline.increment(name, tier, total))
     for (name, tier), value in gauges.items():
         into.set_gauge(name, tier, value)
+
+
+def server_increments(engine: CacheEngine | None, into: TierCacheStats) -> None:
+    """Add the increments of ``engine``'s server-client counters (server mode; nothing for an in-process
+    engine) since the last call for the same client (any caller in this process) to ``into``."""
+    from tiercache_vllm._server import server_engine_stats
+
+    totals = server_engine_stats(engine)
+    if not totals or engine is None:
+        return
+    client = engine.manager.l1
+    with _ENGINE_LOCK:
+        baseline = _SERVER_BASELINES.setdefault(client, _Baseline())
+    with baseline.lock:
+        for name in SERVER_COUNTERS:
+            into.add(name, _NO_TIER, baseline.increment(name, _NO_TIER, float(totals[name])))
 
 
 class SideCounters:
@@ -354,4 +391,5 @@ def collect_stats(
         if metrics is not None and id(metrics) not in seen:
             seen.add(id(metrics))
             engine_increments(metrics, stats)
+            server_increments(engine, stats)
     return None if stats.is_empty() else stats

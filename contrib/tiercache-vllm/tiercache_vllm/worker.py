@@ -38,7 +38,7 @@ from tiercache_vllm._common import (
     slot_mapping,
 )
 from tiercache_vllm._layerwise import LayerProgress, load_layers
-from tiercache_vllm._server import server_for
+from tiercache_vllm._server import request_timeout_s, server_for
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +146,12 @@ class WorkerSide:
             try:
                 server = server_for(self.vllm_config, self.settings, self.config, expected)
                 self.engine = open_engine(
-                    ident, self.config, self.settings.open_timeout_s, register=True, server=server.socket
+                    ident,
+                    self.config,
+                    self.settings.open_timeout_s,
+                    register=True,
+                    server=server.socket,
+                    request_timeout_s=request_timeout_s(self.settings, "worker"),
                 )
             except Exception:
                 logger.exception("tiercache: opening the tiers failed; connector disabled (all misses)")
