@@ -18,7 +18,10 @@ environment variables, set before vLLM is imported), ``executor`` (``distributed
 under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
 server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
 are published: the warmup's saves finish after its output is returned), ``serve`` (stay up after start-up
-and answer commands instead: see ``serve``).
+and answer commands instead: see ``serve``), ``worker_probe`` (``"module:function"``: after the prompts,
+``LLM.collective_rpc`` runs it in every process that runs vLLM's forwards, the engine-core child included,
+and its answers are returned under ``worker_probe``; needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in
+``env`` for the multi-process engine).
 """
 
 from __future__ import annotations
@@ -141,6 +144,12 @@ def main() -> None:
         result["files"] = {f: Path(f).read_text() for f in found}
     if spec.get("log_stats"):
         result["prom"] = prom_samples()
+    if spec.get("worker_probe"):
+        import importlib
+
+        module, _, name = spec["worker_probe"].partition(":")
+        result["worker_probe"] = llm.collective_rpc(getattr(importlib.import_module(module), name))
+        result["pid"] = os.getpid()
     if conn and "kv_connector" not in spec:
         from tiercache_vllm.connector import drain_all, snapshot
 

