@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import PagedLayout
     from tiercache.store.engine import CacheEngine
 
-__all__ = ["DemoRequest", "demo_config", "demo_layout", "demo_requests", "expected_kv", "run_demo"]
+__all__ = [
+    "DemoRequest",
+    "demo_config",
+    "demo_layout",
+    "demo_requests",
+    "expected_kv",
+    "run_demo",
+    "verdict_lines",
+]
 
 MODEL = "tiercache-demo/toy-4L-2H-64D"
 VOCAB = 32000
@@ -238,6 +246,74 @@ async def prefill(config: Config) -> dict[str, Any]:
     return {"role": "prefill", "pid": os.getpid(), "requests": rows, "metrics": metrics.render()}
 
 
+CHECK_BYTES = "bytes"
+CHECK_MASK = "ret_mask"
+CHECK_PAST_END = "blocks past the restored end"
+"""The three checks of a restored request, as ``failed_checks`` names them."""
+
+
+def _failed_checks(
+    paged: _PagedKV,
+    slots: torch.Tensor,
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    ret_mask: torch.Tensor,
+    local: int,
+    restored_end: int,
+    chunk_size: int,
+    hit_tiers: Sequence[str],
+    *,
+    kv_ok: bool,
+    untouched: bool,
+    mask_ok: bool,
+) -> dict[str, str]:
+    """Each failed check of one request and where it first fails: the first token whose KV differs from
+    the prefill's (and which chunk, which tier served it, what its bytes look like), the first token past
+    the restored end that was written, the first ret_mask entry that is wrong."""
+    import torch
+
+    held = int(got.shape[2])
+    out: dict[str, str] = {}
+    if not kv_ok:
+        bad = (
+            (got.view(torch.int16) != expected[:, :, :held].view(torch.int16)).flatten(3).any(3).any(1).any(0)
+        )
+        first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
+        chunk = first // chunk_size
+        source = hit_tiers[chunk] if chunk < len(hit_tiers) else "no tier"
+        part = "the local prefix" if first < local else "the restored part"
+        token = got[:, :, first].view(torch.int16)
+        if bool((token == _POISON).all()):
+            looks = "never written (poison)"
+        elif not bool(token.any()):
+            looks = "zeros"
+        else:
+            diff = token != expected[:, :, first].view(torch.int16)
+            looks = f"{int(diff.sum())} of {diff.numel()} values differ"
+        out[CHECK_BYTES] = (
+            f"bytes: token {first} differs from the prefill's ({part}, chunk {chunk} served by {source}, "
+            f"block offset {first % paged.layout.block_size}: {looks}); {count} of {held} tokens differ"
+        )
+    if not untouched:
+        rest = paged.read(slots[held:]).view(torch.int16)
+        written = (rest != _POISON).flatten(3).any(3).any(1).any(0)
+        first, count = held + int(written.nonzero()[0, 0]), int(written.sum())
+        out[CHECK_PAST_END] = (
+            f"blocks past the restored end: token {first} was written though the restore ended at "
+            f"{restored_end} ({count} tokens written past it)"
+        )
+    if not mask_ok:
+        want = torch.zeros(int(ret_mask.shape[0]), dtype=torch.bool)
+        want[local:restored_end] = True
+        wrong = ret_mask.to(torch.bool) != want
+        first, count = int(wrong.nonzero()[0, 0]), int(wrong.sum())
+        out[CHECK_MASK] = (
+            f"ret_mask: token {first} is {bool(ret_mask[first])}, expected True exactly for tokens "
+            f"{local}..{restored_end - 1} ({count} entries wrong)"
+        )
+    return out
+
+
 def _tier_tokens(hit_tiers: Sequence[str], num_tokens: int, chunk_size: int, l1: bool) -> int:
     """Tokens of the chunks of a lookup's prefix served by L1 (``l1``) or by any L2 tier (not ``l1``)."""
     total = 0
@@ -283,6 +359,24 @@ async def decode(config: Config) -> dict[str, Any]:
             kv_ok = bool(torch.equal(got.view(bits), expected[:, :, :held].view(bits)))
             untouched = paged.untouched(slots[held:])
             verified = kv_ok and untouched and mask_ok
+            failed = (
+                {}
+                if verified
+                else _failed_checks(
+                    paged,
+                    slots,
+                    got,
+                    expected,
+                    res.ret_mask,
+                    req.local,
+                    restored_end,
+                    cs,
+                    hit.tiers,
+                    kv_ok=kv_ok,
+                    untouched=untouched,
+                    mask_ok=mask_ok,
+                )
+            )
             row = {
                 "name": req.name,
                 "tokens": n,
@@ -303,12 +397,14 @@ async def decode(config: Config) -> dict[str, Any]:
                 "kv_exact": kv_ok,
                 "rest_untouched": untouched,
                 "ret_mask_ok": mask_ok,
+                "failed_checks": failed,
             }
             rows.append(row)
+            verdict = "verified" if verified else "MISMATCH: " + "; ".join(failed.values())
             _progress(
                 "decode",
                 f"{req.name}: hit {hit.tokens}/{n} (L1 {row['l1_chunks']} + L2 {row['l2_chunks']} chunks), "
-                f"wrote {res.tokens_written}, {'verified' if verified else 'MISMATCH'}",
+                f"wrote {res.tokens_written}, {verdict}",
             )
     finally:
         await engine.aclose()
@@ -436,6 +532,19 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def verdict_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The demo's verdict: OK, or FAILED naming the checks that failed, then one line per failed check of
+    each request saying where it first fails (``failed_checks``)."""
+    if all(r["verified"] for r in rows):
+        return ["OK: every restored token is bit-exact"]
+    checks = sorted({c for r in rows for c in r.get("failed_checks", {})}) or ["unknown"]
+    lines = [f"FAILED ({', '.join(checks)}): restored KV differs from the prefill's"]
+    for r in rows:
+        for why in r.get("failed_checks", {}).values():
+            lines.append(f"  {r['name']}: {why}")
+    return lines
+
+
 def run_demo(
     config_path: str | None = None, *, json_path: str | None = None, show_metrics: bool = False
 ) -> int:
@@ -465,7 +574,7 @@ def run_demo(
     )
     print(format_table(rows))
     print(f"frames rejected (served as misses): {dec['frames_rejected']:.0f}")
-    print("OK: every restored token is bit-exact" if ok else "FAILED: restored KV differs from the prefill's")
+    print("\n".join(verdict_lines(rows)))
     if show_metrics:
         print()
         print(dec["metrics"], end="")
