@@ -1,9 +1,10 @@
 """``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, ``redis+cluster://``: frames as Redis strings.
 
 One key per object (``<prefix><key>``) holds the whole frame, or, for a frame over ``part_size``, a small
-manifest naming its parts (below, "Large values"); a reader sees the old frame, the new one or nothing. Every
-call goes through ``redis.asyncio`` with a blocking connection pool of ``pool_size`` connections (a batch
-waits for a free connection instead of failing when the pool is busy), except large values on plain TCP.
+manifest naming its parts (below, "Large values"); a reader sees the old frame, the new one or nothing. On
+plain TCP to a standalone server, reads, lookups and puts go through ``adapters/_resp.py`` (below); TLS,
+Cluster and the rest (delete, cleanup) through ``redis.asyncio`` (RESP2: no HELLO), each with a blocking pool
+of ``pool_size`` connections (a batch waits for a free connection instead of failing when the pool is busy).
 
 URL forms::
 
@@ -14,7 +15,9 @@ A username may be in the URL (``redis://user@host``); a password may not (use ``
 which arrives here as ``password``).
 
 Options (URL query or keyword): ``password``, ``username``, ``pool_size`` (default 16), ``socket_timeout``
-(seconds, default 5; also the connect timeout), ``ttl`` (seconds; objects expire, ``SET PX``), ``prefix``
+(seconds, default 5: the most one call to the server may take as a whole, a new connection's connect and
+handshake included on the RESP client; redis-py's own timeout is per reply, so its pipelines are bounded
+by ``socket_timeout`` as a whole too), ``ttl`` (seconds; objects expire, ``SET PX``), ``prefix``
 (default ``"tiercache:"``; isolates deployments sharing a server), ``part_size`` (bytes, default 4 MiB; 0:
 never split), ``capacity`` (accepted and ignored: the
 server's ``maxmemory`` governs; eviction by the server is normal operation and an evicted key is a miss),
@@ -42,8 +45,14 @@ How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on t
 * Large values (over 256 KiB) on a plain-TCP standalone server go through ``adapters/_resp.py``, a small RESP
   client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (the asyncio redis-py
   copies a value twice on the way out and twice on the way in): 2x redis-py's best mode at 32 MiB, 1.2-1.5x at
-  4 MiB. It keeps ``pool_size``, ``socket_timeout`` (no progress for that long: ``AdapterTimeout``), the
-  password, the user name and the database; TLS and Cluster use redis-py for every value.
+  4 MiB. It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call: ``AdapterTimeout``), the
+  password, the user name and the database; the small-value pipelines (contains, MGETs, puts) go through it
+  too (its replies parse at a fraction of redis-py's cost: a 64-key contains at 0.5-0.65x the client CPU);
+  TLS and Cluster use redis-py for every value.
+* The server is not trusted (``_resp.py``): a bulk reply declared over ``MAX_VALUE_BYTES`` is refused before
+  any of it is read or allocated, a reply of a type or length its command cannot have fails the call, an
+  MGET's array must hold as many values as keys, AUTH and SELECT must answer ``+OK``, and a connection that
+  failed, timed out or saw anything unexpected (a late or extra reply) is closed, never reused.
 
 Large values (``adapters/_parts.py``): a value over ``part_size`` is stored as parts ``<key>#0..n-1`` of
 ``part_size`` bytes, each followed by the write's random 16-byte nonce, written ``PART_WRITES_IN_FLIGHT`` (8)
@@ -74,8 +83,17 @@ hash tags: no command spans two keys, and spreading a value over the masters spr
 for memory removes the parts and fails the put; a writer that dies between parts leaves them to the TTL,
 eviction or the next put of the key (which overwrites them).
 
+Keys that are not ours: a key under the prefix of another type (a list, hash, set... WRONGTYPE) or holding a
+string over ``MAX_VALUE_BYTES`` is a miss wherever it is met (contains, get, a part of a parted value: stale),
+counted in ``stats["foreign_keys"]`` (each time a reply tells: an MGET's nil does not), never a failure of the
+tier; a put of its name replaces it (SET), a delete deletes it. A string that is not a frame is the codec
+pipeline's to reject (a miss counted as a rejected frame).
+
 Errors: connection refused/reset/closed and authentication failures raise ``AdapterUnavailable``; a server
-that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. A reset connection is retried once
+that does not answer within ``socket_timeout`` raises ``AdapterTimeout``. Only the project's errors leave the
+adapter: an error reply, or a reply a client cannot parse (a broken or hostile server), is
+``AdapterUnavailable``; a batch stops at its first transport failure (calls still running are cancelled,
+not left to wait out their own deadlines). A reset connection is retried once
 at once (a pooled connection may be stale after a server restart); timeouts are never retried. ``open`` pings
 the server, so an unreachable server or a wrong password fails at ``open`` with ``AdapterUnavailable``. After
 ``aclose`` every call raises ``AdapterUnavailable``. A ``SET`` refused for memory (``maxmemory`` with the
@@ -108,7 +126,7 @@ from redis.backoff import NoBackoff
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
 from tiercache.adapters._recvbuf import RecvBuffers
-from tiercache.adapters._resp import RespError, RespPool
+from tiercache.adapters._resp import RespError, RespPool, RespTooLarge
 from tiercache.adapters.options import Size, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
@@ -184,9 +202,33 @@ class RedisOptions:
 
 def _translate(exc: BaseException, where: str) -> AdapterError:
     """The tiercache error for a redis-py/OS error (transport failures only)."""
+    if isinstance(exc, AdapterError):
+        return exc
     if isinstance(exc, rexc.TimeoutError | asyncio.TimeoutError | TimeoutError):
         return AdapterTimeout(f"{where}: no answer within the socket timeout: {exc}")
     return AdapterUnavailable(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _wrong_type(reply: object) -> bool:
+    """Whether ``reply`` is the server's WRONGTYPE error: the key holds a list, hash, set... not a string."""
+    return isinstance(reply, rexc.ResponseError | RespError) and str(reply).startswith("WRONGTYPE")
+
+
+class _Foreign:
+    """A key under the prefix that holds no value of ours (another type, or a string over the limit)."""
+
+
+_FOREIGN = _Foreign()
+
+
+def _value_or_none(reply: object) -> bool:
+    """Whether ``reply`` is what a GET of a string can get: bytes (a view from the RESP client) or nil."""
+    return reply is None or isinstance(reply, bytes | memoryview)
+
+
+def _unexpected(where: str, what: str, reply: object) -> AdapterUnavailable:
+    shown = reply[:64] if isinstance(reply, bytes | bytearray) else reply
+    return AdapterUnavailable(f"{where}: unexpected reply to {what}: {type(reply).__name__} {shown!r:.100}")
 
 
 # RedisClusterException (and its SlotNotCoveredError, ...) does not derive from RedisError.
@@ -240,6 +282,9 @@ class _Common:
             "socket_connect_timeout": self.socket_timeout,
             # One immediate retry for a reset/stale connection; never for a timeout (it would double it).
             "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+            # RESP2, the replies this module reads: no HELLO to negotiate (redis-py would send HELLO 3 and
+            # parse whatever answers it; a server without HELLO got a warning per connection).
+            "protocol": 2,
         }
         if self.tls:
             kwargs["ssl_cert_reqs"] = {
@@ -319,9 +364,17 @@ class RedisAdapter(Adapter):
         self._write_lanes = asyncio.Semaphore(PART_WRITES_IN_FLIGHT)
         self._recv = RecvBuffers()
         """Whole-value buffers of parted reads, reused once the caller has dropped every view of one."""
-        self.stats: dict[str, int] = {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
-        """Parted objects read as misses: a part gone (evicted, expired), a part of a rewrite in progress, a
-        head that looks like a manifest and is none."""
+        self.stats: dict[str, int] = {
+            "parts_missing": 0,
+            "parts_stale": 0,
+            "bad_manifests": 0,
+            "foreign_keys": 0,
+        }
+        """Reads that were misses: a parted object with a part gone (evicted, expired), a part of a rewrite
+        in progress, a head that looks like a manifest and is none; a key under the prefix that holds no
+        value of ours (a list, hash, set... or a string over ``MAX_VALUE_BYTES``), each time one is seen."""
+        self._call_s = common.socket_timeout
+        """Seconds one call through redis-py may take as a whole (its own timeout is per reply)."""
 
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
@@ -350,9 +403,11 @@ class RedisAdapter(Adapter):
                 password=kwargs["password"],
                 timeout=common.socket_timeout,
                 size=common.pool_size,
+                max_bulk=MAX_VALUE_BYTES,
             )
         try:
-            await self._guard(client.ping())
+            if await self._guard(client.ping()) is not True:  # redis-py: True for +PONG
+                raise AdapterUnavailable(f"{self.name}: PING not answered +PONG: not a Redis server")
         except BaseException:
             await self._shutdown()
             raise
@@ -365,33 +420,62 @@ class RedisAdapter(Adapter):
             raise AdapterUnavailable(f"redis adapter {self.name} is closed")
 
     async def _guard(self, call: Awaitable[_T]) -> _T:
-        """Await ``call``, translating transport errors into AdapterUnavailable/AdapterTimeout."""
+        """Await ``call``, translating transport errors into AdapterUnavailable/AdapterTimeout. Any other
+        exception of a client (an error reply, or a reply it could not parse: a broken or hostile server)
+        is AdapterUnavailable too: nothing but the project's errors leaves the adapter."""
         try:
             return await call
+        except AdapterError:
+            raise
         except _TRANSPORT_ERRORS as exc:
             if self._closed:
                 raise AdapterUnavailable(f"redis adapter {self.name} is closed") from exc
             raise _translate(exc, self.name) from exc
+        except Exception as exc:
+            if self._closed:
+                raise AdapterUnavailable(f"redis adapter {self.name} is closed") from exc
+            raise AdapterUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _bounded(self, call: Awaitable[_T]) -> _T:
+        """Await one call through redis-py within ``socket_timeout`` as a whole (redis-py's own timeout is
+        per reply: each reply of a pipeline may take that long again); TimeoutError past it."""
+        async with asyncio.timeout(self._call_s):
+            return await call
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         return [self.prefix + check_key(k) for k in keys]
 
     async def _pipeline(self, build: Callable[[Any], object]) -> list[Any]:
-        """Run one non-transactional pipeline; per-command errors come back as exception objects."""
+        """Run one non-transactional pipeline (within ``socket_timeout`` as a whole); per-command errors
+        come back as exception objects."""
         async with self._client.pipeline(transaction=False) as pipe:
             build(pipe)
-            result: list[Any] = await pipe.execute(raise_on_error=False)
+            result: list[Any] = await self._bounded(pipe.execute(raise_on_error=False))
             return result
 
     @staticmethod
     async def _all(calls: Sequence[Awaitable[Any]]) -> list[Any]:
-        """Await ``calls`` concurrently; every one ends before the first exception other than a server
-        refusal (``ResponseError``, returned in place) is raised."""
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, rexc.ResponseError):
-                raise r
-        return results
+        """Await ``calls`` concurrently; a server refusal (``ResponseError``) comes back in place. At the
+        first other exception the calls still running are cancelled (on a server that stopped answering
+        each would wait out its own deadline: a parted value's parts, queued for the pool, one after
+        another) and it is raised once every call has ended."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        failed: BaseException | None = None
+        try:
+            pending: set[asyncio.Future[Any]] = set(tasks)
+            while pending and failed is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    exc = None if task.cancelled() else task.exception()
+                    if exc is not None and not isinstance(exc, rexc.ResponseError):
+                        failed = exc
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if failed is not None:
+            raise failed
+        return [task.exception() or task.result() for task in tasks]
 
     def _raise_first(self, results: Sequence[Any]) -> None:
         for r in results:
@@ -406,17 +490,42 @@ class RedisAdapter(Adapter):
     # -- the adapter API -------------------------------------------------------------------------------
 
     async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        """For each key, whether the server holds it now (one pipeline of EXISTS)."""
+        """For each key, whether the server holds it now (one pipeline of EXISTS and GETRANGE); a key of
+        another type is not contained (counted in ``foreign_keys``)."""
         self._check_open()
         full = self._keys(keys)
         if not full:
             return []
-        results = await self._guard(
-            self._pipeline(lambda p: [(p.exists(k), p.getrange(k, 0, MANIFEST_BYTES - 1)) for k in full])
-        )
-        self._raise_first(results)
-        found = [bool(r) for r in results[0::2]]
-        heads = {i: h for i, h in enumerate(results[1::2]) if found[i] and Manifest.looks_like(h)}
+        return await self._guard(self._contains(full))
+
+    async def _probe(self, probes: Sequence[tuple[str, int, int]]) -> list[Any]:
+        """One pipeline of ``EXISTS key`` and ``GETRANGE key start end`` per (key, start, end): the replies,
+        flat, errors in place. On plain TCP through the RESP client (replies checked, each bulk at most
+        ``end - start + 1`` bytes), else redis-py."""
+        if self._resp is None:
+            return await self._pipeline(lambda p: [(p.exists(k), p.getrange(k, a, b)) for k, a, b in probes])
+        commands: list[list[bytes | memoryview]] = []
+        for k, a, b in probes:
+            key = k.encode()
+            commands += [[b"EXISTS", key], [b"GETRANGE", key, str(a).encode(), str(b).encode()]]
+        longest = max(b - a + 1 for _, a, b in probes)
+        return await self._resp.pipeline(commands, max_bulk=longest)
+
+    async def _contains(self, full: Sequence[str]) -> list[bool]:
+        results = await self._probe([(k, 0, MANIFEST_BYTES - 1) for k in full])
+        found: list[bool] = []
+        heads: dict[int, bytes] = {}
+        for i, (exists, head) in enumerate(zip(results[0::2], results[1::2], strict=True)):
+            if _wrong_type(head):
+                self.stats["foreign_keys"] += 1
+                found.append(False)
+                continue
+            self._raise_first((exists, head))
+            if not isinstance(exists, int) or not isinstance(head, bytes):
+                raise _unexpected(self.name, "EXISTS + GETRANGE", (exists, head))
+            found.append(bool(exists))
+            if exists and Manifest.looks_like(head):
+                heads[i] = head
         if heads:
             manifests = {i: self._manifest(h) for i, h in heads.items()}
             whole = await self._parts_exist(full, manifests)
@@ -436,21 +545,21 @@ class RedisAdapter(Adapter):
     ) -> dict[int, bool]:
         """For each object index, whether every part of its manifest is on the server and of that write
         (its length and nonce, as a read checks them; one pipeline). An object with a part gone is counted
-        in ``parts_missing`` and removed; one with a part of another write in ``parts_stale`` (kept: a
-        rewrite in progress), as a read would count them."""
+        in ``parts_missing`` and removed; one with a part of another write (or another type) in
+        ``parts_stale`` (kept: a rewrite in progress), as a read would count them."""
         todo = [(i, m, m.part_keys(full[i])) for i, m in manifests.items() if m is not None]
         probes = [(k, b - a) for _, m, keys in todo for k, (a, b) in zip(keys, m.bounds(), strict=True)]
-        results = (
-            await self._guard(
-                self._pipeline(
-                    lambda p: [(p.exists(k), p.getrange(k, n, n + NONCE_BYTES)) for k, n in probes]
-                )
-            )
-            if probes
-            else []
-        )
-        self._raise_first(results)
-        pairs = list(zip(results[0::2], results[1::2], strict=True))  # (exists, bytes from its nonce on)
+        results = await self._probe([(k, n, n + NONCE_BYTES) for k, n in probes]) if probes else []
+        pairs: list[tuple[bool, bytes]] = []  # (exists, bytes from its nonce on)
+        for exists, tail in zip(results[0::2], results[1::2], strict=True):
+            if _wrong_type(tail):
+                self.stats["foreign_keys"] += 1
+                pairs.append((True, b""))  # there, and not of this write
+                continue
+            self._raise_first((exists, tail))
+            if not isinstance(exists, int) or not isinstance(tail, bytes):
+                raise _unexpected(self.name, "EXISTS + GETRANGE", (exists, tail))
+            pairs.append((bool(exists), tail))
         whole = {i: False for i in manifests}
         at = 0
         for i, m, keys in todo:
@@ -468,7 +577,7 @@ class RedisAdapter(Adapter):
         """Remove an object with a part gone: its head if it still holds ``manifest`` (never a newer write's
         head), then its parts. Best effort: a failure leaves them to TTL or eviction; the miss stands."""
         with contextlib.suppress(*_TRANSPORT_ERRORS):
-            if await self._client.eval(_COMPARE_AND_DELETE, 1, head, manifest.encode()):
+            if await self._bounded(self._client.eval(_COMPARE_AND_DELETE, 1, head, manifest.encode())):
                 await self._pipeline(lambda p: [p.delete(k) for k in manifest.part_keys(head)])
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
@@ -476,16 +585,21 @@ class RedisAdapter(Adapter):
 
         The mode follows the sizes seen so far (a running mean of hit sizes): pipelined GETs of MiB-sized
         values measured slower than the same GETs one after another, while small values need the pipeline.
+        A key of another type, or holding a string over ``MAX_VALUE_BYTES`` (refused before any of it is
+        read), is a miss (counted in ``foreign_keys`` where the reply tells: a GET's, not an MGET's).
         """
         self._check_open()
         full = self._keys(keys)
         if not full:
             return []
+        return await self._guard(self._get(full))
+
+    async def _get(self, full: Sequence[str]) -> list[Buffer | None]:
         if len(full) == 1 or self._mean_hit_bytes > PIPELINE_VALUE_BYTES:
-            results = [await self._guard(self._get_one(k)) for k in full]
+            found = [await self._get_one(k) for k in full]
+            results: list[Any] = [None if r is _FOREIGN else r for r in found]
         else:
-            results = await self._guard(self._get_small(full))
-        results = list(results)
+            results = await self._get_small(full)
         for i, r in enumerate(results):
             if r is not None and Manifest.looks_like(r):
                 manifest = self._manifest(r)
@@ -496,18 +610,31 @@ class RedisAdapter(Adapter):
     async def _get_small(self, full: Sequence[str]) -> list[Any]:
         """Small values: one pipeline of ``MGET``s, each for about ``PIPELINE_BATCH_BYTES`` of values by the
         running mean (one command per group, not per key: 64 x 1 KiB and 64 x 64 KiB read 1.4-2x faster
-        than a pipeline of GETs; each reply is read within its own socket timeout). A key of another type
-        is a miss."""
+        than a pipeline of GETs). A key of another type is a miss (MGET's nil)."""
         group = max(1, min(512, int(PIPELINE_BATCH_BYTES // max(self._mean_hit_bytes, 1.0))))
         groups = [full[i : i + group] for i in range(0, len(full), group)]
-        replies = await self._pipeline(lambda p: [p.mget(g) for g in groups])
+        replies: list[Any]
+        if self._resp is not None:  # replies checked: as many values as keys, each within the limit
+            try:
+                replies = await self._resp.pipeline([[b"MGET", *(k.encode() for k in g)] for g in groups])
+            except RespTooLarge:  # a string over the limit: one GET each finds which (a miss, counted)
+                found = [await self._get_one(k) for k in full]
+                return [None if r is _FOREIGN else r for r in found]
+        else:
+            replies = await self._pipeline(lambda p: [p.mget(g) for g in groups])
         self._raise_first(replies)
-        return [v for r in replies for v in r]
+        values: list[Any] = []
+        for g, reply in zip(groups, replies, strict=True):
+            if not isinstance(reply, list) or len(reply) != len(g) or not all(map(_value_or_none, reply)):
+                raise _unexpected(self.name, f"MGET of {len(g)} keys", reply)
+            values += reply
+        return values
 
     async def _read_parts(self, head: str, manifest: Manifest) -> Buffer | None:
         """The whole value of a parted object, its parts read concurrently into one buffer. None if a part
         is missing (counted in ``parts_missing``; the object is removed) or is of another write, by its
-        nonce or its length (counted in ``parts_stale``; kept: a rewrite in progress, whose head is next)."""
+        nonce or its length, or of another type (counted in ``parts_stale``; kept: a rewrite in progress,
+        whose head is next)."""
         whole = self._recv.take(manifest.total)
         keys = manifest.part_keys(head)
 
@@ -516,7 +643,7 @@ class RedisAdapter(Adapter):
                 return await self._get_into(k, into)
 
         calls = [read(k, whole[a:b]) for k, (a, b) in zip(keys, manifest.bounds(), strict=True)]
-        tails = await self._guard(self._all(calls))
+        tails = await self._all(calls)
         self._raise_first(tails)
         if all(t == manifest.nonce for t in tails):
             return whole
@@ -529,10 +656,18 @@ class RedisAdapter(Adapter):
 
     async def _get_into(self, key: str, into: memoryview) -> bytes | None:
         """GET ``key``, a value of ``into``'s size plus a nonce, into ``into``; its nonce, ``b""`` if it is
-        of another size, None if absent."""
+        of another size or type, None if absent."""
         if self._resp is not None:
-            return await self._resp.get_into(key.encode(), into, NONCE_BYTES)
+            try:
+                return await self._resp.get_into(key.encode(), into, NONCE_BYTES)
+            except RespError as exc:
+                if not _wrong_type(exc):
+                    raise
+                self.stats["foreign_keys"] += 1
+                return b""
         value = await self._get_one(key)
+        if value is _FOREIGN:
+            return b""
         if value is None or len(value) != into.nbytes + NONCE_BYTES:
             return None if value is None else b""
         view = memoryview(value).cast("B")
@@ -545,9 +680,23 @@ class RedisAdapter(Adapter):
             self._mean_hit_bytes = 0.75 * self._mean_hit_bytes + 0.25 * (sum(sizes) / len(sizes))
 
     async def _get_one(self, key: str) -> Any:
-        if self._resp is not None:
-            return await self._resp.get(key.encode())
-        return await self._client.get(key)
+        """GET ``key``: its value, None if absent, ``_FOREIGN`` (counted) if it holds another type or a
+        string over ``MAX_VALUE_BYTES``."""
+        try:
+            if self._resp is not None:
+                return await self._resp.get(key.encode())
+            value = await self._bounded(self._client.get(key))
+        except (RespError, rexc.ResponseError) as exc:
+            if not _wrong_type(exc):
+                raise
+        except RespTooLarge:
+            pass
+        else:
+            if not _value_or_none(value):
+                raise _unexpected(self.name, "GET", value)
+            return value
+        self.stats["foreign_keys"] += 1
+        return _FOREIGN
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         """SET each value (small ones pipelined, large ones concurrently, each its own SET, up to
@@ -557,6 +706,9 @@ class RedisAdapter(Adapter):
         full = self._keys(keys)
         data = [as_readable_bytes(v) for v in values]
         self._learn_sizes([v.nbytes for v in data])  # what a tier writes is what it is asked for later
+        return await self._guard(self._put(full, data))
+
+    async def _put(self, full: Sequence[str], data: Sequence[memoryview]) -> list[bool]:
         out = [False] * len(full)
         small: list[int] = []
         small_bytes = 0
@@ -566,7 +718,7 @@ class RedisAdapter(Adapter):
             if not small:
                 return
             todo, small, small_bytes = small, [], 0
-            results = await self._guard(self._peek_and_set([full[i] for i in todo], [data[i] for i in todo]))
+            results = await self._peek_and_set([full[i] for i in todo], [data[i] for i in todo])
             for i, r in zip(todo, results[1::2], strict=True):
                 out[i] = self._put_result(r)
             replaced = [(full[i], old) for i, old in zip(todo, results[0::2], strict=True) if out[i]]
@@ -586,7 +738,7 @@ class RedisAdapter(Adapter):
                 await flush()
         await flush()
         if large:
-            results = await self._guard(self._all([self._put_large(full[i], data[i]) for i in large]))
+            results = await self._all([self._put_large(full[i], data[i]) for i in large])
             for i, r in zip(large, results, strict=True):
                 out[i] = self._put_result(r)
         return out
@@ -608,7 +760,7 @@ class RedisAdapter(Adapter):
         for k, v in zip(keys, values, strict=True):
             key = k.encode()
             commands += [[b"GETRANGE", key, b"0", peek], [b"SET", key, v, *px]]
-        replies = await self._resp.pipeline(commands)
+        replies = await self._resp.pipeline(commands, max_bulk=MANIFEST_BYTES)
         return [
             rexc.ResponseError(str(r)) if isinstance(r, RespError) else (r == b"OK" if i % 2 else r)
             for i, r in enumerate(replies)
@@ -649,7 +801,7 @@ class RedisAdapter(Adapter):
         extra = [
             k
             for head, old in replaced
-            if not isinstance(old, BaseException)
+            if isinstance(old, bytes | memoryview)  # not an error (another type, a failed read)
             and (previous := Manifest.decode(old, MAX_VALUE_BYTES)) is not None
             for k in previous.part_keys(head, start=keep)
         ]
@@ -687,7 +839,7 @@ class RedisAdapter(Adapter):
         try:
             if self._resp is not None:
                 return await self._resp.set(key.encode(), memoryview(value), self.ttl_ms, tail)
-            return await self._set(self._client, key, bytes(value) + tail if tail else value)
+            return await self._bounded(self._set(self._client, key, bytes(value) + tail if tail else value))
         except rexc.ResponseError as exc:
             return exc
         except RespError as exc:
@@ -704,23 +856,29 @@ class RedisAdapter(Adapter):
         return bool(r)
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
-        """DEL each key (one pipeline); True where it existed."""
+        """DEL each key (one pipeline); True where it existed (a key of another type too: it is deleted)."""
         self._check_open()
         full = self._keys(keys)
         if not full:
             return []
-        results = await self._guard(
-            self._pipeline(lambda p: [(p.getrange(k, 0, MANIFEST_BYTES - 1), p.delete(k)) for k in full])
+        return await self._guard(self._delete(full))
+
+    async def _delete(self, full: Sequence[str]) -> list[bool]:
+        results = await self._pipeline(
+            lambda p: [(p.getrange(k, 0, MANIFEST_BYTES - 1), p.delete(k)) for k in full]
         )
-        self._raise_first(results)
+        heads = [b"" if _wrong_type(h) else h for h in results[0::2]]  # another type: no manifest
+        self._raise_first([*heads, *results[1::2]])
+        if not all(isinstance(h, bytes) for h in heads) or not all(isinstance(r, int) for r in results[1::2]):
+            raise _unexpected(self.name, "GETRANGE + DEL", results)
         parts = [
             k
-            for head, h in zip(full, results[0::2], strict=True)
+            for head, h in zip(full, heads, strict=True)
             if (m := Manifest.decode(h, MAX_VALUE_BYTES)) is not None
             for k in m.part_keys(head)
         ]
         if parts:
-            self._raise_first(await self._guard(self._pipeline(lambda p: [p.delete(k) for k in parts])))
+            self._raise_first(await self._pipeline(lambda p: [p.delete(k) for k in parts]))
         return [bool(r) for r in results[1::2]]
 
     async def _shutdown(self) -> None:
@@ -793,7 +951,7 @@ class RedisClusterAdapter(RedisAdapter):
         async with self._slots:
             pipe = self._client.pipeline()
             build(pipe)
-            result: list[Any] = await pipe.execute(raise_on_error=False)
+            result: list[Any] = await self._bounded(pipe.execute(raise_on_error=False))
             return result
 
     async def _set_one(self, key: str, value: bytes | memoryview, tail: bytes = b"") -> Any:
@@ -801,10 +959,19 @@ class RedisClusterAdapter(RedisAdapter):
             return await super()._set_one(key, value, tail)
 
     async def _get_small(self, full: Sequence[str]) -> list[Any]:
-        """One cluster pipeline of GETs (an MGET across slots is refused; redis-py splits it per node)."""
+        """One cluster pipeline of GETs (an MGET across slots is refused; redis-py splits it per node); a
+        key of another type is a miss (counted in ``foreign_keys``)."""
         results = await self._pipeline(lambda p: [p.get(k) for k in full])
-        self._raise_first(results)
-        return results
+        out: list[Any] = []
+        for r in results:
+            if _wrong_type(r):
+                self.stats["foreign_keys"] += 1
+                r = None
+            self._raise_first((r,))
+            if not _value_or_none(r):
+                raise _unexpected(self.name, "GET", r)
+            out.append(r)
+        return out
 
     async def _get_one(self, key: str) -> Any:
         async with self._slots:

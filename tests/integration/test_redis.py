@@ -181,6 +181,148 @@ async def test_small_values_read_in_order_across_mget_groups(redis_server: Any) 
         assert [None if g is None else bytes(g) for g in got] == [*values[:6], None, None, *values[6:]]
 
 
+_FOREIGN = {  # a key of another type under the tier's prefix, as another program might leave one
+    "lst": lambda raw, key: raw.lpush(key, "x"),
+    "hsh": lambda raw, key: raw.hset(key, "field", "value"),
+    "st": lambda raw, key: raw.sadd(key, "member"),
+}
+
+
+async def _add_foreign(port: int, prefix: str) -> list[str]:
+    raw = aredis.Redis(host="127.0.0.1", port=port)
+    try:
+        for name, add in _FOREIGN.items():
+            await add(raw, prefix + name)
+    finally:
+        await raw.aclose()
+    return list(_FOREIGN)
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+@pytest.mark.parametrize("via", ["resp", "redis-py"])
+@pytest.mark.parametrize("size", [1000, 300_000])  # small: MGET pipelines; large: GETs one by one
+async def test_a_key_of_another_type_is_a_counted_miss(
+    request: pytest.FixtureRequest, kind: str, via: str, size: int
+) -> None:
+    """A list, hash or set under the prefix is a miss wherever it is met (contains, a batched get, a
+    single-key get, a get of one key alone), counted in ``stats["foreign_keys"]``; the good keys beside it
+    are served, and a put or delete of its name works (a GET of it raised a foreign RespError, its GETRANGE
+    failed the whole contains and delete batch)."""
+    server = request.getfixturevalue(f"{kind}_server")
+    prefix = _prefix()
+    adapter = await RedisAdapter.open(f"redis://127.0.0.1:{server.port}/0", prefix=prefix)
+    if via == "redis-py":  # as on TLS: every call through redis-py
+        assert adapter._resp is not None
+        adapter._resp.close()
+        adapter._resp = None
+    try:
+        good = _keys(7)
+        values = [bytes([i + 1]) * size for i in range(7)]
+        assert await adapter.batched_put(good, values) == [True] * 7
+        foreign = await _add_foreign(server.port, prefix)
+        mixed = [*good[:3], *foreign, *good[3:]]
+        want = [*values[:3], None, None, None, *values[3:]]
+        assert await adapter.batched_contains(mixed) == [v is not None for v in want]
+        assert adapter.stats["foreign_keys"] == 3
+        got = await adapter.batched_get(mixed)
+        assert [None if g is None else bytes(g) for g in got] == want
+        for name in foreign:  # one key alone: the single GET
+            assert await adapter.batched_get([name]) == [None]
+            assert await adapter.batched_contains([name]) == [False]
+        assert adapter.stats["foreign_keys"] >= 3 + 3 + 3  # an MGET's nil does not tell a list from none
+        assert await adapter.batched_delete(foreign[:1]) == [True]  # the name is ours to delete
+        assert await adapter.batched_put(foreign[1:], [b"a", b"b" * size]) == [True, True]  # SET replaces
+        assert await adapter.batched_get(foreign) == [None, b"a", b"b" * size]
+    finally:
+        await adapter.aclose()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_a_key_of_another_type_never_takes_the_tier_offline(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Through the storage manager, as vLLM drives it: a list, hash and set under the prefix beside 7 good
+    objects. Every lookup finds the 7 (the foreign keys are misses), a read of a foreign key that a lookup
+    had reported (replaced by another type since) is a miss, no call fails, the circuit (2 failures) never
+    opens, and the 7 are served after it all. A value that is not a frame is a miss too, counted as a
+    rejected frame. (A foreign key's GET raised RespError, its GETRANGE failed the whole contains: three
+    reads opened the circuit and 0 of 7 good keys were then served.)"""
+    from tiercache.store.hits import TierHit
+
+    server = request.getfixturevalue(f"{kind}_server")
+    prefix = _prefix()
+    raw_pipeline = build_pipeline(["raw"])
+    good = _keys(7)
+    writer = await RedisAdapter.open(server.url, prefix=prefix, socket_timeout=5)
+    async with StorageManager(
+        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", writer, raw_pipeline)], POLICY
+    ) as m:
+        objects = await m.batched_allocate(good, [SPEC] * 7)
+        for i, obj in enumerate(objects):
+            assert obj is not None
+            obj.buffer()[:] = bytes([i + 1]) * SPEC.nbytes
+        await m.batched_put([o for o in objects if o is not None])
+        await m.drain()
+    foreign = await _add_foreign(server.port, prefix)
+    raw = aredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        await raw.set(prefix + "notaframe", b"just some bytes, not a frame")
+    finally:
+        await raw.aclose()
+    reader = await RedisAdapter.open(server.url, prefix=prefix, socket_timeout=5)
+    async with StorageManager(
+        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", reader, raw_pipeline)], POLICY
+    ) as m:
+        for name in foreign:  # 3 rounds, each a failed call before (2 open the circuit)
+            hits = await m.batched_contains([*good, name])
+            assert [h is not None for h in hits] == [True] * 7 + [False]
+        for name in foreign:  # a read of a key the lookup had found: the single-key GET path
+            assert await m.batched_get([name], [SPEC], hits=[TierHit("redis", 1)]) == [None]
+        assert await m.batched_get(["notaframe"], [SPEC], hits=[TierHit("redis", 1)]) == [None]
+        assert m.metrics.value("tiercache_frames_rejected_total", tier="redis") == 1
+        for op in ("contains", "get"):
+            assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op=op) == 0
+        assert m.metrics.value("tiercache_circuit_open", tier="redis") == 0
+        assert reader.stats["foreign_keys"] == 6
+        assert (await m.lookup_prefix([*good, foreign[0]], [SPEC] * 8, prefetch=False)).chunks == 7
+        leases = await m.batched_get([*good, foreign[0]], [SPEC] * 8)
+        assert [lease is not None for lease in leases] == [True] * 7 + [False]
+        for i, lease in enumerate(leases[:7]):
+            assert lease is not None
+            assert bytes(lease.obj.buffer()) == bytes([i + 1]) * SPEC.nbytes
+            lease.release()
+        assert m.metrics.value("tiercache_circuit_open", tier="redis") == 0
+
+
+async def test_a_string_over_the_value_limit_is_a_miss_refused_unread(
+    redis_factory: Callable[..., Any],
+) -> None:
+    """A string over ``MAX_VALUE_BYTES`` (a server with a raised ``proto-max-bulk-len``) is no value of
+    ours: a miss, counted, refused from its length alone (no buffer of its size, none of it read); the
+    good key beside it is served (the RESP client allocated the whole value first)."""
+    import tracemalloc
+
+    from tiercache.adapters.redis import MAX_VALUE_BYTES
+
+    server = redis_factory("--proto-max-bulk-len", "1gb")
+    raw = aredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        await raw.setrange("t:huge", MAX_VALUE_BYTES, b"x")  # MAX_VALUE_BYTES + 1 bytes
+    finally:
+        await raw.aclose()
+    async with await RedisAdapter.open(server.url, prefix="t:", socket_timeout=10) as adapter:
+        assert await adapter.batched_put(["good"], [b"g" * 300_000]) == [True]
+        tracemalloc.start()
+        try:
+            assert await adapter.batched_get(["huge"]) == [None]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 * MiB, f"{peak} bytes allocated for a value refused unread"
+        assert adapter.stats["foreign_keys"] == 1
+        assert await adapter.batched_get(["good", "huge"]) == [b"g" * 300_000, None]
+
+
 async def test_noeviction_refusal_is_a_failed_put(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
     async with await RedisAdapter.open(server.url) as adapter:

@@ -132,7 +132,12 @@ def test_round_trip_across_part_boundaries(
             assert await adapter.batched_delete(keys) == [True] * len(keys)
             assert await adapter.batched_contains(keys) == [False] * len(keys)
             assert await _stored_keys(redis_server.port, prefix) == []
-            assert adapter.stats == {"parts_missing": 0, "parts_stale": 0, "bad_manifests": 0}
+            assert adapter.stats == {
+                "parts_missing": 0,
+                "parts_stale": 0,
+                "bad_manifests": 0,
+                "foreign_keys": 0,
+            }
         finally:
             await adapter.aclose()
 
@@ -263,8 +268,29 @@ async def test_part_of_another_length_is_a_stale_miss(redis_server: Any, via: st
         part = await raw.get(f"{prefix}obj#1")
         await raw.set(f"{prefix}obj#1", part[1:])
         assert await adapter.batched_get(["obj"]) == [None]
-        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0, "foreign_keys": 0}
         assert len(await _stored_keys(redis_server.port, prefix)) == 6
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+@VIAS
+async def test_part_of_another_type_is_a_stale_miss(redis_server: Any, via: str) -> None:
+    """A part key that holds a list (another program's key under the prefix) is a miss wherever it is met:
+    counted in ``parts_stale`` and ``foreign_keys``, never an error (its WRONGTYPE failed the whole read or
+    lookup); the keys stay, and a put of the object writes it whole again."""
+    adapter, raw, prefix, value = await _parted(redis_server, via)
+    try:
+        await raw.delete(f"{prefix}obj#2")
+        await raw.rpush(f"{prefix}obj#2", "x")
+        assert await adapter.batched_get(["obj"]) == [None]
+        assert await adapter.batched_contains(["obj"]) == [False]
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 2, "bad_manifests": 0, "foreign_keys": 2}
+        assert len(await _stored_keys(redis_server.port, prefix)) == 6
+        assert await adapter.batched_put(["obj"], [value]) == [True]
+        await _reads_back(adapter, "obj", value)
     finally:
         await adapter.aclose()
         await raw.aclose()
@@ -280,7 +306,7 @@ async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any,
         part = await raw.get(f"{prefix}obj#3")
         await raw.set(f"{prefix}obj#3", part[:-NONCE_BYTES] + b"n" * NONCE_BYTES)
         assert await adapter.batched_get(["obj"]) == [None]
-        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0, "foreign_keys": 0}
         assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts
         newer = _value(len(value), 6)
         assert await adapter.batched_put(["obj"], [newer]) == [True]
@@ -307,7 +333,7 @@ async def test_contains_is_false_for_a_part_of_another_write(
         else:
             await raw.set(f"{prefix}obj#3", part + b"x")
         assert await adapter.batched_contains(["obj"]) == [False]
-        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0}
+        assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0, "foreign_keys": 0}
         assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts, kept
         assert await adapter.batched_get(["obj"]) == [None]
         assert adapter.stats["parts_stale"] == 2
