@@ -96,7 +96,7 @@ def _server_pid(info: dict[str, int]) -> int:
 def _keeper_pid(where: Path) -> int | None:
     """The pid of the keeper owning ``where`` (None: no keeper file)."""
     keeper = where / "keeper"
-    return int(keeper.read_text()) if keeper.exists() else None
+    return int(keeper.read_text().split()[0]) if keeper.exists() else None
 
 
 def test_one_server_per_instance_shared_and_gone_with_its_starter(tmp_path: Path) -> None:
@@ -197,6 +197,29 @@ def test_a_failed_start_is_recorded_while_the_starter_lives_then_removed(tmp_pat
 
     first.exit()
     assert keeper is None or exits_within(keeper, 60.0)
+    assert not where.exists()
+
+
+def test_a_failed_record_whose_keeper_and_starter_were_killed_is_stale(tmp_path: Path) -> None:
+    """A failed record outlives its instance only when its keeper was killed too: the next instance of the
+    same id (a fixed engine_id) then starts afresh instead of falling back for ever."""
+    first = Starter("stale", tmp_path, slot_bytes=-1)
+    assert first.error is not None
+    where = tmp_path / f"tiercache-{os.getuid()}" / "stale"
+    keeper = _keeper_pid(where)
+    assert keeper is not None
+    os.kill(keeper, signal.SIGKILL)
+    first.signal(signal.SIGKILL)
+    assert exits_within(keeper, 60.0)
+    assert (where / FAILED_NAME).exists()  # nobody was left to remove it
+
+    again = Starter("stale", tmp_path)
+    assert again.error is None
+    assert again.socket is not None
+    assert socket_answers(again.socket)
+    info = _info(again.socket)
+    again.exit()
+    assert exits_within(info["pid"], 60.0)
     assert not where.exists()
 
 

@@ -60,7 +60,8 @@ LOG_NAME = "server.log"
 """The keeper's and the server's output (kept while the directory is)."""
 _LOCK_NAME = "lock"
 _KEEPER_NAME = "keeper"
-"""The pid of the keeper that owns the directory now (an older keeper leaves the directory to it)."""
+"""``KEEPER_PID STARTER_PID`` of the keeper that owns the directory now (an older keeper leaves the directory
+to it; a failed record whose keeper and starter are both gone is stale)."""
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _STATUS_GRACE_S = 10.0
 """How long the starter waits for the keeper's answer beyond the keeper's own start timeout."""
@@ -134,7 +135,7 @@ def ensure_private_server(
             if os.fstat(lock_fd).st_nlink == 0:
                 continue  # the directory was removed while we waited
             failed = where / FAILED_NAME
-            if failed.exists():
+            if failed.exists() and not _stale(where):
                 raise AutostartError(
                     f"the private server of {instance} did not start before: {_read(failed) or '?'}"
                 )
@@ -217,6 +218,41 @@ def _read_status(fd: int, timeout_s: float) -> dict[str, object]:
     return status if isinstance(status, dict) else {}
 
 
+def _owners(where: Path) -> list[int]:
+    """The keeper's and its starter's pids from the ``keeper`` file (empty without one)."""
+    try:
+        return [int(p) for p in (_read(where / _KEEPER_NAME) or "").split()]
+    except ValueError:
+        return []
+
+
+def _stale(where: Path) -> bool:
+    """Whether the directory's keeper and its starter are both gone (a keeper killed while it kept a failed
+    record): then the record is cleared here (the caller holds the flock) and a new start may follow."""
+    owners = _owners(where)
+    if not owners or any(_alive(pid) for pid in owners):
+        return False
+    for entry in os.scandir(where):
+        if entry.name != _LOCK_NAME and not entry.is_dir(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie left unreaped has exited)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # cannot tell: assume it runs
+    try:
+        return not select.select([fd], [], [], 0)[0]
+    finally:
+        os.close(fd)
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text(errors="replace").strip()
@@ -265,7 +301,7 @@ class _Keeper:
 
     def run(self) -> int:
         """Start, report to the starter, serve until the starter exits, clean up; the exit status."""
-        _write_atomic(self.where / _KEEPER_NAME, f"{os.getpid()}\n")
+        _write_atomic(self.where / _KEEPER_NAME, f"{os.getpid()} {os.getppid()}\n")
         with contextlib.suppress(OSError):  # not the starter's pinned cores (vLLM's CPU workers pin theirs)
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
         argv = [sys.executable, "-m", _MODULE, "--server", str(os.getpid()), str(self.where), "--"]
@@ -383,7 +419,8 @@ def _remove(where: Path, keeper: int) -> None:
         return
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        if os.fstat(lock_fd).st_nlink == 0 or _read(where / _KEEPER_NAME) not in (None, str(keeper)):
+        owners = _owners(where)
+        if os.fstat(lock_fd).st_nlink == 0 or (owners and owners[0] != keeper):
             return
         for entry in os.scandir(where):  # the lock file too: a caller waiting on it then takes a fresh one
             if not entry.is_dir(follow_symlinks=False):
