@@ -16,6 +16,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from tiercache._secrets import SECRET_NAMES as _SECRET_NAMES
+from tiercache._secrets import check_url_secrets, redact_text, redact_url
 from tiercache.errors import ConfigError
 
 __all__ = [
@@ -33,31 +35,6 @@ __all__ = [
     "resolve_secrets",
 ]
 
-# Option names that would carry a secret in the file; their `<name>_env` form is required instead.
-_SECRET_NAMES = frozenset(
-    {
-        "password",
-        "secret",
-        "token",
-        "key",
-        "api_key",
-        "access_key",
-        "secret_key",
-        "aws_secret_access_key",
-        "aws_access_key_id",
-        "aws_session_token",
-        "sasl_password",
-        "secret_access_key",
-        "access_key_id",
-        "session_token",
-    }
-)
-# Query parameters that carry a secret: these names, and any name containing one of the _SECRET_PARTS.
-_SECRET_PARAMS = _SECRET_NAMES | {"pass", "passwd", "pwd", "auth", "sig", "signature", "sas", "credential"}
-_SECRET_PARTS = ("password", "passwd", "secret", "token", "credential", "signature", "private")
-_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_HOST_PORT_RE = re.compile(r"^[^:]*(:\d*)?$")
-REDACTED = "***"
 MIN_SECONDS = 0.001
 """The shortest deadline or cool-down a config may set (1 ms)."""
 MAX_CHUNK_SIZE = 1 << 20
@@ -65,95 +42,6 @@ MAX_CHUNK_SIZE = 1 << 20
 _MAX_SIZE = (1 << 63) - 1  # the most bytes a size may name (tiercache.adapters.options.MAX_SIZE)
 _MAX_ID = (1 << 32) - 2  # the largest uid or gid ((uid_t) -1 means "none")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def _secret_param(name: str) -> bool:
-    low = name.strip().lower().replace("-", "_")
-    if low.endswith("_env"):
-        return False
-    return low in _SECRET_PARAMS or low.endswith("_key") or any(part in low for part in _SECRET_PARTS)
-
-
-def _userinfo_span(url: str) -> tuple[int, int] | None:
-    """Where the userinfo of ``url`` sits (start, end before the ``@``), also when the password holds
-    ``/``, ``?`` or ``#`` (which end the authority for a strict parser); None if there is none."""
-    m = _SCHEME_RE.match(url)
-    if m is None:
-        return None
-    rest = url[m.end() :]
-    at = rest.rfind("@")
-    if at <= 0 or rest.startswith("/"):
-        return None
-    candidate = rest[:at]
-    end = re.search(r"[/?#]", candidate)
-    if end is not None:
-        head = candidate[: end.start()]
-        if _HOST_PORT_RE.match(head):  # "host:port/path@..." or "bucket/a@b": the "@" is in the path
-            return None
-    return m.end(), m.end() + at
-
-
-def _query_secrets(url: str) -> list[tuple[str, str]]:
-    """(name, value) of the query parameters of ``url`` (and of URLs nested in their values) named like
-    secrets, or whose value is a URL carrying one."""
-    from urllib.parse import parse_qsl
-
-    start = url.find("?")
-    if start < 0:
-        return []
-    out: list[tuple[str, str]] = []
-    for name, value in parse_qsl(url[start + 1 :].split("#", 1)[0], keep_blank_values=True):
-        if _secret_param(name) and value:
-            out.append((name, value))
-        elif _SCHEME_RE.match(value) and (value != url):
-            out.extend(_query_secrets(value))
-            span = _userinfo_span(value)
-            if span is not None and ":" in value[span[0] : span[1]]:
-                out.append((name, value[span[0] : span[1]]))
-    return out
-
-
-def check_url_secrets(url: str, where: str) -> None:
-    """ConfigError if ``url`` carries a credential: a password in its userinfo (of any shape) or a query
-    parameter named like a secret. The message names the ``*_env`` option and never echoes the secret."""
-    span = _userinfo_span(url)
-    if span is not None and ":" in url[span[0] : span[1]]:
-        raise ConfigError(
-            f"{where}: the URL must not carry a password (found one in its user info, {redact_url(url)}); "
-            "put it in the environment and name the variable with the option password_env"
-        )
-    for name, _ in _query_secrets(url):
-        raise ConfigError(
-            f"{where}: the URL must not carry a secret (query parameter {name!r}, {redact_url(url)}); "
-            f"put it in the environment and name the variable with the option {name}_env"
-        )
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit to print or log: the user info and the values of secret-named query parameters (also in
-    URLs nested in parameter values) replaced by ``***``."""
-    span = _userinfo_span(url)
-    if span is not None:
-        url = url[: span[0]] + REDACTED + url[span[1] :]
-    for _, value in sorted(_query_secrets(url), key=lambda nv: -len(nv[1])):
-        url = url.replace(value, REDACTED)
-    return url
-
-
-def redact_text(text: str, url: str) -> str:
-    """``text`` (an error message, a log line) with every secret part of ``url`` replaced by ``***``."""
-    secrets: list[str] = []
-    span = _userinfo_span(url)
-    if span is not None:
-        userinfo = url[span[0] : span[1]]
-        secrets.append(userinfo)
-        _, _, password = userinfo.partition(":")
-        secrets.extend(p for p in (password, *password.split("/")) if len(p) >= 2)
-    secrets.extend(value for _, value in _query_secrets(url))
-    text = text.replace(url, redact_url(url))
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-    return text
 
 
 def _parse_size(value: object, where: str) -> int:
