@@ -16,7 +16,12 @@ The directory goes with the instance, whatever way it ends:
   the directory as ``failed``, so every process of the instance makes the same choice (in-process) instead of
   diverging; the record stays until the starting process exits, then the directory is removed too.
 * A keeper that dies (SIGKILL) takes its server with it (``PR_SET_PDEATHSIG``), which then removes the
-  directory itself.
+  directory itself; a failed record whose keeper and starter are both gone is stale, and the next caller of
+  the instance id clears it. Where no keeper could run at all, the starter removes the directory at its
+  normal exit (``atexit``).
+
+The starting process is one process of the instance, usually the first vLLM worker: a vLLM engine process
+left running after its front end was killed still counts as the instance (its server stays).
 """
 
 from __future__ import annotations
