@@ -270,12 +270,13 @@ def test_a_hung_server_costs_one_timeout_and_leaves_nothing_behind(
     cold: dict[str, list[int]] = {}
 
     # 1. normal operation: stored, then hit
+    before_runs: dict[str, dict[str, Any]] = {}
     for name in STORED:
         first = vllm.generate(PROMPTS[name])
         assert first["cached"] == 0, name  # a cold run
         cold[name] = first["tokens"]
         assert _published_at_least(server, CHUNKS * len(cold), 60.0), server.stats()
-        _hits(vllm, name, cold)
+        before_runs[name] = {"cold_s": first["s"], "hit_s": _hits(vllm, name, cold)["s"]}
     stats = server.stats()
     assert (stats["published"], stats["reserved"], stats["orphaned"]) == (CHUNKS * len(STORED), 0, 0)
     before = vllm.counters()
@@ -324,6 +325,7 @@ def test_a_hung_server_costs_one_timeout_and_leaves_nothing_behind(
 
     report = {
         "stall_s": STALL_S,
+        "before_stall": before_runs,
         "requests": [{k: g[k] for k in ("prompt", "at_s", "s", "cached")} for g in stall],
         "after_stall": {n: {k: g[k] for k in ("s", "cached")} for n, g in after_runs.items()},
         "stall_counters": {n: delta(n, during, before) for n in sorted(during) if delta(n, during, before)},
