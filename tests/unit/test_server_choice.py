@@ -31,7 +31,7 @@ choice = resolve_server(
     sys.argv[1], Config(), config_path=None, slot_bytes=4096, instance=sys.argv[2], timeout_s=60
 )
 keepers = glob.glob(os.path.join(os.environ["TMPDIR"], "tiercache-*", "*", "keeper"))
-pids = [int(open(p).read()) for p in keepers]
+pids = [int(open(p).read().split()[0]) for p in keepers]
 print(json.dumps({"socket": choice.socket, "how": choice.how, "keepers": pids}))
 """
 
