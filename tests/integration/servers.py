@@ -28,7 +28,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["ServerProcess", "exits_within", "free_port", "load_by_path", "port_open", "start_process"]
+__all__ = [
+    "NodeServer",
+    "ServerProcess",
+    "exits_within",
+    "free_port",
+    "load_by_path",
+    "port_open",
+    "start_process",
+    "wait_for",
+]
 
 
 def load_by_path(path: str | Path, name: str) -> ModuleType:
@@ -164,3 +173,78 @@ def start_process(
             proc.kill()
             raise RuntimeError(f"{argv[0]} not ready after {timeout} s:\n{proc.log()}")
         time.sleep(0.02)
+
+
+class NodeServer:
+    """A ``python -m tiercache.server`` child on the Unix socket ``path`` (for server-mode tests).
+
+    ``extra``: more flags; ``prefix``: a command to run it under (e.g. ``unshare``); ``preexec``: run in the
+    child before exec. ``ready`` and ``epoch`` come from its ready line (stdout); ``pid`` is the server's own
+    pid, also under ``unshare --fork``. :meth:`stop` sends SIGCONT then SIGTERM and returns the exit code.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *extra: str,
+        slot_bytes: int = 4096,
+        slots: int = 4,
+        prefix: Sequence[str] = (),
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
+        self.path = path
+        cmd = [*prefix, sys.executable, "-m", "tiercache.server", "--socket", path]
+        cmd += ["--slot-bytes", str(slot_bytes), "--slots", str(slots), *extra]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(path),
+            preexec_fn=preexec,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the ready line, or "" when it exited
+        self.ready = line.startswith("tiercache server listening")
+        self.epoch = int(line.split()[-1]) if self.ready else -1
+
+    @property
+    def pid(self) -> int:
+        """The server's pid (under ``unshare --fork`` the server is the child of the started process)."""
+        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        with contextlib.suppress(OSError):
+            first = kids.read_text().split()
+            if first:
+                return int(first[0])
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL and wait."""
+        self.proc.kill()
+        self.proc.wait(timeout=60)
+        self._close_pipes()
+
+    def stop(self) -> int:
+        """SIGTERM the server itself (a stopped one is continued first) and wait; its exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
+    """Poll ``cond`` (each poll a server round trip or a syscall, never a sleep); True once it holds."""
+    for _ in range(attempts):
+        if cond():
+            return True
+        os.sched_yield()
+    return cond()

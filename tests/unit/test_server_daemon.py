@@ -6,7 +6,6 @@ root), other uids and a tight open-file limit. Waits poll a condition in bounded
 from __future__ import annotations
 
 import array
-import contextlib
 import gc
 import json
 import mmap
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import NodeServer, wait_for
 
 from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.main import main as server_main
@@ -29,65 +29,16 @@ from tiercache.server.protocol import Op, decode, encode
 from tiercache.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
-SLOT_BYTES, SLOTS = 4096, 8
+SLOTS = 8
 ROOT = os.getuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (other uids, PID namespaces)")
 
 
-def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
-    """Poll ``cond`` (each poll is a server round trip or a syscall); True once it holds."""
-    for _ in range(attempts):
-        if cond():
-            return True
-        os.sched_yield()
-    return cond()
+class Server(NodeServer):
+    """A node server of SLOTS slots of 4 KiB."""
 
-
-class Server:
-    """A server child process on ``path`` (``prefix``: a command to run it under, e.g. ``unshare``)."""
-
-    def __init__(
-        self,
-        path: str,
-        *extra: str,
-        prefix: tuple[str, ...] = (),
-        preexec: Callable[[], None] | None = None,
-    ) -> None:
-        self.path = path
-        cmd = [*prefix, sys.executable, "-m", "tiercache.server", "--socket", path]
-        cmd += ["--slot-bytes", str(SLOT_BYTES), "--slots", str(SLOTS), *extra]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=os.path.dirname(path),
-            preexec_fn=preexec,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.ready = line.startswith("tiercache server listening")
-
-    @property
-    def pid(self) -> int:
-        """The server's pid (under ``unshare --fork`` the server is the child of this process)."""
-        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        if kids.exists() and kids.read_text().split():
-            return int(kids.read_text().split()[0])
-        return self.proc.pid
-
-    def stop(self) -> int:
-        """SIGTERM the server itself (under ``unshare`` the inner one) and wait for the exit code."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            for stream in (self.proc.stdout, self.proc.stderr):
-                if stream is not None:
-                    stream.close()
+    def __init__(self, path: str, *extra: str, **kw: Any) -> None:
+        super().__init__(path, *extra, slots=SLOTS, **kw)
 
 
 @pytest.fixture

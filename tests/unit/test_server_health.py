@@ -17,35 +17,24 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from servers import NodeServer
 
 from tiercache.server.health import check_health
 
 TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
 
 
-class Server:
-    """A server child on ``path``; ``epoch`` from its ready line."""
+class Server(NodeServer):
+    """A running node server (asserted ready) of 4 slots of 4 KiB."""
 
     def __init__(self, path: str, *extra: str) -> None:
-        self.path = path
-        cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", "4096"]
-        self.proc = subprocess.Popen(
-            [*cmd, "--slots", "4", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=os.path.dirname(path),
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, or "" when it exited
-        assert line.startswith("tiercache server listening"), line
-        self.epoch = int(line.split()[-1])
+        super().__init__(path, *extra)
+        assert self.ready
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a stopped server must run to handle SIGTERM
-            self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=60) == 0
+    def stop(self) -> int:
+        code = super().stop()
+        assert code == 0
+        return code
 
 
 @pytest.fixture

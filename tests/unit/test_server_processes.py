@@ -10,12 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from servers import NodeServer, wait_for
 
 from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.protocol import Op, decode, encode
@@ -26,32 +27,11 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=
 SLOT_BYTES, SLOTS = 4096, 4
 
 
-class Server:
-    """A server child process on ``path``; ``epoch`` from its ready line."""
+class Server(NodeServer):
+    """A node server of SLOTS slots of SLOT_BYTES (one client may hold every slot)."""
 
     def __init__(self, path: str, *extra: str) -> None:
-        self.path = path
-        cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(SLOT_BYTES)]
-        self.proc = subprocess.Popen(
-            [*cmd, "--slots", str(SLOTS), "--max-share", "1", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=os.path.dirname(path),
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, or "" when it exited
-        self.ready = line.startswith("tiercache server listening")
-        self.epoch = int(line.split()[-1]) if self.ready else -1
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=60)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+        super().__init__(path, "--max-share", "1", *extra, slot_bytes=SLOT_BYTES, slots=SLOTS)
 
 
 CLIENT_SCRIPT = r"""
@@ -100,15 +80,6 @@ class Client:
         self.proc.stdin.flush()
         reply: dict[str, Any] = json.loads(self.proc.stdout.readline())
         return reply
-
-
-def wait_for(cond: Callable[[], bool], attempts: int = 2000) -> bool:
-    """Poll ``cond`` (each poll is a server round trip or a syscall); True once it holds."""
-    for _ in range(attempts):
-        if cond():
-            return True
-        os.sched_yield()
-    return cond()
 
 
 @pytest.fixture
