@@ -114,7 +114,7 @@ import contextlib
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aredis
@@ -127,7 +127,7 @@ from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, c
 from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
 from tiercache.adapters._recvbuf import RecvBuffers
 from tiercache.adapters._resp import RespError, RespPool, RespTooLarge
-from tiercache.adapters.options import Size, parse_options, parse_str
+from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError
 
@@ -178,17 +178,17 @@ class RedisOptions:
     """Server password (use ``password_env`` in config files)."""
     username: str | None = None
     """ACL user name (default: the URL's user part)."""
-    pool_size: int = DEFAULT_POOL_SIZE
-    """Connections per adapter (at least 1)."""
-    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT
-    """Seconds to wait for a connection or an answer (positive)."""
-    ttl: float | None = None
-    """Seconds after which stored objects expire (positive; None: never)."""
+    pool_size: Annotated[int, Range(1, 1024)] = DEFAULT_POOL_SIZE
+    """Connections per adapter."""
+    socket_timeout: Annotated[float, Range(0.001, 3600)] = DEFAULT_SOCKET_TIMEOUT
+    """Seconds one whole call may take: connecting, or sending a request and reading its answer."""
+    ttl: Annotated[float, Range(0.001, 315_360_000)] | None = None
+    """Seconds after which stored objects expire (at most ten years; None: never)."""
     prefix: str = DEFAULT_PREFIX
     """Prepended to every key."""
-    capacity: Size | None = None
+    capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
     """Bytes this tier may hold (None: the server's own limit)."""
-    part_size: Size = DEFAULT_PART_SIZE
+    part_size: Annotated[Size, Range(0, MAX_VALUE_BYTES)] = DEFAULT_PART_SIZE
     """Values over this many bytes are stored as parts of this size (0: never; else at least 1024)."""
     ssl_ca_certs: str | None = None
     """TLS only: CA bundle path."""
@@ -249,18 +249,11 @@ class _Common:
     def __init__(self, scheme: str, opts: RedisOptions) -> None:
         self.tls = scheme.split("+")[0] in _TLS_SCHEMES
         self.prefix: str = opts.prefix
+        check_options(opts, scheme)  # the declared ranges, for options built in code too
         ttl = opts.ttl
-        if ttl is not None and ttl <= 0:
-            raise ConfigError(f"{scheme}: option 'ttl' must be positive seconds, got {ttl}")
         self.ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
         self.pool_size: int = opts.pool_size
-        if self.pool_size < 1:
-            raise ConfigError(f"{scheme}: option 'pool_size' must be at least 1, got {self.pool_size}")
         self.socket_timeout: float = opts.socket_timeout
-        if self.socket_timeout <= 0:
-            raise ConfigError(
-                f"{scheme}: option 'socket_timeout' must be positive, got {self.socket_timeout}"
-            )
         self.capacity: int | None = opts.capacity
         self.part_size: int = opts.part_size
         if self.part_size != 0 and not 1024 <= self.part_size <= MAX_VALUE_BYTES:

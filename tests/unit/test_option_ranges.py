@@ -144,11 +144,6 @@ def test_every_numeric_option_declares_its_range(module: str, name: str, adapter
             assert bounds.low <= default <= bounds.high, field.name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RedisOptions (adapters/redis.py) declares no ranges yet: pool_size, socket_timeout, ttl and "
-    "part_size only get their types' bounds (finite, 64-bit)",
-)
 def test_redis_options_declare_their_ranges() -> None:
     cls = _options_class("tiercache.adapters.redis", "RedisOptions")
     hints = typing.get_type_hints(cls, include_extras=True)
