@@ -75,9 +75,10 @@ def _pin_for_cuda(segment: Segment) -> None:
     """Register ``segment``'s mapping with CUDA (a no-op without it); unregistered before it is unmapped."""
     from tiercache.server import cuda
 
-    segment.cuda_register_s = cuda.register(segment.data)
+    pieces = segment.geometry.region_bytes
+    segment.cuda_register_s = cuda.register(segment.data, pieces)
     if segment.cuda_register_s is not None:
-        weakref.finalize(segment, cuda.unregister, segment.data)
+        weakref.finalize(segment, cuda.unregister, segment.data, pieces)
 
 
 def _uses_cuda() -> bool:
