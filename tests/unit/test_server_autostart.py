@@ -144,6 +144,39 @@ def test_the_directory_goes_when_the_starter_is_killed(tmp_path: Path, sig: int)
     assert exits_within(_server_pid(info), 1.0)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (by parent links, as psutil's ``children(recursive=True)`` finds them)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def test_the_directory_goes_when_the_starters_whole_process_tree_is_killed(tmp_path: Path) -> None:
+    """vLLM's forced shutdown (``kill_process_tree``) SIGKILLs every descendant of a process that did not
+    stop in time: the private server is none of them (the keeper left the starter's tree), so it still
+    cleans up once the starter is gone."""
+    starter = Starter("tree", tmp_path)
+    assert starter.socket is not None
+    info = _info(starter.socket)
+    for pid in [starter.proc.pid, *_descendants(starter.proc.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    starter.proc.communicate(timeout=60)
+    assert exits_within(info["pid"], 60.0)
+    assert not Path(starter.socket).parent.exists()
+    assert exits_within(_server_pid(info), 1.0)
+
+
 def test_a_server_that_dies_by_itself_is_cleaned_up_and_the_next_caller_starts_a_new_one(
     tmp_path: Path,
 ) -> None:

@@ -10,7 +10,8 @@ The directory goes with the instance, whatever way it ends:
 
 * The keeper watches a pipe whose write end only the starting process holds: EOF means that process exited
   (a clean exit, SIGTERM, SIGKILL, a crash alike). The keeper then stops the server (SIGTERM, its drain
-  included), waits for it and removes the directory.
+  included), waits for it and removes the directory. The keeper forks once at start, leaving the starting
+  process's tree: a forced shutdown that SIGKILLs the whole tree (vLLM's ``kill_process_tree``) spares it.
 * A server that exits by itself (a crash, SIGKILL) is cleaned up at once; a later caller starts a new one.
 * A failed start (the server exited before it answered, or did not answer within the timeout) is recorded in
   the directory as ``failed``, so every process of the instance makes the same choice (in-process) instead of
@@ -193,10 +194,9 @@ def _spawn(
         return
     why = status.get("failed")
     if not isinstance(why, str):  # the keeper died or hung before it could record anything
-        code = proc.poll()
-        why = f"its keeper (pid {proc.pid}) {'exited ' + str(code) if code is not None else 'did not answer'}"
-        why += f": {_last_line(where / LOG_NAME)}"
-        _mark_failed(where, why, keeper=proc.pid)
+        owners = _owners(where)
+        why = f"its keeper gave no answer: {_last_line(where / LOG_NAME)}"
+        _mark_failed(where, why, keeper=owners[0] if owners else 0)
     raise AutostartError(f"private tiercache server did not start on {sock_path}: {why}")
 
 
@@ -291,8 +291,11 @@ def _mark_failed(where: Path, why: str, keeper: int | None = None) -> None:
 class _Keeper:
     """Runs the server as its child and owns the directory (see the module docstring)."""
 
-    def __init__(self, starter_fd: int, where: Path, timeout_s: float, serve_args: Sequence[str]) -> None:
+    def __init__(
+        self, starter_fd: int, where: Path, timeout_s: float, serve_args: Sequence[str], starter: int
+    ) -> None:
         self.starter_fd = starter_fd
+        self.starter = starter
         self.where = where
         self.timeout_s = timeout_s
         self.serve_args = list(serve_args)
@@ -306,7 +309,7 @@ class _Keeper:
 
     def run(self) -> int:
         """Start, report to the starter, serve until the starter exits, clean up; the exit status."""
-        _write_atomic(self.where / _KEEPER_NAME, f"{os.getpid()} {os.getppid()}\n")
+        _write_atomic(self.where / _KEEPER_NAME, f"{os.getpid()} {self.starter}\n")
         with contextlib.suppress(OSError):  # not the starter's pinned cores (vLLM's CPU workers pin theirs)
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
         argv = [sys.executable, "-m", _MODULE, "--server", str(os.getpid()), str(self.where), "--"]
@@ -482,7 +485,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) < 4 or args[3] != "--":
         print("usage: python -m tiercache.server.autostart FD DIR TIMEOUT_S -- serve ARGS", file=sys.stderr)
         return 2
-    return _Keeper(int(args[0]), Path(args[1]), float(args[2]), args[4:]).run()
+    starter = os.getppid()
+    if os.fork():  # no thread runs yet: the keeper leaves the starter's process tree, which vLLM's forced
+        os._exit(0)  # shutdown SIGKILLs whole (kill_process_tree); the starter reaps this parent at once
+    return _Keeper(int(args[0]), Path(args[1]), float(args[2]), args[4:], starter).run()
 
 
 if __name__ == "__main__":
