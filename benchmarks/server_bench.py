@@ -90,7 +90,7 @@ def control_plane(path: str, tmp: str, samples: int) -> dict[str, Any]:
     spec_meta = b"\x90"
     keys = [f"bench/{i:064d}" for i in range(100)]
     body = conn.request(Op.ALLOC, {"keys": keys, "nbytes": [64] * 100, "meta": [spec_meta] * 100})
-    conn.request(Op.COMMIT, {"slots": body["slots"]})
+    conn.request(Op.COMMIT, {"slots": [ref[:2] for ref in body["slots"]]})  # refs: [slot, gen, offset]
     lookup = {"keys": keys, "pin": False, "prefix": True}
     pinned = {"keys": keys, "pin": True, "prefix": True}
     t_lookup, t_pinned, t_alloc = [], [], []
@@ -106,7 +106,7 @@ def control_plane(path: str, tmp: str, samples: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         got = conn.request(Op.ALLOC, {"keys": new, "nbytes": [64] * 32, "meta": [spec_meta] * 32})["slots"]
         t_alloc.append(time.perf_counter() - t0)
-        conn.request(Op.ABORT, {"slots": [s for s in got if isinstance(s, list)]})
+        conn.request(Op.ABORT, {"slots": [s[:2] for s in got if isinstance(s, list)]})
     assert len(conn.request(Op.LOOKUP, lookup)["hits"]) == 100
     conn.close()
 
