@@ -24,16 +24,36 @@ Inputs come from a seeded ``random.Random`` (deterministic, about 10-100x faster
 generation, so the long run reaches 1 M inputs per target in minutes); ``tests/unit/test_fuzz_*.py`` run the
 same targets under hypothesis for a few seconds each, plus a short run of this loop.
 
-Run: ``python benchmarks/fuzz.py --inputs 1000000 --out benchmarks/results/fuzz_cpu.json`` (``make fuzz``).
+- ``live`` (:func:`run_live`): a real ``python -m tiercache.server`` (1 GiB segment, 16 regions) serves two
+  legitimate client processes (``SharedL1``) that store batches of byte-patterned objects and read them back,
+  comparing every byte, for ``--live-s`` seconds alone, then as long again beside one fuzzer process
+  (:class:`ServerFuzzer`: garbage, mutated and oversized messages, valid HELLOs then ALLOCs never committed,
+  connections dropped mid-request or held open, pins, wrong epochs, random FENCEs, junk fds; it writes into
+  the slots it reserved, so a slot handed out too early shows up as wrong bytes). Per client: the fraction
+  of its stores that succeeded beside the fuzzer over the fraction alone; the server's RSS and fds before,
+  during and after, its log bytes, whether it stayed alive and got back everything the fuzzer held once it
+  exited. One run per ``--live-share`` (the server's ``--max-share``: what one client process may hold).
+
+Run: ``python benchmarks/fuzz.py --inputs 1000000 --out benchmarks/results/fuzz_cpu.json`` (``make fuzz``;
+``--targets '' --live-s 10`` for the live run alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import array
+import contextlib
+import hashlib
 import json
+import mmap
 import os
 import random
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import traceback
@@ -325,6 +345,8 @@ class ProtocolFuzz:
         meta = protocol.spec_meta(KVSpec(2, 2, 8, "bfloat16", KVFormat.KV_2LTD, tokens=4))
         bodies: list[tuple[Any, dict[str, Any]]] = [
             (op.HELLO, {"role": "worker"}),
+            (op.HELLO, {"role": "scheduler", "slot_bytes": [4096, 1 << 20], "fence": [bytes(16), b"s" * 16]}),
+            (op.FENCE, {"sessions": [b"t" * 16]}),
             (op.LOOKUP, {"keys": ["a", "b" * 40], "pin": True, "prefix": True, "l2": True, "wait_s": 1.5}),
             (op.ALLOC, {"keys": ["k1", "k2"], "nbytes": [4096, 17], "meta": [meta, meta]}),
             (op.COMMIT, {"slots": [[3, 7], [0, 1]]}),
@@ -348,7 +370,7 @@ class ProtocolFuzz:
         if pick == 1:
             return rng.choice(("", "worker", "admin", "k" * rng.randrange(600)))
         if pick == 2:
-            return rng.randbytes(rng.randrange(300))
+            return rng.randbytes(rng.choice((16, rng.randrange(300))))  # 16: a session token's length
         if pick == 3:
             return rng.choice((True, False, None))
         if pick == 4:
@@ -360,7 +382,7 @@ class ProtocolFuzz:
         if pick == 7:
             return [self.random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
         keys = ["keys", "pin", "prefix", "l2", "prefetch", "wait_s", "nbytes", "meta", "slots", "leases"]
-        keys += ["role", "timeout_s", "x"]
+        keys += ["role", "timeout_s", "slot_bytes", "fence", "sessions", "x"]
         return {rng.choice(keys): self.random_value(rng, depth + 1) for _ in range(rng.randrange(5))}
 
     def random_message(self, rng: random.Random) -> bytes:
@@ -370,7 +392,14 @@ class ProtocolFuzz:
         body = self.random_value(rng, 1) if rng.random() < 0.8 else None
         if not isinstance(body, dict):
             body = {"keys": self.random_value(rng, 1)}
-        fields = [1, rng.randrange(1 << 8), rng.choice(list(self.p.Op)).value, rng.randrange(1 << 16), body]
+        version = self.p.PROTOCOL_VERSION
+        fields = [
+            version,
+            rng.randrange(1 << 8),
+            rng.choice(list(self.p.Op)).value,
+            rng.randrange(1 << 16),
+            body,
+        ]
         for i in rng.sample(range(5), rng.choice((0, 0, 1, 2))):
             fields[i] = self.random_value(rng)
         if rng.random() < 0.05:
@@ -419,6 +448,8 @@ class ConnectorFuzz:
             return "rejected"
         for key, value in extra.items():
             got = getattr(settings, key)
+            if key == "config" and value:  # a relative path is taken against the working directory
+                value = os.path.abspath(value)
             assert got == value or (got != got and value != value), f"{key}: {value!r} became {got!r}"
             assert type(got) is type(value) or isinstance(got, float), f"{key}: type {type(got)}"
         return "accepted"
@@ -440,6 +471,697 @@ class ConnectorFuzz:
         size = rng.choice((1, 16, 32))
         blocks = [rng.randrange(1 << 20) for _ in range(rng.randrange(8))]
         return self.check_slots(blocks, rng.randrange(8 * size + 3), size)
+
+
+# ----- live server: one fuzzer process beside two legitimate clients -------------------------------------
+LIVE_SPEC = KVSpec(4, 2, 64, "float16", KVFormat.KV_2LTD, tokens=64)
+"""The legitimate clients' objects: 128 KiB at 64 tokens (:func:`run_live` picks the tokens)."""
+
+
+def _pattern(key: str, n: int) -> Any:
+    """``n`` bytes that only ``key`` has at these offsets (a slot read at another key or offset differs)."""
+    import numpy as np
+
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    i = np.arange(n, dtype=np.uint64)
+    return ((i * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)) >> np.uint64(40)).astype(np.uint8)
+
+
+def _legit_client(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A legitimate client (``SharedL1``): batches of new keys stored, each read back at once, plus earlier
+    keys; every byte read is compared with the key's pattern. Counts per store outcome."""
+    import numpy as np
+
+    from tiercache.server.client import SharedL1
+    from tiercache.store.l1 import ObjectState
+
+    spec = LIVE_SPEC.with_tokens(cfg["tokens"])
+    n, batch = spec.nbytes, cfg["batch"]
+    rng = random.Random(cfg["seed"])
+    l1 = SharedL1(cfg["socket"], slot_bytes=[n], timeout_s=cfg["timeout_s"])
+    connected = l1.wait_connected(10.0)
+    out: Counter[str] = Counter()
+    recent: list[str] = []
+    steps: list[float] = []
+    deadline = time.monotonic() + cfg["seconds"]
+    i = 0
+    while time.monotonic() < deadline:
+        keys = [f"{cfg['name']}/{i + j}" for j in range(batch)]
+        i += batch
+        started = time.perf_counter()
+        skipped = l1.skipped_stores
+        objs = l1.batched_reserve_write(keys, [spec] * batch)
+        offline = l1.skipped_stores - skipped
+        writing = []
+        for key, obj in zip(keys, objs, strict=True):
+            if obj is not None:
+                np.frombuffer(obj.buffer(), np.uint8)[:] = _pattern(key, n)
+                writing.append(obj)
+        if writing:
+            l1.batched_finish_write(writing)
+        stored = [obj.key for obj in writing if obj.state is ObjectState.READY]
+        out["stores"] += batch
+        out["stored"] += len(stored)
+        out["offline"] += offline
+        out["no_room"] += batch - len(writing) - offline
+        out["commit_failed"] += len(writing) - len(stored)
+        reads = stored + rng.sample(recent, min(len(recent), batch))
+        leases = l1.batched_acquire(reads)
+        for key, lease in zip(reads, leases, strict=True):
+            out["reads"] += 1
+            if lease is None:
+                continue
+            got = np.frombuffer(lease.obj.buffer(), np.uint8)
+            wrong = int(np.count_nonzero(got != _pattern(key, n)))
+            del got
+            out["hits"] += 1
+            out["read_bytes"] += n
+            if wrong:
+                out["wrong_bytes"] += wrong
+                out["wrong_objects"] += 1
+        l1.batched_release([lease for lease in leases if lease is not None])
+        recent.extend(stored)
+        del recent[:-512]
+        steps.append(time.perf_counter() - started)
+    out["lost_connections"] = l1.lost_connections
+    out["refused_leases"] = l1.refused_leases
+    l1.close()
+    steps.sort()
+    return {
+        "name": cfg["name"],
+        "connected": connected,
+        **dict(out),
+        "steps": len(steps),
+        "step_ms_p50": round(1e3 * steps[len(steps) // 2], 2) if steps else None,
+        "step_ms_p99": round(1e3 * steps[int(len(steps) * 0.99)], 2) if steps else None,
+    }
+
+
+class _FuzzPeer:
+    """One raw SEQPACKET connection of the fuzzer (requests are built and sent by hand)."""
+
+    serial = 0
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        _FuzzPeer.serial += 1
+        self.id = _FuzzPeer.serial
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(path)
+        self.epoch = 0
+        self.session = b""
+        self.req = 0
+        self.alive = True
+        self.leases: list[int] = []
+
+    def send(self, data: bytes, fds: list[int] | None = None) -> bool:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        try:
+            self.sock.sendmsg([data], anc)
+            return True
+        except OSError:
+            self.alive = False
+            return False
+
+    def recv(self) -> tuple[bytes, list[int]]:
+        """One reply and the fds passed with it (b"" on EOF, timeout or error: the peer is then dead)."""
+        try:
+            data, anc, _, _ = self.sock.recvmsg(1 << 18, socket.CMSG_SPACE(2 * 4))
+        except OSError:
+            self.alive = False
+            return b"", []
+        fds = [
+            fd
+            for lvl, typ, raw in anc
+            if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS
+            for fd in array.array("i", raw[: len(raw) - len(raw) % 4])
+        ]
+        if not data:
+            self.alive = False
+        return data, fds
+
+    def ask(self, op: Any, body: dict[str, Any], epoch: int | None = None) -> tuple[str, Any]:
+        """("ok", body), ("err", code) or ("dead", None)."""
+        from tiercache.server.protocol import Op, ProtocolError, decode, encode
+
+        self.req += 1
+        if not self.send(encode(op, self.epoch if epoch is None else epoch, self.req, body)):
+            return "dead", None
+        data, fds = self.recv()
+        for fd in fds:
+            os.close(fd)
+        if not data:
+            return "dead", None
+        try:
+            msg = decode(data, request=False)
+        except ProtocolError:
+            return "dead", None
+        if msg.op is Op.ERR:
+            if msg.body.get("code") == "protocol":
+                self.alive = False
+            return "err", msg.body.get("code")
+        return "ok", msg.body
+
+    def close(self) -> None:
+        self.alive = False
+        self.sock.close()
+
+
+class ServerFuzzer:
+    """A hostile client process: garbage, mutated and oversized messages, valid HELLOs then ALLOCs never
+    committed, pins held, wrong epochs, FENCEs of random tokens, requests dropped before their answer,
+    connections held open with and without a HELLO. It writes into the slots it reserved and never settled
+    (allowed: its writes may land until it exits), so a slot handed to another client too early shows up as
+    wrong bytes there."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.path = cfg["socket"]
+        self.rng = random.Random(cfg["seed"])
+        self.protocol = ProtocolFuzz()
+        self.p = self.protocol.p
+        self.held: list[_FuzzPeer] = []
+        self.idle: list[Any] = []  # connections that never sent anything
+        # peer id -> {(slot, generation): (offset, nbytes)} reserved on that connection and never settled
+        self.writable: dict[int, dict[tuple[int, int], tuple[int, int]]] = {}
+        self.data: mmap.mmap | None = None
+        self.ink = memoryview(bytes([0xE5]) * (1 << 20))
+        self.max_object = 1 << 20
+        self.legit = int(cfg["legit_nbytes"])
+        self.keys: list[str] = []
+        self.out: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.stop = False
+
+    # -- connections
+    def peer(self) -> _FuzzPeer | None:
+        try:
+            return _FuzzPeer(self.path, self.cfg["timeout_s"])
+        except OSError:
+            self.out["connect_failed"] += 1
+            return None
+
+    def hello(self, peer: _FuzzPeer, role: str = "worker") -> bool:
+        """A valid HELLO (some sizes declared, random fences, random fds passed along); maps the segment."""
+        rng = self.rng
+        body: dict[str, Any] = {"role": role}
+        if rng.random() < 0.3:
+            sizes = [self.size() for _ in range(rng.randrange(1, 17))]
+            body["slot_bytes"] = sorted(sizes) if rng.random() < 0.5 else sizes  # ascending: new classes
+        if rng.random() < 0.2:
+            body["fence"] = [rng.randbytes(16) for _ in range(rng.randrange(1, 65))]
+        fds: list[int] = []
+        if rng.random() < 0.2:  # junk fds beside (or instead of) a pidfd: the server closes them
+            r, w = os.pipe()
+            fds = [r, w] + ([os.pidfd_open(os.getpid())] if rng.random() < 0.5 else [])
+        ok = peer.send(self.p.encode(self.p.Op.HELLO, 0, 0, body), fds)
+        for fd in fds:
+            os.close(fd)
+        if not ok:
+            return False
+        data, got = peer.recv()
+        try:
+            msg = self.p.decode(data, request=False) if data else None
+        except self.p.ProtocolError:
+            msg = None
+        if msg is None or msg.op is not self.p.Op.OK:
+            for fd in got:
+                os.close(fd)
+            return False
+        peer.epoch, peer.session = msg.body["epoch"], msg.body["session"]
+        self.max_object = msg.body["max_object"]
+        if self.data is None and got:
+            region, regions = msg.body["geometry"]
+            self.data = mmap.mmap(got[0], region * regions)
+        for fd in got:
+            os.close(fd)
+        self.out["hellos"] += 1
+        return True
+
+    def drop(self, peer: _FuzzPeer) -> None:
+        """Close ``peer``: its unsettled reservations stay this process's to write until it exits."""
+        peer.close()
+        if peer in self.held:
+            self.held.remove(peer)
+
+    # -- requests
+    def size(self) -> int:
+        rng, roll = self.rng, self.rng.random()
+        if roll < 0.3:
+            return self.legit
+        if roll < 0.5:
+            return rng.randrange(1, 8193)
+        if roll < 0.8:
+            return rng.randrange(1, self.max_object + 1)
+        return rng.choice((0, self.max_object, self.max_object + 1, 2**63 - 1))
+
+    def key(self) -> str:
+        if self.keys and self.rng.random() < 0.1:
+            return self.rng.choice(self.keys)
+        key = f"fz{self.rng.randrange(1 << 40):x}"
+        self.keys.append(key)
+        del self.keys[:-256]
+        return key
+
+    def alloc(self, peer: _FuzzPeer, epoch: int | None = None) -> list[list[int]]:
+        """ALLOC 1-32 keys of random sizes; the reserved refs (scribbled on at once, sometimes)."""
+        rng = self.rng
+        k = rng.randrange(1, 33)
+        if rng.random() < 0.2:  # one object of each of k ascending sizes: one class (and region) each
+            sizes = sorted(rng.randrange(self.legit, self.max_object + 1) for _ in range(k))
+        else:
+            sizes = [self.size() for _ in range(k)]
+        meta = [self.p.spec_meta(LIVE_SPEC) if rng.random() < 0.5 else rng.randbytes(40) for _ in range(k)]
+        body = {
+            "keys": [self.key() for _ in range(k)],
+            "nbytes": sizes,
+            "meta": meta,
+        }
+        status, reply = peer.ask(self.p.Op.ALLOC, body, epoch)
+        self.out[f"alloc_{status}"] += 1
+        if status != "ok":
+            return []
+        refs = []
+        for ref, n in zip(reply["slots"], body["nbytes"], strict=True):
+            if isinstance(ref, list):
+                refs.append(ref)
+                self.writable.setdefault(peer.id, {})[ref[0], ref[1]] = (ref[2], n)
+                self.out["reserved"] += 1
+            else:
+                self.out[f"alloc_{ref}"] += 1
+        self.scribble(4)
+        return refs
+
+    def settle(self, peer: _FuzzPeer, refs: list[list[int]], op: Any, label: str = "") -> None:
+        """COMMIT or ABORT ``refs``; those the server settled are no longer this process's to write."""
+        status, reply = peer.ask(op, {"slots": [[r[0], r[1]] for r in refs]})
+        self.out[f"{label}{op.name.lower()}_{status}"] += 1
+        if status == "ok":
+            mine = self.writable.get(peer.id, {})
+            for ref, ok in zip(refs, reply["ok"], strict=True):
+                if ok:
+                    mine.pop((ref[0], ref[1]), None)
+
+    def scribble(self, count: int) -> None:
+        """Write into slots this process reserved and never settled (allowed until it exits)."""
+        if self.data is None or not self.writable:
+            return
+        for _ in range(count):
+            slots = self.writable[self.rng.choice(list(self.writable))]
+            if not slots:
+                continue
+            offset, n = self.rng.choice(list(slots.values()))
+            n = min(n, self.max_object, len(self.data) - offset)
+            if n <= 0:
+                continue
+            if n > len(self.ink):  # a window of a large slot; over many writes every part gets one
+                offset += self.rng.randrange(n - len(self.ink) + 1)
+                n = len(self.ink)
+            self.data[offset : offset + n] = self.ink[:n]
+            self.out["scribbles"] += 1
+
+    # -- actions
+    def garbage(self) -> None:
+        """A fresh connection (sometimes after a valid HELLO and reservations) gets garbage, a mutated or a
+        random message; the answer is read or not."""
+        peer = self.peer()
+        if peer is None:
+            return
+        rng = self.rng
+        if rng.random() < 0.5 and self.hello(peer) and rng.random() < 0.5:
+            self.alloc(peer)
+        roll = rng.random()
+        if roll < 0.3:
+            data = rng.randbytes(rng.randrange(1, 300))
+        elif roll < 0.65:
+            data = self.protocol.frames.mutate(rng, rng.choice(self.protocol.valid))
+        else:
+            data = self.protocol.random_message(rng)
+        peer.send(data)
+        if rng.random() < 0.7:
+            peer.recv()
+        self.out["garbage"] += 1
+        self.drop(peer)
+
+    def oversized(self) -> None:
+        """More than one message may hold: a long datagram, too many keys, too long keys."""
+        peer = self.peer()
+        if peer is None:
+            return
+        rng = self.rng
+        if rng.random() < 0.5:
+            self.hello(peer)
+        roll = rng.random()
+        if roll < 0.4:
+            data = rng.randbytes(self.p.MAX_MESSAGE + rng.randrange(1, 60_000))
+        else:
+            import msgpack
+
+            n = self.p.MAX_KEYS + 1 if roll < 0.7 else 8
+            key = "k" * (self.p.MAX_KEY_LEN + 1 if roll >= 0.7 else 8)
+            body = {"keys": [key] * n, "nbytes": [self.legit] * n, "meta": [b""] * n}
+            data = msgpack.packb([self.p.PROTOCOL_VERSION, peer.epoch, 3, 1, body], use_bin_type=True)
+        peer.send(data)
+        peer.recv()
+        self.out["oversized"] += 1
+        self.drop(peer)
+
+    def reserve_and_drop(self) -> None:
+        """HELLO, reservations never committed, then the connection goes: closed, with a request in flight,
+        after a protocol error, or after a half close."""
+        peer = self.peer()
+        if peer is None:
+            return
+        rng = self.rng
+        if not self.hello(peer):
+            self.drop(peer)
+            return
+        for _ in range(rng.randrange(1, 4)):
+            self.alloc(peer)
+        roll = rng.random()
+        if roll < 0.3:  # a request whose answer is never read
+            body = {"keys": [self.key() for _ in range(8)], "nbytes": [self.legit] * 8, "meta": [b"m"] * 8}
+            peer.send(self.p.encode(self.p.Op.ALLOC, peer.epoch, 99, body))
+            self.out["dropped_mid_request"] += 1
+        elif roll < 0.5:
+            peer.send(b"\xc1")
+            peer.recv()
+        elif roll < 0.6:
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_WR)
+            peer.recv()
+        self.out["reserve_and_drop"] += 1
+        self.drop(peer)
+
+    def on_held(self) -> None:
+        """One request on a connection kept open (opened when fewer than ``held`` are)."""
+        rng = self.rng
+        if len(self.held) < self.cfg["held"] and (not self.held or rng.random() < 0.2):
+            peer = self.peer()
+            if peer is None:
+                return
+            if self.hello(peer, rng.choice(("worker", "worker", "scheduler", "probe"))):
+                self.held.append(peer)
+            else:
+                self.drop(peer)
+            return
+        if not self.held:
+            return
+        peer = rng.choice(self.held)
+        op = self.p.Op
+        roll = rng.random()
+        if roll < 0.3:
+            refs = self.alloc(peer)
+            if refs and rng.random() < 0.5:
+                self.settle(peer, refs, op.COMMIT if rng.random() < 0.8 else op.ABORT)
+        elif roll < 0.45 and self.keys:  # pins held
+            status, reply = peer.ask(op.LOOKUP, {"keys": self.keys[-64:], "pin": True, "prefix": False})
+            self.out[f"pin_{status}"] += 1
+            if status == "ok":
+                peer.leases += [h[4] for h in reply["hits"] if h is not None and h[4]]
+        elif roll < 0.55:  # a stale or a future epoch
+            epoch = rng.choice((0, peer.epoch + 1, peer.epoch - 1 if peer.epoch else 5, 2**63 - 1))
+            self.alloc(peer, epoch=epoch)
+        elif roll < 0.62:
+            status, _ = peer.ask(
+                op.FENCE, {"sessions": [rng.randbytes(16) for _ in range(rng.randrange(65))]}
+            )
+            self.out[f"fence_{status}"] += 1
+        elif roll < 0.67:  # another held connection of this process, with nothing left to write, ended
+            victims = [p for p in self.held if p is not peer and not self.writable.get(p.id)]
+            if victims:
+                victim = rng.choice(victims)
+                status, _ = peer.ask(op.FENCE, {"sessions": [victim.session]})
+                self.out[f"fence_own_{status}"] += 1
+                self.drop(victim)
+        elif roll < 0.75:  # refs and leases that are not (or no longer) this connection's
+            refs = [[rng.randrange(1 << 12), rng.randrange(4)] for _ in range(rng.randrange(1, 16))]
+            self.settle(peer, refs, rng.choice((op.COMMIT, op.ABORT)), "foreign_")
+            status, _ = peer.ask(op.RELEASE, {"leases": [rng.randrange(1 << 16) for _ in range(8)]})
+            self.out[f"foreign_release_{status}"] += 1
+        elif roll < 0.8:
+            which = rng.choice((op.CLEAR, op.DRAIN, op.STATS, op.END))
+            body: dict[str, Any] = {"timeout_s": 0.0} if which is op.DRAIN else {}
+            status, _ = peer.ask(which, body)
+            self.out[f"{which.name.lower()}_{status}"] += 1
+            if which is op.END:
+                peer.leases = []
+        elif roll < 0.85:  # a second HELLO is a protocol error: the connection goes, reservations orphaned
+            self.hello(peer)
+            self.out["second_hello"] += 1
+        elif roll < 0.9:
+            self.out["closed_held"] += 1
+            self.drop(peer)
+        else:
+            lookup = {"keys": [self.key() for _ in range(16)], "pin": rng.random() < 0.5, "prefix": True}
+            lookup.update(l2=True, prefetch=True, wait_s=rng.choice((0.0, 1.5)))
+            status, _ = peer.ask(op.LOOKUP, lookup)
+            self.out[f"lookup_{status}"] += 1
+        if not peer.alive:
+            self.drop(peer)
+
+    def idle_connection(self) -> None:
+        """A connection that never says anything, kept open (at most ``idle`` of them)."""
+        if len(self.idle) >= self.cfg["idle"]:
+            self.idle.pop(self.rng.randrange(len(self.idle))).close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            return
+        self.idle.append(sock)
+        self.out["idle"] += 1
+
+    def run(self) -> dict[str, Any]:
+        actions = [
+            (0.25, self.garbage),
+            (0.25, self.reserve_and_drop),
+            (0.40, self.on_held),
+            (0.05, self.oversized),
+            (0.05, self.idle_connection),
+        ]
+        weights = [w for w, _ in actions]
+        deadline = time.monotonic() + self.cfg["seconds"]
+        started = time.perf_counter()
+        while not self.stop and time.monotonic() < deadline:
+            action = self.rng.choices(actions, weights)[0][1]
+            try:
+                action()
+            except Exception as exc:  # a fuzzer bug, not the server's: counted and shown
+                self.out["fuzzer_errors"] += 1
+                if len(self.errors) < 5:
+                    self.errors.append(traceback.format_exc(limit=4))
+                del exc
+            self.out["actions"] += 1
+            self.scribble(1)
+        seconds = time.perf_counter() - started
+        for peer in list(self.held):
+            self.drop(peer)
+        for sock in self.idle:
+            sock.close()
+        return {
+            "seconds": round(seconds, 1),
+            "actions_per_s": round(self.out["actions"] / seconds),
+            "counts": dict(sorted(self.out.items())),
+            "errors": self.errors,
+        }
+
+
+def _child(role: str, cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    """This file run as a legitimate client or the fuzzer (one JSON line on stdout when done)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", role, json.dumps(cfg)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def _report(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=timeout_s)
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"failed": True, "returncode": proc.returncode}
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def _process(pid: int) -> dict[str, int]:
+    """RSS (KiB) and open descriptors of ``pid``."""
+    rss = 0
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        fds = -1
+    return {"rss_kib": rss, "fds": fds}
+
+
+_STATS_KEYS = (
+    "max_object",
+    "connections",
+    "clients",
+    "protocol_errors",
+    "reserved",
+    "orphaned",
+    "published",
+    "leases",
+    "lost_sessions",
+    "cap_refusals",
+    "alloc_failures",
+    "too_large",
+    "evictions",
+    "classes",
+    "free_regions",
+    "freed_on_exit",
+    "freed_unsent",
+    "fenced_sessions",
+    "busy_refusals",
+)
+
+
+def _server_stats(path: str) -> dict[str, Any] | None:
+    """The server's STATS through a probe connection (None when it does not answer)."""
+    from tiercache.server.client import ServerConnection, ServerUnavailable
+    from tiercache.server.protocol import Op
+
+    try:
+        conn = ServerConnection(path, role="probe", timeout_s=10.0)
+    except ServerUnavailable:
+        return None
+    try:
+        stats = conn.request(Op.STATS, {})
+    except ServerUnavailable:
+        return None
+    finally:
+        conn.close()
+    return {k: stats[k] for k in _STATS_KEYS if k in stats}
+
+
+def _clients(cfg: dict[str, Any], phase: str, clients: int, seconds: float) -> list[dict[str, Any]]:
+    procs = [
+        _child("client", {**cfg, "name": f"client{i}/{phase}", "seed": cfg["seed"] + i, "seconds": seconds})
+        for i in range(clients)
+    ]
+    return [_report(p, seconds + 120) for p in procs]
+
+
+def run_live(
+    seconds: float,
+    max_share: float,
+    *,
+    capacity: int = 1 << 30,
+    region_bytes: int | None = None,
+    tokens: int = 64,
+    batch: int = 4,
+    clients: int = 2,
+    held: int = 32,
+    idle: int = 16,
+    warmup_s: float = 2.0,
+    orphan_grace_s: float = 60.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A real ``python -m tiercache.server``; ``clients`` legitimate client processes store and read back for
+    ``seconds`` alone, then for ``seconds`` beside one fuzzer process (started ``warmup_s`` earlier). Per
+    client the fraction of stores that succeeded in each phase and their ratio; the server's RSS and fds
+    before, during and after the fuzz, its log bytes, whether it stayed alive, and whether everything the
+    fuzzer held came back once it exited."""
+    nbytes = LIVE_SPEC.with_tokens(tokens).nbytes
+    tmp = Path(tempfile.mkdtemp(prefix="tc-fz-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    path = str(tmp / "s.sock")
+    log_path = tmp / "server.log"
+    argv = [sys.executable, "-m", "tiercache.server", "--socket", path, "--capacity", str(capacity)]
+    argv += [
+        "--slot-bytes",
+        str(nbytes),
+        "--max-share",
+        str(max_share),
+        "--orphan-grace-s",
+        str(orphan_grace_s),
+    ]
+    if region_bytes is not None:
+        argv += ["--region-bytes", str(region_bytes)]
+    cfg: dict[str, Any] = {"socket": path, "tokens": tokens, "batch": batch, "timeout_s": 5.0, "seed": seed}
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+    fuzzer: subprocess.Popen[str] | None = None
+    result: dict[str, Any] = {"max_share": max_share, "seconds": seconds}
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in log_path.read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+        started = _server_stats(path)
+        result["server"] = {
+            "argv": argv[1:],
+            "max_object": None if started is None else started["max_object"],
+        }
+        base = _clients(cfg, "alone", clients, seconds)
+        before = {**_process(server.pid), "stats": _server_stats(path)}
+        fz_cfg = {**cfg, "seconds": 1e6, "legit_nbytes": nbytes, "held": held, "idle": idle}
+        fuzzer = _child("fuzzer", fz_cfg)
+        time.sleep(warmup_s)
+        fuzzed = _clients(cfg, "fuzzed", clients, seconds)
+        during = {**_process(server.pid), "stats": _server_stats(path)}
+        fuzzer.send_signal(signal.SIGTERM)
+        fuzz_report = _report(fuzzer, 60)
+        fuzzer = None
+        settle = time.monotonic() + 10
+        after_stats = _server_stats(path)
+        while (
+            after_stats is not None
+            and time.monotonic() < settle
+            and (after_stats["lost_sessions"] or after_stats["reserved"])
+        ):
+            time.sleep(0.1)
+            after_stats = _server_stats(path)
+        after = {**_process(server.pid), "stats": after_stats}
+        alive = server.poll() is None and after_stats is not None
+    finally:
+        if fuzzer is not None:
+            fuzzer.kill()
+            fuzzer.wait()
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        try:
+            returncode = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            returncode = server.wait()
+    log_text = log_path.read_text(errors="replace")
+    shutil.rmtree(tmp, ignore_errors=True)
+    per_client = []
+    for alone, fz in zip(base, fuzzed, strict=True):
+        f_alone = alone.get("stored", 0) / max(alone.get("stores", 0), 1)
+        f_fuzzed = fz.get("stored", 0) / max(fz.get("stores", 0), 1)
+        per_client.append(
+            {
+                "client": alone.get("name", "?").split("/")[0],
+                "stored_fraction_alone": round(f_alone, 4),
+                "stored_fraction_fuzzed": round(f_fuzzed, 4),
+                "ratio": round(f_fuzzed / f_alone, 4) if f_alone else 0.0,
+                "read_hit_fraction_alone": round(alone.get("hits", 0) / max(alone.get("reads", 0), 1), 4),
+                "read_hit_fraction_fuzzed": round(fz.get("hits", 0) / max(fz.get("reads", 0), 1), 4),
+                "alone": alone,
+                "fuzzed": fz,
+            }
+        )
+    result.update(
+        clients=per_client,
+        min_ratio=min(c["ratio"] for c in per_client),
+        wrong_bytes=sum(c[p].get("wrong_bytes", 0) for c in per_client for p in ("alone", "fuzzed")),
+        server_alive=alive,
+        server_exit=returncode,
+        server_before_fuzz=before,
+        server_during_fuzz=during,
+        server_after_fuzzer_exit=after,
+        log_bytes=len(log_text.encode()),
+        log_lines=len(log_text.splitlines()),
+        log_tail=log_text.splitlines()[-8:],
+        fuzzer=fuzz_report,
+    )
+    return result
 
 
 TARGETS: dict[str, Callable[[], Any]] = {
@@ -479,27 +1201,55 @@ def run_target(name: str, inputs: int, seed: int = 0, max_findings: int = 20) ->
     }
 
 
+def _child_main(role: str, cfg: dict[str, Any]) -> int:
+    """``--child client|fuzzer JSON``: one process of the live-server run; its report on stdout."""
+    if role == "client":
+        print(json.dumps(_legit_client(cfg)), flush=True)
+        return 0
+    fuzzer = ServerFuzzer(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(fuzzer, "stop", True))
+    print(json.dumps(fuzzer.run()), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--inputs", type=int, default=1_000_000, help="inputs per target")
-    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--targets", default=",".join(TARGETS), help="in-process targets ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--live-s", type=float, default=60.0, help="seconds per phase of the live run (0: none)"
+    )
+    parser.add_argument(
+        "--live-share", default="0.25,0.9", help="the server's --max-share in each live run (comma-separated)"
+    )
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return _child_main(args.child[0], json.loads(args.child[1]))
     results = []
-    for name in args.targets.split(","):
+    for name in filter(None, args.targets.split(",")):
         result = run_target(name, args.inputs, args.seed)
         print(json.dumps({k: v for k, v in result.items() if k != "findings"}), flush=True)
         results.append(result)
+    live = []
+    for share in filter(None, args.live_share.split(",")) if args.live_s > 0 else []:
+        run = run_live(args.live_s, float(share), seed=args.seed)
+        keys = ("max_share", "min_ratio", "wrong_bytes", "server_alive", "log_bytes")
+        print(json.dumps({k: run[k] for k in keys}), flush=True)
+        live.append(run)
     report = {
         "benchmark": "fuzz",
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
         "targets": results,
+        "live": live,
     }
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     found = sum(len(r["findings"]) for r in results)
+    found += sum(1 for run in live if run["wrong_bytes"] or not run["server_alive"])
     print(f"findings: {found}")
     return 1 if found else 0
 

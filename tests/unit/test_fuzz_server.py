@@ -1,4 +1,5 @@
-"""What fuzzing a real ``python -m tiercache.server`` with a hostile client process found."""
+"""A real ``python -m tiercache.server`` fuzzed by a hostile client process while two legitimate client
+processes store and read back (``benchmarks/fuzz.py``'s live run, short), and what that fuzz found."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _fuzz_targets import load
+
 from tiercache.server.client import ServerConnection
 from tiercache.server.protocol import Op, decode, encode
 from tiercache.server.segment import MIN_SLOT, Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
+
+fuzz = load()
 
 
 def _open_fds(pid: int) -> int:
@@ -51,6 +57,32 @@ def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> No
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def test_legitimate_clients_store_beside_a_fuzzer() -> None:
+    """Two client processes store byte-patterned objects and read every byte back, alone for 3 s, then for
+    3 s beside a fuzzer process (garbage, oversized messages, reservations never committed on connections
+    dropped or held open, pins, wrong epochs, random fences). The server runs as a node would run it for
+    several client processes (each may hold a quarter of the segment): each client keeps at least 0.8 of the
+    stores it made alone, no byte read is wrong, the server lives and logs a few lines, and once the fuzzer
+    exits everything it held comes back."""
+    run = fuzz.run_live(3.0, 0.25, capacity=64 << 20, region_bytes=4 << 20, tokens=16, warmup_s=1.0, seed=3)
+    during, after = run["server_during_fuzz"], run["server_after_fuzzer_exit"]
+    summary = {k: run[k] for k in ("min_ratio", "wrong_bytes", "server_alive", "log_lines", "log_tail")}
+    assert run["server_alive"], summary
+    assert run["server_exit"] == 0, summary
+    assert run["wrong_bytes"] == 0, summary
+    assert during["stats"]["protocol_errors"] > 100, during  # the fuzzer did reach the server
+    assert during["stats"]["orphaned"] > 0, during  # ... and held reservations of dropped connections
+    for client in run["clients"]:
+        assert client["alone"]["stores"] > 0, client
+        assert client["fuzzed"]["stores"] > 0, client
+        assert client["ratio"] >= 0.8, {k: v for k, v in client.items() if k != "alone"}
+    assert run["log_lines"] <= 12, summary
+    assert run["log_bytes"] <= 4096, summary
+    assert after["stats"]["reserved"] == 0, after
+    assert after["stats"]["lost_sessions"] == 0, after
+    assert after["fds"] <= run["server_before_fuzz"]["fds"] + 4, after
 
 
 def test_lost_writes_spread_over_regions_hold_no_more_than_their_share() -> None:
