@@ -141,6 +141,10 @@ def test_classes_come_from_object_sizes_and_share_regions() -> None:
     assert t.declare(REGION)  # a 16 KiB class, made ahead (a client's HELLO)
     assert t.classes[-1] == (REGION, 0)
     assert not t.declare(REGION + 1)
+    assert t.declare(2 * MIN_SLOT)  # a declared size gets its own class, not the 12 KiB class's slots
+    assert t.classes[-1] == (2 * MIN_SLOT, 0)
+    assert t.declare(2 * MIN_SLOT)
+    assert len(t.classes) == 4  # declared again: the same class
     # Objects do not overlap: every live slot's bytes lie in its own region and stride.
     spans = sorted((t.offset_of(r[0]), r[2]) for r in (big, tail))
     assert spans[0][0] + 3 * MIN_SLOT <= spans[1][0]

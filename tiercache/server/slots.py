@@ -119,18 +119,20 @@ class SlotTable:
         return [(c.stride, len(c.regions)) for c in self._classes]
 
     def declare(self, nbytes: int) -> bool:
-        """Make sure a class holds objects of ``nbytes`` (a client's chunk size); False when too large or out
-        of classes."""
-        return self._class_for(nbytes) is not None
+        """Make a class of exactly ``nbytes``' stride (a client's chunk size) unless one exists, so its
+        objects never sit in a larger class's slots; False when too large or out of classes."""
+        return self._class_for(nbytes, exact=True) is not None
 
-    def _class_for(self, nbytes: int) -> int | None:
-        """The smallest class whose stride holds ``nbytes``; a new class of that stride when none does."""
+    def _class_for(self, nbytes: int, *, exact: bool = False) -> int | None:
+        """The smallest class whose stride holds ``nbytes`` (with ``exact``, only one of exactly its stride);
+        a new class of that stride when none does."""
         if nbytes > self._region_bytes:
             return None
         want = max(stride_of(nbytes), self.seg.geometry.min_stride)
         best = None
         for ci, c in enumerate(self._classes):
-            if c.stride >= want and (best is None or c.stride < self._classes[best].stride):
+            fits = c.stride == want if exact else c.stride >= want
+            if fits and (best is None or c.stride < self._classes[best].stride):
                 best = ci
         if best is None:
             if len(self._classes) < MAX_CLASSES:
