@@ -88,19 +88,19 @@ def test_unix_without_msgpack_is_one_error_line_and_cache_off(tmp_path: Path, br
 
 
 def test_auto_whose_private_server_cannot_start_warns_in_one_line_and_cleans_up(
-    tmp_path: Path, broken: Path
+    sock_dir: Path, broken: Path
 ) -> None:
     """The connector's process is fine, the private server's processes lack msgpack: the start fails with
     the server's own error in the warning (its traceback stays in the log), and the private directory goes
-    once the process that tried exits."""
-    answer, lines = _choose("auto", "server-fails", tmp_path, broken, parent_msgpack="real")
+    once the process that tried exits. (TMPDIR: a short directory, so the private socket path fits.)"""
+    answer, lines = _choose("auto", "server-fails", sock_dir, broken, parent_msgpack="real")
     assert (answer["socket"], answer["how"]) == (None, "fallback")
     assert len(lines) == 1, lines
     assert "No module named 'msgpack'" in lines[0]
     assert "running in-process" in lines[0]
     for keeper in answer["keepers"]:
         assert exits_within(keeper, 60.0)
-    assert list((tmp_path / f"tiercache-{os.getuid()}").iterdir()) == []
+    assert list((sock_dir / f"tiercache-{os.getuid()}").iterdir()) == []
 
 
 def test_a_relative_config_path_is_made_absolute_when_the_settings_are_read(
