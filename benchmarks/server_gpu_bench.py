@@ -16,7 +16,7 @@ its first served request. Reported per size: the registration's seconds (and per
 resident pages; the constructor's seconds (the HELLO alone); construction to the end of the first served call
 against the registration; the latencies of the calls made while the registration ran (misses, no request).
 
-    python benchmarks/server_gpu_bench.py > benchmarks/results/server_gpu_h200.json
+    python benchmarks/server_gpu_bench.py > benchmarks/results/server_gpu_<device>.json   (now: _h100)
 """
 
 from __future__ import annotations

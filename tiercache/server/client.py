@@ -75,10 +75,9 @@ def _pin_for_cuda(segment: Segment) -> None:
     """Register ``segment``'s mapping with CUDA (a no-op without it); unregistered before it is unmapped."""
     from tiercache.server import cuda
 
-    pieces = segment.geometry.region_bytes
-    segment.cuda_register_s = cuda.register(segment.data, pieces)
+    segment.cuda_register_s = cuda.register(segment.data)
     if segment.cuda_register_s is not None:
-        weakref.finalize(segment, cuda.unregister, segment.data, pieces)
+        weakref.finalize(segment, cuda.unregister, segment.data)
 
 
 def _uses_cuda() -> bool:

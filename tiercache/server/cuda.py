@@ -26,40 +26,22 @@ def _address(data: mmap.mmap) -> int:
     return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
 
 
-def _pieces(total: int, piece_bytes: int | None) -> list[tuple[int, int]]:
-    step = piece_bytes or total
-    return [(off, min(step, total - off)) for off in range(0, total, step)]
-
-
-def register(data: mmap.mmap, piece_bytes: int | None = None) -> float | None:
-    """Register ``data`` (a client's data mapping) with CUDA, one call per ``piece_bytes`` (the segment's
-    regions: no object spans two, and each call holds the process's memory map for a bounded time); the
-    seconds it took, or None where CUDA is not in use here (torch not imported, no device) or a piece failed
-    (the pieces done are unregistered again)."""
+def register(data: mmap.mmap) -> float | None:
+    """Register ``data`` (a client's data mapping) with CUDA; the seconds it took, or None where CUDA is not
+    in use here (torch not imported, no device) or the registration failed."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None
-    cudart = torch.cuda.cudart()
-    base = _address(data)
     start = time.perf_counter()
-    done: list[int] = []
-    for off, size in _pieces(len(data), piece_bytes):
-        err = cudart.cudaHostRegister(base + off, size, _PORTABLE)
-        if int(err) != 0:
-            log.warning("cudaHostRegister of the shared L1 failed at byte %d of %d: %s", off, len(data), err)
-            for addr in done:
-                cudart.cudaHostUnregister(addr)
-            return None
-        done.append(base + off)
+    err = torch.cuda.cudart().cudaHostRegister(_address(data), len(data), _PORTABLE)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of the shared L1 (%d bytes) failed: %s", len(data), err)
+        return None
     return time.perf_counter() - start
 
 
-def unregister(data: mmap.mmap, piece_bytes: int | None = None) -> None:
-    """Undo :func:`register` with the same ``piece_bytes`` (before the mapping goes away); a no-op where
-    nothing was registered."""
+def unregister(data: mmap.mmap) -> None:
+    """Undo :func:`register` (before the mapping goes away); a no-op where nothing was registered."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
-        base = _address(data)
-        for off, _ in _pieces(len(data), piece_bytes):
-            cudart.cudaHostUnregister(base + off)
+        torch.cuda.cudart().cudaHostUnregister(_address(data))
