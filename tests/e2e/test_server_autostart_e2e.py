@@ -74,7 +74,10 @@ def test_auto_with_a_relative_config_from_vllms_working_directory(
         f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n'
         f'[server]\nsocket = "{tmp_path / "no-daemon.sock"}"\nslot_bytes = {SLOT_BYTES}\nmetrics_port = 0\n'
     )
-    connector = {"role": "kv_both", "extra": {"config": "tiercache.toml", "server": "auto"}}
+    # generous deadlines: vLLM's CPU workers spin on both cores of a CI box and can starve the server for
+    # seconds; this test is about the config path, not about timeouts (the hang e2e tests those)
+    extra = {"config": "tiercache.toml", "server": "auto", "lookup_timeout_s": 10.0, "load_timeout_s": 30.0}
+    connector = {"role": "kv_both", "extra": extra}
     spec = _spec(
         tiny_model,
         connector,
