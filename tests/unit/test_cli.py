@@ -90,10 +90,52 @@ def test_inspect_decodes_a_frame_file(tmp_path: Path) -> None:
     assert info["tokens"] == 5
     assert info["dtype"] == "float16"
     assert info["raw_bytes"] == spec.nbytes
+    assert info["verified"] is True
+    assert info["problems"] == []
+    assert run("inspect", str(path), "--key", "some.key").returncode == 0
     path.write_bytes(b"NOPE" + frame[4:])
     bad = run("inspect", str(path))
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
+
+
+def test_inspect_verifies_the_payload_and_exits_non_zero_on_a_corrupt_frame(tmp_path: Path) -> None:
+    """A header that reads fine over a damaged, short or long payload, or a frame of another key, is
+    reported as corrupt with exit status 1 (the header fields are still shown)."""
+    from tiercache.serde import build_pipeline
+    from tiercache.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=4)
+    frame = build_pipeline(["raw"]).encode(bytes(i % 251 for i in range(spec.nbytes)), spec, "k.1")
+    path = tmp_path / "frame.bin"
+    flipped = bytearray(frame)
+    flipped[-1] ^= 0x01
+    cases = {
+        "flipped": (bytes(flipped), [], "payload checksum mismatch"),
+        "short": (frame[:-1], [], "header says"),
+        "long": (frame + b"x", [], "header says"),
+        "other key": (frame, ["--key", "k.2"], "not bound to key 'k.2'"),
+    }
+    for name, (data, extra, message) in cases.items():
+        path.write_bytes(data)
+        proc = run("inspect", str(path), *extra, "--json")
+        assert proc.returncode == 1, name
+        info = json.loads(proc.stdout)
+        assert info["verified"] is False, name
+        assert any(message in p for p in info["problems"]), (name, info["problems"])
+        assert info["tokens"] == 4, name
+        assert "corrupt frame" in proc.stderr, name
+        text = run("inspect", str(path), *extra)
+        assert text.returncode == 1, name
+        assert "CORRUPT" in text.stdout, name
+
+
+def test_version_prints_the_package_version() -> None:
+    from tiercache import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"tiercache {__version__}"
 
 
 @pytest.mark.parametrize("args", [["inspect", "not-a-file-or-key"], ["check", "/no/such/config.toml"]])

@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: demo, bench, plugins, check, inspect, conformance.
+"""The ``tiercache`` command: demo, bench, plugins, check, inspect (verifies frames), conformance, --version.
 
 Every failure is one clear line on stderr and a non-zero exit, never a traceback.
 """
@@ -226,32 +226,62 @@ async def _fetch_frames(config: Config, key: str, deadline_s: float) -> list[tup
     return found
 
 
+def _verify(header: Any, frame: bytes, key: str | None) -> list[str]:
+    """What is wrong with ``frame`` beyond its header (whose crc ``read_header`` checked): its length, its
+    payload checksum and, where the key is known, the key it is bound to. Empty when the frame is sound."""
+    from tiercache.serde.frame import key_fingerprint, payload_checksum
+
+    problems = []
+    if len(frame) != header.frame_len:
+        problems.append(f"frame is {len(frame)} bytes, its header says {header.frame_len}")
+    else:
+        got = payload_checksum(memoryview(frame)[header.header_len :])
+        if got != header.checksum:
+            problems.append(
+                f"payload checksum mismatch: computed {got:016x}, header says {header.checksum:016x}"
+            )
+    if key is not None and key_fingerprint(key) != header.key_fingerprint:
+        problems.append(f"frame is not bound to key {key!r} (key fingerprint mismatch)")
+    return problems
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from tiercache.serde import read_header
 
     target = args.target
     if Path(target).is_file():
         frames = [(target, Path(target).read_bytes())]
+        key = args.key
     elif args.config:
         from tiercache.config import load_config
 
         frames = asyncio.run(_fetch_frames(load_config(args.config), target, args.deadline_s))
         if not frames:
             raise TiercacheError(f"key {target!r} is in none of the tiers of {args.config}")
+        key = target
     else:
         raise TiercacheError(f"{target!r} is not a file; to look a key up in the tiers, pass --config FILE")
     results = []
     for where, frame in frames:
-        info = {"source": where, "frame_bytes": len(frame), **_header_dict(read_header(frame), frame)}
+        header = read_header(frame)
+        problems = _verify(header, frame, key)
+        info = {"source": where, "frame_bytes": len(frame), **_header_dict(header, frame)}
+        info.update(verified=not problems, problems=problems)
         results.append(info)
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0], indent=2))
     else:
         for info in results:
             for name, value in info.items():
-                print(f"{name:>16}: {value}")
+                if name != "problems":
+                    print(f"{name:>16}: {value}")
+            for problem in info["problems"]:
+                print(f"{'CORRUPT':>16}: {problem}")
             print()
-    return 0
+    bad = [info for info in results if not info["verified"]]
+    for info in bad:
+        print(f"tiercache: corrupt frame in {info['source']}: {'; '.join(info['problems'])}", file=sys.stderr)
+    return EXIT_FAIL if bad else 0
 
 
 # ----- conformance -----------------------------------------------------------------------------------------
@@ -344,7 +374,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ----- main ------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    from tiercache import __version__
+
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache store for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -390,9 +423,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser(
-        "inspect", help="decode a frame header from a file, or from a key in the config's tiers"
+        "inspect",
+        help="decode and verify a frame (header crc, length, payload checksum) from a file, or from a key "
+        "in the config's tiers; exit 1 if it is corrupt",
     )
     p.add_argument("target", help="frame file path, or object key (with --config)")
+    p.add_argument("--key", help="for a frame file: also check that the frame is bound to this key")
     p.add_argument("--config", help="config whose tiers to search for the key")
     p.add_argument(
         "--timeout", dest="deadline_s", type=float, default=10.0, help="seconds per tier operation"
