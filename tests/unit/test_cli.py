@@ -110,7 +110,7 @@ def test_inspect_verifies_the_payload_and_exits_non_zero_on_a_corrupt_frame(tmp_
     path = tmp_path / "frame.bin"
     flipped = bytearray(frame)
     flipped[-1] ^= 0x01
-    cases = {
+    cases: dict[str, tuple[bytes, list[str], str]] = {
         "flipped": (bytes(flipped), [], "payload checksum mismatch"),
         "short": (frame[:-1], [], "header says"),
         "long": (frame + b"x", [], "header says"),
