@@ -106,7 +106,7 @@ def test_inspect_verifies_the_payload_and_exits_non_zero_on_a_corrupt_frame(tmp_
     from tiercache.spec import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=4)
-    frame = build_pipeline(["raw"]).encode(bytes(i % 251 for i in range(spec.nbytes)), spec, "k.1")
+    frame = bytes(build_pipeline(["raw"]).encode(bytes(i % 251 for i in range(spec.nbytes)), spec, "k.1"))
     path = tmp_path / "frame.bin"
     flipped = bytearray(frame)
     flipped[-1] ^= 0x01
