@@ -11,18 +11,27 @@ Leases and reservations belong to connection ids. When a connection is gone its 
 reservations are *orphaned*: their keys leave the index at once (no key is counted present that no one will
 publish; another client may store it) while their slots stay out of use until nothing of the lost writer can
 still land (:meth:`SlotTable.free_reservations`). Per-connection caps bound what one client can hold.
+
+Pins (:meth:`SlotTable.pin`) keep a published key until unpinned (never evicted, stolen or cleared), at most
+``Caps.max_pinned_share`` of the segment per tenant. Listeners (:meth:`SlotTable.add_listener`) hear each key
+that is published (``"stored"``) or leaves (``"evicted"``, ``"deleted"``), as :data:`L1Listener` describes.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_of
+from tiercache.store.l1 import L1Listener
 
 __all__ = ["MAX_CLASSES", "Caps", "Hit", "SlotTable"]
+
+_log = logging.getLogger(__name__)
 
 MAX_CLASSES = 64
 """Size classes one server keeps; past it a class that holds no region takes the new size, and an object
@@ -35,10 +44,11 @@ class Caps:
     segment's bytes reserved or leased per holder (a client process: all its connections, live or lost,
     together), though always one slot. A lost connection's reservations count each region they lie in whole
     (no other class can take that region until they are freed). Connection 0 (the server's own) is not
-    capped."""
+    capped. ``max_pinned_share``: the share of the segment's bytes one tenant may keep pinned."""
 
     max_leases: int = 16384
     max_share: float = 0.9
+    max_pinned_share: float = 0.5
 
 
 @dataclass(slots=True)
@@ -49,6 +59,8 @@ class _Slot:
     nbytes: int
     meta: bytes
     leases: set[int] = field(default_factory=set)
+    tenant: str = ""
+    pinned: bool = False
 
 
 @dataclass(slots=True)
@@ -106,6 +118,8 @@ class SlotTable:
         self.alloc_failures = 0
         self.too_large = 0
         self.cap_refusals = 0
+        self._pinned_bytes: dict[str, int] = {}  # tenant -> bytes (strides) of its pinned slots
+        self._listeners: list[L1Listener] = []
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -177,14 +191,14 @@ class SlotTable:
         for region, r in enumerate(self._regions):
             if r.cls < 0 or r.cls == ci:
                 continue
-            if any(self._slots[slot].state != PUBLISHED or self._slots[slot].leases for slot in r.live):
+            if any(self._held(self._slots[slot]) for slot in r.live):
                 continue
             if best is None or len(r.live) < best[1]:
                 best = (region, len(r.live))
         if best is None:
             return False
         for slot in list(self._regions[best[0]].live):
-            self._free_slot(slot)
+            self._free_slot(slot, "evicted")
             self.evictions += 1
         return True
 
@@ -204,9 +218,9 @@ class SlotTable:
             if self._free_regions:
                 self._assign(self._free_regions.pop(), ci)
                 continue
-            victim = next((slot for slot in c.lru if not self._slots[slot].leases), None)
+            victim = next((slot for slot in c.lru if not self._held(self._slots[slot])), None)
             if victim is not None:
-                self._free_slot(victim)
+                self._free_slot(victim, "evicted")
                 self.evictions += 1
                 continue
             if not self._steal_region(ci):
@@ -256,8 +270,23 @@ class SlotTable:
         held = self._held_bytes.get(self._holders.get(conn, conn), 0)
         return held > 0 and held + slot_stride > self.caps.max_share * self.seg.data_bytes
 
-    def _free_slot(self, slot: int) -> None:
+    @staticmethod
+    def _held(s: _Slot) -> bool:
+        """Whether ``s`` must stay: reserved, leased or pinned."""
+        return s.state != PUBLISHED or bool(s.leases) or s.pinned
+
+    def _notify(self, kind: str, keys: list[str]) -> None:
+        for fn in self._listeners:
+            try:
+                fn(kind, keys)
+            except Exception:
+                _log.exception("slot listener %r failed on %s", fn, kind)
+
+    def _free_slot(self, slot: int, kind: str = "deleted") -> None:
+        """Free ``slot``; a published key's removal is announced to listeners as ``kind``."""
         s = self._slots.pop(slot)
+        if s.pinned:
+            self._unpin(s, slot)
         region = slot // self._per_region
         ci = self._regions[region].cls
         if s.state == PUBLISHED:
@@ -285,6 +314,8 @@ class SlotTable:
             self._release_region(region)
         else:
             self._classes[ci].partial[region] = None
+        if s.state == PUBLISHED and self._listeners:
+            self._notify(kind, [s.key])
 
     def _check(self, conn: int, slot: int, gen: int, state: int) -> bool:
         s = self._slots.get(slot)
@@ -332,9 +363,11 @@ class SlotTable:
         self.cap_refusals += refused
         return out, refused
 
-    def alloc(self, conn: int, keys: list[str], nbytes: list[int], metas: list[bytes]) -> list[object]:
-        """Per key ``[slot, gen, offset]`` reserved for ``conn``, ``"present"`` if the key exists, None if no
-        room (too large, every slot held, or the connection's share used up)."""
+    def alloc(
+        self, conn: int, keys: list[str], nbytes: list[int], metas: list[bytes], tenant: str = ""
+    ) -> list[object]:
+        """Per key ``[slot, gen, offset]`` reserved for ``conn`` on behalf of ``tenant``, ``"present"`` if the
+        key exists, None if no room (too large, every slot held, or the connection's share used up)."""
         out: list[object] = []
         for key, n, meta in zip(keys, nbytes, metas, strict=True):
             if key in self._index:
@@ -354,7 +387,7 @@ class SlotTable:
                 self.alloc_failures += 1
                 out.append(None)
                 continue
-            self._slots[slot] = _Slot(key=key, state=RESERVED, owner=conn, nbytes=n, meta=meta)
+            self._slots[slot] = _Slot(key=key, state=RESERVED, owner=conn, nbytes=n, meta=meta, tenant=tenant)
             self._set_state(slot, RESERVED)
             self._index[key] = slot
             self._conn_reserved.setdefault(conn, set()).add(slot)
@@ -365,15 +398,19 @@ class SlotTable:
     def commit(self, conn: int, refs: list[tuple[int, int]]) -> list[bool]:
         """Publish each reservation ``conn`` holds at that generation; False for a stale/foreign ref."""
         out = []
+        stored: list[str] = []
         for slot, gen in refs:
             ok = self._check(conn, slot, gen, RESERVED) and self._index.get(self._slots[slot].key) == slot
             if ok:
+                stored.append(self._slots[slot].key)
                 self._conn_reserved[conn].discard(slot)
                 self._charge(conn, slot, -1)
                 self._slots[slot].state = PUBLISHED
                 self._set_state(slot, PUBLISHED)
                 self._classes[self._regions[slot // self._per_region].cls].lru[slot] = None
             out.append(ok)
+        if stored and self._listeners:
+            self._notify("stored", stored)
         return out
 
     def abort(self, conn: int, refs: list[tuple[int, int]]) -> list[bool]:
@@ -438,12 +475,60 @@ class SlotTable:
         return "" if s is None else s.key
 
     def clear(self) -> int:
-        """Free every PUBLISHED slot without a lease (CLEAR); reservations and leased slots stay. The number
-        freed."""
-        unleased = [slot for c in self._classes for slot in c.lru if not self._slots[slot].leases]
+        """Free every PUBLISHED slot without a lease or pin (CLEAR); reservations, leased and pinned slots
+        stay. The number freed."""
+        unleased = [slot for c in self._classes for slot in c.lru if not self._held(self._slots[slot])]
         for slot in unleased:
             self._free_slot(slot)
         return len(unleased)
+
+    def pin(self, key: str) -> bool:
+        """Keep the published ``key`` until :meth:`unpin` (never evicted, stolen or cleared); True when pinned
+        (again), False when absent or its tenant's pinned bytes would pass ``Caps.max_pinned_share``."""
+        slot = self._index.get(key)
+        s = None if slot is None else self._slots.get(slot)
+        if slot is None or s is None or s.state != PUBLISHED:
+            return False
+        if s.pinned:
+            return True
+        stride = self._stride(slot)
+        held = self._pinned_bytes.get(s.tenant, 0)
+        if held + stride > self.caps.max_pinned_share * self.seg.data_bytes:
+            return False
+        s.pinned = True
+        self._pinned_bytes[s.tenant] = held + stride
+        return True
+
+    def unpin(self, key: str) -> bool:
+        """Let ``key`` be evicted again; False when absent or not pinned."""
+        slot = self._index.get(key)
+        s = None if slot is None else self._slots.get(slot)
+        if slot is None or s is None or not s.pinned:
+            return False
+        self._unpin(s, slot)
+        return True
+
+    def _unpin(self, s: _Slot, slot: int) -> None:
+        s.pinned = False
+        left = self._pinned_bytes[s.tenant] - self._stride(slot)
+        if left:
+            self._pinned_bytes[s.tenant] = left
+        else:
+            del self._pinned_bytes[s.tenant]
+
+    def pinned_bytes(self, tenant: str | None = None) -> int:
+        """Bytes (slot strides) pinned, by ``tenant`` when given."""
+        return sum(self._pinned_bytes.values()) if tenant is None else self._pinned_bytes.get(tenant, 0)
+
+    def add_listener(self, fn: L1Listener) -> Callable[[], None]:
+        """Call ``fn(kind, keys)`` on every publish and removal from now on; returns its remover."""
+        self._listeners.append(fn)
+
+        def remove() -> None:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+        return remove
 
     def reserved_by(self, conn: int) -> int:
         """How many slots ``conn`` holds RESERVED."""
@@ -472,6 +557,7 @@ class SlotTable:
             "published": len(self._slots) - reserved,
             "leases": len(self._leases),
             "leased_slots": sum(1 for s in self._slots.values() if s.leases),
+            "pinned_slots": sum(1 for s in self._slots.values() if s.pinned),
             "evictions": self.evictions,
             "alloc_failures": self.alloc_failures,
             "too_large": self.too_large,

@@ -1,5 +1,5 @@
 """L1 host-memory tier: one preallocated (pinned when CUDA is present) pool of fixed-size slots, LRU eviction
-of unleased READY objects, two-phase writes and expiring reader leases.
+of unleased, unpinned READY objects, two-phase writes and expiring reader leases.
 
 Torch is imported lazily (first construction / first ``tensor()`` call), so importing this module is light.
 
@@ -12,6 +12,10 @@ A reader holds an :class:`L1Lease`. An unexpired, unreleased lease protects its 
 deletion; an expired lease protects nothing (no pin ever leaks). Every slot carries a generation counter that
 is bumped whenever the slot is freed, so :meth:`L1Lease.valid` tells a reader whether the bytes it copied out
 really belonged to its object: copy first, then call ``valid()``, and drop the copy if it returns False.
+
+Pins (:meth:`L1Cache.pin`) keep a READY object in L1 until unpinned: never evicted, never deleted. Each
+tenant may pin at most ``max_pinned_share`` of the slots. Listeners (:meth:`L1Cache.add_listener`) hear every
+key that becomes visible (``"stored"``) or leaves (``"evicted"``, ``"deleted"``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import mmap
 import threading
 import time
@@ -33,7 +38,23 @@ if TYPE_CHECKING:
 
     from tiercache.spec import KVSpec
 
-__all__ = ["L1_CODECS", "KVObject", "L1Cache", "L1Lease", "L1Stats", "ObjectState", "stored_nbytes"]
+__all__ = [
+    "L1_CODECS",
+    "KVObject",
+    "L1Cache",
+    "L1Lease",
+    "L1Listener",
+    "L1Stats",
+    "ObjectState",
+    "stored_nbytes",
+]
+
+_log = logging.getLogger(__name__)
+
+L1Listener = Callable[[str, Sequence[str]], None]
+"""``fn(kind, keys)``: ``kind`` is ``"stored"`` (keys became visible), ``"evicted"`` (pushed out for room) or
+``"deleted"`` (removed on request). Called under the cache's lock, in the order things happened: it must be
+quick and must not call back into the cache (hand the keys to a queue). What it raises is logged, dropped."""
 
 # Slot stride alignment (bytes): every slot starts at a multiple of this, so any KV dtype view is aligned.
 _SLOT_ALIGN = 8
@@ -95,18 +116,24 @@ class L1Stats:
     evictions: int
     expired_leases: int
     alloc_failures: int
+    pinned: int = 0
 
 
 class KVObject:
     """A view on one L1 slot holding ``spec``; created by :meth:`L1Cache.reserve_write`, never by users."""
 
-    __slots__ = ("_cache", "_gen", "_leases", "_slot", "key", "nbytes", "spec", "state")
+    __slots__ = ("_cache", "_gen", "_leases", "_pinned", "_slot", "key", "nbytes", "spec", "state", "tenant")
 
-    def __init__(self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int, nbytes: int) -> None:
+    def __init__(
+        self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int, nbytes: int, tenant: str = ""
+    ) -> None:
         """Bind ``key``/``spec`` to ``slot`` at generation ``gen``, ``nbytes`` stored bytes (internal)."""
         self._cache = cache
         self.key = key
         self.spec = spec
+        self.tenant = tenant
+        """Who stored the object (its ``cache_salt``, "" for none): quotas and pin bounds count by it."""
+        self._pinned = False
         self.nbytes = nbytes
         """Bytes the object takes in its slot: ``spec.nbytes`` in a raw L1, the fp8 payload in an fp8 L1."""
         self.state = ObjectState.WRITING
@@ -215,8 +242,9 @@ class L1Cache:
         default_lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         codec: str = "raw",
+        max_pinned_share: float = 0.5,
     ) -> None:
-        """Preallocate the pool; ValueError when it would hold no slot, a parameter is non-positive or the
+        """Preallocate the pool; ValueError when it would hold no slot, a parameter is out of range or the
         codec is unknown."""
         if codec not in L1_CODECS:
             raise ValueError(f"L1 codec must be one of {', '.join(L1_CODECS)}, not {codec!r}")
@@ -224,6 +252,8 @@ class L1Cache:
             raise ValueError(f"slot_bytes must be positive: {slot_bytes}")
         if default_lease_s <= 0:
             raise ValueError(f"default_lease_s must be positive: {default_lease_s}")
+        if not 0 <= max_pinned_share <= 1:
+            raise ValueError(f"max_pinned_share must be in [0, 1]: {max_pinned_share}")
         stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         num_slots = capacity // stride if capacity > 0 else 0
         if num_slots <= 0:
@@ -256,6 +286,10 @@ class L1Cache:
         self._evictions = 0
         self._expired_leases = 0
         self._alloc_failures = 0
+        self.max_pins_per_tenant = int(max_pinned_share * num_slots)
+        """Objects one tenant may hold pinned at once."""
+        self._pins: dict[str, int] = {}  # tenant -> objects it holds pinned
+        self._listeners: list[L1Listener] = []
 
     # ------------------------------------------------------------------ internals (lock held)
 
@@ -273,8 +307,17 @@ class L1Cache:
         self._leased_objs.discard(obj)
         return False
 
-    def _free_slot(self, obj: KVObject) -> None:
-        """Remove ``obj`` from every index and return its slot to the free list, bumping the generation."""
+    def _notify(self, kind: str, keys: Sequence[str]) -> None:
+        """Tell every listener ``kind`` happened to ``keys`` (lock held); a listener's error is logged."""
+        for fn in self._listeners:
+            try:
+                fn(kind, keys)
+            except Exception:
+                _log.exception("L1 listener %r failed on %s", fn, kind)
+
+    def _free_slot(self, obj: KVObject, kind: str = "") -> None:
+        """Remove ``obj`` from every index and return its slot to the free list, bumping the generation;
+        a READY object's removal is announced to listeners as ``kind``."""
         slot = obj._slot
         assert self._owner[slot] is obj
         del self._objects[obj.key]
@@ -289,12 +332,25 @@ class L1Cache:
         self._gens[slot] += 1
         self._used_bytes -= obj.nbytes
         self._free.append(slot)
+        if obj._pinned:
+            self._unpin_locked(obj)
+        if kind and obj.state is ObjectState.READY and self._listeners:
+            self._notify(kind, (obj.key,))
+
+    def _unpin_locked(self, obj: KVObject) -> None:
+        obj._pinned = False
+        left = self._pins[obj.tenant] - 1
+        if left:
+            self._pins[obj.tenant] = left
+        else:
+            del self._pins[obj.tenant]
 
     def _evict_one(self, now: float) -> bool:
-        """Evict the least recently used READY object without a live lease; False when none qualifies."""
+        """Evict the least recently used READY object without a live lease or pin; False when none
+        qualifies."""
         for obj in self._lru.values():
-            if not self._is_leased(obj, now):
-                self._free_slot(obj)
+            if not obj._pinned and not self._is_leased(obj, now):
+                self._free_slot(obj, "evicted")
                 self._evictions += 1
                 return True
         return False
@@ -330,8 +386,9 @@ class L1Cache:
         """Bytes an object of ``spec`` takes in a slot (``spec.nbytes``, or its fp8 payload's size)."""
         return stored_nbytes(self.codec, spec)
 
-    def reserve_write(self, key: str, spec: KVSpec) -> KVObject | None:
-        """Reserve a slot for ``key`` in WRITING state; None if the key exists or no slot can be freed."""
+    def reserve_write(self, key: str, spec: KVSpec, tenant: str = "") -> KVObject | None:
+        """Reserve a slot for ``key`` in WRITING state, stored by ``tenant``; None if the key exists or no
+        slot can be freed."""
         nbytes = self.stored_nbytes(spec)
         with self._lock:
             if key in self._objects:
@@ -343,7 +400,7 @@ class L1Cache:
                 self._alloc_failures += 1
                 return None
             slot = self._free.pop()
-            obj = KVObject(self, key, spec, slot, self._gens[slot], nbytes)
+            obj = KVObject(self, key, spec, slot, self._gens[slot], nbytes, tenant)
             self._owner[slot] = obj
             self._objects[key] = obj
             self._used_bytes += nbytes
@@ -357,6 +414,8 @@ class L1Cache:
             obj.state = ObjectState.READY
             self._writing -= 1
             self._lru[obj.key] = obj
+            if self._listeners:
+                self._notify("stored", (obj.key,))
 
     def abort_write(self, obj: KVObject) -> None:
         """Drop a WRITING object and free its slot; the key stays absent."""
@@ -408,13 +467,56 @@ class L1Cache:
             return [self._acquire_locked(k, duration, now) for k in keys]
 
     def delete(self, key: str) -> bool:
-        """Remove the READY object under ``key``; False if absent, WRITING or currently leased (unexpired)."""
+        """Remove the READY object under ``key``; False if absent, WRITING, pinned or currently leased
+        (unexpired)."""
         with self._lock:
             obj = self._lru.get(key)
-            if obj is None or self._is_leased(obj, self._clock()):
+            if obj is None or obj._pinned or self._is_leased(obj, self._clock()):
                 return False
-            self._free_slot(obj)
+            self._free_slot(obj, "deleted")
             return True
+
+    def pin(self, key: str) -> bool:
+        """Keep the READY ``key`` in L1 until :meth:`unpin` (never evicted or deleted meanwhile); True when
+        pinned (again), False when absent or its tenant already pins ``max_pins_per_tenant`` objects."""
+        with self._lock:
+            obj = self._lru.get(key)
+            if obj is None:
+                return False
+            if obj._pinned:
+                return True
+            held = self._pins.get(obj.tenant, 0)
+            if held >= self.max_pins_per_tenant:
+                return False
+            obj._pinned = True
+            self._pins[obj.tenant] = held + 1
+            return True
+
+    def unpin(self, key: str) -> bool:
+        """Let ``key`` be evicted again; False when it is absent or was not pinned."""
+        with self._lock:
+            obj = self._lru.get(key)
+            if obj is None or not obj._pinned:
+                return False
+            self._unpin_locked(obj)
+            return True
+
+    def pinned_count(self, tenant: str | None = None) -> int:
+        """How many objects are pinned (by ``tenant`` when given)."""
+        with self._lock:
+            return sum(self._pins.values()) if tenant is None else self._pins.get(tenant, 0)
+
+    def add_listener(self, fn: L1Listener) -> Callable[[], None]:
+        """Call ``fn(kind, keys)`` on every store and removal from now on (see :data:`L1Listener`); returns
+        a function that removes it again."""
+        with self._lock:
+            self._listeners.append(fn)
+
+        def remove() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._listeners.remove(fn)
+
+        return remove
 
     def stats(self) -> L1Stats:
         """A consistent snapshot of occupancy and counters (``leased`` counts objects with a live lease)."""
@@ -432,6 +534,7 @@ class L1Cache:
                 evictions=self._evictions,
                 expired_leases=self._expired_leases,
                 alloc_failures=self._alloc_failures,
+                pinned=sum(self._pins.values()),
             )
 
     def __repr__(self) -> str:
