@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tiercache import fp8_math
 from tiercache.spec import KVFormat, KVSpec, dtype_name
 
 if TYPE_CHECKING:
@@ -167,14 +168,8 @@ def object_spec(layout: PagedLayout, tokens: int) -> KVSpec:
 
 def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
     """Bytes of one span's fused-fp8 payload: float32 channel scales then one e4m3 byte per element (of the
-    object, whose token count is whole pages on CPU_BLOCKS: the fp8 codec's payload of that object)."""
-    if tokens == 0:
-        return 0
-    spec = object_spec(layout, tokens)
-    elements = 1
-    for n in spec.shape:
-        elements *= n
-    return 4 * (elements // spec.tokens) + elements
+    object, whose token count is whole pages on CPU_BLOCKS: the ``tiercache.fp8_math`` payload of it)."""
+    return fp8_math.payload_nbytes(object_spec(layout, tokens)) if tokens else 0
 
 
 def layer_tensors(

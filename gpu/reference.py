@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tiercache import fp8_math
 from tiercache.gpu import cpu_rows
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
 from tiercache.gpu.move import Move
@@ -36,8 +37,8 @@ _BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
 
 def gather(kv_caches: KVCaches, move: Move) -> None:
     """Run a gather ``move`` (``Move.gather``): copy the KV of its spans' tokens into its objects; an fp8
-    move (``Move.gather_fp8``) writes each span's ``Fp8Codec("channel")`` payload instead (the reference of
-    the fused fp8 kernel; ``ValueError`` for non-finite input, as the codec).
+    move (``Move.gather_fp8``) writes each span's channel-scaled ``tiercache.fp8_math`` payload instead (the
+    reference of the fused fp8 kernel; ``ValueError`` for non-finite input).
 
     ``ValueError`` for a slot < 0 (a token without KV cannot be stored), a slot past the paged KV, and
     CPU_BLOCKS spans that are not block-aligned. The reference always checks the slots (``move.checks`` is
@@ -53,8 +54,8 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
 
 def scatter(kv_caches: KVCaches, move: Move) -> int:
     """Run a scatter ``move`` (``Move.scatter``): write its objects' tokens into the paged KV; return the
-    tokens written per layer. An fp8 move (``Move.scatter_fp8``) decodes each payload as the codec does
-    first (the reference of the fused dequantize-scatter kernel).
+    tokens written per layer. An fp8 move (``Move.scatter_fp8``) dequantizes each payload first
+    (``tiercache.fp8_math``; the reference of the fused dequantize-scatter kernel).
 
     The skipped tokens at the head of each span (already on the GPU) and slots < 0 are left untouched.
     CPU_BLOCKS writes whole pages (skips block-aligned).
@@ -68,26 +69,20 @@ def scatter(kv_caches: KVCaches, move: Move) -> int:
 
 
 def _gather_fp8(kv_caches: KVCaches, move: Move) -> None:
-    """Gather each span of an fp8 ``move`` and encode it into its payload."""
-    from tiercache.serde.fp8 import Fp8Codec
-
-    codec = Fp8Codec()
+    """Gather each span of an fp8 ``move`` and quantize it into its payload."""
     layout = move.layout
     for (s, e), o in zip(move.spans, move.objects, strict=True):
         spec = object_spec(layout, e - s)
         obj = torch.empty(spec.shape, dtype=getattr(torch, layout.dtype), device=o.device)
         _gather(move.layers, kv_caches, layout, move.slot_mapping, [(s, e)], [obj])
-        payload = bytearray(codec.max_encoded_size(spec.nbytes, spec))
+        payload = bytearray(fp8_math.payload_nbytes(spec))
         src = obj.cpu().contiguous().view(torch.uint8).reshape(-1)
-        n = codec.encode_into(memoryview(src.numpy()), memoryview(payload), spec, None)  # type: ignore[arg-type]
+        n = fp8_math.quantize_into(memoryview(src.numpy()), memoryview(payload), spec)  # type: ignore[arg-type]
         o.copy_(torch.frombuffer(payload, dtype=torch.uint8)[:n])
 
 
 def _decode_fp8(kv_caches: KVCaches, move: Move) -> list[torch.Tensor]:
-    """The objects of an fp8 scatter ``move``: each payload decoded as the codec does, on the KV device."""
-    from tiercache.serde.fp8 import Fp8Codec
-
-    codec = Fp8Codec()
+    """The objects of an fp8 scatter ``move``: each payload dequantized, on the KV device."""
     kv_device = layer_tensors(kv_caches)[0].device
     objects = []
     for (s, e), p in zip(move.spans, move.objects, strict=True):
@@ -95,7 +90,7 @@ def _decode_fp8(kv_caches: KVCaches, move: Move) -> list[torch.Tensor]:
         obj = torch.empty(spec.shape, dtype=getattr(torch, move.layout.dtype))
         src = p.detach().cpu().contiguous()
         dst = memoryview(obj.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
-        codec.decode_into(memoryview(src.numpy()), dst, spec, None)  # type: ignore[arg-type]
+        fp8_math.dequantize_into(memoryview(src.numpy()), dst, spec)  # type: ignore[arg-type]
         objects.append(obj.to(kv_device))
     return objects
 

@@ -25,9 +25,9 @@ exactly only when one is set); the fp8 kernels, and moves launched through Trito
 check kernel (one program per span) queued after the move (``SlotCheck``); a CPU slot mapping (or the
 caller's CPU copy) is checked on the host. The moves never touch a bad slot, so a late report loses nothing.
 
-The fused fp8 gather (``gather_fp8``) writes, per span, exactly the payload of ``Fp8Codec("channel")``:
+The fused fp8 gather (``gather_fp8``) writes, per span, exactly the channel payload of ``tiercache.fp8_math``:
 float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**-126)``) then e4m3 bytes
-``[P*L, T, H*D]`` (``x / scale`` rounded to nearest even, clamped to +-448), so ``Fp8Codec.decode_into``
+``[P*L, T, H*D]`` (``x / scale`` rounded to nearest even, clamped to +-448), so ``fp8_math.dequantize_into``
 accepts it as is. Each program owns one (span, layer, plane, channel block) tile: when the tile fits
 (``FP8_ONE_PASS_ELEMS``) it is loaded once and kept in registers for the absmax and the quantize; longer spans
 fall back to two passes of 32 tokens (the second read mostly hits L2). Channel blocks vary fastest in the grid
@@ -85,8 +85,6 @@ __all__ = [
 ]
 
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-FP8_MAX = 448.0
-SCALE_FLOOR = 2.0**-126
 
 
 def available() -> bool:
