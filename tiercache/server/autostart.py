@@ -162,7 +162,7 @@ def _spawn(
     read_end, write_end = os.pipe()  # we keep write_end (never inherited by exec'd children): EOF = we exited
     status_r, status_w = os.pipe()  # the keeper's one status line
     argv = [python, "-m", _MODULE, str(read_end), str(where), repr(float(timeout_s)), "--"]
-    argv += ["serve", "--socket", sock_path, "--slot-bytes", str(slot_bytes)]
+    argv += ["--socket", sock_path, "--slot-bytes", str(slot_bytes)]
     if config_path:
         argv += ["--config", config_path]
     try:
@@ -466,24 +466,24 @@ def _serve_as_child(keeper: int, where: Path, args: Sequence[str]) -> int:
     if os.getppid() != keeper:
         _remove(where, keeper)  # the keeper died before we could watch it
         return 1
-    from tiercache.cli.main import main as cli_main
+    from tiercache.server.cli import serve
 
     try:
-        return cli_main(list(args))
+        return serve(args)
     finally:
         if gone:
             _remove(where, keeper)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tiercache.server.autostart FD DIR TIMEOUT_S -- serve ...``: the keeper (see the module
-    docstring); ``FD`` is the read end of the starter's pipe. ``--server KEEPER_PID DIR -- serve ...``: the
+    """``python -m tiercache.server.autostart FD DIR TIMEOUT_S -- SERVE_FLAGS``: the keeper (see the module
+    docstring); ``FD`` is the read end of the starter's pipe. ``--server KEEPER_PID DIR -- SERVE_FLAGS``: the
     server, run by the keeper."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) >= 4 and args[0] == "--server" and args[3] == "--":
         return _serve_as_child(int(args[1]), Path(args[2]), args[4:])
     if len(args) < 4 or args[3] != "--":
-        print("usage: python -m tiercache.server.autostart FD DIR TIMEOUT_S -- serve ARGS", file=sys.stderr)
+        print("usage: python -m tiercache.server.autostart FD DIR TIMEOUT_S -- SERVE_FLAGS", file=sys.stderr)
         return 2
     starter = os.getppid()
     if os.fork():  # no thread runs yet: the keeper leaves the starter's process tree, which vLLM's forced

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_health_command", "add_serve_command"]
+__all__ = ["add_health_command", "add_serve_command", "serve"]
 
 
 def add_serve_command(sub: Any) -> None:
@@ -26,14 +27,28 @@ def add_serve_command(sub: Any) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def serve(argv: Sequence[str]) -> int:
+    """``tiercache serve ARGV`` without the rest of the command line (the autostart keeper's server): parse
+    the flags, serve, return the exit status."""
+    parser = argparse.ArgumentParser(prog="tiercache")
+    add_serve_command(parser.add_subparsers())
+    return _cmd_serve(parser.parse_args(["serve", *argv]))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; 2 on a config error or another live server on the socket."""
+    """Serve until SIGTERM/SIGINT; 2 and one line on stderr for a bad or unreadable config or another live
+    server on the socket."""
     import sys
 
     from tiercache.config import Config, load_config
+    from tiercache.errors import ConfigError
     from tiercache.server.main import options_from_config, run_server
 
-    config = load_config(args.config) if args.config else Config()
+    try:
+        config = load_config(args.config) if args.config else Config()
+    except ConfigError as exc:
+        print(f"tiercache: error: {exc}", file=sys.stderr)
+        return 2
     socket_path = args.socket or config.server.socket
     if not socket_path:
         print("tiercache serve: no socket: pass --socket or set server.socket", file=sys.stderr)
