@@ -276,6 +276,35 @@ def test_shared_engine_counts_l1(tiny_model: Path, tmp_path: Path, write_config:
         close(engine)
 
 
+def test_l1_lookup_is_answered_in_the_callers_thread(
+    tiny_model: Path, tmp_path: Path, write_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup that the shared engine's L1 decides (no L2 tier) never hops to the loop thread (a ~25 us
+    round trip per request): the scheduler answers with the loop call broken, and the load reuses it."""
+    config = write_config(tmp_path / "l1only.toml", [], chunk_size=CHUNK)
+    s = make_scheduler(tiny_model, config)
+    prompt = tokens(8, 256)
+    engine = fill_cache(s, [prompt], register=True)
+    try:
+        from tiercache_vllm import scheduler as scheduler_module
+
+        def no_hop(coro: Any, timeout: float | None) -> Any:
+            coro.close()
+            raise AssertionError("the lookup went through the loop thread")
+
+        monkeypatch.setattr(scheduler_module._loop, "call", no_hop)
+        s.add_request(make_request("r", [*prompt, 9]))
+        meta = meta_of(s.schedule())
+        side: Any = s.connector.scheduler_side  # type: ignore[union-attr]
+        assert side.stats.lookup_failures == 0
+        assert meta.loads[0].load_end == 256
+        assert meta.loads[0].lookup is not None
+        assert meta.loads[0].lookup.tiers == ("L1", "L1", "L1", "L1")
+    finally:
+        monkeypatch.undo()
+        close(engine)
+
+
 def test_async_load(tiny_model: Path, posix_config: Path) -> None:
     s = make_scheduler(tiny_model, posix_config, load_async=True)
     prompt = tokens(8, 256)

@@ -16,7 +16,7 @@ from tiercache.config import ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.keys import KeySpace
 from tiercache.serde import build_pipeline
-from tiercache.store.engine import CacheEngine
+from tiercache.store.engine import CacheEngine, LookupResult
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
 
@@ -111,4 +111,45 @@ async def test_lookup_counts_like_lookup_hit() -> None:
     assert await engine.lookup(tokens[:CHUNK]) == CHUNK
     assert counts()[1] == after_hit[1]  # a full hit is no miss
     assert await engine.lookup(tokens[:100]) == 0
+    await engine.aclose()
+
+
+@pytest.mark.parametrize("tiers", [False, True], ids=["l1_only", "with_l2"])
+async def test_lookup_hit_now_answers_from_l1_in_any_thread_and_defers_what_l2_must_answer(
+    tiers: bool,
+) -> None:
+    """``lookup_hit_now`` answers without the event loop (from another thread here) exactly what
+    ``lookup_hit`` answers when L1 alone decides it: always without L2 tiers, only on a whole-prompt L1 hit
+    with them; else it hands back the hashed prompt, whose ``complete()`` asks L2 without hashing again."""
+    import concurrent.futures
+
+    from tiercache.store.engine import PendingLookup
+
+    engine, kv, slots = engine_of(tiers)
+    tokens = list(range(2 * CHUNK))
+    await engine.store(tokens[:CHUNK], kv, slots)
+    await engine.drain()
+    if tiers:  # chunk 0 in L1 and L2; chunk 1 in L2 only
+        await engine.store(tokens, kv, slots)
+        await engine.drain()
+        assert engine.manager.l1.delete((await engine.lookup_hit(tokens, prefetch=False)).keys[1])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        now = pool.submit(engine.lookup_hit_now, tokens).result()
+        whole = pool.submit(engine.lookup_hit_now, tokens[:CHUNK]).result()
+    assert isinstance(whole, LookupResult)
+    assert (whole.tokens, whole.tiers, len(whole.keys)) == (CHUNK, ("L1",), 1)
+    if tiers:
+        assert isinstance(now, PendingLookup)
+        hashes = engine.token_db.prefix_hashes
+        engine.token_db.prefix_hashes = None  # type: ignore[assignment,method-assign]  # complete() never hashes
+        done = await now.complete(prefetch=False)
+        engine.token_db.prefix_hashes = hashes  # type: ignore[method-assign]
+        assert (done.tokens, done.tiers) == (2 * CHUNK, ("L1", "mem"))
+    else:
+        assert isinstance(now, LookupResult)
+        assert (now.tokens, now.tiers) == (CHUNK, ("L1",))
+    assert await engine.lookup(tokens) == (2 * CHUNK if tiers else CHUNK)
+    back = [torch.zeros_like(t) for t in kv]
+    result = await engine.retrieve_result(tokens[:CHUNK], back, slots, lookup=whole)
+    assert result.tokens_written == CHUNK
     await engine.aclose()

@@ -18,12 +18,13 @@ from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, To
 from tiercache.spec import KVFormat
 from tiercache.store.l1 import stored_nbytes
 from tiercache.store.l1_frames import l1_codec
-from tiercache.store.manager import L1_TIER, StorageManager, TierHit
+from tiercache.store.manager import L1_TIER, PrefixHit, StorageManager, TierHit
 
 if TYPE_CHECKING:
     import torch
 
     from tiercache.config import Config
+    from tiercache.events import EventSink
     from tiercache.gpu.reference import KVCaches
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
@@ -55,6 +56,25 @@ class LookupResult:
     def chunks_in(self, tier: str) -> int:
         """Chunks of the prefix served by ``tier`` (``"L1"`` or an L2 tier's name)."""
         return self.tiers.count(tier)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLookup:
+    """A lookup whose prompt is hashed but whose answer needs L2 tiers or the server: await :meth:`complete`
+    (on the engine's event loop)."""
+
+    engine: CacheEngine
+    num_tokens: int
+    keys: list[str]
+    specs: list[KVSpec]
+
+    async def complete(self, prefetch: bool = True) -> LookupResult:
+        """The lookup's answer across L1 and L2 (and a prefetch of its L2 part when ``prefetch``)."""
+        engine = self.engine
+        hit = await engine.manager.lookup_prefix(
+            self.keys, self.specs, prefetch=prefetch, group=engine._group
+        )
+        return engine._lookup_result(self.num_tokens, self.keys, self.specs, hit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +118,8 @@ class CacheEngine:
         self._specs: dict[tuple[int, int | None], KVSpec] = {}
         self._plans: dict[tuple[int, int], tuple[ReadPlan, tuple[int, ...]]] = {}
         self._plan_block = layout.block_size if layout.block_aligned else None
+        self.events: EventSink | None = None
+        """Told which vLLM blocks each stored chunk covers (KV events); None: nobody listens."""
 
     @staticmethod
     def slot_bytes(layout: PagedLayout, chunk_size: int, layerwise: bool = False, codec: str = "raw") -> int:
@@ -273,6 +295,8 @@ class CacheEngine:
             return 0
         num_tokens, chunk = len(tokens), self.chunk_size  # type: ignore[arg-type]
         specs = self._chunk_specs(first + len(keys), num_tokens)[first:]
+        if self.events is not None and block_hashes is not None:
+            self._describe(tokens, first, keys, identity, block_hashes)
         async with self.manager.writing(keys, specs) as objects:
             todo = [(c, o) for c, o in enumerate(objects, start=first) if o is not None]
             ranges = [(c * chunk, min(c * chunk + chunk, num_tokens)) for c, _ in todo]
@@ -283,6 +307,22 @@ class CacheEngine:
                 outs = [o.tensor() for _, o in todo]
                 dispatch.gather(kv_caches, Move.gather(self.layout, slot_mapping, ranges, outs))
         return sum(end - start for start, end in ranges)
+
+    def _describe(
+        self,
+        tokens: object,
+        first: int,
+        keys: list[str],
+        identity: RequestIdentity | None,
+        blocks: BlockHashes,
+    ) -> None:
+        """Tell ``events`` which vLLM blocks the chunks ``first``.. (``keys``) of ``tokens`` cover."""
+        assert self.events is not None
+        chunk, num_tokens = self.chunk_size, len(tokens)  # type: ignore[arg-type]
+        bounds = [(c * chunk, min(c * chunk + chunk, num_tokens)) for c in range(first, first + len(keys))]
+        lora = identity.lora_name if identity is not None and identity.lora_name else None
+        seq = cast("Sequence[int]", tokens)
+        self.events.describe_request(keys, seq, blocks.hashes, blocks.block_size, bounds, lora)
 
     async def _store_layer(
         self, layer: int, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor
@@ -333,15 +373,37 @@ class CacheEngine:
     ) -> LookupResult:
         """Cached prefix of ``tokens`` (under ``identity``) across L1 and L2, with the tier of each chunk;
         starts prefetching."""
+        found = self.lookup_hit_now(tokens, identity=identity, block_hashes=block_hashes)
+        return await found.complete(prefetch) if isinstance(found, PendingLookup) else found
+
+    def lookup_hit_now(
+        self,
+        tokens: object,
+        *,
+        identity: RequestIdentity | None = None,
+        block_hashes: BlockHashes | None = None,
+    ) -> LookupResult | PendingLookup:
+        """:meth:`lookup_hit` in the calling thread, with no I/O and no event loop: the answer when L1 alone
+        decides it (no L2 tier to ask, no server; ``StorageManager.local_prefix``), else the hashed prompt
+        as a :class:`PendingLookup` to await. Safe from any thread."""
         keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
-        group = self.layout.num_layers if self.layerwise else 1
-        num_tokens = len(tokens)  # type: ignore[arg-type]
         if not keys:
-            return LookupResult(0, 0, (), num_tokens)
-        hit = await self.manager.lookup_prefix(keys, specs, prefetch=prefetch, group=group)
-        chunks, tiers = hit.chunks, hit.tiers
-        end = min(chunks * self.chunk_size, num_tokens)
-        return LookupResult(end, chunks, tiers, num_tokens, tuple(keys), tuple(specs), hit.hits)
+            return LookupResult(0, 0, (), len(tokens))  # type: ignore[arg-type]
+        hit = self.manager.local_prefix(keys, self._group)
+        if hit is None:
+            return PendingLookup(self, len(tokens), keys, specs)  # type: ignore[arg-type]
+        return self._lookup_result(len(tokens), keys, specs, hit)  # type: ignore[arg-type]
+
+    @property
+    def _group(self) -> int:
+        """Objects per chunk: one per layer when layerwise, else one."""
+        return self.layout.num_layers if self.layerwise else 1
+
+    def _lookup_result(
+        self, num_tokens: int, keys: list[str], specs: list[KVSpec], hit: PrefixHit
+    ) -> LookupResult:
+        end = min(hit.chunks * self.chunk_size, num_tokens)
+        return LookupResult(end, hit.chunks, hit.tiers, num_tokens, tuple(keys), tuple(specs), hit.hits)
 
     async def lookup(
         self,
@@ -361,13 +423,11 @@ class CacheEngine:
             return 0
         num_tokens = len(tokens)  # type: ignore[arg-type]
         manager = self.manager
-        if manager.tiers:
-            chunks = (await manager.lookup_prefix(keys, self._chunk_specs(len(keys), num_tokens))).chunks
-        elif manager.remote:
-            chunks = (await manager.lookup_prefix(keys)).chunks
-        else:  # L1 alone: one call, no hit objects
-            chunks = manager.l1_prefix(keys)
-        return min(chunks * self.chunk_size, num_tokens)
+        hit = manager.local_prefix(keys)
+        if hit is None:
+            specs = self._chunk_specs(len(keys), num_tokens) if manager.tiers else None
+            hit = await manager.lookup_prefix(keys, specs)
+        return min(hit.chunks * self.chunk_size, num_tokens)
 
     # ----- retrieve -----------------------------------------------------------------------------------------
     async def prepare_retrieve(

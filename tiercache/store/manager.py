@@ -189,10 +189,11 @@ class StorageManager:
         """
         if group < 1 or len(keys) % group:
             raise ValueError(f"{len(keys)} keys do not split into groups of {group}")
+        local = self.local_prefix(keys, group)
+        if local is not None:
+            return local
         if self.remote:
             hits = cast("LocatesL2", self.l1).batched_locate(keys, prefetch=prefetch)
-        elif not self.tiers:  # L1 alone: answered here, no second coroutine
-            hits = [_L1_HIT if p else None for p in self.l1.batched_contains(keys)]
         else:
             hits = await self.batched_contains(keys)
         found = self._prefix_hit(hits, group)
@@ -207,17 +208,16 @@ class StorageManager:
                 )
         return found
 
-    def l1_prefix(self, keys: Sequence[str]) -> int:
-        """Leading ``keys`` held in L1 alone, counted like a :meth:`lookup_prefix` (hits, a miss): the whole
-        lookup of a manager without L2 tiers (``not tiers and not remote``), with no coroutine and no
-        per-key hit objects."""
+    def local_prefix(self, keys: Sequence[str], group: int = 1) -> PrefixHit | None:
+        """:meth:`lookup_prefix`'s answer when this process's L1 alone decides it, with no I/O and no
+        coroutine (safe from any thread): a manager without L2 tiers and server, or every key in L1 (nothing
+        to prefetch). Counted like a lookup. None when L2 or the server must be asked."""
+        if self.remote:
+            return None
         present = self.l1.batched_contains(keys)
-        chunks = contiguous_prefix(present)
-        if chunks:
-            self._hit_counter(L1_TIER).inc(chunks)
-        if chunks < len(present):
-            self._miss_counter.inc()
-        return chunks
+        if self.tiers and not all(present):
+            return None
+        return self._prefix_hit([_L1_HIT if p else None for p in present], group)
 
     async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
         """:meth:`lookup_prefix` of several key lists (one request's each) in one batched query, without

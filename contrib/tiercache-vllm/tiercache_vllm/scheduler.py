@@ -209,6 +209,19 @@ class SchedulerSide:
         hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
         return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)))
 
+    def _lookup_sync(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
+        """:meth:`_lookup` from vLLM's thread: one engine whose L1 alone decides it answers here (no hop to
+        the loop thread); otherwise the loop thread finishes it (the prompt hashed once either way)."""
+        from tiercache.store.engine import PendingLookup
+
+        timeout = self.settings.lookup_timeout_s
+        if len(engines) != 1:
+            return _loop.call(self._lookup(engines, tokens, keys), timeout)
+        found = engines[0].lookup_hit_now(tokens, identity=keys.identity, block_hashes=keys.block_hashes)
+        if isinstance(found, PendingLookup):
+            found = _loop.call(found.complete(prefetch=self._shared), timeout)
+        return _Lookup(found.tokens, result=found if self._shared else None)
+
     def _batches_requests(self, engines: list[CacheEngine]) -> bool:
         """Whether lookups go to a server from this scheduler's own engine: then one batched lookup answers
         every waiting request of the step (the in-process and shared-engine paths look up per request)."""
@@ -295,10 +308,7 @@ class SchedulerSide:
         if engines and keys is not None:
             self.stats.lookups += 1
             try:
-                found = _loop.call(
-                    self._lookup(engines, request.prompt_token_ids or [], keys),
-                    self.settings.lookup_timeout_s,
-                )
+                found = self._lookup_sync(engines, request.prompt_token_ids or [], keys)
             except Exception as exc:
                 self.stats.lookup_failures += 1
                 logger.warning(
