@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from tiercache.store.l1_surface import L1LeaseView
     from tiercache.store.tier import TierClient
 
-__all__ = ["STORE_LEASE_DEADLINES", "StoreController"]
+__all__ = ["STORE_LEASE_DEADLINES", "StoreController", "TierListener"]
+
+TierListener = Callable[[str, str, Sequence[str]], None]
+"""``fn(tier, "stored", keys)``: ``keys`` reached ``tier`` (called on the event loop; must be quick)."""
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class StoreController(L2Controller):
     ) -> None:
         super().__init__(ctx)
         self.store_batch = store_batch
+        self.listeners: list[TierListener] = []
+        """Told of every batch of keys a tier accepted (KV events)."""
         # frames of stores in flight reuse their buffers: room for two batches per store worker, or for two
         # frames per worker where one frame is larger than a batch (a batch of one large object)
         self._frames = FrameBuffers(
@@ -148,13 +153,18 @@ class StoreController(L2Controller):
             "put",
             lambda: tier.adapter.batched_put(keys, values),
             put_s,
-            late=partial(self._count_stores, tier, values),
+            late=partial(self._count_stores, tier, keys, values),
         )
 
     def _count_stores(
-        self, tier: TierClient, values: list[bytearray | memoryview], stored: list[bool] | None
+        self,
+        tier: TierClient,
+        keys: list[str],
+        values: list[bytearray | memoryview],
+        stored: list[bool] | None,
     ) -> None:
-        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored)."""
+        """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored) and
+        tell the listeners which keys the tier now holds."""
         if stored is None:
             self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
             return
@@ -164,6 +174,13 @@ class StoreController(L2Controller):
                 self.metrics.bytes_written.labels(tier.name).inc(len(value))
             else:
                 self.metrics.stores_dropped.labels(tier.name, "refused").inc()
+        if self.listeners:
+            landed = [key for key, ok in zip(keys, stored, strict=True) if ok]
+            for fn in self.listeners:
+                try:
+                    fn(tier.name, "stored", landed)
+                except Exception:
+                    log.exception("tier %s: a store listener failed", tier.name)
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued store has finished; TimeoutError past ``timeout_s`` (the stores go on)."""

@@ -1,0 +1,318 @@
+"""KV events: what each tier newly holds and drops, in the block hashes routers know (vLLM's KV events).
+
+An :class:`EventSink` follows one storage manager: its L1 listener and its L2 store listener report which
+tier holds which key; :meth:`EventSink.describe` tells it, before a store, which vLLM blocks a key covers.
+Out come :class:`Stored` / :class:`Removed` / :class:`Cleared` events per medium, each block announced once
+per medium however many keys or tiers of that medium hold it (reference counts), ready for vLLM's
+``take_events`` or for :func:`encode_batch` (vLLM's ``KVEventBatch`` wire format, msgpack).
+
+A key that was never described (token keys without vLLM block hashes, a chunk with no whole block, a key
+another process stored) is tracked for resets but announces nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+if TYPE_CHECKING:
+    from tiercache.store.manager import StorageManager
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_REMOTE",
+    "BlockHash",
+    "ChunkInfo",
+    "Cleared",
+    "Event",
+    "EventSink",
+    "Removed",
+    "Stored",
+    "chunk_infos",
+    "encode_batch",
+    "external_hash",
+    "medium_of",
+]
+
+MEDIUM_CPU = "CPU"
+"""L1 (host memory) and in-memory tiers."""
+MEDIUM_DISK = "DISK"
+"""Local file tiers (POSIX directory, NVMe slab)."""
+MEDIUM_REMOTE = "REMOTE"
+"""Tiers on other hosts (Redis/Valkey, S3, Mooncake, third-party adapters)."""
+
+_DISK_SCHEMES = ("file", "posix", "nvme+slab", "slab")
+_CPU_SCHEMES = ("memory",)
+
+BlockHash = bytes | int
+"""A vLLM block hash as its events carry it: bytes, or their low 64 bits big-endian as an int (vLLM's
+default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
+
+
+def medium_of(url: str) -> str:
+    """The event medium of a tier from its URL's scheme: CPU (memory), DISK (file, slab) or REMOTE."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if scheme in _CPU_SCHEMES:
+        return MEDIUM_CPU
+    if scheme in _DISK_SCHEMES:
+        return MEDIUM_DISK
+    return MEDIUM_REMOTE
+
+
+def external_hash(block_hash: bytes, as_int: bool) -> BlockHash:
+    """A vLLM block hash as vLLM's events carry it (``maybe_convert_block_hash``)."""
+    if not as_int:
+        return bytes(block_hash)
+    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """The vLLM blocks one stored key covers: their hashes (whole blocks only), the hash before the first,
+    their token ids, vLLM's block size and the request's LoRA adapter name."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Blocks newly held by ``medium`` (vLLM's ``BlockStored``)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """Blocks ``medium`` no longer holds (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """Everything announced before is gone (vLLM's ``AllBlocksCleared``)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+def chunk_infos(
+    tokens: Sequence[int],
+    block_hashes: Sequence[bytes],
+    block_size: int,
+    spans: Iterable[tuple[int, int]],
+    *,
+    lora_name: str | None = None,
+    int_hashes: bool = True,
+) -> list[ChunkInfo | None]:
+    """One :class:`ChunkInfo` per token span ``(start, end)`` of a request: the whole vLLM blocks inside it
+    (None where it holds none, or its first block does not start on a block boundary)."""
+    out: list[ChunkInfo | None] = []
+    for start, end in spans:
+        first, last = start // block_size, min(end // block_size, len(block_hashes))
+        if start % block_size or last <= first:
+            out.append(None)
+            continue
+        hashes = tuple(external_hash(h, int_hashes) for h in block_hashes[first:last])
+        parent = external_hash(block_hashes[first - 1], int_hashes) if first else None
+        toks = tuple(int(t) for t in tokens[first * block_size : last * block_size])
+        out.append(ChunkInfo(hashes, parent, toks, block_size, lora_name))
+    return out
+
+
+class EventSink:
+    """Tier membership of keys, turned into per-medium block events (thread-safe; listeners call in from
+    under the L1's lock, so nothing here calls back into a tier).
+
+    ``media``: tier name -> medium (``"L1"`` -> CPU is implied). ``emit``: False keeps membership only (for
+    resets) and queues no event. ``max_described``: keys whose block info is kept (oldest forgotten first;
+    a forgotten key's removal is counted in ``lost`` instead of announced)."""
+
+    def __init__(
+        self,
+        media: Mapping[str, str] | None = None,
+        *,
+        emit: bool = True,
+        int_hashes: bool = True,
+        max_described: int = 1 << 20,
+    ) -> None:
+        self.media: dict[str, str] = {"L1": MEDIUM_CPU, **(media or {})}
+        self.emit = emit
+        self.int_hashes = int_hashes
+        """Block hashes as ints (vLLM's default) or bytes, as :func:`external_hash` makes them."""
+        self.max_described = max_described
+        self._lock = threading.Lock()
+        self._info: OrderedDict[str, ChunkInfo] = OrderedDict()
+        self._held: dict[str, dict[str, None]] = {}  # tier -> keys it holds (insertion-ordered set)
+        self._counts: Counter[tuple[BlockHash, str]] = Counter()
+        self._queue: list[Event] = []
+        self.lost = 0
+        """Held keys whose block info was forgotten (``max_described``): their removal is not announced."""
+
+    # ----- inputs ------------------------------------------------------------------------------------
+    def describe(self, keys: Sequence[str], infos: Sequence[ChunkInfo | None]) -> None:
+        """Which blocks each key covers (call before the key is stored; None: the key announces nothing)."""
+        if not self.emit:
+            return
+        with self._lock:
+            for key, info in zip(keys, infos, strict=True):
+                if info is None:
+                    continue
+                self._info[key] = info
+                self._info.move_to_end(key)
+            while len(self._info) > self.max_described:
+                old, _ = self._info.popitem(last=False)
+                if any(old in held for held in self._held.values()):
+                    self.lost += 1
+
+    def describe_request(
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[int],
+        block_hashes: Sequence[bytes],
+        block_size: int,
+        spans: Sequence[tuple[int, int]],
+        lora_name: str | None = None,
+    ) -> None:
+        """:meth:`describe` the keys of a request's token ``spans`` from its vLLM block hashes."""
+        if self.emit:
+            infos = chunk_infos(
+                tokens, block_hashes, block_size, spans, lora_name=lora_name, int_hashes=self.int_hashes
+            )
+            self.describe(keys, infos)
+
+    def on_tier(self, tier: str, kind: str, keys: Sequence[str]) -> None:
+        """``tier`` now holds (``kind == "stored"``) or no longer holds (any other kind) ``keys``."""
+        with self._lock:
+            held = self._held.setdefault(tier, {})
+            medium = self.media.get(tier, MEDIUM_REMOTE)
+            if kind == "stored":
+                for key in keys:
+                    if key not in held:
+                        held[key] = None
+                        self._count(key, medium, +1)
+            else:
+                for key in keys:
+                    if held.pop(key, 0) is None:
+                        self._count(key, medium, -1)
+
+    def l1_listener(self, kind: str, keys: Sequence[str]) -> None:
+        """An ``L1Cache.add_listener`` callback for this sink (tier ``"L1"``)."""
+        self.on_tier("L1", kind, keys)
+
+    def attach(self, manager: StorageManager) -> Callable[[], None]:
+        """Follow ``manager``'s L1 (a local one: a server's shared L1 is the server's to announce) and L2
+        stores and removals; returns a function that stops following."""
+        add_listener = getattr(manager.l1, "add_listener", None)
+        remove_l1 = add_listener(self.l1_listener) if add_listener is not None else None
+        manager.store.listeners.append(self.on_tier)
+
+        def detach() -> None:
+            if remove_l1 is not None:
+                remove_l1()
+            if self.on_tier in manager.store.listeners:
+                manager.store.listeners.remove(self.on_tier)
+
+        return detach
+
+    def cleared(self) -> None:
+        """Queue a :class:`Cleared` (after a reset removed everything announced)."""
+        if self.emit:
+            with self._lock:
+                self._queue.append(Cleared())
+
+    # ----- outputs -----------------------------------------------------------------------------------
+    def held(self, tier: str, prefix: str = "") -> list[str]:
+        """The keys ``tier`` holds as far as this sink saw (those starting with ``prefix``)."""
+        with self._lock:
+            return [k for k in self._held.get(tier, {}) if k.startswith(prefix)]
+
+    def tiers(self) -> list[str]:
+        """Tiers this sink has seen hold something."""
+        with self._lock:
+            return [t for t, keys in self._held.items() if keys]
+
+    def take(self) -> list[Event]:
+        """The events queued since the last call, in order."""
+        with self._lock:
+            out, self._queue = self._queue, []
+            return out
+
+    # ----- internals (lock held) ---------------------------------------------------------------------
+    def _count(self, key: str, medium: str, delta: int) -> None:
+        """Count ``key``'s blocks on ``medium`` up or down by ``delta``; queue those that appear or go."""
+        info = self._info.get(key)
+        if info is None:
+            return
+        counts = self._counts
+        changed: list[int] = []  # indexes into info.block_hashes
+        for i, h in enumerate(info.block_hashes):
+            slot = (h, medium)
+            before = counts[slot]
+            after = before + delta
+            if after > 0:
+                counts[slot] = after
+            else:
+                del counts[slot]
+            if (before > 0) != (after > 0):
+                changed.append(i)
+        if not changed or not self.emit:
+            return
+        hashes = info.block_hashes
+        if delta < 0:
+            self._queue.append(Removed(tuple(hashes[i] for i in changed), medium))
+            return
+        run_start = 0
+        for j in range(1, len(changed) + 1):  # one Stored per contiguous run of new blocks
+            if j < len(changed) and changed[j] == changed[j - 1] + 1:
+                continue
+            first, last = changed[run_start], changed[j - 1] + 1
+            parent = hashes[first - 1] if first else info.parent
+            size = info.block_size
+            tokens = info.token_ids[first * size : last * size]
+            self._queue.append(Stored(hashes[first:last], parent, tokens, size, medium, info.lora_name))
+            run_start = j
+
+
+def _event_map(event: Event) -> dict[str, Any]:
+    """One event as msgspec encodes vLLM's tagged struct (a map, ``type`` first, defaults omitted)."""
+    if isinstance(event, Stored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+        }
+    if isinstance(event, Removed):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(
+    events: Sequence[Event], ts: float | None = None, data_parallel_rank: int | None = None
+) -> bytes:
+    """``events`` as vLLM's ``KVEventBatch`` (msgpack, ``[ts, events, data_parallel_rank]``): what its
+    ``ZmqEventPublisher`` sends as the payload frame after the topic and the 8-byte sequence number."""
+    body = [time.time() if ts is None else ts, [_event_map(e) for e in events], data_parallel_rank]
+    return bytes(msgpack.packb(body, use_bin_type=True))
