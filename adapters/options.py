@@ -26,17 +26,15 @@ any finite number (NaN and the infinities, ``1e400`` in a query, never pass).
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
-from fractions import Fraction
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
-from tiercache.config import _MAX_SIZE, _in_range
 from tiercache.errors import ConfigError
+from tiercache.sizes import MAX_SIZE, in_range, parse_size
 
 __all__ = [
     "MAX_SIZE",
@@ -56,48 +54,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "KB": 1000,
-    "M": 1000**2,
-    "MB": 1000**2,
-    "G": 1000**3,
-    "GB": 1000**3,
-    "T": 1000**4,
-    "TB": 1000**4,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string: ``"123"``, ``"1.5GiB"``, ``"10GB"`` (KiB..TiB: 2**10; KB..TB: 10**3)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}: expected bytes as an int or a string like '512MiB'")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"invalid size {value!r}: must not be negative")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"invalid size {value!r}: expected bytes as an int or a string like '512MiB'")
-    m = _SIZE_RE.match(value)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"invalid size {value!r}: use bytes or a number with a unit "
-            "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '512MiB'"
-        )
-    number = m.group(1)
-    if "." in number:  # exact: a float would overflow on a long number ("1" * 400 + ".5")
-        return int(Fraction(number) * _UNITS[unit])
-    return int(number) * _UNITS[unit]
 
 
 def parse_bool(value: object) -> bool:
@@ -182,12 +140,8 @@ def merge_options(
             raise ConfigError(f"{adapter}: option {name!r}: {exc}") from exc
         bounds = (ranges or {}).get(name)
         if bounds is not None and out[name] is not None:
-            _in_range(out[name], bounds.low, bounds.high, f"{adapter}: option {name!r}")
+            in_range(out[name], bounds.low, bounds.high, f"{adapter}: option {name!r}")
     return out
-
-
-MAX_SIZE = _MAX_SIZE
-"""The most bytes any size option may name (the largest file offset; more would overflow C calls)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,7 +255,7 @@ def check_options(opts: object, adapter: str) -> None:
     for name, bounds in option_ranges(type(opts)).items():
         value = getattr(opts, name)
         if value is not None:
-            _in_range(value, bounds.low, bounds.high, f"{adapter}: option {name!r}")
+            in_range(value, bounds.low, bounds.high, f"{adapter}: option {name!r}")
 
 
 def parse_options(cls: type[T], adapter: str, query: str, options: Mapping[str, object]) -> T:

@@ -46,11 +46,11 @@ from urllib.parse import unquote, urlsplit
 
 import xxhash
 
+from tiercache._secrets import redact_url
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
-from tiercache.config import redact_url
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable, ConfigError, Unsupported
 
 if TYPE_CHECKING:

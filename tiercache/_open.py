@@ -18,7 +18,7 @@ async def open_adapter(url: str, *, adapter: str | None = None, **options: objec
 
     A URL carrying a credential (a password in its user info, a secret-named query parameter) is refused
     with a ``ConfigError`` that names the ``*_env`` option to use instead and does not echo the secret."""
-    from tiercache.config import check_url_secrets
+    from tiercache._secrets import check_url_secrets
 
     check_url_secrets(url, "open_adapter")
     registry = get_registry()

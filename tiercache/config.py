@@ -6,7 +6,6 @@ Unknown keys are errors naming the key and the file. Secrets never live in the f
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
@@ -19,8 +18,12 @@ from typing import Any
 from tiercache._secrets import SECRET_NAMES as _SECRET_NAMES
 from tiercache._secrets import check_url_secrets, redact_text, redact_url
 from tiercache.errors import ConfigError
+from tiercache.sizes import MAX_SIZE as _MAX_SIZE
+from tiercache.sizes import in_range as _in_range
+from tiercache.sizes import parse_size
 
 __all__ = [
+    "L1_CODECS",
     "Config",
     "L1Config",
     "ManagerConfig",
@@ -35,18 +38,17 @@ __all__ = [
     "resolve_secrets",
 ]
 
+L1_CODECS = ("raw", "fp8")
+"""What an L1 slot may hold: the KV's bytes, or its fp8 (e4m3, float32 channel scales) payload."""
 MIN_SECONDS = 0.001
 """The shortest deadline or cool-down a config may set (1 ms)."""
 MAX_CHUNK_SIZE = 1 << 20
 """The most tokens per chunk a config may set."""
-_MAX_SIZE = (1 << 63) - 1  # the most bytes a size may name (tiercache.adapters.options.MAX_SIZE)
 _MAX_ID = (1 << 32) - 2  # the largest uid or gid ((uid_t) -1 means "none")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def _parse_size(value: object, where: str) -> int:
-    from tiercache.adapters.options import parse_size
-
     try:
         return parse_size(value)
     except (TypeError, ValueError) as exc:
@@ -112,26 +114,6 @@ class ServerConfig:
     orphan_grace_s: float = 60.0
     """A lost client whose process cannot be watched (no pidfd): its unfinished writes' slots come back after
     this many seconds (their keys are free at once)."""
-
-
-def _shown(number: float, exact: bool = True) -> str:
-    """``number`` for a one-line message: ints in full up to 64 bits, floats as ``repr`` (when not ``exact``:
-    whole ones as ints, others ``:g``)."""
-    if isinstance(number, int) and not isinstance(number, bool):
-        return str(number) if number.bit_length() <= 64 else f"a {number.bit_length()}-bit integer"
-    if isinstance(number, float):
-        if exact:
-            return repr(number)
-        return str(int(number)) if number.is_integer() and abs(number) < 2**53 else f"{number:g}"
-    return repr(number)
-
-
-def _in_range(value: int | float, low: float, high: float, name: str) -> None:
-    """ConfigError naming ``name``, the range and the value unless ``low <= value <= high`` (NaN and the
-    infinities never are). The one range rule: config tables and adapter options alike."""
-    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
-        bounds = f"[{_shown(low, exact=False)}, {_shown(high, exact=False)}]"
-        raise ConfigError(f"{name} must be in {bounds}, got {_shown(value)}")
 
 
 def _number(r: _Reader, key: str, kinds: tuple[type, ...], default: Any, low: float, high: float) -> Any:
@@ -416,8 +398,6 @@ def check_l1_codec(codec: str, tiers: tuple[TierConfig, ...], source: str = "<co
     """ConfigError unless ``codec`` is a known L1 codec and, for ``"fp8"``, every tier's chain starts with
     ``fp8`` at channel granularity (such a tier stores the fp8 L1's bytes as they are; any other chain would
     store dequantized, already lossy KV under a lossless-looking chain, so it is refused)."""
-    from tiercache.store.l1 import L1_CODECS
-
     if codec not in L1_CODECS:
         raise ConfigError(
             f"{source}: l1.codec must be one of {', '.join(map(repr, L1_CODECS))}, not {codec!r}"

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from tiercache.config import L1_CODECS
+
 if TYPE_CHECKING:
     import torch
 
@@ -58,9 +60,6 @@ quick and must not call back into the cache (hand the keys to a queue). What it 
 
 # Slot stride alignment (bytes): every slot starts at a multiple of this, so any KV dtype view is aligned.
 _SLOT_ALIGN = 8
-
-L1_CODECS = ("raw", "fp8")
-"""What an L1 slot may hold: the KV's bytes, or its fp8 (e4m3, float32 channel scales) payload."""
 
 
 def stored_nbytes(codec: str, spec: KVSpec) -> int:
