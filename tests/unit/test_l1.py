@@ -57,8 +57,8 @@ def check_invariants(cache: L1Cache) -> None:
             assert cache._objects[o.key] is o
     assert len(cache._objects) == len(live)
     ready = [o for o in live if o.state is ObjectState.READY]
-    assert sorted(cache._lru) == sorted(o.key for o in ready)
-    for key, obj in cache._lru.items():
+    assert sorted(cache._ready) == sorted(o.key for o in ready)
+    for key, obj in cache._ready.items():
         assert bytes(obj.buffer()) == pattern(key, obj.spec.nbytes), f"{key} lost its data"
     st_ = cache.stats()
     assert st_.used_slots == len(live)

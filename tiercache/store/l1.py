@@ -1,17 +1,21 @@
-"""L1 host-memory tier: one preallocated (pinned when CUDA is present) pool of fixed-size slots, LRU eviction
-of unleased, unpinned READY objects, two-phase writes and expiring reader leases.
+"""L1 host-memory tier: one preallocated (pinned when CUDA is present) pool of fixed-size slots, eviction of
+unleased, unpinned READY objects in the order of an eviction policy (``lru`` or the scan-resistant
+``s3fifo``), per-tenant byte quotas, two-phase writes and expiring reader leases.
 
 Torch is imported lazily (first construction / first ``tensor()`` call), so importing this module is light.
 
 Lifecycle of one key::
 
-    reserve_write -> WRITING (invisible) --finish_write--> READY (visible, LRU) --evict/delete--> gone
+    reserve_write -> WRITING (invisible) --finish_write--> READY (visible, ordered) --evict/delete--> gone
                                          --abort_write---> gone
 
 A reader holds an :class:`L1Lease`. An unexpired, unreleased lease protects its object from eviction and
 deletion; an expired lease protects nothing (no pin ever leaks). Every slot carries a generation counter that
 is bumped whenever the slot is freed, so :meth:`L1Lease.valid` tells a reader whether the bytes it copied out
 really belonged to its object: copy first, then call ``valid()``, and drop the copy if it returns False.
+
+Quotas: a tenant (the ``cache_salt`` of the request that stored an object) whose held bytes would pass its
+budget evicts its own objects first, and is refused when none can go; other tenants' objects are untouched.
 
 Pins (:meth:`L1Cache.pin`) keep a READY object in L1 until unpinned: never evicted, never deleted. Each
 tenant may pin at most ``max_pinned_share`` of the slots. Listeners (:meth:`L1Cache.add_listener`) hear every
@@ -27,13 +31,13 @@ import logging
 import mmap
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from tiercache.config import L1_CODECS
+from tiercache.store.policy import TenantLabels, TenantQuotas, make_policy
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +52,7 @@ __all__ = [
     "L1Listener",
     "L1Stats",
     "ObjectState",
+    "TenantStats",
     "stored_nbytes",
 ]
 
@@ -116,6 +121,17 @@ class L1Stats:
     expired_leases: int
     alloc_failures: int
     pinned: int = 0
+    quota_refusals: int = 0
+    quota_evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's (or the ``"other"`` bucket's) L1 counters: reads served, bytes held, evictions."""
+
+    hits: int = 0
+    held_bytes: int = 0
+    evictions: int = 0
 
 
 class KVObject:
@@ -222,7 +238,8 @@ class L1Lease:
 
 
 class L1Cache:
-    """Bounded host-memory KV store: fixed-size slots, LRU eviction of unleased READY objects, thread-safe.
+    """Bounded host-memory KV store: fixed-size slots, policy-ordered eviction of unleased, unpinned READY
+    objects, per-tenant quotas, thread-safe.
 
     ``num_slots = capacity // slot_bytes`` (slots start at multiples of 8 bytes, so a ``slot_bytes`` that is
     not a multiple of 8 is rounded up for the stride). Objects larger than ``slot_bytes`` are refused.
@@ -242,9 +259,14 @@ class L1Cache:
         clock: Callable[[], float] = time.monotonic,
         codec: str = "raw",
         max_pinned_share: float = 0.5,
+        eviction: str = "lru",
+        quotas: Mapping[str, int] | None = None,
+        default_quota: int = 0,
+        max_tenant_labels: int = 32,
     ) -> None:
         """Preallocate the pool; ValueError when it would hold no slot, a parameter is out of range or the
-        codec is unknown."""
+        codec or eviction policy is unknown. ``quotas``: tenant -> bytes it may hold, ``default_quota``
+        for the others (0: unlimited); tenant counters keep ``max_tenant_labels`` names, then ``"other"``."""
         if codec not in L1_CODECS:
             raise ValueError(f"L1 codec must be one of {', '.join(L1_CODECS)}, not {codec!r}")
         if slot_bytes <= 0:
@@ -277,7 +299,15 @@ class L1Cache:
         self._owner: list[KVObject | None] = [None] * num_slots
         self._views: list[tuple[KVSpec, torch.Tensor] | None] = [None] * num_slots  # each slot's last view
         self._objects: dict[str, KVObject] = {}  # READY and WRITING
-        self._lru: OrderedDict[str, KVObject] = OrderedDict()  # READY only, oldest first
+        self._ready: dict[str, KVObject] = {}  # READY only
+        self.eviction = eviction
+        self._policy = make_policy(eviction, num_slots)  # orders the READY keys
+        self._quotas = TenantQuotas(quotas, default_quota)
+        self._labels = TenantLabels(max_tenant_labels)
+        self._tenant_hits: dict[str, int] = {}  # label -> reads served
+        self._tenant_evictions: dict[str, int] = {}  # label -> objects evicted
+        self._quota_refusals = 0
+        self._quota_evictions = 0
         self._leased_objs: set[KVObject] = set()  # objects with at least one registered lease
         self._lease_ids = itertools.count(1)
         self._used_bytes = 0
@@ -321,7 +351,8 @@ class L1Cache:
         assert self._owner[slot] is obj
         del self._objects[obj.key]
         if obj.state is ObjectState.READY:
-            del self._lru[obj.key]
+            del self._ready[obj.key]
+            self._policy.remove(obj.key)
         else:
             self._writing -= 1
         if obj._leases:
@@ -330,6 +361,7 @@ class L1Cache:
         self._owner[slot] = None
         self._gens[slot] += 1
         self._used_bytes -= obj.nbytes
+        self._quotas.add(obj.tenant, -obj.nbytes)
         self._free.append(slot)
         if obj._pinned:
             self._unpin_locked(obj)
@@ -344,15 +376,26 @@ class L1Cache:
         else:
             del self._pins[obj.tenant]
 
-    def _evict_one(self, now: float) -> bool:
-        """Evict the least recently used READY object without a live lease or pin; False when none
-        qualifies."""
-        for obj in self._lru.values():
-            if not obj._pinned and not self._is_leased(obj, now):
-                self._free_slot(obj, "evicted")
-                self._evictions += 1
-                return True
-        return False
+    def _evict_one(self, now: float, tenant: str | None = None) -> bool:
+        """Evict the policy's next READY object without a live lease or pin (of ``tenant`` only, when
+        given); False when none qualifies."""
+        ready = self._ready
+
+        def evictable(key: str) -> bool:
+            obj = ready[key]
+            return (
+                not obj._pinned and (tenant is None or obj.tenant == tenant) and not self._is_leased(obj, now)
+            )
+
+        key = self._policy.victim(evictable)
+        if key is None:
+            return False
+        obj = ready[key]
+        self._free_slot(obj, "evicted")
+        self._evictions += 1
+        label = self._labels.label(obj.tenant)
+        self._tenant_evictions[label] = self._tenant_evictions.get(label, 0) + 1
+        return True
 
     def _current(self, obj: KVObject, state: ObjectState) -> None:
         """ValueError unless ``obj`` is this cache's live object for its key and is in ``state``."""
@@ -361,10 +404,12 @@ class L1Cache:
 
     def _acquire_locked(self, key: str, lease_s: float, now: float) -> L1Lease | None:
         """Lease the READY object under ``key`` and mark it recently used."""
-        obj = self._lru.get(key)
+        obj = self._ready.get(key)
         if obj is None:
             return None
-        self._lru.move_to_end(key)
+        self._policy.touch(key)
+        label = self._labels.label(obj.tenant)
+        self._tenant_hits[label] = self._tenant_hits.get(label, 0) + 1
         lease_id = next(self._lease_ids)
         expires_at = now + lease_s
         obj._leases[lease_id] = expires_at
@@ -395,6 +440,14 @@ class L1Cache:
             if nbytes > self.slot_bytes:
                 self._alloc_failures += 1
                 return None
+            quotas = self._quotas
+            if quotas.enabled:
+                now = self._clock()
+                while quotas.over(tenant, nbytes):  # at its budget: the tenant makes room among its own
+                    if not self._evict_one(now, tenant):
+                        self._quota_refusals += 1
+                        return None
+                    self._quota_evictions += 1
             if not self._free and not self._evict_one(self._clock()):
                 self._alloc_failures += 1
                 return None
@@ -403,6 +456,7 @@ class L1Cache:
             self._owner[slot] = obj
             self._objects[key] = obj
             self._used_bytes += nbytes
+            quotas.add(tenant, nbytes)
             self._writing += 1
             return obj
 
@@ -412,7 +466,8 @@ class L1Cache:
             self._current(obj, ObjectState.WRITING)
             obj.state = ObjectState.READY
             self._writing -= 1
-            self._lru[obj.key] = obj
+            self._ready[obj.key] = obj
+            self._policy.insert(obj.key)
             if self._listeners:
                 self._notify("stored", (obj.key,))
 
@@ -442,15 +497,15 @@ class L1Cache:
             lease.release()
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is READY (does not touch LRU order)."""
+        """Whether ``key`` is READY (does not count as a read for the eviction policy)."""
         with self._lock:
-            return key in self._lru
+            return key in self._ready
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`contains` for each key, under one lock acquisition."""
         with self._lock:
-            lru = self._lru
-            return [k in lru for k in keys]
+            ready = self._ready
+            return [k in ready for k in keys]
 
     def acquire(self, key: str, lease_s: float | None = None) -> L1Lease | None:
         """Lease the READY ``key`` for ``lease_s`` seconds (default ``default_lease_s``); None on a miss."""
@@ -469,7 +524,7 @@ class L1Cache:
         """Remove the READY object under ``key``; False if absent, WRITING, pinned or currently leased
         (unexpired)."""
         with self._lock:
-            obj = self._lru.get(key)
+            obj = self._ready.get(key)
             if obj is None or obj._pinned or self._is_leased(obj, self._clock()):
                 return False
             self._free_slot(obj, "deleted")
@@ -479,7 +534,7 @@ class L1Cache:
         """Keep the READY ``key`` in L1 until :meth:`unpin` (never evicted or deleted meanwhile); True when
         pinned (again), False when absent or its tenant already pins ``max_pins_per_tenant`` objects."""
         with self._lock:
-            obj = self._lru.get(key)
+            obj = self._ready.get(key)
             if obj is None:
                 return False
             if obj._pinned:
@@ -494,7 +549,7 @@ class L1Cache:
     def unpin(self, key: str) -> bool:
         """Let ``key`` be evicted again; False when it is absent or was not pinned."""
         with self._lock:
-            obj = self._lru.get(key)
+            obj = self._ready.get(key)
             if obj is None or not obj._pinned:
                 return False
             self._unpin_locked(obj)
@@ -527,14 +582,37 @@ class L1Cache:
                 num_slots=self.num_slots,
                 used_bytes=self._used_bytes,
                 capacity=self.capacity,
-                ready=len(self._lru),
+                ready=len(self._ready),
                 writing=self._writing,
                 leased=leased,
                 evictions=self._evictions,
                 expired_leases=self._expired_leases,
                 alloc_failures=self._alloc_failures,
                 pinned=sum(self._pins.values()),
+                quota_refusals=self._quota_refusals,
+                quota_evictions=self._quota_evictions,
             )
+
+    def held_bytes(self, tenant: str) -> int:
+        """Bytes ``tenant``'s objects (READY and WRITING) take now."""
+        with self._lock:
+            return self._quotas.held.get(tenant, 0)
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Per tenant label (at most ``max_tenant_labels`` names, then ``"other"``): reads served, bytes
+        held, evictions."""
+        with self._lock:
+            held: dict[str, int] = {}
+            for tenant, n in self._quotas.held.items():
+                label = self._labels.label(tenant)
+                held[label] = held.get(label, 0) + n
+            labels = held.keys() | self._tenant_hits.keys() | self._tenant_evictions.keys()
+            return {
+                label: TenantStats(
+                    self._tenant_hits.get(label, 0), held.get(label, 0), self._tenant_evictions.get(label, 0)
+                )
+                for label in sorted(labels)
+            }
 
     def __repr__(self) -> str:
         """Debug representation."""

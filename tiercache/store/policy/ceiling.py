@@ -1,0 +1,73 @@
+"""The hit-rate ceiling: the share of chunk lookups an unbounded cache would have answered on the traffic
+seen, ``1 - distinct / lookups`` (each distinct chunk misses once), with ``distinct`` from a HyperLogLog
+(2^p registers, about ``1.04 / sqrt(2^p)`` relative error). A low hit rate under a high ceiling means the
+cache is too small; a low ceiling means the workload does not reuse."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+
+__all__ = ["HitRateCeiling", "HyperLogLog"]
+
+
+class HyperLogLog:
+    """Distinct-count estimate over strings in ``2**p`` one-byte registers."""
+
+    def __init__(self, p: int = 12) -> None:
+        """ValueError unless ``4 <= p <= 18``."""
+        if not 4 <= p <= 18:
+            raise ValueError(f"HyperLogLog precision must be in 4..18: {p}")
+        self.p = p
+        self.m = 1 << p
+        self._regs = bytearray(self.m)
+
+    def add(self, key: str) -> None:
+        """Count ``key``."""
+        h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        idx = h & (self.m - 1)
+        rest = h >> self.p
+        rank = (64 - self.p) - rest.bit_length() + 1
+        if rank > self._regs[idx]:
+            self._regs[idx] = rank
+
+    def count(self) -> float:
+        """Estimated distinct keys added (linear counting while many registers are empty)."""
+        m = self.m
+        alpha = 0.7213 / (1 + 1.079 / m)
+        raw = alpha * m * m / sum(2.0**-r for r in self._regs)
+        zeros = self._regs.count(0)
+        if raw <= 2.5 * m and zeros:
+            return m * math.log(m / zeros)
+        return raw
+
+
+class HitRateCeiling:
+    """Lookups and distinct chunks seen; :meth:`ceiling` is the best hit rate any cache could reach on
+    them. Thread-safe."""
+
+    def __init__(self, p: int = 12) -> None:
+        """A HyperLogLog of precision ``p``."""
+        self._hll = HyperLogLog(p)
+        self._lock = threading.Lock()
+        self.lookups = 0
+
+    def observe(self, keys: list[str]) -> None:
+        """Each key was looked up once."""
+        with self._lock:
+            for key in keys:
+                self._hll.add(key)
+            self.lookups += len(keys)
+
+    def distinct(self) -> float:
+        """Estimated distinct keys looked up (never more than the lookups)."""
+        with self._lock:
+            return min(self._hll.count(), float(self.lookups))
+
+    def ceiling(self) -> float:
+        """``1 - distinct / lookups`` in [0, 1]; 0.0 before any lookup."""
+        lookups = self.lookups
+        if not lookups:
+            return 0.0
+        return max(0.0, 1.0 - self.distinct() / lookups)

@@ -1,0 +1,77 @@
+"""Per-tenant byte budgets and bounded tenant labels. A tenant is the ``cache_salt`` a request carries ("" for
+none); a budget of 0 means unlimited. :class:`TenantLabels` caps the label set of tenant metrics: the first
+``max_labels`` tenants keep their name, the rest count under ``"other"``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+__all__ = ["OTHER", "TenantLabels", "TenantQuotas"]
+
+OTHER = "other"
+"""The label of every tenant past the cap."""
+
+
+class TenantQuotas:
+    """Bytes each tenant may hold in one tier, and what each holds. Not locked: the owning cache's lock
+    guards it."""
+
+    def __init__(self, budgets: Mapping[str, int] | None = None, default: int = 0) -> None:
+        """``budgets``: tenant -> bytes; ``default`` for the rest (0: unlimited). ValueError on negatives."""
+        for tenant, b in (budgets or {}).items():
+            if b < 0:
+                raise ValueError(f"quota of tenant {tenant!r} must be >= 0: {b}")
+        if default < 0:
+            raise ValueError(f"default quota must be >= 0: {default}")
+        self.budgets = dict(budgets or {})
+        self.default = default
+        self.held: dict[str, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any tenant has a budget."""
+        return bool(self.default or any(self.budgets.values()))
+
+    def budget(self, tenant: str) -> int:
+        """``tenant``'s budget in bytes (0: unlimited)."""
+        return self.budgets.get(tenant, self.default)
+
+    def over(self, tenant: str, nbytes: int) -> bool:
+        """Whether holding ``nbytes`` more would take ``tenant`` past its budget."""
+        b = self.budget(tenant)
+        return b > 0 and self.held.get(tenant, 0) + nbytes > b
+
+    def add(self, tenant: str, nbytes: int) -> None:
+        """``tenant`` holds ``nbytes`` more (or fewer, when negative)."""
+        held = self.held.get(tenant, 0) + nbytes
+        if held:
+            self.held[tenant] = held
+        else:
+            self.held.pop(tenant, None)
+
+
+class TenantLabels:
+    """Metric label of each tenant: its name for the first ``max_labels`` seen, ``"other"`` after.
+    Thread-safe."""
+
+    def __init__(self, max_labels: int = 32) -> None:
+        """ValueError when ``max_labels`` is negative."""
+        if max_labels < 0:
+            raise ValueError(f"max_labels must be >= 0: {max_labels}")
+        self.max_labels = max_labels
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, tenant: str) -> str:
+        """``tenant`` itself ("default" for "") while the set has room or it is known, else ``"other"``."""
+        name = tenant or "default"
+        if name in self._known:
+            return name
+        with self._lock:
+            if name in self._known:
+                return name
+            if len(self._known) < self.max_labels and name != OTHER:
+                self._known.add(name)
+                return name
+        return OTHER
