@@ -53,6 +53,7 @@ __all__ = [
 T = TypeVar("T")
 
 _L1_HIT = TierHit(L1_TIER, 0)
+_L1_TIERS = (L1_TIER,)
 """Every L1 hit (one immutable instance, not one per key and call)."""
 
 L2Tier = TierClient
@@ -215,9 +216,15 @@ class StorageManager:
         if self.remote:
             return None
         present = self.l1.batched_contains(keys)
-        if self.tiers and not all(present):
+        if group > 1:
+            if self.tiers and not all(present):
+                return None
+            return self._prefix_hit([_L1_HIT if p else None for p in present], group)
+        chunks = contiguous_prefix(present)
+        if self.tiers and chunks < len(present):
             return None
-        return self._prefix_hit([_L1_HIT if p else None for p in present], group)
+        self._count_lookup(_L1_TIERS * chunks, chunks < len(present))
+        return PrefixHit(chunks, _L1_TIERS * chunks, (_L1_HIT,) * chunks + (None,) * (len(present) - chunks))
 
     async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
         """:meth:`lookup_prefix` of several key lists (one request's each) in one batched query, without
@@ -243,6 +250,12 @@ class StorageManager:
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
         chunks = contiguous_prefix(per_chunk)
         tiers = tuple(h.tier for h in per_chunk[:chunks] if h is not None)
+        self._count_lookup(tiers, chunks < len(per_chunk))
+        return PrefixHit(chunks, tiers, tuple(hits))
+
+    def _count_lookup(self, tiers: tuple[str, ...], missed: bool) -> None:
+        """Count a lookup in the metrics: a hit per chunk of its prefix (by serving tier), a miss when the
+        prefix stops short of the prompt."""
         if tiers:
             first = tiers[0]
             if tiers.count(first) == len(tiers):  # the usual case: one tier serves the whole prefix
@@ -250,9 +263,8 @@ class StorageManager:
             else:
                 for tier_name, count in Counter(tiers).items():
                     self._hit_counter(tier_name).inc(count)
-        if chunks < len(per_chunk):
+        if missed:
             self._miss_counter.inc()
-        return PrefixHit(chunks, tiers, tuple(hits))
 
     def _hit_counter(self, tier: str) -> Any:
         """``metrics.hits`` labelled with ``tier`` (kept)."""
