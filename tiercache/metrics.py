@@ -1,10 +1,27 @@
-"""Prometheus metrics of one storage manager (own registry, so several managers never collide)."""
+"""Prometheus metrics of one storage manager (own registry, so several managers never collide).
+
+Hits and misses are counted per chunk with one tier label scheme, so ``hits / (hits + misses)`` per tier is
+that tier's hit ratio: a chunk served by tier T is a hit at T and a miss at every tier before T; a chunk no
+tier served is a miss at every tier. Every child of a tier is created at 0 when the tier is added
+(:meth:`Metrics.add_tier`), so dashboards show 0, not "No data", before the first event.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["Metrics"]
+__all__ = ["DROP_REASONS", "TIER_OPS", "Metrics"]
+
+TIER_OPS = ("contains", "get", "put", "delete")
+"""Tier call operations (``op`` label): lookup, load, save, delete."""
+DROP_REASONS = ("queue_full", "evicted", "lease_expired", "too_large", "error", "failed", "refused")
+"""Why a store was dropped (``reason`` label of ``tiercache_stores_dropped``)."""
+
+L1 = "L1"
+"""The ``tier`` label of L1 (``tiercache.store.hits.L1_TIER``)."""
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -66,7 +83,79 @@ class Metrics:
         self.prefetched = Counter(
             "tiercache_prefetched", "Chunks loaded from L2 into L1", ["tier"], registry=r
         )
+        self.vanished = Counter(
+            "tiercache_vanished",
+            "Chunks a lookup found in a tier that were gone when loaded",
+            ["tier"],
+            registry=r,
+        )
         self.l1_alloc_failures = Counter("tiercache_l1_alloc_failures", "L1 allocations refused", registry=r)
+        self.evictions = Counter(
+            "tiercache_evictions", "Objects evicted to make room, by tier", ["tier"], registry=r
+        )
+        self.used_bytes = Gauge(
+            "tiercache_used_bytes", "Bytes held, by tier (L1: its slots in use)", ["tier"], registry=r
+        )
+        self.objects = Gauge("tiercache_objects", "Objects held, by tier", ["tier"], registry=r)
+        self.capacity_bytes = Gauge(
+            "tiercache_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"], registry=r
+        )
+
+    def add_tier(self, tier: str, *, l2: bool = True) -> None:
+        """Create every child of ``tier`` at 0 (idempotent): hits and misses (and evictions) for any tier;
+        for an L2 tier also its bytes, stores, drops, errors, latency per op, rejections and circuit."""
+        families: list[Counter | Gauge] = [self.hits, self.misses, self.evictions]
+        if l2:
+            families += [
+                self.bytes_read,
+                self.bytes_written,
+                self.stores,
+                self.frames_rejected,
+                self.prefetched,
+                self.vanished,
+                self.circuit_open,
+            ]
+        for family in families:
+            family.labels(tier)
+        if not l2:
+            return
+        for op in TIER_OPS:
+            self.errors.labels(tier, op)
+            self.latency.labels(tier, op)
+        for reason in DROP_REASONS:
+            self.stores_dropped.labels(tier, reason)
+
+    def watch_l1(self, l1: Any) -> None:
+        """Read a local L1's occupancy at scrape time (``l1.stats()``) and count its evictions (an L1
+        listener). An L1 without ``stats`` or ``add_listener`` is skipped (a server's shared L1: the server
+        exports its own)."""
+        stats = getattr(l1, "stats", None)
+        if callable(stats):
+            self.used_bytes.labels(L1).set_function(lambda: stats().used_bytes)
+            self.objects.labels(L1).set_function(lambda: stats().ready)
+            self.capacity_bytes.labels(L1).set_function(lambda: stats().capacity)
+        add_listener = getattr(l1, "add_listener", None)
+        if callable(add_listener):
+            evicted = self.evictions.labels(L1)
+
+            def count(kind: str, keys: Sequence[str]) -> None:
+                if kind == "evicted":
+                    evicted.inc(len(keys))
+
+            add_listener(count)
+
+    def watch_tier(self, tier: str, adapter: object) -> None:
+        """Read an L2 adapter's ``used_bytes``, ``len()`` and ``capacity`` at scrape time, for those it
+        offers (none is required of an adapter)."""
+        readers: dict[Gauge, Callable[[], float]] = {}
+        if hasattr(type(adapter), "used_bytes"):
+            readers[self.used_bytes] = lambda: float(getattr(adapter, "used_bytes", 0) or 0)
+        if hasattr(type(adapter), "__len__"):
+            readers[self.objects] = lambda: float(len(adapter))  # type: ignore[arg-type]
+        if hasattr(adapter, "capacity"):
+            readers[self.capacity_bytes] = lambda: float(getattr(adapter, "capacity", 0) or 0)
+        for gauge, read in readers.items():
+            gauge.labels(tier).set_function(read)
 
     def sample_names(self) -> set[str]:
         """Every sample name this registry can export (``_total`` counters, ``_sum``/``_count``/``_bucket``

@@ -90,7 +90,7 @@ async def test_no_protocol_isinstance_per_call(protocol_checks: list[str], tiers
 
 async def test_lookup_counts_like_lookup_hit() -> None:
     """``lookup`` (the L1-only answer without hit objects) reports and counts what ``lookup_hit`` does:
-    the prefix, one L1 hit per chunk of it, one miss per lookup that stops short."""
+    the prefix, one L1 hit per chunk of it, one L1 miss per chunk after it."""
     engine, kv, slots = engine_of(False)
     tokens = list(range(2 * CHUNK))
     await engine.store(tokens[:CHUNK], kv, slots)
@@ -98,7 +98,7 @@ async def test_lookup_counts_like_lookup_hit() -> None:
 
     def counts() -> tuple[float, float]:
         hits = metrics.hits.labels("L1")._value.get()
-        misses = metrics.misses.labels("all")._value.get()
+        misses = metrics.misses.labels("L1")._value.get()
         return hits, misses
 
     before = counts()

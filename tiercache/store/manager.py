@@ -84,7 +84,9 @@ class StorageManager:
         self.metrics = metrics or Metrics()
         # labelled counters looked up once (a ``labels()`` call takes a lock and builds a key: ~1 us)
         self._hit_counters: dict[str, Any] = {}
-        self._miss_counter = self.metrics.misses.labels("all")
+        self.metrics.add_tier(L1_TIER, l2=False)
+        if not self.remote:
+            self.metrics.watch_l1(l1)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
         for name, _, pipeline in tiers:
             check_tier(l1_codec(l1), name, pipeline)
@@ -92,6 +94,12 @@ class StorageManager:
             TierClient(name, adapter, pipeline, self.policy, self.metrics, clock)
             for name, adapter, pipeline in tiers
         ]
+        self._levels: list[tuple[str, Any]] = []
+        """(tier, its miss counter) by level (0 = L1): each chunk a lookup did not find at a level is a miss
+        there. In server mode the server's tiers are learnt from the hits it reports."""
+        for name in [L1_TIER, *(tier.name for tier in self.tiers)]:
+            self._levels.append((name, self.metrics.misses.labels(name)))
+        self._level_of = {name: level for level, (name, _) in enumerate(self._levels)}
         ctx = L2Context(l1, self.tiers, self.policy, self.metrics, self._run)
         self.store = StoreController(ctx, store_batch=store_batch)
         self.prefetch = PrefetchController(ctx, read_timer=read_timer)
@@ -223,7 +231,7 @@ class StorageManager:
         chunks = contiguous_prefix(present)
         if self.tiers and chunks < len(present):
             return None
-        self._count_lookup(_L1_TIERS * chunks, chunks < len(present))
+        self._count_lookup(_L1_TIERS * chunks, len(present) - chunks)
         return PrefixHit(chunks, _L1_TIERS * chunks, (_L1_HIT,) * chunks + (None,) * (len(present) - chunks))
 
     async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
@@ -250,21 +258,45 @@ class StorageManager:
             per_chunk.append(max(found, key=lambda h: h.level) if len(found) == group else None)
         chunks = contiguous_prefix(per_chunk)
         tiers = tuple(h.tier for h in per_chunk[:chunks] if h is not None)
-        self._count_lookup(tiers, chunks < len(per_chunk))
+        if self.remote:
+            self._learn_levels(per_chunk[:chunks])
+        self._count_lookup(tiers, len(per_chunk) - chunks)
         return PrefixHit(chunks, tiers, tuple(hits))
 
-    def _count_lookup(self, tiers: tuple[str, ...], missed: bool) -> None:
-        """Count a lookup in the metrics: a hit per chunk of its prefix (by serving tier), a miss when the
-        prefix stops short of the prompt."""
+    def _count_lookup(self, tiers: tuple[str, ...], unserved: int) -> None:
+        """Count a lookup per chunk: a chunk served by tier T is a hit at T and a miss at each level above
+        T; each of the ``unserved`` chunks after the prefix is a miss at every level."""
+        levels = self._levels
         if tiers:
             first = tiers[0]
             if tiers.count(first) == len(tiers):  # the usual case: one tier serves the whole prefix
                 self._hit_counter(first).inc(len(tiers))
+                served = {first: len(tiers)}
             else:
-                for tier_name, count in Counter(tiers).items():
+                served = Counter(tiers)
+                for tier_name, count in served.items():
                     self._hit_counter(tier_name).inc(count)
-        if missed:
-            self._miss_counter.inc()
+            level_of = self._level_of
+            for level, (_, missed) in enumerate(levels):
+                if missed is None:  # a server level not seen yet
+                    continue
+                below = sum(n for name, n in served.items() if level_of.get(name, 0) > level)
+                if below or unserved:
+                    missed.inc(below + unserved)
+        elif unserved:
+            for _, missed in levels:
+                if missed is not None:
+                    missed.inc(unserved)
+
+    def _learn_levels(self, hits: Sequence[TierHit | None]) -> None:
+        """Server mode: record the level of each tier the server reported a hit from (for the misses)."""
+        for hit in hits:
+            if hit is not None and hit.tier not in self._level_of:
+                while len(self._levels) <= hit.level:
+                    self._levels.append(("", None))
+                self._levels[hit.level] = (hit.tier, self.metrics.misses.labels(hit.tier))
+                self._level_of[hit.tier] = hit.level
+                self.metrics.add_tier(hit.tier, l2=False)
 
     def _hit_counter(self, tier: str) -> Any:
         """``metrics.hits`` labelled with ``tier`` (kept)."""

@@ -120,7 +120,7 @@ class PrefetchController(L2Controller):
                 return
             frame = frames[0] if len(frames) == 1 else None
             if frame is None:
-                self.metrics.misses.labels(tier.name).inc()
+                self.metrics.vanished.labels(tier.name).inc()
                 return
             self.metrics.bytes_read.labels(tier.name).inc(len(frame))
             spec = None if specs is None else specs[i]

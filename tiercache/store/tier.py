@@ -76,6 +76,8 @@ class TierClient:
         self.late: set[asyncio.Future[Any]] = set()
         """Puts that outlived their deadline and are still landing (counted when they end)."""
         self.store_error_logged = False
+        metrics.add_tier(name)
+        metrics.watch_tier(name, adapter)
         metrics.store_queue_depth.labels(name).set_function(self.queue.qsize)
         metrics.tier_down.labels(name).set_function(partial(_is_down, adapter))
 
@@ -151,8 +153,7 @@ class TierClient:
     async def contains(self, keys: list[str], deadline_s: float) -> list[bool]:
         """Which ``keys`` the tier holds; a failed call is all misses (counted)."""
         result = await self.call("contains", lambda: self.adapter.batched_contains(keys), deadline_s)
-        if result is None:
-            self.metrics.misses.labels(self.name).inc(len(keys))
+        if result is None:  # its keys are misses here: the lookup counts them per chunk
             return [False] * len(keys)
         return result
 
