@@ -24,31 +24,22 @@ server's ``maxmemory`` governs; eviction by the server is normal operation and a
 and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` (paths) and ``ssl_cert_reqs``
 (``required`` (default), ``optional`` or ``none``). Unknown options raise ``ConfigError``.
 
-How batches map to commands (measured with ``benchmarks/adapters_bench.py`` on the 2-core project box,
-1-32 MiB frames; redis-py 8.1, Redis 7.0):
+How batches map to commands (the choices are measured by ``benchmarks/adapters_bench.py``; results in
+``docs/performance.md``):
 
 * contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
   and ``GETRANGE`` (from where its nonce starts) per part for the keys that hold a manifest. delete: one
   pipeline of ``GETRANGE`` + ``DEL`` per key, then one of ``DEL`` per part of the manifests found.
-* get: ``GET`` one after another while the values seen (read or written) are large (running mean > 256 KiB),
-  else one pipeline of ``MGET``s of about 1 MiB of values each (cluster: of ``GET``s). For 1-4 MiB values
-  sequential GETs beat a pipeline (~1.5x), MGET (never faster, and its single reply must arrive within one
-  socket timeout) and concurrent GETs (0.6x at 1 MiB); small values need the pipeline's one round trip, and
-  1-64 KiB values read 1.4-2x faster by MGET than by a pipeline of GETs (redis-py's cost per command).
+* get: single ``GET``s while the values seen (read or written) are large (running mean > 256 KiB), else one
+  pipeline of ``MGET``s of about 1 MiB of values each (cluster: of ``GET``s).
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
-  ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces; on plain TCP the pipeline goes
-  through the RESP client, whose replies parse faster than redis-py's: 64 x 1 KiB puts 1.5x faster than the
-  redis-py pipeline of SETs alone, 64 x 64 KiB the same); each larger value is its own ``SET`` (on the RESP
-  client sent together with that ``GETRANGE``), all of a batch at once (up to ``pool_size`` in flight):
-  pipelining large values makes Redis copy them through its query buffer and ran ~2x slower (see the bench
-  JSON).
-* Large values (over 256 KiB) on a plain-TCP standalone server go through ``adapters/_resp.py``, a small RESP
-  client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (the asyncio redis-py
-  copies a value twice on the way out and twice on the way in): 2x redis-py's best mode at 32 MiB, 1.2-1.5x at
-  4 MiB. It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call: ``AdapterTimeout``), the
-  password, the user name and the database; the small-value pipelines (contains, MGETs, puts) go through it
-  too (its replies parse at a fraction of redis-py's cost: a 64-key contains at 0.5-0.65x the client CPU);
-  TLS and Cluster use redis-py for every value.
+  ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces); each larger value is its own
+  ``SET`` (on the RESP client sent together with that ``GETRANGE``), all of a batch at once (up to
+  ``pool_size`` in flight): pipelining large values makes Redis copy them through its query buffer.
+* On a plain-TCP standalone server reads, lookups and puts go through ``adapters/_resp.py``, a small RESP
+  client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (no copies of a value
+  on the way out or in). It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call:
+  ``AdapterTimeout``), the password, the user name and the database; TLS and Cluster use redis-py.
 * The server is not trusted (``_resp.py``): a bulk reply declared over ``MAX_VALUE_BYTES`` is refused before
   any of it is read or allocated, a reply of a type or length its command cannot have fails the call, an
   MGET's array must hold as many values as keys, AUTH and SELECT must answer ``+OK``, and a connection that
@@ -60,13 +51,8 @@ at a time; then the head ``<key>`` with a 52-byte manifest (size, part size, cou
 head, then the parts ``PART_READS_IN_FLIGHT`` (4) at a time straight into one buffer (the RESP client
 receives each in place; the buffer is reused once the caller dropped every view of it,
 ``adapters/_recvbuf.py``). Why: the server's allocator (jemalloc) serves allocations of 8 MiB and more from an
-arena that returns pages at once, so every SET or reply of a bigger value faulted in fresh pages; with 4 MiB
-parts one 64 MiB value moved at 0.69-1.15x (mostly 0.86-1.15x) the speed of the same bytes as 16 separate
-4 MiB values (unsplit 0.42-0.89; 8 MiB parts 0.73-0.76), 4 in flight beat 1, 2, 8 and 16 for reads
-(``benchmarks/adapters_bench.py``, README), and 8 beat 4 and 16 for writes (a same-run A/B on Redis and
-Valkey: 8 in flight at 1.01-1.15x the same bytes as 16 values in 6 of 6 runs, 4 at 0.89-1.11x). A 4 MiB
-part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``): parts sized to
-fill 4 MiB or 5 MiB allocations read 15-25 % slower in an adapter A/B, so that memory buys the speed. Rules:
+arena that returns pages at once, so every SET or reply of a bigger value would fault in fresh pages. A 4 MiB
+part is a 5 MiB allocation on the server (the next size class, counted against ``maxmemory``). Rules:
 parts are written before the head, so a head only names parts that were complete; a rewrite overwrites the
 parts in place (the server reuses their memory) and deletes the parts past its count after its head; a value
 stored whole over a parted one deletes all of its parts after its SET (the replaced head is read before it: in
