@@ -4,7 +4,7 @@
 
 Prints JSON. The hashing measurement is ``tiercache.cli.bench.keys.hashing``
 (``tiercache bench keys`` plots it).
-Goals (issue 1): hashing >= 80 % of raw hashlib.sha256 over the same bytes; POSIX put/get
+Goals: hashing >= 80 % of raw hashlib.sha256 over the same bytes; POSIX put/get
 >= 90 % of raw os.write/os.read of the same sizes.
 """
 

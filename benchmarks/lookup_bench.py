@@ -13,7 +13,7 @@ interleaved runs:
 - ``raw_sha256_whole`` / ``raw_sha256_chunks``: ``hashlib.sha256`` over the same 4-byte token bytes, in one
   call / one call per chunk (the floor for hashing the tokens at all).
 
-Goal (issue 9): ``lookup_vllm_request`` <= 1 ms for 131072 tokens on this box. Prints JSON and writes it to
+Goal: ``lookup_vllm_request`` <= 1 ms for 131072 tokens on this box. Prints JSON and writes it to
 ``--out`` as ``lookup_bench_cpu.json``.
 """
 

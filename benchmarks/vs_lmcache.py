@@ -959,7 +959,7 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_stored": stored,  # the warm-up round first
         "samples_ms": {k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
         "note": "kv_copy: time in the contender's copies between its KV and its objects (tiercache: paged "
-        "gather/scatter, issue 14's CPU-copy item; LMCache: contiguous torch copies); write-through: store() "
+        "gather/scatter; LMCache: contiguous torch copies); write-through: store() "
         "until every chunk is readable (tiercache: drain + DBSIZE, LMCache: DBSIZE polled, 2 keys per "
         "chunk; each contender's one engine, warmed up); cold retrieve: tiercache its reader engine "
         f"({args.reader}: "

@@ -361,7 +361,7 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeCluster]]:
 
 
 # ======================================================================================================
-# Fault injection (owner: issue 11): a TCP proxy that stalls, resets or truncates, between any client and
+# Fault injection: a TCP proxy that stalls, resets or truncates, between any client and
 # any server started above. See tests/integration/fault_proxy.py.
 # ======================================================================================================
 from fault_proxy import FaultProxy  # noqa: E402

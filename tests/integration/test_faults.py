@@ -82,7 +82,7 @@ async def _s3(moto: Any, proxy: Any, **options: Any) -> Adapter:
 async def test_s3_stalled_or_reset_server(
     moto: Any, fault_proxy: Any, mode: str, error: type[AdapterError], op: str
 ) -> None:
-    """Issue 11 #6/#8: every S3 call, PUT included, ends with AdapterTimeout/AdapterUnavailable."""
+    """Every S3 call, PUT included, ends with AdapterTimeout/AdapterUnavailable."""
     proxy = fault_proxy(moto.port)
     adapter = await _s3(moto, proxy, multipart_threshold="5MiB", part_size="5MiB")
     try:
@@ -101,7 +101,7 @@ async def test_s3_stalled_or_reset_server(
 
 
 async def test_s3_truncated_body_without_length_is_a_miss(moto: Any, fault_proxy: Any) -> None:
-    """Issue 11 #9: half a body, no Content-Length, connection closed (valid HTTP/1.1): a miss, counted."""
+    """Half a body, no Content-Length, connection closed (valid HTTP/1.1): a miss, counted."""
     proxy = fault_proxy(moto.port)
     adapter = await _s3(moto, proxy)
     value = os.urandom(100_000)
@@ -234,7 +234,7 @@ async def _mooncake(cluster: Any, proxy: Any) -> Adapter:
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("mode", ["stall", "reset", "truncate"])
 async def test_mooncake_faulty_master(mooncake_cluster: Any, master_proxy: Any, mode: str, op: str) -> None:
-    """Issue 11: a stalled master is AdapterTimeout; a reset or cut-off answer is AdapterUnavailable or
+    """A stalled master is AdapterTimeout; a reset or cut-off answer is AdapterUnavailable or
     AdapterTimeout, never wrong bytes; the same adapter serves the stored value once the master answers."""
     adapter = await _mooncake(mooncake_cluster, master_proxy)
     key = f"k{uuid.uuid4().hex[:12]}"

@@ -486,7 +486,7 @@ async def test_manager_turns_a_killed_server_into_misses(redis_factory: Callable
         assert m.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") == 2
 
 
-# -- cluster errors and retries (issue 11 #10) ---------------------------------------------------------------
+# -- cluster errors and retries ---------------------------------------------------------------
 
 
 async def test_cluster_adapter_on_a_standalone_server_is_unavailable(redis_server: Any) -> None:

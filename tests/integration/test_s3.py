@@ -470,7 +470,7 @@ async def test_bucket_gone_is_unavailable_not_a_miss(moto: Any, raw: Any) -> Non
         await adapter.aclose()
 
 
-# -- cancellation (issue 11 #6, #7) ----------------------------------------------------------------------
+# -- cancellation ----------------------------------------------------------------------
 
 
 def _uploads(raw: Any, prefix: str) -> list[Any]:
@@ -507,7 +507,7 @@ async def test_cancel_during_create_multipart_never_loses_the_upload(moto: Any, 
 
 @pytest.mark.asyncio
 async def test_cancelled_multipart_put_does_not_wait_for_its_abort(moto: Any, raw: Any) -> None:
-    """Issue 11 #6: the abort runs detached; the cancelled call ends at once; aclose waits for the abort."""
+    """The abort runs detached; the cancelled call ends at once; aclose waits for the abort."""
     prefix = _prefix()
     adapter = await _open(moto, prefix, multipart_threshold="5MiB", part_size="5MiB", max_concurrency=1)
     real_part, real_abort = adapter._client.upload_part, adapter._client.abort_multipart_upload

@@ -106,7 +106,7 @@ async def test_sharded_layout(tmp_path: Path) -> None:
 
 
 def _two_level_path(root: Path, key: str) -> Path:
-    """Where the former default layout (two levels, before issue 14) kept ``key``."""
+    """Where the former default layout (two levels) kept ``key``."""
     h = xxhash.xxh64_hexdigest(key.encode())
     return root / h[0:2] / h[2:4] / key
 
@@ -232,7 +232,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.asyncio
 async def test_temp_files_of_dead_writers_removed_live_ones_kept_and_counted(tmp_path: Path) -> None:
-    """Issue 11 #5: cleanup removes only dead writers' temp files (pid + start time), counts the others."""
+    """Cleanup removes only dead writers' temp files (pid + start time), counts the others."""
     from tiercache.adapters import _tempfiles
 
     adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
@@ -287,7 +287,7 @@ async def test_temp_files_of_dead_writers_removed_live_ones_kept_and_counted(tmp
 
 @pytest.mark.asyncio
 async def test_temp_files_are_swept_periodically(tmp_path: Path) -> None:
-    """Issue 11 #5: an open adapter removes a crashed writer's temp file without being reopened."""
+    """An open adapter removes a crashed writer's temp file without being reopened."""
     from tiercache.adapters import _tempfiles
 
     adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0.02)
@@ -471,7 +471,7 @@ def _bytes_on_disk(root: Path) -> int:
 
 @pytest.mark.asyncio
 async def test_cancelled_puts_never_exceed_capacity(tmp_path: Path) -> None:
-    """Issue 11 #2: a put cancelled while its thread writes still lands; it is counted, so the tier never
+    """A put cancelled while its thread writes still lands; it is counted, so the tier never
     holds more than its capacity and ``used_bytes`` follows the files on disk."""
     capacity = 1 << 20
     adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=capacity, inline_put_bytes=0)

@@ -189,7 +189,7 @@ async def test_corrupt_slot_is_a_miss(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_changed_options_open_the_slab_with_its_own_geometry(tmp_path: Path) -> None:
-    """Issue 11 (suspected): other max_object/extent_size/capacity never reformat: the slab's objects stay."""
+    """Other max_object/extent_size/capacity never reformat: the slab's objects stay."""
     a = await _open(tmp_path)
     geometry = a.geometry
     assert await a.batched_put(["x"], [b"x" * 5000]) == [True]
@@ -229,7 +229,7 @@ async def test_reformat_only_with_format_option(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_cancelled_puts_release_their_slots(tmp_path: Path) -> None:
-    """Issue 11 #3: puts cancelled after reserving a slot never leak it; the slab keeps accepting puts."""
+    """Puts cancelled after reserving a slot never leak it; the slab keeps accepting puts."""
     a = await _open(tmp_path, capacity="80MiB", max_object="4MiB", extent_size="16MiB")
     value = os.urandom(2 * MiB)
     try:

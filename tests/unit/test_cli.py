@@ -170,7 +170,7 @@ def test_conformance_runs_the_kit_against_a_url(tmp_path: Path) -> None:
 
 
 def test_conformance_never_reformats_a_live_slab(tmp_path: Path) -> None:
-    """Issue 11 (suspected): ``conformance`` refuses a URL asking for a reformat; the slab's objects stay."""
+    """``conformance`` refuses a URL asking for a reformat; the slab's objects stay."""
     import asyncio
 
     from tiercache.adapters.nvme_slab import SlabAdapter
@@ -207,7 +207,7 @@ def test_a_planted_password_is_never_printed_or_logged(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 11 #4: a password planted in every place a config or URL can hold one never reaches stdout,
+    """A password planted in every place a config or URL can hold one never reaches stdout,
     stderr or the logs of ``check`` (text and JSON) and ``conformance``; the refusals name ``*_env``."""
     import logging
 

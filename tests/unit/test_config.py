@@ -145,7 +145,7 @@ def test_every_example_config_loads() -> None:
         assert load_config(path).tiers, path
 
 
-# -- secrets in URLs (issue 11 #4) ---------------------------------------------------------------------
+# -- secrets in URLs ---------------------------------------------------------------------
 
 PLANTED = "Pw7Secret/xyz"  # contains "/", which ends the authority for a strict URL parser
 

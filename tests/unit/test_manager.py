@@ -285,7 +285,7 @@ class FakeClock:
 
 
 async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> None:
-    """Issue 11 #1: a probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
+    """A probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
     raw = build_pipeline(["raw"])
     inner = MemoryAdapter()
     await inner.batched_put(["k0000"], [raw.encode(payload("k0000"), SPEC, "k0000")])
@@ -333,7 +333,7 @@ class SlowPuts(MemoryAdapter):
 
 
 async def test_store_past_its_deadline_is_counted_when_it_lands() -> None:
-    """Issue 11 #2 (manager): a put that outlives the deadline but lands is counted stored, not failed."""
+    """A put that outlives the deadline but lands is counted stored, not failed."""
     raw = build_pipeline(["raw"])
     slow = SlowPuts()
     policy = ManagerConfig(l2_deadline_s=0.01, lookup_deadline_s=1, store_queue_size=8, circuit_failures=5)
@@ -372,7 +372,7 @@ class FailsToEncode:
 
 
 async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 11 (suspected): a codec exception no longer kills the store worker or strands leases."""
+    """A codec exception no longer kills the store worker or strands leases."""
     inner = MemoryAdapter()
     pipeline = FailsToEncode("k0000", "k0002")
     async with StorageManager(
@@ -395,7 +395,7 @@ async def test_store_worker_survives_a_codec_exception(caplog: pytest.LogCapture
 
 
 async def test_posix_stores_past_the_deadline_stay_within_capacity_and_are_counted(tmp_path: Path) -> None:
-    """Issue 11 #2 (through the manager): stores cut off by the deadline land on a POSIX tier; the tier stays
+    """Through the manager: stores cut off by the deadline land on a POSIX tier; the tier stays
     within its capacity and the manager counts as stored at least every object that is on disk."""
     capacity = 8 * SPEC.nbytes
     tier = await PosixAdapter.open(f"file://{tmp_path}/l2", capacity=capacity, fsync=True)  # slow writes

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["hashing", "hashing_samples", "keys_suite"]
 
 GOAL_RATIO = 0.8
-"""Issue 1's goal: ``process_tokens`` at >= 80 % of raw sha256 over the same bytes."""
+"""The goal: ``process_tokens`` at >= 80 % of raw sha256 over the same bytes."""
 
 
 def hashing_samples(
