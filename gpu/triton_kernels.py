@@ -17,8 +17,7 @@ divides head_dim's bytes, every stride and every base offset. Grid: (spans x tok
 x head_dim chunks); each program moves a ``[BLOCK_T, HB, BLOCK_D]`` tile (tokens, heads, words) of every
 plane in turn, so K and V of a token, which share one paged row in vLLM's NHD allocation, are read back to
 back and neighbouring programs read neighbouring token rows; 16-byte vector loads where the alignment hints
-(checked on the host) allow. The H200 A/B (``benchmarks/gpu_ab.py``) put this at 1995 GB/s against 1956
-for the earlier one-head-row-per-program tiling, 94 % of the device-copy ceiling.
+(checked on the host) allow. ``benchmarks/gpu_ab.py`` compares tilings (results: ``docs/performance.md``).
 
 Slot checks: a move kernel checks its own slots (per-span flags it sets in pinned memory; the host counts
 exactly only when one is set); the fp8 kernels, and moves launched through Triton's own ``run``, use one small
@@ -31,7 +30,7 @@ float32 scales ``[P*L, 1, H*D]`` (``max(absmax over the span's tokens / 448, 2**
 accepts it as is. Each program owns one (span, layer, plane, channel block) tile: when the tile fits
 (``FP8_ONE_PASS_ELEMS``) it is loaded once and kept in registers for the absmax and the quantize; longer spans
 fall back to two passes of 32 tokens (the second read mostly hits L2). Channel blocks vary fastest in the grid
-(programs running together read neighbouring head rows; 1324 vs 1290 GB/s on the H200), and the kernel counts
+(programs running together read neighbouring head rows), and the kernel counts
 non-finite input into its span's status word, so the finite check needs no pass of its own.
 
 Host side: a ``Move`` (``tiercache.gpu.move``) is validated once; its first run here computes the launch
@@ -105,8 +104,7 @@ class TileConfig:
     num_warps: int = 4
 
 
-# best tile of the interleaved H200 A/B (benchmarks/gpu_ab.py, 5 rounds): gather 1995 GB/s, scatter 2005;
-# every other tile 1978-1993 / 1957-1980, within 1 %
+# the fastest tile of benchmarks/gpu_ab.py's interleaved rounds on an H200 (the others within 1 %)
 DEFAULT_CONFIG = TileConfig(tile_bytes=4096, num_warps=4)
 _KERNELS: dict[bool, Any] = {}
 
