@@ -58,8 +58,9 @@ class Adapter(ABC):
 
     Results are positional, one per key. A miss is a result (``False``/``None``), never an exception; only
     transport failures raise ``AdapterUnavailable`` or ``AdapterTimeout``. A put becomes visible only when
-    complete: a reader sees the old value, the new value or nothing, never a part. Timeouts, retries, metrics
-    and circuit breaking belong to the storage manager, not to adapters.
+    complete: a reader sees the old value, the new value or nothing, never a part. Deadlines, retries, metrics
+    and circuit breaking belong to the storage manager; an adapter keeps only its client's transport timeouts,
+    so that a call the manager stopped waiting for still ends.
     """
 
     scheme: ClassVar[str]
