@@ -101,6 +101,7 @@ class QuotaMachine(RuleBasedStateMachine):
         for key, obj in c._ready.items():
             assert bytes(obj.buffer()) == pattern(key, SPEC.nbytes)
         assert sorted(c._policy) == sorted(c._ready)
+        assert sorted(k for own in c._by_tenant.values() for k in own) == sorted(c._ready)
         assert c.stats().pinned == len(self.pinned)
         stats = c.tenant_stats()
         assert sum(s.held_bytes for s in stats.values()) == c.stats().used_bytes

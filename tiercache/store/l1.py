@@ -15,7 +15,8 @@ is bumped whenever the slot is freed, so :meth:`L1Lease.valid` tells a reader wh
 really belonged to its object: copy first, then call ``valid()``, and drop the copy if it returns False.
 
 Quotas: a tenant (the ``cache_salt`` of the request that stored an object) whose held bytes would pass its
-budget evicts its own objects first, and is refused when none can go; other tenants' objects are untouched.
+budget evicts its own least recently used objects, and is refused when none can go; other tenants' objects
+are untouched.
 
 Pins (:meth:`L1Cache.pin`) keep a READY object in L1 until unpinned: never evicted, never deleted. Each
 tenant may pin at most ``max_pinned_share`` of the slots. Listeners (:meth:`L1Cache.add_listener`) hear every
@@ -31,6 +32,7 @@ import logging
 import mmap
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -260,13 +262,15 @@ class L1Cache:
         codec: str = "raw",
         max_pinned_share: float = 0.5,
         eviction: str = "lru",
+        eviction_options: Mapping[str, float] | None = None,
         quotas: Mapping[str, int] | None = None,
         default_quota: int = 0,
         max_tenant_labels: int = 32,
     ) -> None:
         """Preallocate the pool; ValueError when it would hold no slot, a parameter is out of range or the
-        codec or eviction policy is unknown. ``quotas``: tenant -> bytes it may hold, ``default_quota``
-        for the others (0: unlimited); tenant counters keep ``max_tenant_labels`` names, then ``"other"``."""
+        codec or eviction policy is unknown. ``eviction_options``: the policy's knobs (S3-FIFO's
+        ``small_share``, ``ghosts``). ``quotas``: tenant -> bytes it may hold, ``default_quota`` for the
+        others (0: unlimited); tenant counters keep ``max_tenant_labels`` names, then ``"other"``."""
         if codec not in L1_CODECS:
             raise ValueError(f"L1 codec must be one of {', '.join(L1_CODECS)}, not {codec!r}")
         if slot_bytes <= 0:
@@ -301,8 +305,9 @@ class L1Cache:
         self._objects: dict[str, KVObject] = {}  # READY and WRITING
         self._ready: dict[str, KVObject] = {}  # READY only
         self.eviction = eviction
-        self._policy = make_policy(eviction, num_slots)  # orders the READY keys
+        self._policy = make_policy(eviction, num_slots, **(eviction_options or {}))  # orders READY keys
         self._quotas = TenantQuotas(quotas, default_quota)
+        self._by_tenant: dict[str, OrderedDict[str, KVObject]] = {}  # with quotas: READY, least recent first
         self._labels = TenantLabels(max_tenant_labels)
         self._tenant_hits: dict[str, int] = {}  # label -> reads served
         self._tenant_evictions: dict[str, int] = {}  # label -> objects evicted
@@ -353,6 +358,12 @@ class L1Cache:
         if obj.state is ObjectState.READY:
             del self._ready[obj.key]
             self._policy.remove(obj.key)
+            if self._by_tenant:
+                own = self._by_tenant.get(obj.tenant)
+                if own is not None:
+                    own.pop(obj.key, None)
+                    if not own:
+                        del self._by_tenant[obj.tenant]
         else:
             self._writing -= 1
         if obj._leases:
@@ -377,20 +388,20 @@ class L1Cache:
             del self._pins[obj.tenant]
 
     def _evict_one(self, now: float, tenant: str | None = None) -> bool:
-        """Evict the policy's next READY object without a live lease or pin (of ``tenant`` only, when
-        given); False when none qualifies."""
+        """Evict the policy's next READY object without a live lease or pin (with ``tenant``: that tenant's
+        least recently used one); False when none qualifies."""
         ready = self._ready
-
-        def evictable(key: str) -> bool:
+        if tenant is not None:
+            own: Mapping[str, KVObject] = self._by_tenant.get(tenant, {})
+            victim = next((o for o in own.values() if not o._pinned and not self._is_leased(o, now)), None)
+            if victim is None:
+                return False
+            obj = victim
+        else:
+            key = self._policy.victim(lambda k: not ready[k]._pinned and not self._is_leased(ready[k], now))
+            if key is None:
+                return False
             obj = ready[key]
-            return (
-                not obj._pinned and (tenant is None or obj.tenant == tenant) and not self._is_leased(obj, now)
-            )
-
-        key = self._policy.victim(evictable)
-        if key is None:
-            return False
-        obj = ready[key]
         self._free_slot(obj, "evicted")
         self._evictions += 1
         label = self._labels.label(obj.tenant)
@@ -408,6 +419,8 @@ class L1Cache:
         if obj is None:
             return None
         self._policy.touch(key)
+        if self._by_tenant:
+            self._by_tenant[obj.tenant].move_to_end(key)
         label = self._labels.label(obj.tenant)
         self._tenant_hits[label] = self._tenant_hits.get(label, 0) + 1
         lease_id = next(self._lease_ids)
@@ -468,6 +481,8 @@ class L1Cache:
             self._writing -= 1
             self._ready[obj.key] = obj
             self._policy.insert(obj.key)
+            if self._quotas.enabled:
+                self._by_tenant.setdefault(obj.tenant, OrderedDict())[obj.key] = obj
             if self._listeners:
                 self._notify("stored", (obj.key,))
 

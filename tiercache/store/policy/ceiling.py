@@ -15,7 +15,7 @@ __all__ = ["HitRateCeiling", "HyperLogLog"]
 class HyperLogLog:
     """Distinct-count estimate over strings in ``2**p`` one-byte registers."""
 
-    def __init__(self, p: int = 12) -> None:
+    def __init__(self, p: int = 14) -> None:
         """ValueError unless ``4 <= p <= 18``."""
         if not 4 <= p <= 18:
             raise ValueError(f"HyperLogLog precision must be in 4..18: {p}")
@@ -47,8 +47,8 @@ class HitRateCeiling:
     """Lookups and distinct chunks seen; :meth:`ceiling` is the best hit rate any cache could reach on
     them. Thread-safe."""
 
-    def __init__(self, p: int = 12) -> None:
-        """A HyperLogLog of precision ``p``."""
+    def __init__(self, p: int = 14) -> None:
+        """A HyperLogLog of precision ``p`` (16 KiB of registers, about 0.8% error, at 14)."""
         self._hll = HyperLogLog(p)
         self._lock = threading.Lock()
         self.lookups = 0

@@ -91,15 +91,21 @@ class S3FIFOPolicy:
     """S3-FIFO (Yang et al., SOSP 2023). New keys enter a small FIFO (``small_share`` of ``capacity``); a
     key read while there moves to the main FIFO when it reaches the small queue's head, an unread one is
     evicted and remembered in the ghost list; a ghost key inserted again goes straight to main. Main evicts
-    from its head, giving a key read since its last pass another round (reads count up to 3)."""
+    from its head, giving a key read since its last pass another round (reads count up to 3). The ghost list
+    holds 4x as many keys as the cache (the paper: 1x), so a scan longer than the cache does not flush
+    the ghosts of chunks a conversation's next turn comes back for."""
 
-    def __init__(self, capacity: int, small_share: float = 0.1) -> None:
-        """``capacity`` in the cache's weight units (slots or bytes); ValueError when not positive."""
+    def __init__(self, capacity: int, small_share: float = 0.1, ghosts: float = 4.0) -> None:
+        """``capacity`` in the cache's weight units (slots or bytes); the ghost list remembers ``ghosts``
+        times as many keys as are held. ValueError when out of range."""
         if capacity <= 0:
             raise ValueError(f"s3fifo capacity must be positive: {capacity}")
         if not 0 < small_share < 1:
             raise ValueError(f"s3fifo small_share must be in (0, 1): {small_share}")
+        if ghosts < 0:
+            raise ValueError(f"s3fifo ghosts must be >= 0: {ghosts}")
         self.capacity = capacity
+        self.ghosts = ghosts
         self._small_target = max(1, int(capacity * small_share))
         self._small: OrderedDict[str, int] = OrderedDict()  # key -> weight, oldest first
         self._main: OrderedDict[str, int] = OrderedDict()
@@ -139,7 +145,7 @@ class S3FIFOPolicy:
     def _remember(self, key: str) -> None:
         ghost = self._ghost
         ghost[key] = None
-        while len(ghost) > max(len(self._freq), 1):  # as many ghosts as keys held
+        while len(ghost) > max(int(self.ghosts * len(self._freq)), 1):
             ghost.popitem(last=False)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
@@ -200,10 +206,11 @@ class S3FIFOPolicy:
         return iter([*self._small, *self._main])
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """The policy called ``name`` for a cache of ``capacity`` weight units; ValueError naming the choices."""
+def make_policy(name: str, capacity: int, **options: float) -> EvictionPolicy:
+    """The policy called ``name`` for a cache of ``capacity`` weight units (``options``: S3-FIFO's
+    ``small_share``, ``ghosts``); ValueError naming the choices."""
     if name == "lru":
         return LRUPolicy()
     if name == "s3fifo":
-        return S3FIFOPolicy(capacity)
+        return S3FIFOPolicy(capacity, **options)
     raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, not {name!r}")
