@@ -73,7 +73,7 @@ test: system-deps install
 	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	$(PYTEST)
 
-# Reliability campaign (README "Reliability"): each writes its JSON (and the soak its plot) under benchmarks/results/.
+# Reliability campaign (docs/reliability.md): each writes its JSON (and the soak its plot) under benchmarks/results/.
 soak: system-deps install
 	nice -n 10 $(PY) benchmarks/soak.py --duration 1800 --out benchmarks/results/soak_cpu.json --plot benchmarks/results/soak_cpu.png
 

@@ -1331,7 +1331,7 @@ def _toml(tier: dict[str, Any], server: tuple[Path, int] | None = None) -> str:
 
 # ----- the parent ----------------------------------------------------------------------------------------
 def markdown_table(results: list[dict[str, Any]], faults: list[str]) -> str:
-    """Backend x fault -> outcome, as the README shows it."""
+    """Backend x fault -> outcome, as docs/reliability.md shows it."""
     lines = ["| backend | " + " | ".join(faults) + " |", "|---" * (len(faults) + 1) + "|"]
     for res in results:
         cells = {c["fault"]: c for c in res["cells"]}
