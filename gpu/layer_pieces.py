@@ -8,9 +8,9 @@ store gathers piece p of every object into device staging (one bound launch on t
 the side stream copies piece p-1 to the host; a retrieve mirrors it, its short piece last. Each piece of an
 object is one 2D copy: ``planes`` rows (K and V, or the one MLA plane) of the piece's bytes, at the object's
 plane pitch on the host and the piece's in staging. Launches, copies, event records and waits are calls of
-the launch extension (``gpu/_launch.c``), about a microsecond each. On the H200 this runs at 0.96-0.99 of
-the pinned-copy ceiling from 32 to 512 MiB, where the object-group pipeline of ``tiercache.gpu.transfer``
-(Python-issued copies and events, whole objects gathered before their first copy) ran at 0.93-0.97.
+the launch extension (``gpu/_launch.c``), about a microsecond each, where the object-group pipeline of
+``tiercache.gpu.transfer`` issues copies and events from Python and gathers whole objects before their first
+copy (measurements: ``docs/performance.md``).
 
 Staging is the ``Transfer``'s two buffers, piece p in buffer ``p % 2``, each used under the transfer's lock
 and handed over with its ``free`` event, so this and the other pipelines never overwrite each other's
