@@ -141,9 +141,12 @@ def check_reply(name: bytes | memoryview, reply: object, expect: int | None = No
 class _Conn:
     """One non-blocking socket and the bytes received past the last reply's end."""
 
-    def __init__(self, sock: socket.socket, max_bulk: int) -> None:
+    def __init__(
+        self, sock: socket.socket, max_bulk: int, alloc: Callable[[int], memoryview] = new_buffer
+    ) -> None:
         self.sock = sock
         self.max_bulk = max_bulk
+        self.alloc = alloc  # the buffer a large bulk reply is received into
         self.pending = bytearray()  # received bytes not consumed yet
         self.fresh = True  # no call has completed on it yet (a reset is then not a stale connection)
         self.broken = False  # out of step with the server (a reply left unread): never reused
@@ -281,7 +284,7 @@ class _Conn:
             value = memoryview(bytes(self.pending[:size]))
             del self.pending[: size + 2]
             return value
-        whole = new_buffer(size + 2)  # the value and its CRLF, received in place
+        whole = self.alloc(size + 2)  # the value and its CRLF, received in place
         await self._take(whole)
         if bytes(whole[size:]) != b"\r\n":
             raise RespProtocolError("redis: bulk reply without its CRLF: not a RESP server")
@@ -399,7 +402,8 @@ class RespPool:
     """Up to ``size`` connections to one server, opened on demand (AUTH and SELECT done on each).
 
     ``timeout``: seconds a whole call may take (see the module docstring); ``max_bulk``: the largest bulk
-    reply accepted (bytes)."""
+    reply accepted (bytes); ``alloc(n)``: a writable buffer of ``n`` bytes to receive a bulk reply into
+    (default: a new one each time; a pool of reused buffers spares the fresh pages)."""
 
     def __init__(
         self,
@@ -412,8 +416,10 @@ class RespPool:
         timeout: float = 5.0,
         size: int = 16,
         max_bulk: int = DEFAULT_MAX_BULK,
+        alloc: Callable[[int], memoryview] = new_buffer,
     ) -> None:
         self.host, self.port, self.db = host, port, db
+        self.alloc = alloc
         self.username, self.password = username, password
         self.timeout = timeout
         self.max_bulk = max_bulk
@@ -436,7 +442,7 @@ class RespPool:
             raise AdapterTimeout(f"{self._where()}: connect timed out") from None
         except OSError as exc:
             raise AdapterUnavailable(f"{self._where()}: {exc}") from exc
-        conn = _Conn(sock, self.max_bulk)
+        conn = _Conn(sock, self.max_bulk, self.alloc)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

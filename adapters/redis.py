@@ -30,8 +30,10 @@ How batches map to commands (the choices are measured by ``benchmarks/adapters_b
 * contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
   and ``GETRANGE`` (from where its nonce starts) per part for the keys that hold a manifest. delete: one
   pipeline of ``GETRANGE`` + ``DEL`` per key, then one of ``DEL`` per part of the manifests found.
-* get: single ``GET``s while the values seen (read or written) are large (running mean > 256 KiB), else one
-  pipeline of ``MGET``s of about 1 MiB of values each (cluster: of ``GET``s).
+* get: one ``GET`` per key, ``GET_VALUES_IN_FLIGHT`` of a batch at once (each on its own connection), while
+  the values seen (read or written) are large (running mean > 256 KiB), else one pipeline of ``MGET``s of
+  about 1 MiB of values each (cluster: of ``GET``s). Large replies land in receive buffers that are reused
+  once the caller has dropped them (``adapters/_recvbuf.py``).
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
   ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces); each larger value is its own
   ``SET`` (on the RESP client sent together with that ``GETRANGE``), all of a batch at once (up to
@@ -139,6 +141,11 @@ PART_READS_IN_FLIGHT = 4
 """Part GETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
 PART_WRITES_IN_FLIGHT = 8
 """Part SETs in flight per adapter: 8 beat 4 and 16 (see the module docstring)."""
+GET_VALUES_IN_FLIGHT = 4
+"""Large-value GETs of one batch in flight (each on its own connection): the server sends one value while
+the next request waits on another connection, instead of a round trip's idle gap between values."""
+RECV_BLOCKS = 512
+"""Receive buffers kept for reuse per adapter (512 MiB of them at most, ``RecvBuffers``'s default)."""
 _COMPARE_AND_DELETE = (
     "if redis.call('STRLEN', KEYS[1]) == string.len(ARGV[1]) and redis.call('GET', KEYS[1]) == ARGV[1] "
     "then return redis.call('DEL', KEYS[1]) end return 0"
@@ -340,9 +347,12 @@ class RedisAdapter(Adapter):
         """Plain-TCP standalone servers: the zero-copy path for values over ``PIPELINE_VALUE_BYTES``."""
         self.part_size = common.part_size
         self._read_lanes = asyncio.Semaphore(PART_READS_IN_FLIGHT)
+        self._value_lanes = asyncio.Semaphore(GET_VALUES_IN_FLIGHT)
         self._write_lanes = asyncio.Semaphore(PART_WRITES_IN_FLIGHT)
-        self._recv = RecvBuffers()
-        """Whole-value buffers of parted reads, reused once the caller has dropped every view of one."""
+        self._recv = RecvBuffers(min_bytes=PIPELINE_VALUE_BYTES + 1, max_blocks=RECV_BLOCKS)
+        """Receive buffers of large values (GETs over ``PIPELINE_VALUE_BYTES``, parted reads), reused once the
+        caller has dropped every view of one (a fresh 1 MiB buffer's page faults cost more than its
+        receive)."""
         self.stats: dict[str, int] = {
             "parts_missing": 0,
             "parts_stale": 0,
@@ -383,6 +393,7 @@ class RedisAdapter(Adapter):
                 timeout=common.socket_timeout,
                 size=common.pool_size,
                 max_bulk=MAX_VALUE_BYTES,
+                alloc=self._recv.take,
             )
         try:
             if await self._guard(client.ping()) is not True:  # redis-py: True for +PONG
@@ -575,16 +586,29 @@ class RedisAdapter(Adapter):
 
     async def _get(self, full: Sequence[str]) -> list[Buffer | None]:
         if len(full) == 1 or self._mean_hit_bytes > PIPELINE_VALUE_BYTES:
-            found = [await self._get_one(k) for k in full]
-            results: list[Any] = [None if r is _FOREIGN else r for r in found]
+            results: list[Any] = await self._all([self._get_whole(k) for k in full])
+            self._raise_first(results)
         else:
             results = await self._get_small(full)
-        for i, r in enumerate(results):
-            if r is not None and Manifest.looks_like(r):
-                manifest = self._manifest(r)
-                results[i] = None if manifest is None else await self._read_parts(full[i], manifest)
+            for i, r in enumerate(results):
+                if r is not None and Manifest.looks_like(r):
+                    results[i] = await self._resolve(full[i], r)
         self._learn_sizes([len(r) for r in results if r is not None])
         return results
+
+    async def _get_whole(self, key: str) -> Any:
+        """One large value: its GET (``GET_VALUES_IN_FLIGHT`` of a batch at once), then its parts if it is
+        parted (sharing the part lanes with the batch's other values); None if absent or not ours."""
+        async with self._value_lanes:
+            value = await self._get_one(key)
+        if value is _FOREIGN or value is None:
+            return None
+        return await self._resolve(key, value) if Manifest.looks_like(value) else value
+
+    async def _resolve(self, head: str, value: Any) -> Buffer | None:
+        """A head that looks like a manifest: the value it names (None: a miss, see ``_read_parts``)."""
+        manifest = self._manifest(value)
+        return None if manifest is None else await self._read_parts(head, manifest)
 
     async def _get_small(self, full: Sequence[str]) -> list[Any]:
         """Small values: one pipeline of ``MGET``s, each for about ``PIPELINE_BATCH_BYTES`` of values by the
