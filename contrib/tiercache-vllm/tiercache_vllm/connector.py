@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache_vllm import _events
 from tiercache_vllm._amx import amx_state, request_amx_state
 from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata, check_failure_policy
 from tiercache_vllm._server import server_engine_stats
@@ -31,8 +32,11 @@ from tiercache_vllm.scheduler import SchedulerSide
 from tiercache_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -141,6 +146,8 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker = WorkerSide(
                 vllm_config, kv_cache_config, self.settings, config, can_load=can_load, can_save=can_save
             )
+        self._relay = _events.EventRelay()
+        self._hit_sources = _events.HitSources(_events.tier_media(config), config.chunk_size)
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)
@@ -171,7 +178,15 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ----- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register_kv_caches(kv_caches)
+        worker = self.worker_side
+        worker.register_kv_caches(kv_caches)
+        engine = worker.engine
+        if engine is not None and not engine.manager.remote:  # a server announces its own tiers
+            _events.attach_sink(engine, self._vllm_config, worker.config)
+
+    def get_kv_connector_kv_cache_events(self) -> _events.TierCacheKVEvents | None:
+        """The blocks this worker's tiers stored and dropped since the last step (vLLM's KV events)."""
+        return _events.worker_events(self._worker)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, TierCacheMetadata):
@@ -221,7 +236,25 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        side = self.scheduler_side
+        self._hit_sources.remember(side, request, num_external_tokens)
+        side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The loaded tokens by the tier that held them: L1 as host memory, file tiers as disk, remote tiers
+        as external."""
+        return self._hit_sources.split(request, num_external_tokens)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' block events since the last call, for vLLM's KV event publisher."""
+        return self._relay.take()
+
+    def reset_cache(self) -> bool | None:
+        """Delete what this engine's keyspace holds in L1 and the L2 tiers it stored to (announced as
+        events); False where the worker's L1 is out of reach (see ``docs/router-integration.md``)."""
+        return _events.reset_cache(self._scheduler)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
@@ -230,9 +263,11 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler_side.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._relay.collect(connector_output)
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._hit_sources.forget(request.request_id)
         return self.scheduler_side.request_finished(request, block_ids)
 
     # ----- stats: tiercache's numbers in vLLM's log line and /metrics (tiercache_vllm.stats) ------
