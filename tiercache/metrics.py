@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["DROP_REASONS", "TIER_OPS", "Metrics"]
+__all__ = ["DROP_REASONS", "L1", "LATENCY_BUCKETS", "TIER_OPS", "Metrics"]
 
 TIER_OPS = ("contains", "get", "put", "delete")
 """Tier call operations (``op`` label): lookup, load, save, delete."""
@@ -23,7 +23,7 @@ DROP_REASONS = ("queue_full", "evicted", "lease_expired", "too_large", "error", 
 L1 = "L1"
 """The ``tier`` label of L1 (``tiercache.store.hits.L1_TIER``)."""
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Metrics:
@@ -77,7 +77,7 @@ class Metrics:
             "tiercache_tier_latency_seconds",
             "Tier call latency",
             ["tier", "op"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prefetched = Counter(

