@@ -1,23 +1,18 @@
-"""What the scripts in ``benchmarks/`` share: the integration tests' server launchers and
-tiercache.cli.bench's measuring helpers (timing, GB/s, ratios, host info). Importing it puts
-``tests/integration`` on the path.
+"""What the scripts in ``benchmarks/`` share: the repository root, the test harness's server launchers
+(``tiercache.testing.harness``) and tiercache.cli.bench's measuring helpers (timing, GB/s, ratios, host info).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from tiercache.cli.bench.measure import best, best_median, gbps, host_info, paired, percentiles, ratio
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.s3 import TEST_ENV as S3_TEST_ENV
+from tiercache.testing.harness.s3 import MotoServer
+from tiercache.testing.harness.scripts import load_by_path
+
 ROOT = Path(__file__).resolve().parent.parent
-_SERVERS = str(ROOT / "tests" / "integration")
-if _SERVERS not in sys.path:
-    sys.path.insert(0, _SERVERS)
-
-from s3_servers import TEST_ENV as S3_TEST_ENV  # noqa: E402
-from s3_servers import MotoServer  # noqa: E402
-from servers import ServerProcess, free_port, load_by_path, port_open, start_process  # noqa: E402
-
-from tiercache.cli.bench.measure import best, best_median, gbps, host_info, paired, percentiles, ratio  # noqa: E402
 
 __all__ = [
     "ROOT",

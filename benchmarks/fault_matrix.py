@@ -20,7 +20,7 @@ connector's lookup + load deadlines per prompt; the fault visible in the tier's 
 (tier errors, rejected frames, misses, dropped stores or the ``tier_down`` gauge move); the tier used again
 (decode's ``prefetched`` counter moves after recovery). ``ACTIONS`` says per (backend, fault) how the fault is
 injected and recovered, or why the cell cannot run here. Network backends run behind the TCP fault proxy of
-``tests/integration/fault_proxy.py`` (in pass mode until a fault uses it; a proxy per cluster node).
+``tiercache.testing.harness.fault_proxy`` (in pass mode until a fault uses it; a proxy per cluster node).
 
 Run: ``python benchmarks/fault_matrix.py --out benchmarks/results/fault_matrix.json`` (``make faults``);
 ``--backends redis --faults down_at_start,kill,corrupt`` for a subset; with ``--update`` only those cells
@@ -52,6 +52,9 @@ from _common import ROOT, S3_TEST_ENV, MotoServer, ServerProcess, free_port, por
 
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from run_vllm import REPLY
+
+from tiercache.testing.harness.backends import mooncake_bin, mooncake_env, start_mooncake_master
+from tiercache.testing.harness.fault_proxy import FaultProxy, ProcessFaultProxy
 
 __all__ = ["ACTIONS", "BACKENDS", "FAULTS", "main", "markdown_table"]
 
@@ -316,7 +319,7 @@ class Redis(Backend):
         return {"name": self.name, "url": f"redis://127.0.0.1:{self._front(self.port)}/0"}
 
     def use_proxy(self) -> None:
-        self.proxies = [_fault_proxy_class()("127.0.0.1", self.port).start()]
+        self.proxies = [FaultProxy("127.0.0.1", self.port).start()]
 
     def start(self) -> None:
         self.proc = start_process(self.argv, ready=lambda: port_open("127.0.0.1", self.port), timeout=30)
@@ -478,7 +481,7 @@ class S3(Backend):
         }
 
     def use_proxy(self) -> None:
-        self.proxies = [_fault_proxy_class()("127.0.0.1", self.moto.port).start()]
+        self.proxies = [FaultProxy("127.0.0.1", self.moto.port).start()]
 
     def start(self) -> None:
         self.moto.start()
@@ -526,7 +529,6 @@ class Mooncake(Backend):
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir)
-        self.harness = _integration_conftest()
         self.master: ServerProcess | None = None
         self.store: ServerProcess | None = None
         self.master_argv: list[str] = []
@@ -535,7 +537,7 @@ class Mooncake(Backend):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
     def use_proxy(self) -> None:
-        self.proxies = [_process_fault_proxy_class()("127.0.0.1", self.rpc_port).start()]
+        self.proxies = [ProcessFaultProxy("127.0.0.1", self.rpc_port).start()]
 
     def tier(self) -> dict[str, Any]:
         return {"name": "mooncake", "url": f"mooncake://127.0.0.1:{self._front(self.rpc_port)}"
@@ -544,7 +546,7 @@ class Mooncake(Backend):
     def start(self) -> None:
         """The harness's master argv on this backend's fixed ports (the tier URL names them before start)."""
         if not self.master_argv:
-            master, rpc, http = self.harness.start_mooncake_master()
+            master, rpc, http = start_mooncake_master()
             master.stop()
             ports = {f"={rpc}": f"={self.rpc_port}", f"={http}": f"={self.http_port}"}
             for arg in master.argv:
@@ -553,10 +555,8 @@ class Mooncake(Backend):
                 for old, new in ports.items():
                     arg = arg.replace(old, new)
                 self.master_argv.append(arg)
-        self.master = start_process(
-            self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
-        )
-        client = self.harness._mooncake_bin("mooncake_client")
+        self.master = start_process(self.master_argv, ready=self._master_ready, env=mooncake_env())
+        client = mooncake_bin("mooncake_client")
         port = free_port()
         argv = [
             client,
@@ -568,9 +568,7 @@ class Mooncake(Backend):
             "--protocol=tcp",
             "--logtostderr",
         ]
-        self.store = start_process(
-            argv, ready=lambda: port_open("127.0.0.1", port), env=self.harness._mooncake_env()
-        )
+        self.store = start_process(argv, ready=lambda: port_open("127.0.0.1", port), env=mooncake_env())
 
     def _master_ready(self) -> bool:
         return port_open("127.0.0.1", self.rpc_port) and port_open("127.0.0.1", self.http_port)
@@ -588,9 +586,7 @@ class Mooncake(Backend):
     def restart(self) -> None:
         assert self.master is not None
         if not self.master.alive():
-            self.master = start_process(
-                self.master_argv, ready=self._master_ready, env=self.harness._mooncake_env()
-            )
+            self.master = start_process(self.master_argv, ready=self._master_ready, env=mooncake_env())
 
     @contextlib.contextmanager
     def raw_store(self) -> Any:
@@ -758,25 +754,6 @@ def _slot_bytes() -> int:
         LayoutKind.CPU_BLOCKS, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32"
     )
     return CacheEngine.slot_bytes(layout, CHUNK)
-
-
-def _fault_proxy_class() -> Any:
-    """``FaultProxy`` from tests/integration/fault_proxy.py (standard library only, loaded by path)."""
-    from _common import load_by_path
-
-    return load_by_path(ROOT / "tests" / "integration" / "fault_proxy.py", "tiercache_fault_proxy").FaultProxy
-
-
-def _integration_conftest() -> Any:
-    """tests/integration/conftest.py as a plain module (its Mooncake launcher)."""
-    from _common import load_by_path
-
-    return load_by_path(ROOT / "tests" / "integration" / "conftest.py", "tiercache_integration_conftest")
-
-
-def _process_fault_proxy_class() -> Any:
-    """``ProcessFaultProxy`` (a FaultProxy in its own process), from ``_fault_proxy_class``'s module."""
-    return sys.modules[_fault_proxy_class().__module__].ProcessFaultProxy
 
 
 BACKEND_CLASSES: dict[str, Callable[[Path], Backend]] = {

@@ -81,7 +81,9 @@ def build_lmcache_kernels(src: Path) -> Any:
     cuda = src / "csrc" / "cuda"
     if not (cuda / "mem_kernels.cu").is_file():
         raise SystemExit(f"{cuda / 'mem_kernels.cu'} not found: --lmcache-src must be LMCache 0.5.6's source")
-    work = Path(tempfile.mkdtemp(prefix="lmc_build_"))
+    kept = os.environ.get("LMCACHE_BUILD_DIR")  # one build for several scripts of a run
+    work = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="lmc_build_"))
+    work.mkdir(parents=True, exist_ok=True)
     binding = work / "binding.cpp"
     binding.write_text(_BINDING)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
@@ -796,13 +798,11 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     import redis as redis_sync
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
-    from servers import free_port, port_open, start_process
-
     from tiercache.config import config_from_dict
     from tiercache.gpu import Move, reference
     from tiercache.gpu.layouts import LayoutKind, PagedLayout
     from tiercache.store.engine import CacheEngine
+    from tiercache.testing.harness.processes import free_port, port_open, start_process
 
     torch.manual_seed(0)
     tokens_n = args.tokens

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import free_port, port_open, start_process
+
+from tiercache.testing.harness.processes import free_port, port_open, start_process
 
 HERE = Path(__file__).resolve().parent
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

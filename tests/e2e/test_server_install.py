@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import exits_within
+
+from tiercache.testing.harness.processes import exits_within
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 

@@ -9,10 +9,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import move_cases as cases
 import pytest
 import torch
-from move_cases import DTYPES, KINDS, bits, k_gather, k_scatter, ref_gather, ref_scatter, sentinel_left
+
+from tiercache.testing.harness import moves as cases
+from tiercache.testing.harness.moves import (
+    DTYPES,
+    KINDS,
+    bits,
+    k_gather,
+    k_scatter,
+    ref_gather,
+    ref_scatter,
+    sentinel_left,
+)
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)

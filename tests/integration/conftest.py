@@ -13,13 +13,20 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
-from servers import ServerProcess, free_port, start_process
+
+from tiercache.testing.harness.backends import (
+    MissingServer,
+    MooncakeCluster,
+    start_mooncake,
+    start_mooncake_master,
+)
+from tiercache.testing.harness.processes import ServerProcess, free_port, start_process
 
 
 def missing_server(reason: str) -> None:
@@ -236,98 +243,22 @@ def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., R
 # ======================================================================================================
 
 
-def _mooncake_bin(name: str) -> str | None:
-    found = Path(sys.executable).with_name(name)
-    return str(found) if found.exists() else shutil.which(name)
+T = TypeVar("T")
 
 
-@dataclass
-class MooncakeCluster:
-    """A ``mooncake_master`` (with its HTTP metadata server) plus one store client lending a segment."""
-
-    rpc_port: int
-    http_port: int
-    master: ServerProcess
-    store: ServerProcess
-
-    @property
-    def url(self) -> str:
-        """The adapter URL (master RPC address, metadata URL, tcp)."""
-        return (
-            f"mooncake://127.0.0.1:{self.rpc_port}"
-            f"?metadata=http://127.0.0.1:{self.http_port}/metadata&protocol=tcp"
-        )
-
-    def restart_master(self) -> None:
-        """Start the master again with the same arguments (same ports) after ``kill``/``stop``."""
-        self.master.stop()
-        self.master = start_process(
-            self.master.argv, ready=lambda: _port_open(self.rpc_port), timeout=15, env=_mooncake_env()
-        )
-
-    def stop(self) -> None:
-        self.store.stop()
-        self.master.stop()
-
-
-def _port_open(port: int) -> bool:
-    from servers import port_open
-
-    return port_open("127.0.0.1", port)
-
-
-def _mooncake_env() -> dict[str, str]:
-    return {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-
-
-def start_mooncake_master() -> tuple[ServerProcess, int, int]:
-    """Start a master alone on 127.0.0.1 (RPC, HTTP metadata, metrics on free ports): (process, rpc, http)."""
-    master_bin = _mooncake_bin("mooncake_master")
-    if master_bin is None:
-        missing_server("mooncake_master not found (pip install -e '.[mooncake]')")
-    assert master_bin is not None
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    master_argv = [
-        master_bin,
-        "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-        "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-        "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-        "--rpc_thread_num=2", "--logtostderr",
-    ]  # fmt: skip
-    master = start_process(
-        master_argv, ready=lambda: _port_open(rpc) and _port_open(http), env=_mooncake_env()
-    )
-    return master, rpc, http
-
-
-def start_mooncake(segment: str = "1GB") -> MooncakeCluster:
-    """Start a master (``start_mooncake_master``) and a store client lending a ``segment`` of memory."""
-    client_bin = _mooncake_bin("mooncake_client")
-    if client_bin is None:
-        missing_server("mooncake_client not found (pip install -e '.[mooncake]')")
-    assert client_bin is not None
-    master, rpc, http = start_mooncake_master()
-    client_port = free_port()
-    client_argv = [
-        client_bin,
-        "--host=127.0.0.1", f"--port={client_port}",
-        f"--master_server_address=127.0.0.1:{rpc}",
-        f"--metadata_server=http://127.0.0.1:{http}/metadata",
-        f"--global_segment_size={segment}", "--protocol=tcp", "--logtostderr",
-    ]  # fmt: skip
+def _mooncake(start: Callable[[], T]) -> T:
+    """``start()``, skipped (failed under CI) when a Mooncake binary is not installed."""
     try:
-        store = start_process(client_argv, ready=lambda: _port_open(client_port), env=_mooncake_env())
-    except BaseException:
-        master.stop()
+        return start()
+    except MissingServer as exc:
+        missing_server(str(exc))
         raise
-    return MooncakeCluster(rpc, http, master, store)
 
 
 @pytest.fixture(scope="session")
 def mooncake_cluster() -> Iterator[MooncakeCluster]:
     """One master + a 1 GB store client for the whole session."""
-    cluster = start_mooncake()
+    cluster = _mooncake(start_mooncake)
     yield cluster
     cluster.stop()
 
@@ -335,7 +266,7 @@ def mooncake_cluster() -> Iterator[MooncakeCluster]:
 @pytest.fixture
 def mooncake_master_alone() -> Iterator[tuple[int, int]]:
     """A master with no store client, so no segment memory: (rpc port, http metadata port)."""
-    master, rpc, http = start_mooncake_master()
+    master, rpc, http = _mooncake(start_mooncake_master)
     yield rpc, http
     master.stop()
 
@@ -346,7 +277,7 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeCluster]]:
     started: list[MooncakeCluster] = []
 
     def start(segment: str = "256MB") -> MooncakeCluster:
-        cluster = start_mooncake(segment)
+        cluster = _mooncake(lambda: start_mooncake(segment))
         started.append(cluster)
         return cluster
 
@@ -361,10 +292,10 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeCluster]]:
 
 
 # ======================================================================================================
-# Fault injection: a TCP proxy that stalls, resets or truncates, between any client and
-# any server started above. See tests/integration/fault_proxy.py.
+# Fault injection: a TCP proxy that stalls, resets or truncates, between any client and any server started
+# above (tiercache.testing.harness.fault_proxy).
 # ======================================================================================================
-from fault_proxy import FaultProxy  # noqa: E402
+from tiercache.testing.harness.fault_proxy import FaultProxy  # noqa: E402
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ import pytest
 pytest.importorskip("aioboto3")
 pytest.importorskip("moto")
 
-from s3_servers import TEST_ENV, MotoServer  # tests/integration, on the path through the integration conftest
-
 from tiercache.cli.bench.runner import SuiteContext, run_suite
 from tiercache.config import config_from_dict
+from tiercache.testing.harness.s3 import TEST_ENV, MotoServer
 
 BUCKET = "tc-bench-suite"
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.config import config_from_dict
 from tiercache.errors import AdapterUnavailable, ConfigError
@@ -18,6 +17,7 @@ from tiercache.gpu.reference import gather, scatter
 from tiercache.store._reopen import ReopeningAdapter
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
 
 LAYOUT = PagedLayout(
     LayoutKind.VLLM_FLASH, num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"

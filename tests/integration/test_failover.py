@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.config import config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,14 +8,14 @@ import asyncio
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import load_by_path  # tests/integration, on the path through the integration conftest
 
 from tiercache.adapters import Adapter
 from tiercache.errors import AdapterError, AdapterTimeout, AdapterUnavailable
+from tiercache.testing.harness import fault_proxy as fault_proxy_module
+from tiercache.testing.harness import s3 as s3_servers
 
 pytestmark = pytest.mark.asyncio
 
@@ -23,11 +23,6 @@ SAFETY_NET_S = 60
 """Only there so that a broken adapter fails the test instead of hanging it; never reached when correct."""
 
 
-def _load(name: str) -> Any:
-    return load_by_path(Path(__file__).with_name(f"{name}.py"), name)
-
-
-s3_servers = _load("s3_servers")
 BUCKET = "tc-faults"
 
 
@@ -211,8 +206,6 @@ async def test_redis_truncating_server(redis_server: Any, fault_proxy: Any, op: 
 # the first connection hung until the client's 30 s RPC timeout (20 times). Hence ProcessFaultProxy. Only the
 # master's RPC traffic goes through the proxy; the data path goes to the store client's address, which the
 # metadata server hands out.
-
-fault_proxy_module = _load("fault_proxy")
 
 
 @pytest.fixture

@@ -165,7 +165,7 @@ async def test_foreign_object_is_a_miss(mooncake_cluster: Any) -> None:
 
 
 async def test_unreachable_master_fails_at_open() -> None:
-    from servers import free_port
+    from tiercache.testing.harness.processes import free_port
 
     opening = MooncakeAdapter.open(
         f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata",

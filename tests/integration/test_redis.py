@@ -90,7 +90,7 @@ async def test_registry_schemes_and_options(redis_server: Any, redis_cluster: An
 
 
 async def test_unreachable_server_fails_at_open() -> None:
-    from servers import free_port
+    from tiercache.testing.harness.processes import free_port
 
     # The refusal itself ends the open (AdapterUnavailable naming the connection error), not a timeout:
     # one waiting for an answer would end, much later, in AdapterTimeout.

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import ServerProcess, free_port, port_open, start_process
 
 from tiercache.adapters.redis import RedisAdapter
 from tiercache.errors import AdapterUnavailable
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,7 +14,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from servers import load_by_path  # tests/integration, on the path through the integration conftest
+
+from tiercache.testing.harness.scripts import load_by_path
 
 STRESS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "restore_stress.py"
 

@@ -16,7 +16,6 @@ import xxhash
 pytest.importorskip("aioboto3")
 pytest.importorskip("moto")
 
-import s3_servers as servers  # tests/integration, on the path through the integration conftest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 import tiercache
@@ -24,6 +23,8 @@ from tiercache.adapters.s3 import S3Adapter, object_name
 from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache.keys import ChunkKey
 from tiercache.testing.adapters import AdapterConformance
+from tiercache.testing.harness import s3 as servers
+from tiercache.testing.harness.processes import free_port
 
 if TYPE_CHECKING:
     from tiercache.testing.adapters import AdapterFactory
@@ -353,7 +354,7 @@ def _listing_bucket(raw: Any, bucket: str) -> list[str]:
 @pytest.mark.asyncio
 async def test_endpoint_down_at_open(aws_env: None) -> None:
     """Nothing listens: a refused connection is AdapterUnavailable at once (a hang hits the safety net)."""
-    port = servers.free_port()
+    port = free_port()
     opening = S3Adapter.open(
         f"s3://{BUCKET}/p", endpoint_url=f"http://127.0.0.1:{port}", connect_timeout=1, max_attempts=1
     )

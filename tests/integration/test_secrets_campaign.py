@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_servers import TEST_ENV, MotoServer
 
 from tiercache import cli
 from tiercache._open import open_adapter
@@ -27,6 +26,7 @@ from tiercache.gpu.reference import scatter
 from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.store.engine import CacheEngine
+from tiercache.testing.harness.s3 import TEST_ENV, MotoServer
 
 PASSWORD = "pw-" + secrets.token_hex(12)
 WRONG_PASSWORD = "wrongpw-" + secrets.token_hex(12)

@@ -7,7 +7,8 @@ import statistics
 from types import ModuleType
 
 import pytest
-from servers import load_by_path  # tests/integration, on the path through the integration conftest
+
+from tiercache.testing.harness.scripts import load_by_path
 
 FD_SLACK = 2
 SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 from types import ModuleType
 
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+from tiercache.testing.harness.scripts import load_by_path
 
 FUZZ = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
 

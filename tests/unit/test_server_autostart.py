@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import exits_within
 
 from tiercache.server.autostart import (
     FAILED_NAME,
@@ -27,6 +26,7 @@ from tiercache.server.autostart import (
 )
 from tiercache.server.client import ServerConnection, SharedL1
 from tiercache.spec import KVSpec
+from tiercache.testing.harness.processes import exits_within
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import exits_within
+
+from tiercache.testing.harness.processes import exits_within
 
 CHOOSE = r"""
 import glob, json, logging, os, sys

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import NodeServer, wait_for
 
 from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.main import main as server_main
 from tiercache.server.protocol import Op, decode, encode
 from tiercache.spec import KVSpec
+from tiercache.testing.harness.processes import NodeServer, wait_for
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 SLOTS = 8

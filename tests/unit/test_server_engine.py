@@ -78,7 +78,6 @@ async def test_store_on_one_connection_retrieve_on_another(server: Server, produ
 CHILD = r"""
 import asyncio, sys
 sys.path.append(sys.argv[2])  # after the installed tiercache: only `tests` comes from the repo
-sys.path.append(sys.argv[2] + "/tests/integration")  # the test helpers (servers.py), as pytest's pythonpath
 from tests.unit.test_engine import expected_kv, Engine, same_bits
 from tests.unit.test_server_engine import engine_on, LAYOUT
 

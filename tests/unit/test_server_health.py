@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from servers import NodeServer
 
 from tiercache.server.health import check_health
+from tiercache.testing.harness.processes import NodeServer
 
 TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
 

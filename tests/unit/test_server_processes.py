@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from servers import NodeServer, wait_for
 
 from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.protocol import Op, decode, encode
 from tiercache.server.server import ServerAlreadyRunning, claim_socket_path
 from tiercache.spec import KVSpec
+from tiercache.testing.harness.processes import NodeServer, wait_for
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 SLOT_BYTES, SLOTS = 4096, 4

@@ -1,4 +1,4 @@
-"""A fault-injecting TCP proxy for the integration tests: put it between a client and a real server.
+"""A fault-injecting TCP proxy: put it between a client and a real server.
 
     proxy = FaultProxy("127.0.0.1", server_port).start()   # listens on 127.0.0.1:proxy.port
     proxy.mode = "stall"        # or "pass", "slow", "reset", "truncate"; at once, open connections too
@@ -23,7 +23,7 @@ Modes:
   connections too, at their next request. An S3 service out of capacity, as clients see it.
 
 The proxy runs its own event loop on a daemon thread, so it serves sync and async clients, and clients whose
-blocking calls run in threads. Self-contained (standard library only), loadable by path like ``s3_servers``.
+blocking calls run in threads. Standard library only. ``ProcessFaultProxy`` runs one in a child process.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class ProcessFaultProxy:
 
     def start(self) -> ProcessFaultProxy:
         """Start the child proxy and read the port it listens on."""
-        argv = [sys.executable, __file__, self.target[0], str(self.target[1])]
+        argv = [sys.executable, "-m", __name__, self.target[0], str(self.target[1])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         self.port = int(self._proc.stdout.readline())

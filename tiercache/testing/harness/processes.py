@@ -1,13 +1,10 @@
-"""Start a server process for integration tests, wait until it is ready, stop it by PID.
-
-Shared helper (Redis/Valkey harness and the S3 harness import it). Stable API::
+"""Start a server process for tests and benchmarks, wait until it is ready, stop it by PID. ::
 
     port = free_port()
     proc = start_process([...argv...], ready=lambda: port_open("127.0.0.1", port), timeout=10)
     proc.pause(); proc.resume()   # SIGSTOP / SIGCONT
     proc.stop()                   # SIGTERM, then SIGKILL after a grace period; idempotent
     proc.kill()                   # SIGKILL at once; idempotent
-    module = load_by_path(path, "unique_name")   # a helper script as a module (benchmarks, fault proxy)
 
 Only the process started here is signalled (by its PID), never anything found by name.
 """
@@ -15,7 +12,6 @@ Only the process started here is signalled (by its PID), never anything found by
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import select
 import signal
@@ -26,39 +22,16 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 
 __all__ = [
     "NodeServer",
     "ServerProcess",
     "exits_within",
     "free_port",
-    "load_by_path",
     "port_open",
     "start_process",
     "wait_for",
 ]
-
-
-def load_by_path(path: str | Path, name: str) -> ModuleType:
-    """The Python file at ``path`` as module ``name`` (loaded once, then taken from ``sys.modules``).
-
-    For helper scripts outside any package (benchmarks, the fault proxy, a conftest): it is registered in
-    ``sys.modules`` before it runs, as dataclasses and pickling look their module up by name.
-    """
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def free_port() -> int:

@@ -1,8 +1,4 @@
-"""A throwaway moto S3 server on 127.0.0.1 for the S3 integration tests (start, stop by PID, pause, restart).
-
-Self-contained (no import from the other integration helpers), so the test module can load it by path under
-``--import-mode=importlib``.
-"""
+"""A throwaway moto S3 server on 127.0.0.1 for tests and benchmarks (start, stop by PID, pause, restart)."""
 
 from __future__ import annotations
 
@@ -10,7 +6,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +13,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["MotoServer", "free_port", "moto_argv"]
+from tiercache.testing.harness.processes import free_port
+
+__all__ = ["TEST_ENV", "MotoServer", "moto_argv"]
 
 TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -29,13 +26,6 @@ TEST_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
 }
 """Environment for clients of the test server: dummy credentials, no profile files, no instance metadata."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def moto_argv(port: int) -> list[str]:
