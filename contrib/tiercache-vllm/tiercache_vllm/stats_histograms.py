@@ -10,8 +10,8 @@ Payload section (JSON-able)::
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiercache.metrics import LATENCY_BUCKETS
