@@ -286,7 +286,7 @@ def test_consumer_reports_a_producer_with_another_keyspace(
     assert same_side.stats.keyspace_mismatches == 0
     other = make_tokens_scheduler(tiny_model, posix_config)
     other_side = other.connector.scheduler_side  # type: ignore[union-attr]
-    with caplog.at_level("WARNING", logger="tiercache_vllm"):
+    with caplog.at_level("WARNING", logger="tiercache.vllm"):
         other_side.get_num_new_matched_tokens(forwarded("c2"), 0)
         other_side.get_num_new_matched_tokens(forwarded("c3"), 0)
     assert other_side.stats.keyspace_mismatches == 2

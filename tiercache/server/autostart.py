@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -51,6 +52,8 @@ __all__ = [
     "private_dir",
     "socket_answers",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/tiercache/tiercache.sock"
 """Where ``"auto"`` looks for a node's daemon when the config sets no ``server.socket``."""
@@ -338,7 +341,7 @@ class _Keeper:
             if fired is not pidfd:
                 self._stop(server, pidfd)
             else:
-                print(f"tiercache autostart: the server exited by itself ({server.wait()})", file=sys.stderr)
+                log.warning("tiercache autostart: the server exited by itself (%s)", server.wait())
         finally:
             os.close(pidfd)
         self._remove()

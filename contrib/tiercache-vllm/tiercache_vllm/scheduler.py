@@ -47,7 +47,7 @@ KEYSPACE_PARAM = "tiercache_keyspace"
 key source. A consumer given it (a P/D proxy forwards these params) compares it with its own and reports a
 mismatch, which would otherwise be an unexplained miss on every request."""
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 
 @dataclass(slots=True)

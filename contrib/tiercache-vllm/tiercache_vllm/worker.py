@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerSide"]
 
-logger = logging.getLogger("tiercache_vllm")
+logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 
 @dataclass(slots=True)
