@@ -1,4 +1,4 @@
-"""Restores under stress (benchmarks/restore_stress.py): whatever the timing, no restored token is wrong.
+"""Restores under stress (``tiercache.testing.harness.restore_stress``): no restored token is ever wrong.
 
 The demo's path, prefill through L1 into a memory and a file tier, decode prefetching from the file tier into
 its own L1, run round after round with delays in every adapter call and codec job, deadlines that expire
@@ -15,15 +15,13 @@ from typing import Any
 
 import pytest
 
-from tiercache.testing.harness.scripts import load_by_path
-
-STRESS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "restore_stress.py"
-
 pytestmark = pytest.mark.asyncio
 
 
 def _load() -> ModuleType:
-    return load_by_path(STRESS, "restore_stress")
+    from tiercache.testing.harness import restore_stress
+
+    return restore_stress
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A 20-second run of benchmarks/soak.py (faults every 3 s): nothing wrong served, no lease or fd left."""
+"""A 20-second soak (faults every 3 s; ``tiercache.testing.harness.soak``): nothing wrong, nothing left."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ from types import ModuleType
 
 import pytest
 
-from tiercache.testing.harness.scripts import load_by_path
-
 FD_SLACK = 2
-SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 pytestmark = pytest.mark.asyncio
 
 
 def _load() -> ModuleType:
-    return load_by_path(SOAK, "soak")
+    from tiercache.testing.harness import soak
+
+    return soak
 
 
 @pytest.mark.slow

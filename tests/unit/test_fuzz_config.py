@@ -4,17 +4,13 @@ ConfigError, any text a TOML error or one of those, never another exception."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _fuzz_targets import load
+from tiercache.testing.harness import fuzz
 
-fuzz = load()
 CONFIG = fuzz.ConfigFuzz()
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _fuzz_targets import load
+from tiercache.testing.harness import fuzz
 
-fuzz = load()
 CONNECTOR = fuzz.ConnectorFuzz()
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -3,17 +3,12 @@ is rejected with FrameError, never decoded to other bytes, never another excepti
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _fuzz_targets import load
+from tiercache.testing.harness import fuzz
 
-fuzz = load()
 FRAMES = fuzz.FrameFuzz()
 CASES = len(FRAMES.cases)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,13 +4,7 @@ was sent (it re-encodes to the same bytes)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _fuzz_targets import load
-
-fuzz = load()
+from tiercache.testing.harness import fuzz
 
 
 def test_short_fuzz_loop_has_no_findings() -> None:

@@ -11,15 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _fuzz_targets import load
-
 from tiercache.server.client import ServerConnection
 from tiercache.server.protocol import Op, decode, encode
 from tiercache.server.segment import MIN_SLOT, Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
-
-fuzz = load()
+from tiercache.testing.harness import fuzz
 
 
 def _open_fds(pid: int) -> int:

@@ -264,7 +264,7 @@ class ProcessFaultProxy:
 
     def start(self) -> ProcessFaultProxy:
         """Start the child proxy and read the port it listens on."""
-        argv = [sys.executable, "-m", __name__, self.target[0], str(self.target[1])]
+        argv = [sys.executable, "-P", "-m", __name__, self.target[0], str(self.target[1])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         self.port = int(self._proc.stdout.readline())

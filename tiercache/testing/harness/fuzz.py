@@ -62,8 +62,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from tiercache.config import Config, config_from_dict
 from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecPipeline, build_pipeline, read_header
@@ -742,7 +740,7 @@ class ServerFuzzer:
         if status != "ok":
             return []
         refs = []
-        for ref, n in zip(reply["slots"], body["nbytes"], strict=True):
+        for ref, n in zip(reply["slots"], sizes, strict=True):
             if isinstance(ref, list):
                 refs.append(ref)
                 self.writable.setdefault(peer.id, {})[ref[0], ref[1]] = (ref[2], n)
@@ -970,7 +968,7 @@ class ServerFuzzer:
 
 def _child(role: str, cfg: dict[str, Any]) -> subprocess.Popen[str]:
     """This file run as a legitimate client or the fuzzer (one JSON line on stdout when done)."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", role, json.dumps(cfg)]
+    argv = [sys.executable, "-P", "-m", __name__, "--child", role, json.dumps(cfg)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 

@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,14 +38,13 @@ from typing import Any
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ServerProcess, free_port, host_info, port_open, start_process
-
+from tiercache.cli.bench.measure import host_info
 from tiercache.config import config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
 
 __all__ = ["SoakConfig", "main", "run_soak", "verdict"]
 
