@@ -74,6 +74,10 @@ class KeySpace:
     """How chunk hashes are computed when not from the tokens alone, e.g.
     ``vllm-block:sha256:bs32:seed=<fingerprint>`` when they derive from vLLM's block hashes; hashed only
     when set. Processes whose key sources differ get different digests: they miss, never mix keys."""
+    kv_group: str = ""
+    """The KV cache group an object belongs to when a model has attention of several kinds, e.g.
+    ``sliding_window:64:<layers digest>``: its kind, window or chunk size and layers (hashed only when
+    set), so one group's objects are never served to another group or another window."""
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +94,7 @@ class KeySpace:
             raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
         fields = asdict(self)
         fields.pop("_digest")
-        for optional in ("layout_tag", "key_source"):
+        for optional in ("layout_tag", "key_source", "kv_group"):
             if not fields[optional]:
                 fields.pop(optional)
         fields["kv_format"] = self.kv_format.name

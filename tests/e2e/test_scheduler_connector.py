@@ -369,7 +369,7 @@ def test_preemption(tiny_model: Path, posix_config: Path) -> None:
         preempted += meta.preempted
         saves += [(op.req_id, op.skip_tokens, len(op.token_ids)) for op in meta.saves]
         for rid in out.scheduled_cached_reqs.resumed_req_ids:
-            resumed_blocks[rid] = list(s.connector.scheduler_side._trackers[rid].block_ids)  # type: ignore[union-attr]
+            resumed_blocks[rid] = list(s.connector.scheduler_side._trackers[rid].block_ids[0])  # type: ignore[union-attr]
         # the worker would report finished saves: do it for every finished request
         if out.finished_req_ids:
             s.update_from_output(s.schedule(), output({}, sending=set(out.finished_req_ids)))
@@ -614,14 +614,16 @@ def test_new_weights_at_the_same_path_change_the_keyspace(
     assert before != after
 
 
-def test_sliding_window_only_model_is_refused(tiny_model: Path, posix_config: Path) -> None:
+def test_sliding_window_only_model_is_keyed_by_its_window(tiny_model: Path, posix_config: Path) -> None:
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     spec = SlidingWindowSpec(
         block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=128
     )
-    with pytest.raises(NotImplementedError, match="sliding-window attention"):
-        make_scheduler(tiny_model, posix_config, spec=spec)
+    side: Any = make_scheduler(tiny_model, posix_config, spec=spec).connector.scheduler_side  # type: ignore[union-attr]
+    assert side._idents[0].group.startswith("sliding_window:128:")
+    plain: Any = make_scheduler(tiny_model, posix_config).connector.scheduler_side  # type: ignore[union-attr]
+    assert plain._idents[0].group == ""
 
 
 def test_disabled_worker_reports_misses_and_tells_the_scheduler(

@@ -42,10 +42,12 @@ __all__ = [
     "TierCacheMetadata",
     "WorkerState",
     "check_failure_policy",
+    "engine_like",
     "keyspace_of",
     "layout_from_vllm",
     "model_fingerprint",
     "open_engine",
+    "register_engine",
     "shared_engine",
     "slot_mapping",
 ]
@@ -166,6 +168,12 @@ class LoadOp:
     lookup: LookupResult | None = None
     """The scheduler's lookup of the whole prompt, set only when it ran on this process's worker engine:
     the load reuses its keys and hits (no second hash, no second L2 query)."""
+    more_block_ids: list[list[int]] = field(default_factory=list)
+    """The block ids of KV cache groups 1.. (a hybrid model; vLLM's null block 0 where a window ended)."""
+
+    def group_blocks(self, group: int) -> list[int]:
+        """The request's block ids in KV cache group ``group``."""
+        return self.block_ids if group == 0 else self.more_block_ids[group - 1]
 
 
 @dataclass(slots=True)
@@ -183,6 +191,12 @@ class SaveOp:
     key_args: KeyArgs | None = None
     """The request's identity and block hashes (None: tokens alone)."""
     epoch: int = 0
+    more_block_ids: list[list[int]] = field(default_factory=list)
+    """The block ids of KV cache groups 1.. (see ``LoadOp.more_block_ids``)."""
+
+    def group_blocks(self, group: int) -> list[int]:
+        """The request's block ids in KV cache group ``group``."""
+        return self.block_ids if group == 0 else self.more_block_ids[group - 1]
 
 
 @dataclass
@@ -235,24 +249,31 @@ def slot_mapping(block_ids: Sequence[int], num_tokens: int, block_size: int) -> 
 
 
 # ----- layout and keyspace ----------------------------------------------------------------------
-def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> PagedLayout:
-    """The paged layout vLLM will hand the worker, from its configs alone (the scheduler has no tensors).
+def layout_from_vllm(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, group: int = 0
+) -> PagedLayout:
+    """The paged layout vLLM will hand the worker for KV cache group ``group``, from its configs alone (the
+    scheduler has no tensors); ``NotImplementedError`` naming what cannot be cached (``_groups``).
 
-    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, otherwise ``VLLM_FLASH``.
+    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, otherwise ``VLLM_FLASH``. Every
+    group must share one page format (heads, head size, dtype, vLLM's block size).
     """
     from vllm.platforms import current_platform
 
     from tiercache.gpu.layouts import LayoutKind, PagedLayout
+    from tiercache_vllm._groups import kv_groups
 
-    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
-        raise ValueError("tiercache needs vLLM's kv_cache_config (a KV connector with 3-argument __init__)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    groups = kv_groups(vllm_config, kv_cache_config)
+    assert kv_cache_config is not None  # kv_groups checked it
+    specs: list[Any] = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    formats = {(int(s.num_kv_heads), int(s.head_size), str(s.dtype), int(s.block_size)) for s in specs}
+    block_size = int(vllm_config.cache_config.block_size)
+    if len(formats) != 1 or next(iter(formats))[3] != block_size:
         raise NotImplementedError(
-            f"tiercache supports one KV cache group (full attention); this model has {len(groups)}"
+            "tiercache: cannot cache this model's KV: its KV cache groups differ in page format "
+            f"(heads, head size, dtype, block size: {sorted(formats)}; vLLM block size {block_size})"
         )
-    spec: Any = groups[0].kv_cache_spec
-    _check_attention(vllm_config, spec)
+    spec = specs[group]
     use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
     if use_mla:
         kind, heads = LayoutKind.VLLM_MLA, 1
@@ -261,39 +282,12 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
         heads = int(spec.num_kv_heads)
     return PagedLayout(
         kind,
-        num_layers=len(groups[0].layer_names),
+        num_layers=len(groups[group].layer_names),
         num_kv_heads=heads,
         head_dim=int(spec.head_size),
         block_size=int(spec.block_size),
         dtype=str(spec.dtype).removeprefix("torch."),
     )
-
-
-def _check_attention(vllm_config: VllmConfig, spec: Any) -> None:
-    """``NotImplementedError`` naming the reason unless the KV cache is plain full attention (or MLA) with
-    one page format for every layer: sliding windows, chunked-local attention, inline quantization scales
-    and per-layer dtype exceptions change what a page holds, so their KV is refused at start."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    kind = type(spec).__name__
-    problem = ""
-    if getattr(spec, "sliding_window", None) is not None:
-        problem = f"it uses sliding-window attention (window {spec.sliding_window}, {kind})"
-    elif type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        problem = f"its KV cache spec is {kind}"
-    elif getattr(spec, "attention_chunk_size", None) is not None:
-        problem = f"it uses chunked local attention ({spec.attention_chunk_size} tokens)"
-    elif getattr(spec, "state_content_bytes", None) is not None:
-        problem = "its KV pages carry inline quantization scales"
-    elif getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
-        problem = "kv_cache_dtype_skip_layers gives its layers different KV dtypes"
-    elif getattr(vllm_config.cache_config, "calculate_kv_scales", False):
-        problem = "calculate_kv_scales makes each process compute its own k/v scales"
-    if problem:
-        raise NotImplementedError(
-            f"tiercache: cannot cache this model's KV: {problem}; "
-            "only full attention (or MLA) with one KV format for all layers is supported"
-        )
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
@@ -384,12 +378,19 @@ class EngineIdentity:
     rank: int | str
     layerwise: bool
     key_source: str = ""
+    group: str = ""
+    """The KV cache group's tag (``GroupSpec.tag``, ``KeySpace.kv_group``); empty for plain full attention."""
 
 
 def identity(
-    vllm_config: VllmConfig, settings: ConnectorSettings, layout: PagedLayout, rank: int | str
+    vllm_config: VllmConfig,
+    settings: ConnectorSettings,
+    layout: PagedLayout,
+    rank: int | str,
+    group: str = "",
 ) -> EngineIdentity:
-    """The engine identity for ``rank`` (``"shared"`` for MLA) of this vLLM config.
+    """The engine identity for ``rank`` (``"shared"`` for MLA) and KV cache group ``group`` (its tag) of this
+    vLLM config.
 
     The keyspace's revision holds the model revision and ``model_fingerprint`` (``"REV+kv-FINGERPRINT"``), so
     a different KV cache dtype, config override or weight file is a different keyspace (all misses).
@@ -408,6 +409,7 @@ def identity(
         rank=rank,
         layerwise=settings.layerwise,
         key_source=vllm_key_source(vllm_config, settings.key_source),
+        group=group,
     )
 
 
@@ -428,6 +430,12 @@ def worker_disabled(ident: EngineIdentity) -> bool:
     """True when a worker of this process could not open its engine for ``ident``."""
     with _registry_lock:
         return ident in _DISABLED
+
+
+def register_engine(ident: EngineIdentity, engine: CacheEngine) -> None:
+    """Make ``engine`` the one of ``ident`` for this process's scheduler (a KV cache group's engine)."""
+    with _registry_lock:
+        _ENGINES[ident] = engine
 
 
 def shared_engine(ident: EngineIdentity) -> CacheEngine | None:
@@ -472,8 +480,8 @@ def open_engine(
         slot = CacheEngine.slot_bytes(ident.layout, config.chunk_size, ident.layerwise, codec)
         config = dataclasses.replace(config, l1=L1Config(capacity=2 * slot + 64, pinned=False, codec=codec))
 
-    def opener(cfg: Config) -> Coroutine[Any, Any, CacheEngine]:
-        return CacheEngine.open(
+    async def opener(cfg: Config) -> CacheEngine:
+        engine = await CacheEngine.open(
             cfg,
             ident.layout,
             model=ident.model,
@@ -483,6 +491,9 @@ def open_engine(
             layerwise=ident.layerwise,
             key_source=ident.key_source,
         )
+        if not ident.group:
+            return engine
+        return engine_like(engine, ident.layout, keyspace_of(cfg, ident))
 
     # a tier down at start is re-opened by the manager
     return _open_on_loop(opener(config), ident, timeout_s, register=register)
@@ -504,7 +515,7 @@ def keyspace_of(config: Config, ident: EngineIdentity) -> KeySpace:
     """The keyspace the engine of ``ident`` keys its chunks in under ``config``."""
     from tiercache.store.engine import CacheEngine
 
-    return CacheEngine.keyspace_for(
+    keyspace = CacheEngine.keyspace_for(
         config,
         ident.layout,
         model=ident.model,
@@ -513,6 +524,7 @@ def keyspace_of(config: Config, ident: EngineIdentity) -> KeySpace:
         rank=ident.rank,
         key_source=ident.key_source,
     )
+    return dataclasses.replace(keyspace, kv_group=ident.group) if ident.group else keyspace
 
 
 def _open_on_server(
@@ -555,12 +567,17 @@ def _open_on_server(
 
 def engine_for_rank(base: CacheEngine, rank: int | str) -> CacheEngine:
     """An engine sharing ``base``'s manager (L1 + tiers) with the keyspace of another TP rank."""
+    return engine_like(base, base.layout, dataclasses.replace(base.keyspace, rank=rank))  # type: ignore[arg-type]
+
+
+def engine_like(base: CacheEngine, layout: PagedLayout, keyspace: KeySpace) -> CacheEngine:
+    """An engine sharing ``base``'s manager (L1 + tiers) with another layout and keyspace (another TP rank
+    or KV cache group)."""
     from tiercache.store.engine import CacheEngine
 
-    keyspace = dataclasses.replace(base.keyspace, rank=rank)  # type: ignore[arg-type]
     return CacheEngine(
         base.manager,
-        base.layout,
+        layout,
         keyspace,
         chunk_size=base.chunk_size,
         save_unfull_chunk=base.token_db.save_unfull_chunk,

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from tiercache_vllm import _events
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -119,8 +120,11 @@ def drain_all(timeout_s: float = 60.0) -> None:
                 _loop.call(worker.engine.drain(), timeout_s)
 
 
-class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM KV connector storing prompt KV as tiercache chunk objects and restoring cached prefixes."""
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector storing prompt KV as tiercache chunk objects and restoring cached prefixes.
+
+    Hybrid models (``SupportsHMA``): one object per KV cache group per chunk, each group restored from its
+    own block ids, a hit only when every group can be restored (see ``_groups``)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -153,6 +157,12 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise loads and saves run in per-layer hooks, which full CUDA-graph replay skips: ask for
+        piecewise graphs then."""
+        return bool((extra_config or {}).get("layerwise", False))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -271,6 +281,16 @@ class TierCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._hit_sources.forget(request.request_id)
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` of a hybrid-aware connector: one answer for every KV cache group."""
+        return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
 
     # ----- stats: tiercache's numbers in vLLM's log line and /metrics (tiercache_vllm.stats) ------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

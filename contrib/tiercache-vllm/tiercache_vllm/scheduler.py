@@ -18,7 +18,7 @@ from tiercache_vllm._common import (
     LoadOp,
     SaveOp,
     TierCacheMetadata,
-    engine_for_rank,
+    engine_like,
     identity,
     keyspace_of,
     layout_from_vllm,
@@ -26,12 +26,13 @@ from tiercache_vllm._common import (
     shared_engine,
     worker_disabled,
 )
+from tiercache_vllm._groups import check_layerwise, kv_groups
 from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
 from tiercache_vllm._server import request_timeout_s, server_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -55,7 +56,8 @@ class _Tracker:
     """A scheduled request's save progress: its prompt, current blocks, tokens computed and saved."""
 
     prompt: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per KV cache group."""
     computed: int = 0
     saved: int = 0
     epoch: int = 0
@@ -112,14 +114,24 @@ class SchedulerSide:
         self.chunk_size = config.chunk_size
         self.save_unfull_chunk = config.save_unfull_chunk
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        self.groups = kv_groups(vllm_config, kv_cache_config)
+        check_layerwise(self.groups, settings.layerwise)
+        layouts = [layout_from_vllm(vllm_config, kv_cache_config, g.index) for g in self.groups]
+        self.layout = layouts[0]
+        self._largest = max(range(len(layouts)), key=lambda i: layouts[i].num_layers)
         # MLA restores whole blocks only, as vLLM's prefix cache does: a restore leaving a one-token first
         # step runs MLA's absorbed decode path, whose tokens differ from a cold prefill even with exact KV.
         self.whole_blocks = self.layout.object_format.name == "KV_MLA"
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
-        self._idents = [identity(vllm_config, settings, self.layout, r) for r in ranks]
-        self.server = server_for(vllm_config, settings, config, self.layout)
+        self._idents = [
+            identity(vllm_config, settings, layout, r, g.tag)
+            for r in ranks
+            for g, layout in zip(self.groups, layouts, strict=True)
+        ]
+        """One engine identity per TP rank and KV cache group (rank-major); a chunk is a hit only when every
+        one of them holds its object."""
+        self.server = server_for(vllm_config, settings, config, layouts[self._largest])
         """The server this instance runs on (decided once; ``socket`` None = in-process)."""
         self._hash_block_size = hash_block_size(vllm_config, self._idents[0].key_source)
         self._requests: dict[str, Request] = {}
@@ -142,7 +154,13 @@ class SchedulerSide:
         self._epochs: dict[str, int] = {}
         self._load_blocks: dict[str, set[int]] = {}
         self._save_issued: set[str] = set()
+        self._kv_manager: KVCacheManager | None = None
         self.stats = _Stats()
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        """The scheduler's KV cache manager: the truth about a request's blocks in every group (a windowed
+        group's freed pages become the null block while the request runs)."""
+        self._kv_manager = manager
 
     # ----- engine --------------------------------------------------------------------------------
     def _get_engines(self) -> list[CacheEngine] | None:
@@ -157,9 +175,10 @@ class SchedulerSide:
             self._engines = [e for e in shared if e is not None]
             self._shared = True
             return self._engines
+        largest = self._idents[self._largest]
         try:
             base = open_engine(
-                self._idents[0],
+                largest,
                 self.config,
                 self.settings.open_timeout_s,
                 register=False,
@@ -173,7 +192,10 @@ class SchedulerSide:
             self._disabled = True
             return None
         self._own_engine = base
-        self._engines = [base] + [engine_for_rank(base, ident.rank) for ident in self._idents[1:]]
+        self._engines = [
+            base if ident is largest else engine_like(base, ident.layout, keyspace_of(self.config, ident))
+            for ident in self._idents
+        ]
         return self._engines
 
     def _disable(self, why: str) -> None:
@@ -375,6 +397,7 @@ class SchedulerSide:
             req_id=request.request_id,
             token_ids=prompt[:read_end],
             block_ids=list(blocks.get_block_ids()[0]),
+            more_block_ids=[list(ids) for ids in blocks.get_block_ids()[1:]],
             skip_tokens=local,
             load_end=load_end,
             is_async=self.settings.load_async,
@@ -385,7 +408,9 @@ class SchedulerSide:
         op.key_args = None if keys is None else keys.up_to(read_end)
         self._pending_loads[request.request_id] = op
         first, last = local // self.block_size, -(-load_end // self.block_size)
-        self._load_blocks[request.request_id] = set(op.block_ids[first:last])
+        self._load_blocks[request.request_id] = {
+            b for g in self.groups for b in op.group_blocks(g.index)[first:last] if b
+        }
         if op.is_async:
             self._async_loading.add(request.request_id)
         self.stats.loads += 1
@@ -402,7 +427,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracker = _Tracker(
                 prompt=list(new.prompt_token_ids or ()),
-                block_ids=list(new.block_ids[0]) if new.block_ids else [],
+                block_ids=[list(ids) for ids in new.block_ids] if new.block_ids else [],
                 computed=new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
                 saved=new.num_computed_tokens // self.chunk_size * self.chunk_size,
                 epoch=self._epochs.get(new.req_id, 0),
@@ -417,17 +442,31 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in resumed:
-                found.block_ids = list(new_blocks[0]) if new_blocks else []
+                found.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                found.block_ids.extend(new_blocks[0])
+                if not found.block_ids:
+                    found.block_ids = [[] for _ in new_blocks]
+                for ids, more in zip(found.block_ids, new_blocks, strict=True):
+                    ids.extend(more)
             found.computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             touched.append((req_id, found))
         if self.can_save and not self._disabled:
             for req_id, tracker in touched:
+                self._refresh_blocks(req_id, tracker)
                 op = self._plan_save(req_id, tracker)
                 if op is not None:
                     meta.saves.append(op)
         return meta
+
+    def _refresh_blocks(self, req_id: str, tracker: _Tracker) -> None:
+        """A windowed model's blocks as the KV cache manager holds them now: the pages its windows left are
+        the null block (vLLM may already have handed them to another request)."""
+        if self._kv_manager is None or not any(g.windowed for g in self.groups):
+            return
+        try:
+            tracker.block_ids = [list(ids) for ids in self._kv_manager.get_block_ids(req_id)]
+        except KeyError:
+            tracker.block_ids = []  # not allocated: nothing to save from
 
     def _plan_save(self, req_id: str, tracker: _Tracker) -> SaveOp | None:
         """A save of every chunk completed by the tokens computed so far and not saved yet."""
@@ -439,7 +478,7 @@ class SchedulerSide:
         if end <= tracker.saved:
             return None
         blocks = -(-end // self.block_size)
-        if len(tracker.block_ids) < blocks:
+        if len(tracker.block_ids) != len(self.groups) or any(len(ids) < blocks for ids in tracker.block_ids):
             return None  # cannot happen for computed tokens; never save from blocks we do not know
         keys = self._keys_of(req_id)
         if keys is None:
@@ -447,10 +486,11 @@ class SchedulerSide:
         op = SaveOp(
             req_id,
             tracker.prompt[:end],
-            tracker.block_ids[:blocks],
+            tracker.block_ids[0][:blocks],
             tracker.saved,
             key_args=keys.up_to(end),
             epoch=tracker.epoch,
+            more_block_ids=[ids[:blocks] for ids in tracker.block_ids[1:]],
         )
         tracker.saved = end
         self._save_issued.add(req_id)
@@ -479,7 +519,8 @@ class SchedulerSide:
         if tracker is None:
             return  # an async load: its tracker starts from the recomputed prefix vLLM rewound to
         tracker.epoch = self._epochs[req_id]
-        bad = [i for i, block in enumerate(tracker.block_ids) if block in invalid]
+        bad = [i for ids in tracker.block_ids for i, block in enumerate(ids) if block and block in invalid]
+        bad.sort()
         first_bad = (bad[0] if bad else 0) * self.block_size
         tracker.saved = min(tracker.saved, first_bad // self.chunk_size * self.chunk_size)
 

@@ -30,13 +30,17 @@ from tiercache_vllm._common import (
     SaveOp,
     TierCacheMetadata,
     WorkerState,
+    engine_like,
     forget_engine,
     identity,
+    keyspace_of,
     layout_from_vllm,
     mark_disabled,
     open_engine,
+    register_engine,
     slot_mapping,
 )
+from tiercache_vllm._groups import GroupSpec, check_layerwise, kv_groups, live_slots
 from tiercache_vllm._layerwise import LayerProgress, load_layers
 from tiercache_vllm._server import request_timeout_s, server_for
 
@@ -57,8 +61,8 @@ logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 
 @dataclass(slots=True)
 class _PendingLoad:
     op: LoadOp
-    slots: torch.Tensor
-    job: _loop.Job[RetrieveResult] | None  # None: nothing to run (a miss)
+    slots: list[torch.Tensor]  # one per KV cache group
+    job: _loop.Job[RetrieveResult | _GroupsResult] | None  # None: nothing to run (a miss)
     deadline: float = float("inf")
     layers: LayerProgress | None = None  # layerwise: the layers already written
 
@@ -76,7 +80,21 @@ class _WorkerStats:
     """Saves dropped because the request's load fell short (their KV was computed on failed blocks)."""
     copies_stopped: int = 0
     """Timed-out loads and saves cancelled and waited for before their blocks were given back."""
+    kv_bytes_read: int = 0
+    """Bytes of chunk objects the loads of a hybrid model read (a windowed group reads only the chunks its
+    window needs)."""
+    kv_bytes_read_full: int = 0
+    """Bytes those loads would have read with full attention on every layer (every chunk of every group)."""
+    kv_bytes_stored: int = 0
+    """Bytes of chunk objects the saves of a hybrid model gathered (one object per group per chunk)."""
     extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupsResult:
+    """A hybrid model's load: the end of the prefix every KV cache group restored."""
+
+    good_end: int
 
 
 class WorkerSide:
@@ -100,7 +118,12 @@ class WorkerSide:
         self.can_save = can_save
         self.block_size = int(vllm_config.cache_config.block_size)
         self.engine: CacheEngine | None = None
+        """The engine of the largest KV cache group; it owns the manager every group's engine shares."""
         self.layout: PagedLayout | None = None
+        self.groups: list[GroupSpec] = kv_groups(vllm_config, kv_cache_config)
+        check_layerwise(self.groups, settings.layerwise)
+        self._group_engines: list[CacheEngine] = []
+        self._group_caches: list[dict[str, torch.Tensor]] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._sync_loads: list[_PendingLoad] = []
@@ -119,34 +142,47 @@ class WorkerSide:
 
     # ----- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Detect the layout from the tensors (checked against vLLM's config) and open the engine."""
+        """Detect the layout from the tensors (checked against vLLM's config) and open the engine (one per
+        KV cache group, sharing one manager)."""
         from tiercache.gpu.layouts import detect_layout
 
         self.kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self.kv_caches)}
-        expected = layout_from_vllm(self.vllm_config, self.kv_cache_config)
+        if len(self.groups) == 1:
+            self._group_caches = [self.kv_caches]
+        else:
+            self._group_caches = [{n: self.kv_caches[n] for n in g.layer_names} for g in self.groups]
+        layouts = [layout_from_vllm(self.vllm_config, self.kv_cache_config, g.index) for g in self.groups]
+        expected = layouts[0]
+        layout: PagedLayout | None = None
         try:
-            layout = detect_layout(
-                self.kv_caches,
-                self.block_size,
-                kind=expected.kind,
-                num_kv_heads=expected.num_kv_heads,
-                head_dim=expected.head_dim,
-            )
-        except ValueError:
+            for caches, want in zip(self._group_caches, layouts, strict=True):
+                layout = detect_layout(
+                    caches,
+                    self.block_size,
+                    kind=want.kind,
+                    num_kv_heads=want.num_kv_heads,
+                    head_dim=want.head_dim,
+                )
+                if layout != want:
+                    logger.error("tiercache: detected layout %s != configured %s; disabled", layout, want)
+                    layout = None
+                    break
+        except (ValueError, KeyError):
             logger.exception("tiercache: unexpected KV cache tensors; the connector is disabled")
             layout = None
-        if layout is not None and layout != expected:
-            logger.error("tiercache: detected layout %s != configured %s; disabled", layout, expected)
-            layout = None
-        self.layout = layout
+        self.layout = expected if layout is not None else None
         rank: int | str = "shared" if expected.object_format.name == "KV_MLA" else _tp_rank()
-        ident = identity(self.vllm_config, self.settings, expected, rank)
-        if layout is not None:
+        idents = [
+            identity(self.vllm_config, self.settings, lay, rank, g.tag)
+            for g, lay in zip(self.groups, layouts, strict=True)
+        ]
+        largest = max(range(len(idents)), key=lambda i: layouts[i].num_layers)
+        if self.layout is not None:
             try:
-                server = server_for(self.vllm_config, self.settings, self.config, expected)
+                server = server_for(self.vllm_config, self.settings, self.config, layouts[largest])
                 self.engine = open_engine(
-                    ident,
+                    idents[largest],
                     self.config,
                     self.settings.open_timeout_s,
                     register=True,
@@ -158,16 +194,35 @@ class WorkerSide:
                 self.engine = None
         if self.engine is None:
             self.disabled = True
-            mark_disabled(ident)
+            for ident in idents:
+                mark_disabled(ident)
+            return
+        base = self.engine
+        self._group_engines = [
+            base if i == largest else engine_like(base, ident.layout, keyspace_of(self.config, ident))
+            for i, ident in enumerate(idents)
+        ]
+        for i, (ident, engine) in enumerate(zip(idents, self._group_engines, strict=True)):
+            if i != largest:
+                register_engine(ident, engine)
+
+    @property
+    def _plain(self) -> bool:
+        """One KV cache group of plain full attention (or MLA): the engine's own paths, unchanged."""
+        return len(self.groups) == 1 and not self.groups[0].hybrid
 
     # ----- loads ---------------------------------------------------------------------------------
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         """Start this step's loads; synchronous ones finish here, or (layerwise) layer by layer while the
         forward pass runs, each attention layer waiting only for its own layer (``wait_for_layer_load``)."""
         for op in meta.loads:
-            slots = slot_mapping(op.block_ids, len(op.token_ids), self.block_size)
-            job, layers = None, None
-            if self.engine is not None and self.can_load:
+            slots = self._load_slots(op)
+            job: _loop.Job[RetrieveResult | _GroupsResult] | None = None
+            layers = None
+            if self.engine is not None and self.can_load and not self._plain:
+                self.stats.loads += 1
+                job = _loop.start(self._load_groups(op, slots))
+            elif self.engine is not None and self.can_load:
                 self.stats.loads += 1
                 if self.settings.layerwise and not op.is_async:
                     layers = LayerProgress()
@@ -176,7 +231,7 @@ class WorkerSide:
                             self.engine,
                             op.token_ids,
                             self.kv_caches,
-                            slots,
+                            slots[0],
                             layers,
                             skip_tokens=op.skip_tokens,
                             lookup=op.lookup,
@@ -187,7 +242,7 @@ class WorkerSide:
                     retrieve = self.engine.retrieve_result(
                         op.token_ids,
                         self.kv_caches,
-                        slots,
+                        slots[0],
                         skip_tokens=op.skip_tokens,
                         lookup=op.lookup,
                         **_keying(op),
@@ -200,6 +255,37 @@ class WorkerSide:
                 self._sync_loads.append(pending)
         if not self.settings.layerwise:
             self._finish_sync_loads()
+
+    def _load_slots(self, op: LoadOp) -> list[torch.Tensor]:
+        """Each KV cache group's slots for a load (a null block's tokens -1: never written)."""
+        n = len(op.token_ids)
+        if self._plain:
+            return [slot_mapping(op.block_ids, n, self.block_size)]
+        return [live_slots(op.group_blocks(g.index), n, self.block_size, null_ok=False) for g in self.groups]
+
+    async def _load_groups(self, op: LoadOp, slots: list[torch.Tensor]) -> _GroupsResult:
+        """Restore every KV cache group of a hybrid model; a windowed group reads and writes only the chunks
+        from the first token its window still needs at ``load_end``. The prefix every group restored."""
+        from tiercache.gpu.layouts import object_spec
+
+        good_end = op.load_end
+        chunk = self._group_engines[0].chunk_size
+        head = op.skip_tokens // chunk * chunk
+        for group, engine, caches, group_slots in zip(
+            self.groups, self._group_engines, self._group_caches, slots, strict=True
+        ):
+            needed = group.first_needed(op.load_end) // self.block_size * self.block_size  # whole pages
+            skip = max(op.skip_tokens, needed)
+            per_token = object_spec(engine.layout, chunk).nbytes // chunk
+            self.stats.kv_bytes_read_full += (len(op.token_ids) - head) * per_token
+            if skip >= op.load_end:
+                continue  # this group's window needs nothing of the prefix
+            result = await engine.retrieve_result(
+                op.token_ids, caches, group_slots, skip_tokens=skip, lookup=None, **_keying(op)
+            )
+            self.stats.kv_bytes_read += result.tokens_read * per_token
+            good_end = min(good_end, skip + result.tokens_written)
+        return _GroupsResult(good_end)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise mode: wait until this layer of every synchronous load is written (the last layer also
@@ -224,7 +310,7 @@ class WorkerSide:
     def _finish_sync_loads(self) -> None:
         loads, self._sync_loads = self._sync_loads, []
         for pending in loads:
-            result: RetrieveResult | None = None
+            result: RetrieveResult | _GroupsResult | None = None
             job = pending.job
             if job is not None:
                 try:
@@ -246,13 +332,18 @@ class WorkerSide:
         while not job.stop(self.settings.load_timeout_s):
             logger.error("tiercache: cancelled %s of %s is still running; waiting for it", what, req_id)
 
-    def _record(self, op: LoadOp, slots: torch.Tensor, result: RetrieveResult | None) -> None:
-        """Turn a load's outcome into invalid blocks: every block of [good_end, load_end) is recomputed.
+    def _record(
+        self, op: LoadOp, slots: list[torch.Tensor], result: RetrieveResult | _GroupsResult | None
+    ) -> None:
+        """Turn a load's outcome into invalid blocks: every block of [good_end, load_end) is recomputed
+        (in every KV cache group).
 
         A short load also stops the request's saves until the scheduler re-plans them (``SaveOp.epoch``).
         """
         good_end = op.skip_tokens
-        if result is not None and result.tokens_written > 0:
+        if isinstance(result, _GroupsResult):
+            good_end = max(good_end, result.good_end)
+        elif result is not None and result.tokens_written > 0:
             good_end = op.skip_tokens + result.tokens_written
         if good_end >= op.load_end:
             self.stats.tokens_loaded += op.load_end - op.skip_tokens
@@ -260,9 +351,11 @@ class WorkerSide:
         self.stats.load_failures += 1
         self.stats.tokens_loaded += max(0, good_end - op.skip_tokens)
         self._short[op.req_id] = max(op.epoch, self._short.get(op.req_id, op.epoch))
-        bad = slots[good_end : op.load_end]
-        bad = bad[bad >= 0] // self.block_size
-        blocks = {int(b) for b in bad.tolist()}
+        blocks: set[int] = set()
+        for group_slots in slots:
+            bad = group_slots[good_end : op.load_end]
+            bad = bad[bad >= self.block_size] // self.block_size  # never the null block
+            blocks.update(int(b) for b in bad.tolist())
         self.stats.invalid_blocks += len(blocks)
         self._invalid |= blocks
 
@@ -343,16 +436,43 @@ class WorkerSide:
                     self._track(op.req_id, _finish(layers, None))
             self._layer_saves = []
             return
+        started = []
         for op in meta.saves:
             self._saving.setdefault(op.req_id, [])
             if self.engine is None or not self._may_save(op):
                 continue
             slots, mask = self._save_args(op)
-            store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
-            self._track(op.req_id, store, count_result=True)
+            if self._plain:
+                store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
+            else:
+                store = self._store_groups(op, mask)
+            started.append(self._track(op.req_id, store, count_result=True))
             self.stats.saves += 1
+        if any(g.windowed for g in self.groups):
+            # vLLM frees a window's pages while the request runs (not after its finish hook), and hands them
+            # to other requests from the next step on: gather this step's chunks before it ends
+            for job in started:
+                if not job.stopped.wait(self.settings.save_timeout_s) and not job.finished():
+                    self._stop(job, "save", "a windowed request")
 
-    def _track(self, req_id: str, save: Coroutine[Any, Any, Any], *, count_result: bool = False) -> None:
+    async def _store_groups(self, op: SaveOp, mask: Any) -> int:
+        """Store one object per KV cache group per chunk (a null block's page is gathered as is: no load
+        ever writes it back); the tokens newly stored in group 0."""
+        from tiercache.gpu.layouts import object_spec
+
+        stored = []
+        n = len(op.token_ids)
+        for group, engine, caches in zip(self.groups, self._group_engines, self._group_caches, strict=True):
+            slots = live_slots(op.group_blocks(group.index), n, self.block_size, null_ok=True)
+            new = await engine.store(op.token_ids, caches, slots, mask, **_keying(op))
+            chunk = engine.chunk_size
+            self.stats.kv_bytes_stored += -(-new // chunk) * object_spec(engine.layout, chunk).nbytes
+            stored.append(new)
+        return stored[0]
+
+    def _track(
+        self, req_id: str, save: Coroutine[Any, Any, Any], *, count_result: bool = False
+    ) -> _loop.Job[Any]:
         """Run and keep a save of ``req_id``; it counts, before its job is seen as stopped, its failure or
         its tokens in ``tokens_saved`` (``count_result``: the store's result, the tokens newly stored; else
         a layerwise store's tokens)."""
@@ -368,7 +488,9 @@ class WorkerSide:
             self.stats.tokens_saved += int(result) if count_result else layer_tokens
             return result
 
-        self._saving.setdefault(req_id, []).append(_loop.start(counted()))
+        job = _loop.start(counted())
+        self._saving.setdefault(req_id, []).append(job)
+        return job
 
     def _wait_saves(self, req_ids: set[str] | None = None) -> None:
         """Wait for the saves of ``req_ids`` (all: None); one still running after ``save_timeout_s`` is
@@ -412,7 +534,7 @@ class WorkerSide:
             recving.add(req_id)
         return sending or None, recving or None
 
-    def _async_result(self, pending: _PendingLoad) -> tuple[bool, RetrieveResult | None]:
+    def _async_result(self, pending: _PendingLoad) -> tuple[bool, RetrieveResult | _GroupsResult | None]:
         """(True, result or None for a miss) once an async load's copy no longer runs, else (False, None).
 
         Past its deadline the load is cancelled; it is reported only when the cancelled copy has stopped.
@@ -455,6 +577,8 @@ class WorkerSide:
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        for group_engine in self._group_engines:
+            forget_engine(group_engine)
         forget_engine(engine)
         try:
             _loop.call(
