@@ -114,6 +114,11 @@ class ServerConfig:
     orphan_grace_s: float = 60.0
     """A lost client whose process cannot be watched (no pidfd): its unfinished writes' slots come back after
     this many seconds (their keys are free at once)."""
+    events_endpoint: str | None = None
+    """ZMQ PUB address (``tcp://host:port`` or ``ipc://path``) of the node's KV event stream in vLLM's format;
+    None = off. Needs pyzmq (``pip install 'tiercache[events]'``)."""
+    events_topic: str = ""
+    """Topic frame of every event message (vLLM's ``kv_events_config.topic``)."""
 
 
 def _number(r: _Reader, key: str, kinds: tuple[type, ...], default: Any, low: float, high: float) -> Any:
@@ -162,6 +167,8 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
         metrics_port=_number(r, "metrics_port", (int,), None, 0, 65535),
         metrics_host=r.take("metrics_host", (str,), "127.0.0.1"),
         drain_s=float(_number(r, "drain_s", (int, float), 10.0, 0, 3600)),
+        events_endpoint=r.take("events_endpoint", (str,), None),
+        events_topic=r.take("events_topic", (str,), ""),
     )
     r.finish()
     if not 0 <= out.mode <= 0o777:
@@ -171,6 +178,13 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
         _in_range(out.slot_bytes, 1, 1 << 40, f"{where}.slot_bytes")
     if out.region_bytes is not None:
         _in_range(out.region_bytes, 4096, 1 << 40, f"{where}.region_bytes")
+    if out.events_endpoint is not None:
+        from tiercache.server.events_pub import check_endpoint
+
+        try:
+            check_endpoint(out.events_endpoint, f"{where}.events_endpoint")
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     return out
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "Cleared",
     "Event",
     "EventSink",
+    "ForwardingSink",
     "Removed",
     "Stored",
     "chunk_infos",
@@ -151,7 +152,7 @@ class EventSink:
         *,
         emit: bool = True,
         int_hashes: bool = True,
-        max_described: int = 1 << 20,
+        max_described: int = 1 << 16,
     ) -> None:
         self.media: dict[str, str] = {"L1": MEDIUM_CPU, **(media or {})}
         self.emit = emit
@@ -289,6 +290,21 @@ class EventSink:
             tokens = info.token_ids[first * size : last * size]
             self._queue.append(Stored(hashes[first:last], parent, tokens, size, medium, info.lora_name))
             run_start = j
+
+
+class ForwardingSink(EventSink):
+    """A sink that only forwards descriptions to ``target`` (a client of a server that publishes the events:
+    ``SharedL1.describe``); it tracks and queues nothing itself."""
+
+    def __init__(
+        self, target: Callable[[Sequence[str], Sequence[ChunkInfo | None]], None], *, int_hashes: bool = True
+    ) -> None:
+        super().__init__(int_hashes=int_hashes, max_described=0)
+        self.target = target
+
+    def describe(self, keys: Sequence[str], infos: Sequence[ChunkInfo | None]) -> None:
+        """Forward to ``target`` (its failures are the target's to count: events are best effort)."""
+        self.target(keys, infos)
 
 
 def _event_map(event: Event) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from tiercache.store.hits import L1_TIER, TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 
 if TYPE_CHECKING:
+    from tiercache.events import ChunkInfo
     from tiercache.spec import KVSpec
 
 __all__ = [
@@ -167,6 +168,8 @@ class ServerConnection:
             self.session = bytes(body["session"])
             self.max_object = int(body["max_object"])
             self.tiers = [str(t) for t in body.get("tiers", [])]
+            self.events = bool(body.get("events", False))
+            """The server publishes KV events: it wants ``DESCRIBE`` before stores."""
             if role != "probe":
                 if len(fds) != 2:
                     raise ServerUnavailable(f"HELLO passed {len(fds)} fds, expected 2")
@@ -603,6 +606,35 @@ class SharedL1:
     def finish_write(self, obj: SharedObject) -> None:
         """Publish ``obj`` (COMMIT); a lost connection or stale generation drops it silently."""
         self._settle([obj], Op.COMMIT)
+
+    def describe(self, keys: Sequence[str], infos: Sequence[ChunkInfo | None]) -> None:
+        """Tell a server that publishes KV events which vLLM blocks ``keys`` cover (before they are stored);
+        nothing when it publishes none or no connection is up. Sent in batches that fit a message."""
+        conn = self._connection()
+        if conn is None or not conn.events:
+            return
+        batch: list[list[Any]] = []
+        size = 0
+        for key, info in zip(keys, infos, strict=True):
+            if info is None:
+                continue
+            entry = [
+                key,
+                list(info.block_hashes),
+                info.parent,
+                list(info.token_ids),
+                info.block_size,
+                info.lora_name,
+            ]
+            n = 64 + len(key) + 34 * len(info.block_hashes) + 5 * len(info.token_ids)
+            if batch and (size + n > MAX_MESSAGE // 2 or len(batch) >= ALLOC_BATCH):
+                if self._call(Op.DESCRIBE, {"chunks": batch}) is None:
+                    return
+                batch, size = [], 0
+            batch.append(entry)
+            size += n
+        if batch:
+            self._call(Op.DESCRIBE, {"chunks": batch})
 
     def batched_finish_write(self, objs: Sequence[SharedObject]) -> None:
         """Publish every object in one COMMIT (the server then writes them behind to its L2 tiers)."""

@@ -64,6 +64,8 @@ def options_from_config(config: Config, socket_path: str, slot_bytes: int | None
         caps=Caps(srv.max_leases_per_client, srv.max_share_per_client),
         max_clients=srv.max_clients,
         orphan_grace_s=srv.orphan_grace_s,
+        events_endpoint=srv.events_endpoint,
+        events_topic=srv.events_topic,
     )
     geometry = options.geometry()
     if declared is not None and stride_of(declared) > geometry.region_bytes:

@@ -39,6 +39,8 @@ MAX_META_LEN = 256  # a KV spec takes ~30 bytes
 MAX_WAIT_S = 3600.0  # longest wait a request may ask for (LOOKUP wait_s, DRAIN timeout_s)
 MAX_FENCES = 64  # lost sessions one HELLO or FENCE may end
 MAX_DECLARED = 16  # object sizes one HELLO may declare
+MAX_BLOCKS = 1024  # vLLM blocks one DESCRIBE chunk may cover
+MAX_LORA_LEN = 256
 SESSION_BYTES = 16  # a session token: random, known only to the connection it was given to
 ROLES = frozenset({"worker", "scheduler", "admin", "probe"})
 """``probe``: a health check (no segment passed, STATS only); ``admin``: CLEAR and DRAIN (the server's own uid
@@ -63,6 +65,7 @@ class Op(enum.IntEnum):
     CLEAR = 9
     DRAIN = 10
     FENCE = 11
+    DESCRIBE = 12
     OK = 64
     ERR = 65
 
@@ -176,7 +179,38 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
         return {}
     if op is Op.DRAIN:
         return {"timeout_s": _seconds(body.get("timeout_s"), "timeout_s")}
+    if op is Op.DESCRIBE:
+        return {"chunks": [_chunk(c) for c in _list(body.get("chunks"), "chunks")]}
     raise ProtocolError(f"{op.name} is not a request")
+
+
+def _block_hash(v: object, what: str) -> int | bytes:
+    """A vLLM block hash: 1..64 bytes, or an unsigned 64-bit int (vLLM's int form)."""
+    if type(v) is bytes and 0 < len(v) <= 64:
+        return v
+    if type(v) is not int or not 0 <= v < 2**64:
+        raise ProtocolError(f"{what} must be 1-64 bytes or an unsigned 64-bit int, got {v!r:.60}")
+    return v
+
+
+def _chunk(v: object) -> tuple[str, list[int | bytes], int | bytes | None, list[int], int, str | None]:
+    """One DESCRIBE entry: ``[key, block_hashes, parent, token_ids, block_size, lora_name]`` (the vLLM blocks
+    a key covers, for the server's KV events)."""
+    if type(v) is not list or len(v) != 6:
+        raise ProtocolError(
+            "a DESCRIBE chunk is [key, block_hashes, parent, token_ids, block_size, lora_name]"
+        )
+    key = _keys([v[0]])[0]
+    hashes = [_block_hash(h, "block_hashes") for h in _list(v[1], "block_hashes", MAX_BLOCKS)]
+    parent = None if v[2] is None else _block_hash(v[2], "parent")
+    size = _u64(v[4], "block_size")
+    tokens = _list(v[3], "token_ids", MAX_BLOCKS * 64)
+    if not hashes or size == 0 or len(tokens) != len(hashes) * size:
+        raise ProtocolError("DESCRIBE token_ids must be len(block_hashes) * block_size > 0")
+    lora = v[5]
+    if lora is not None and (type(lora) is not str or len(lora) > MAX_LORA_LEN):
+        raise ProtocolError(f"DESCRIBE lora_name must be a str of at most {MAX_LORA_LEN}")
+    return key, hashes, parent, [_u64(t, "token_ids") for t in tokens], size, lora
 
 
 def decode(data: bytes, *, request: bool = True) -> Message:

@@ -39,7 +39,9 @@ from tiercache.server.slots import Caps, SlotTable
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter
     from tiercache.config import ManagerConfig
+    from tiercache.events import ChunkInfo, EventSink
     from tiercache.serde import CodecPipeline
+    from tiercache.server.events_pub import EventPublisher
     from tiercache.server.storage import ServerStorage
 
 __all__ = ["L1Server", "ServerAlreadyRunning", "ServerOptions", "claim_socket_path"]
@@ -82,6 +84,8 @@ class ServerOptions:
     caps: Caps = field(default_factory=Caps)
     max_clients: int = 1024
     orphan_grace_s: float = 60.0  # a lost writer that cannot be watched (no pidfd): its slots come back then
+    events_endpoint: str | None = None  # ZMQ PUB address of the node's KV event stream (None: off)
+    events_topic: str = ""
 
     def geometry(self) -> Geometry:
         """The segment's regions for these options."""
@@ -170,6 +174,14 @@ def _pidfd_pid(fd: int) -> int | None:
     return None
 
 
+def _chunk_info(chunk: tuple[Any, ...]) -> ChunkInfo:
+    """A validated DESCRIBE entry as the sink's block description."""
+    from tiercache.events import ChunkInfo
+
+    _, hashes, parent, tokens, size, lora = chunk
+    return ChunkInfo(tuple(hashes), parent, tuple(tokens), size, lora)
+
+
 class L1Server:
     """Owns one epoch's segment and slot table and serves clients until :meth:`stop`."""
 
@@ -199,6 +211,11 @@ class L1Server:
             from tiercache.server.storage import ServerStorage
 
             self.storage = ServerStorage(self.table, tiers, policy)
+        self.events: EventSink | None = None
+        """The node's KV events (with ``events_endpoint``): what the shared L1 and the L2 tiers hold."""
+        self.publisher: EventPublisher | None = None
+        if options.events_endpoint is not None:
+            self.events = self._event_sink(tiers)
         self._listener: socket.socket | None = None
         self._spare_fd = -1  # closed to accept-and-refuse one client when out of file descriptors
         self._lock_fd = -1  # flock of PATH.lock while serving
@@ -228,6 +245,16 @@ class L1Server:
             "freed_unsent": 0,
         }
 
+    def _event_sink(self, tiers: Sequence[tuple[str, Adapter, CodecPipeline]]) -> EventSink:
+        """A sink following the slot table and the write-behind (each tier's medium from its scheme)."""
+        from tiercache.events import EventSink, medium_of
+
+        sink = EventSink({name: medium_of(f"{adapter.scheme}://") for name, adapter, _ in tiers})
+        self.table.add_listener(sink.l1_listener)
+        if self.storage is not None:
+            self.storage.manager.store.listeners.append(sink.on_tier)
+        return sink
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Take the socket path's lock file (``PATH.lock``, held while serving and removed at stop: two
@@ -251,6 +278,13 @@ class L1Server:
         sock.setblocking(False)
         self._listener = sock
         self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if self.events is not None and self.options.events_endpoint is not None:
+            from tiercache.server.events_pub import EventPublisher
+
+            self.publisher = EventPublisher(
+                self.events, self.options.events_endpoint, topic=self.options.events_topic
+            )
+            log.info("KV events on %s", self.publisher.endpoint)
         self._spawn(self._accept_loop())
         geo = self.segment.geometry
         log.info(
@@ -298,6 +332,8 @@ class L1Server:
         for lost in list(self._lost.values()):
             self._end_lost(lost)
         self._lost.clear()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.storage is not None:
             pending = self.storage.pending_stores()
             if not await self.storage.drain(self.options.drain_s):
@@ -611,6 +647,7 @@ class L1Server:
             "declared": declared,
             "fenced": freed,
             "tiers": [] if self.storage is None else self.storage.tier_names,
+            "events": self.events is not None,
             "ready": True,
         }
         fds = [] if conn.role == "probe" else [self._data_fd, self._header_fd]
@@ -675,6 +712,11 @@ class L1Server:
             out = {"freed": self._fence(conn, body["sessions"])}
         elif msg.op is Op.CLEAR:
             out = {"cleared": t.clear()}
+        elif msg.op is Op.DESCRIBE:
+            if self.events is not None:
+                chunks = body["chunks"]
+                self.events.describe([c[0] for c in chunks], [_chunk_info(c) for c in chunks])
+            out = {}
         elif msg.op is Op.DRAIN:
             drained = True if storage is None else await storage.drain(body["timeout_s"])
             out = {"drained": drained, "pending": 0 if storage is None else storage.pending_stores()}

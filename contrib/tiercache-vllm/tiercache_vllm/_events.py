@@ -24,7 +24,17 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.events import MEDIUM_CPU, MEDIUM_DISK, Cleared, Event, EventSink, Removed, Stored, medium_of
+from tiercache.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    Cleared,
+    Event,
+    EventSink,
+    ForwardingSink,
+    Removed,
+    Stored,
+    medium_of,
+)
 from tiercache.store.hits import L1_TIER
 from tiercache_vllm import _loop
 
@@ -140,14 +150,16 @@ class TierCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
 
 def attach_sink(engine: CacheEngine, vllm_config: VllmConfig, config: Config) -> EventSink:
     """Give a worker's in-process engine a sink following its tiers: events when vLLM publishes them, and
-    always the keys each tier holds (what ``reset_cache`` deletes)."""
+    always the keys each tier holds (what ``reset_cache`` deletes). On a server's shared L1 the sink only
+    forwards which blocks each stored chunk covers: the server publishes the node's events."""
     from vllm import envs
 
-    sink = EventSink(
-        tier_media(config),
-        emit=events_enabled(vllm_config),
-        int_hashes=bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES),
-    )
+    int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    describe = getattr(engine.manager.l1, "describe", None)
+    if engine.manager.remote and describe is not None:
+        engine.events = ForwardingSink(describe, int_hashes=int_hashes)
+        return engine.events
+    sink = EventSink(tier_media(config), emit=events_enabled(vllm_config), int_hashes=int_hashes)
     sink.attach(engine.manager)
     engine.events = sink
     return sink
@@ -157,7 +169,7 @@ def worker_events(worker: WorkerSide | None) -> TierCacheKVEvents | None:
     """The events the worker's engine queued since the last step (None: none, or no in-process engine)."""
     engine = None if worker is None else worker.engine
     sink = None if engine is None else engine.events
-    if sink is None:
+    if sink is None or isinstance(sink, ForwardingSink):
         return None
     events = to_vllm(sink.take())
     return TierCacheKVEvents(events) if events else None

@@ -193,7 +193,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         worker = self.worker_side
         worker.register_kv_caches(kv_caches)
         engine = worker.engine
-        if engine is not None and not engine.manager.remote:  # a server announces its own tiers
+        if engine is not None:  # in server mode the server announces its tiers: the engine describes only
             _events.attach_sink(engine, self._vllm_config, worker.config)
 
     def get_kv_connector_kv_cache_events(self) -> _events.TierCacheKVEvents | None:
