@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tiercache.cli.bench import SCHEMA_VERSION, SUITES
-from tiercache.cli.bench.measure import percentiles, ratio
+from tiercache.cli.bench.measure import NOISE_LIMIT, percentiles, ratio, spread
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DOC_KEYS = {
@@ -27,8 +27,22 @@ DOC_KEYS = {
     "skipped",
     "notes",
     "rows",
+    "noisy",
+    "load_avg_at_end",
 }
-ROW_KEYS = {"case", "size", "value", "unit", "size_unit", "raw", "baseline", "ratio", "latency_s", "extra"}
+ROW_KEYS = {
+    "case",
+    "size",
+    "value",
+    "unit",
+    "size_unit",
+    "raw",
+    "baseline",
+    "ratio",
+    "latency_s",
+    "extra",
+    "spread",
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +116,14 @@ def test_json_schema_and_consistent_numbers(bench_run: tuple[Path, Any], suite: 
         lat = row["latency_s"]
         if lat and len(lat) == 3:
             assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+        sp = row["spread"]
+        if sp:
+            assert sp["repeats"] >= 2
+            assert isinstance(sp["noisy"], bool)
+            if f"{row['case']} @ {row['size']} {row['size_unit']}" in doc["noisy"]:
+                assert sp["noisy"]
+            if "ratio_p10" in sp:
+                assert sp["ratio_p10"] <= sp["ratio_p50"] <= sp["ratio_p90"]
 
 
 def test_requested_sizes_are_the_ones_measured(bench_run: tuple[Path, Any]) -> None:
@@ -139,7 +161,9 @@ def test_pngs_are_real_images(bench_run: tuple[Path, Any], suite: str) -> None:
     assert data[:8] == PNG_MAGIC
     assert data[12:16] == b"IHDR"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (18 * 80, int(5.5 * 80))
+    doc = _doc(out, suite)
+    groups = max(1, len({(r["unit"], r["size_unit"]) for r in doc["rows"]}))  # one line of panels per unit
+    assert (width, height) == (18 * 80, int(5.5 * groups * 80))
     assert len(data) > 10_000  # axes, lines and labels, not a blank canvas
 
 
@@ -201,3 +225,48 @@ def test_an_unreachable_tier_is_a_note_not_a_crash(tmp_path: Path) -> None:
     assert {r["case"] for r in doc["rows"]} == {"disk put", "disk get"}
     assert len(doc["notes"]) == 1
     assert doc["notes"][0].startswith("tier 'down' not measured: AdapterUnavailable")
+
+
+def test_spread_pairs_interleaved_repeats_and_marks_noise() -> None:
+    """The ratio's range comes from the interleaved pairs; a baseline that moved past NOISE_LIMIT over its
+    repeats marks the row noisy, a steady one does not."""
+    steady = spread([2.0, 2.0, 2.1, 2.0], [1.0, 1.0, 1.05, 1.0])
+    assert steady["noisy"] is False
+    assert steady["repeats"] == 4
+    assert steady["ratio_p50"] == pytest.approx(0.5)
+    assert steady["ratio_p10"] <= 0.5 <= steady["ratio_p90"]
+    # load hit pairs 3 and 4 alike: per-pair ratios stay 0.5 although both sides slowed 4x
+    loaded = spread([2.0, 2.0, 8.0, 8.0, 2.0], [1.0, 1.0, 4.0, 4.0, 1.0])
+    assert loaded["noisy"] is True
+    assert loaded["raw_p90_over_p10"] == pytest.approx(4.0)
+    assert loaded["ratio_p10"] == loaded["ratio_p90"] == pytest.approx(0.5)
+    alone = spread([1.0, 1.0 * NOISE_LIMIT * 1.1])
+    assert alone["noisy"] is True
+    assert "ratio_p10" not in alone
+    unequal = spread([2.0, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert unequal["ratio_p10"] == pytest.approx(0.25)
+    assert unequal["ratio_p90"] == pytest.approx(0.5)
+    assert spread([]) == {}
+
+
+def test_summary_marks_noisy_rows_and_shows_the_ratio_band() -> None:
+    from rich.console import Console
+
+    from tiercache.cli.bench.report import summary_table
+
+    row = {
+        "case": "disk get",
+        "size": 4096,
+        "size_unit": "bytes",
+        "value": 1.0,
+        "unit": "GB/s",
+        "raw": 2.0,
+        "ratio": 0.5,
+        "latency_s": {},
+        "spread": {"noisy": True, "ratio_p10": 0.25, "ratio_p90": 0.75},
+    }
+    console = Console(width=200, record=True)
+    console.print(summary_table([{"suite": "tiers", "skipped": None, "rows": [row]}]))
+    text = console.export_text()
+    assert "0.50 !" in text
+    assert "0.25-0.75" in text

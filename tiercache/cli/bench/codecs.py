@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tiercache.cli.bench.measure import Row, best, gbps, paired, percentiles, times
+from tiercache.cli.bench.measure import Row, best, gbps, paired, percentiles, spread, times
 from tiercache.serde import CodecContext, build_pipeline
 from tiercache.spec import KVFormat, KVSpec
 
@@ -178,6 +178,7 @@ async def codecs_suite(ctx: SuiteContext) -> list[Row]:
                         raw=mem,
                         baseline="memcpy (one baseline per size, sampled between all chains' runs)",
                         latency_s=percentiles(t),
+                        spread=spread(t, t_mem),
                         extra=extra,
                     )
                 )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tiercache.adapters.posix import PosixAdapter
-from tiercache.cli.bench.measure import Row, atimes, best_median, gbps, percentiles
+from tiercache.cli.bench.measure import Row, atimes, best_median, gbps, percentiles, spread
 from tiercache.config import ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
@@ -386,6 +386,7 @@ async def engine_suite(ctx: SuiteContext) -> list[Row]:
                     raw=mem,
                     baseline="memcpy",
                     latency_s=percentiles(t[case]),
+                    spread=spread(t[case], t["memcpy"]),
                     extra={"tokens": tokens, "layers": layers, "verified": res["verified"]},
                 )
             )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache.cli.bench.engine import make_layout, paged_kv, slot_mapping
-from tiercache.cli.bench.measure import Row, gbps, percentiles, times
+from tiercache.cli.bench.measure import Row, gbps, percentiles, spread, times
 from tiercache.gpu.layouts import object_spec
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ async def gpu_suite(ctx: SuiteContext) -> list[Row]:
                     raw=gbps(nbytes, min(t[base])),
                     baseline=f"{name} (pinned host)",
                     latency_s=percentiles(t[case]),
+                    spread=spread(t[case], t[base]),
                     extra={"tokens": tokens, "layers": layers, "device": torch.cuda.get_device_name(0)},
                 )
             )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiercache.cli.bench.measure import Row, percentiles, times
+from tiercache.cli.bench.measure import Row, percentiles, spread, times
 from tiercache.keys import KeySpace, TokenDatabase, contiguous_prefix
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ async def keys_suite(ctx: SuiteContext) -> list[Row]:
                     raw=n / min(t["raw"]) / 1e6,
                     baseline="hashlib.sha256 per chunk of token bytes",
                     latency_s=percentiles(t[name]),
+                    spread=spread(t[name], t["raw"]),
                     extra={"chunk_size": chunk, "chunks": n // chunk},
                 )
             )
@@ -114,6 +115,7 @@ async def keys_suite(ctx: SuiteContext) -> list[Row]:
                 value=len(hits) / min(t_prefix) / 1e6,
                 unit="Mchunks/s",
                 latency_s=percentiles(t_prefix),
+                spread=spread(t_prefix),
                 extra={"chunks": len(hits)},
             )
         )

@@ -1,8 +1,9 @@
 """Measuring helpers shared by the bench suites and the scripts in ``benchmarks/``: timing, rates, host info.
 
 A result is a list of ``Row`` objects: one measured case at one size, its rate, the rate of the raw baseline
-measured in the same run (interleaved, so their ratio is meaningful on a shared machine) and latency
-percentiles of the timed operation.
+measured in the same run (interleaved, so their ratio is meaningful on a shared machine), latency
+percentiles of the timed operation and the spread of the repeats (:func:`spread`): the ratio's range over
+the interleaved pairs and whether the machine was too noisy for the numbers to be trusted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "NOISE_LIMIT",
     "Row",
     "atimes",
     "best",
@@ -25,8 +27,13 @@ __all__ = [
     "paired",
     "percentiles",
     "ratio",
+    "spread",
     "times",
 ]
+
+NOISE_LIMIT = 1.5
+"""A row is noisy when its baseline's (or, without one, its case's) p90 time is over this many times its
+p10 time: the machine's load changed during the repeats and the ratio is not to be trusted."""
 
 PERCENTILES = (50, 90, 99)
 """Latency percentiles every row reports (``p50``, ``p90``, ``p99``, seconds)."""
@@ -52,6 +59,9 @@ class Row:
     """Percentiles of one operation's duration: ``p50``, ``p90``, ``p99`` (seconds)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Case-specific facts (compression ratio, verified, ...)."""
+    spread: dict[str, Any] = field(default_factory=dict)
+    """How the repeats moved (:func:`spread`): ``repeats``, ``case_p90_over_p10``, ``raw_p90_over_p10``,
+    ``ratio_p10``/``ratio_p50``/``ratio_p90`` over the interleaved pairs, ``noisy``."""
 
     @property
     def ratio(self) -> float | None:
@@ -66,6 +76,39 @@ class Row:
 def ratio(value: float, raw: float | None) -> float | None:
     """``value / raw``, or None without a (positive) baseline."""
     return None if raw is None or raw <= 0 else value / raw
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile of sorted ``ordered``."""
+    return ordered[max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))]
+
+
+def spread(case_s: Sequence[float], raw_s: Sequence[float] = ()) -> dict[str, Any]:
+    """The spread of a row's repeats: each side's p90 / p10 time, the ratio (``raw time / case time``, as
+    ``Row.ratio``) per interleaved pair (sample i of each; with unequal counts the ratio's range is bounded by
+    both sides' p10 and p90 instead) and ``noisy`` when the baseline, or without one the case, moved more than
+    :data:`NOISE_LIMIT` allows."""
+    case = sorted(case_s)
+    if not case:
+        return {}
+    out: dict[str, Any] = {
+        "repeats": len(case),
+        "case_p90_over_p10": _quantile(case, 0.9) / _quantile(case, 0.1) if case[0] > 0 else None,
+    }
+    moved = out["case_p90_over_p10"]
+    raw = sorted(raw_s)
+    if raw and case[0] > 0 and raw[0] > 0:
+        out["raw_p90_over_p10"] = moved = _quantile(raw, 0.9) / _quantile(raw, 0.1)
+        if len(raw_s) == len(case_s):
+            pairs = sorted(r / c for r, c in zip(raw_s, case_s, strict=True))
+            low, mid, high = (_quantile(pairs, q) for q in (0.1, 0.5, 0.9))
+        else:
+            low = _quantile(raw, 0.1) / _quantile(case, 0.9)
+            mid = _quantile(raw, 0.5) / _quantile(case, 0.5)
+            high = _quantile(raw, 0.9) / _quantile(case, 0.1)
+        out.update(ratio_p10=low, ratio_p50=mid, ratio_p90=high)
+    out["noisy"] = moved is not None and moved > NOISE_LIMIT
+    return out
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiercache.cli.bench.measure import Row, host_info
+from tiercache.cli.bench.measure import NOISE_LIMIT, Row, host_info
 from tiercache.errors import TiercacheError
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ async def run_suite(name: str, ctx: SuiteContext, config_label: str) -> dict[str
         "skipped": ctx.skipped,
         "notes": list(ctx.notes),
         "rows": [r.to_json() for r in rows],
+        "noisy": sorted({f"{r.case} @ {r.size} {r.size_unit}" for r in rows if r.spread.get("noisy")}),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -196,5 +199,12 @@ def run_bench(
             progress.update(task, description=done, total=finished, completed=finished)
             results.append(doc)
     console.print(summary_table(results))
+    noisy = [f"{doc['suite']}: {case}" for doc in results for case in doc.get("noisy", ())]
+    if noisy:
+        console.print(
+            f"NOISY MACHINE: {len(noisy)} measurement(s) moved over their repeats (baseline p90/p10 over "
+            f"{NOISE_LIMIT}; marked '!' above): their ratios are not to be trusted; rerun on a quiet machine "
+            f"or with more --repeat. {', '.join(noisy[:5])}{' ...' if len(noisy) > 5 else ''}"
+        )
     console.print(f"results: {out_dir}/<suite>.json and <suite>.png")
     return results

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from tiercache.cli.bench.measure import Row, atimes, gbps, percentiles
+from tiercache.cli.bench.measure import Row, atimes, gbps, percentiles, spread
 from tiercache.errors import TiercacheError
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ async def _one_tier(ctx: SuiteContext, tier: Any, sizes: tuple[int, ...]) -> lis
                         raw=gbps(size, min(raw_t)) if raw_t else None,
                         baseline=raw.name if raw is not None else None,
                         latency_s=percentiles(t[op]),
+                        spread=spread(t[op], raw_t),
                         extra={
                             "url_scheme": tier.url.partition("://")[0],
                             "raw_latency_s": percentiles(raw_t),
