@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,9 @@ def test_auto_with_a_relative_config_from_vllms_working_directory(
     )
     result, log = run_vllm_in(cwd, tmp_path, "auto_relative", spec)
     assert "could not start one" not in log
+    # the connector's INFO line, written through vLLM's handler: vLLM's process, pid, level and time
+    vllm_format = r"^\(\S+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\] "
+    assert re.search(vllm_format + r"tiercache: server mode \(autostarted\) on /", log, re.M), log[-4000:]
     (again,) = result["ttft"]
     assert again["num_cached_tokens"] == len(PROMPT) - 1  # the scheduler saw the private server's L1
     assert _prom(result, "hits", "L1") >= CHUNKS
