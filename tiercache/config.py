@@ -21,6 +21,7 @@ from tiercache.errors import ConfigError
 from tiercache.sizes import MAX_SIZE as _MAX_SIZE
 from tiercache.sizes import in_range as _in_range
 from tiercache.sizes import parse_size
+from tiercache.store.policy.eviction import EVICTION_POLICIES
 
 __all__ = [
     "L1_CODECS",
@@ -74,6 +75,18 @@ class L1Config:
     """What L1 holds: ``"raw"`` KV bytes, or ``"fp8"``: the ``fp8`` codec's payload (e4m3 + float32 channel
     scales, about half the bytes), quantized while gathered and dequantized while scattered. With ``"fp8"``
     every tier's chain must start with ``fp8`` (channel granularity): tiers store L1's bytes as they are."""
+    eviction: str = "lru"
+    """Which object L1 evicts for room: ``"lru"`` (least recently used) or ``"s3fifo"`` (scan-resistant:
+    one-off prompts leave before the chunks conversations come back for)."""
+    quotas: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Tenant id (``tiercache tenant-id SALT``) -> bytes of L1 its objects may take; a tenant at its quota
+    evicts its own least recently used objects first."""
+    default_quota: int = 0
+    """L1 bytes of each tenant not in ``quotas`` (0: no limit)."""
+    max_pinned_share: float = 0.5
+    """Share of L1's slots one tenant may keep pinned."""
+    max_tenant_labels: int = 32
+    """Tenants named in per-tenant metrics; the others are counted under ``"other"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +257,9 @@ class TierConfig:
     """Adapter options; ``*_env`` options name environment variables holding secrets."""
     adapter: str | None = None
     """Explicit adapter class ``"module:Class"`` (settles a scheme claimed by two plugins)."""
+    admit_after: int = 1
+    """Store a chunk in this tier only once lookups have asked for it this many times (1: always; a
+    frequency sketch counts, so one-off prompts cost this tier no bandwidth)."""
 
     def adapter_options(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Options to pass to ``Adapter.open``: secrets resolved from the environment, capacity included."""
@@ -380,9 +396,10 @@ def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
                 f"{where}: option {key!r} is a secret; put it in the environment and use {key}_env"
             )
     adapter = r.take("adapter", (str,), None)
+    admit_after = _number(r, "admit_after", (int,), 1, 1, 15)
     r.finish()
     _validate_chain(codecs, where)
-    return TierConfig(name, url, capacity, tuple(codecs), MappingProxyType(options), adapter)
+    return TierConfig(name, url, capacity, tuple(codecs), MappingProxyType(options), adapter, admit_after)
 
 
 def _validate_chain(codecs: list[str | Mapping[str, Any]], where: str) -> None:
@@ -444,8 +461,23 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         else _size_in_range(l1_capacity, 1, _MAX_SIZE, f"{source}: l1.capacity"),
         pinned=l1r.take("pinned", (bool,), None),
         codec=l1r.take("codec", (str,), "raw"),
+        eviction=l1r.take("eviction", (str,), "lru"),
+        quotas=MappingProxyType(
+            {
+                str(t): _size_in_range(b, 0, _MAX_SIZE, f"{source}: l1.quotas.{t}")
+                for t, b in l1r.take("quotas", (dict,), {}).items()
+            }
+        ),
+        default_quota=_size_in_range(
+            l1r.take("default_quota", (str, int), 0), 0, _MAX_SIZE, f"{source}: l1.default_quota"
+        ),
+        max_pinned_share=float(_number(l1r, "max_pinned_share", (int, float), 0.5, 0.0, 1.0)),
+        max_tenant_labels=_number(l1r, "max_tenant_labels", (int,), 32, 0, 10_000),
     )
     l1r.finish()
+    if l1.eviction not in EVICTION_POLICIES:
+        choices = ", ".join(map(repr, EVICTION_POLICIES))
+        raise ConfigError(f"{source}: l1.eviction must be one of {choices}, not {l1.eviction!r}")
 
     mr = _Reader(r.take("manager", (dict,), {}), "manager", source)
     policy: dict[str, Any] = {}

@@ -8,20 +8,56 @@ tier served is a miss at every tier. Every child of a tier is created at 0 when 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["DROP_REASONS", "L1", "LATENCY_BUCKETS", "TIER_OPS", "Metrics"]
 
 TIER_OPS = ("contains", "get", "put", "delete")
 """Tier call operations (``op`` label): lookup, load, save, delete."""
-DROP_REASONS = ("queue_full", "evicted", "lease_expired", "too_large", "error", "failed", "refused")
+DROP_REASONS = (
+    "queue_full",
+    "evicted",
+    "lease_expired",
+    "too_large",
+    "error",
+    "failed",
+    "refused",
+    "not_admitted",
+)
 """Why a store was dropped (``reason`` label of ``tiercache_stores_dropped``)."""
 
 L1 = "L1"
 """The ``tier`` label of L1 (``tiercache.store.hits.L1_TIER``)."""
+
+
+class _TenantCollector(Collector):
+    """Per-tenant L1 gauges read from ``tenant_stats()`` when scraped."""
+
+    def __init__(self, tenant_stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = tenant_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fams = {
+            "hits": GaugeMetricFamily(
+                "tiercache_tenant_l1_hits", "L1 reads served, by tenant", labels=["tenant"]
+            ),
+            "held_bytes": GaugeMetricFamily(
+                "tiercache_tenant_l1_bytes", "L1 bytes held, by tenant", labels=["tenant"]
+            ),
+            "evictions": GaugeMetricFamily(
+                "tiercache_tenant_l1_evictions", "L1 objects evicted, by tenant", labels=["tenant"]
+            ),
+        }
+        for label, st in self._stats().items():
+            for field, fam in fams.items():
+                fam.add_metric([label], float(getattr(st, field)))
+        yield from fams.values()
+
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -100,6 +136,11 @@ class Metrics:
         self.capacity_bytes = Gauge(
             "tiercache_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"], registry=r
         )
+        self.hit_rate_ceiling = Gauge(
+            "tiercache_hit_rate_ceiling",
+            "Estimated hit rate an unbounded cache would reach on the chunks looked up so far",
+            registry=r,
+        )
 
     def add_tier(self, tier: str, *, l2: bool = True) -> None:
         """Create every child of ``tier`` at 0 (idempotent): hits and misses (and evictions) for any tier;
@@ -143,6 +184,14 @@ class Metrics:
                     evicted.inc(len(keys))
 
             add_listener(count)
+
+    def watch_tenants(self, l1: Any) -> None:
+        """Export a local L1's per-tenant counters (``tenant_stats()``: a bounded label set, the overflow
+        under ``"other"``) at scrape time: ``tiercache_tenant_l1_{hits,bytes,evictions}``. An L1 without
+        them is skipped."""
+        tenant_stats = getattr(l1, "tenant_stats", None)
+        if callable(tenant_stats):
+            self.registry.register(_TenantCollector(tenant_stats))
 
     def watch_tier(self, tier: str, adapter: object) -> None:
         """Read an L2 adapter's ``used_bytes``, ``len()`` and ``capacity`` at scrape time, for those it

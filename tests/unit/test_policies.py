@@ -169,17 +169,17 @@ def test_sketch_halves_old_counts() -> None:
 
 
 def test_admission_after_n_sightings() -> None:
-    a = Admission(admit_after=2)
-    assert not a.admit("x")
+    a = Admission()
+    assert not a.admit("x", 2)
+    assert a.admit("x", 1)  # 1: always
     a.seen(["x"])
-    assert not a.admit("x")
-    a.seen(["x"])
-    assert a.admit("x")
-    assert (a.admitted, a.refused) == (1, 2)
-    always = Admission()
-    assert always.admit("anything")
+    assert not a.admit("x", 2)
+    a.seen(["x", "y"])
+    assert a.admit("x", 2)
+    assert not a.admit("x", 3)
+    assert a.count("y") == 1
     with pytest.raises(ValueError, match="admit_after"):
-        Admission(0)
+        a.admit("x", 0)
 
 
 @pytest.mark.parametrize("n", [10, 1000, 50000])
@@ -201,6 +201,15 @@ def test_ceiling_tracks_reuse() -> None:
     one_off = HitRateCeiling()
     one_off.observe([f"u{i}" for i in range(5000)])
     assert one_off.ceiling() < 0.03
+
+
+def test_sampled_ceiling_keeps_the_ratio() -> None:
+    c = HitRateCeiling(sample_bits=3)
+    keys = [f"k{i}" for i in range(20000)]
+    for _ in range(4):
+        c.observe(keys)
+    assert 0.08 * 80000 < c.lookups < 0.17 * 80000  # about one key in 8
+    assert abs(c.ceiling() - 0.75) < 0.03
 
 
 def test_quotas() -> None:

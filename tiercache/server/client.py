@@ -529,15 +529,16 @@ class SharedL1:
             self._thread.join(self.timeout_s + 1.0)
 
     # ------------------------------------------------------------------ writes
-    def reserve_write(self, key: str, spec: KVSpec) -> SharedObject | None:
-        """Reserve a slot for ``key`` (WRITING); None if present, no room, or cache-off."""
-        return self.batched_reserve_write([key], [spec])[0]
+    def reserve_write(self, key: str, spec: KVSpec, tenant: str = "") -> SharedObject | None:
+        """Reserve a slot for ``key`` (WRITING) on behalf of ``tenant``; None if present, no room, or
+        cache-off."""
+        return self.batched_reserve_write([key], [spec], tenant)[0]
 
     def batched_reserve_write(
-        self, keys: Sequence[str], specs: Sequence[KVSpec]
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
     ) -> list[SharedObject | None]:
         """One ALLOC per ALLOC_BATCH keys: a WRITING object per key, None where present, no room or
-        cache-off."""
+        cache-off (``tenant`` travels with the ALLOC: the server's quotas count it)."""
         out: list[SharedObject | None] = []
         conn = None
         for start in range(0, len(keys), ALLOC_BATCH):
@@ -548,6 +549,8 @@ class SharedL1:
                 "nbytes": [s.nbytes for s in batch_specs],
                 "meta": [spec_meta(s) for s in batch_specs],
             }
+            if tenant:
+                body["tenant"] = tenant
             got = self._call(Op.ALLOC, body)
             if got is None or (conn is not None and got[0] is not conn):
                 self.skipped_stores += len(keys) - len(out)

@@ -144,6 +144,8 @@ class ServerCollector(Collector):
         for name, help_text in (
             ("too_large", "ALLOC keys refused: the object is larger than a region"),
             ("cap_refusals", "leases or reservations refused by a connection's caps"),
+            ("quota_refusals", "ALLOC keys refused: the tenant is at its quota and holds nothing to evict"),
+            ("quota_evictions", "published slots a tenant at its quota evicted of its own"),
         ):
             if name in stats:
                 yield CounterMetricFamily(f"tiercache_server_{name}", help_text, value=stats[name])

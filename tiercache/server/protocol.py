@@ -36,6 +36,7 @@ MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit 
 MAX_KEYS = 1024  # keys/slots/leases in one request
 MAX_KEY_LEN = 512
 MAX_META_LEN = 256  # a KV spec takes ~30 bytes
+MAX_TENANT_LEN = 64  # a tenant id (tiercache.store.policy.tenant_id: 18 characters)
 MAX_WAIT_S = 3600.0  # longest wait a request may ask for (LOOKUP wait_s, DRAIN timeout_s)
 MAX_FENCES = 64  # lost sessions one HELLO or FENCE may end
 MAX_DECLARED = 16  # object sizes one HELLO may declare
@@ -170,7 +171,13 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
         for m in metas:
             if type(m) is not bytes or len(m) > MAX_META_LEN:
                 raise ProtocolError(f"meta must be bytes of at most {MAX_META_LEN}")
-        return {"keys": keys, "nbytes": nbytes, "meta": metas}
+        alloc: dict[str, Any] = {"keys": keys, "nbytes": nbytes, "meta": metas}
+        if "tenant" in body:  # optional: whose quota the slots count against
+            tenant = body["tenant"]
+            if type(tenant) is not str or len(tenant) > MAX_TENANT_LEN:
+                raise ProtocolError(f"tenant must be a string of at most {MAX_TENANT_LEN} characters")
+            alloc["tenant"] = tenant
+        return alloc
     if op in (Op.COMMIT, Op.ABORT):
         return {"slots": _slot_refs(body.get("slots"))}
     if op is Op.RELEASE:

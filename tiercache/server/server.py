@@ -691,7 +691,7 @@ class L1Server:
                 t.release(cid, [h.lease for h in hits if h is not None and h.lease])
                 return self._error(msg, "too_large", str(exc))
         if msg.op is Op.ALLOC:
-            slots = t.alloc(cid, body["keys"], body["nbytes"], body["meta"])
+            slots = t.alloc(cid, body["keys"], body["nbytes"], body["meta"], body.get("tenant", ""))
             conn.last_alloc = [(ref[0], ref[1]) for ref in slots if isinstance(ref, list)]
             out = {"slots": slots}
         elif msg.op is Op.COMMIT:

@@ -12,6 +12,10 @@ reservations are *orphaned*: their keys leave the index at once (no key is count
 publish; another client may store it) while their slots stay out of use until nothing of the lost writer can
 still land (:meth:`SlotTable.free_reservations`). Per-connection caps bound what one client can hold.
 
+Tenant quotas (``Caps.quotas``, bytes of slot strides per tenant id): a tenant whose reserved and published
+slots would pass its budget evicts its own least recently used unheld published slots first, and is refused
+(counted in ``quota_refusals``) when none can go.
+
 Pins (:meth:`SlotTable.pin`) keep a published key until unpinned (never evicted, stolen or cleared), at most
 ``Caps.max_pinned_share`` of the segment per tenant. Listeners (:meth:`SlotTable.add_listener`) hear each key
 that is published (``"stored"``) or leaves (``"evicted"``, ``"deleted"``), as :data:`L1Listener` describes.
@@ -22,12 +26,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_of
 from tiercache.store.l1 import L1Listener
+from tiercache.store.policy import TenantQuotas
 
 __all__ = ["MAX_CLASSES", "Caps", "Hit", "SlotTable"]
 
@@ -44,11 +50,14 @@ class Caps:
     segment's bytes reserved or leased per holder (a client process: all its connections, live or lost,
     together), though always one slot. A lost connection's reservations count each region they lie in whole
     (no other class can take that region until they are freed). Connection 0 (the server's own) is not
-    capped. ``max_pinned_share``: the share of the segment's bytes one tenant may keep pinned."""
+    capped. ``max_pinned_share``: the share of the segment's bytes one tenant may keep pinned; ``quotas``:
+    tenant id -> bytes its slots may take, ``default_quota`` for the others (0: no limit)."""
 
     max_leases: int = 16384
     max_share: float = 0.9
     max_pinned_share: float = 0.5
+    quotas: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    default_quota: int = 0
 
 
 @dataclass(slots=True)
@@ -119,6 +128,10 @@ class SlotTable:
         self.too_large = 0
         self.cap_refusals = 0
         self._pinned_bytes: dict[str, int] = {}  # tenant -> bytes (strides) of its pinned slots
+        self._quotas = TenantQuotas(self.caps.quotas, self.caps.default_quota)  # counts strides
+        self._tenant_lru: dict[str, OrderedDict[int, None]] = {}  # with quotas: published slots per tenant
+        self.quota_refusals = 0
+        self.quota_evictions = 0
         self._listeners: list[L1Listener] = []
 
     # ------------------------------------------------------------------ geometry
@@ -287,6 +300,13 @@ class SlotTable:
         s = self._slots.pop(slot)
         if s.pinned:
             self._unpin(s, slot)
+        if self._quotas.enabled:
+            self._quotas.add(s.tenant, -self._stride(slot))
+            own = self._tenant_lru.get(s.tenant)
+            if own is not None:
+                own.pop(slot, None)
+                if not own:
+                    del self._tenant_lru[s.tenant]
         region = slot // self._per_region
         ci = self._regions[region].cls
         if s.state == PUBLISHED:
@@ -354,6 +374,9 @@ class SlotTable:
                     out.append(None)
                     continue
                 self._classes[self._regions[slot // self._per_region].cls].lru.move_to_end(slot)
+                own = self._tenant_lru.get(s.tenant)
+                if own is not None and slot in own:
+                    own.move_to_end(slot)
                 lease = next(self._lease_ids)
                 s.leases.add(lease)
                 self._leases[lease] = (conn, slot)
@@ -382,6 +405,10 @@ class SlotTable:
                 self.cap_refusals += 1
                 out.append(None)
                 continue
+            if self._quotas.enabled and not self._make_quota_room(tenant, self._classes[ci].stride):
+                self.quota_refusals += 1
+                out.append(None)
+                continue
             slot = self._take(ci)
             if slot is None:
                 self.alloc_failures += 1
@@ -392,6 +419,8 @@ class SlotTable:
             self._index[key] = slot
             self._conn_reserved.setdefault(conn, set()).add(slot)
             self._charge(conn, slot, 1)
+            if self._quotas.enabled:
+                self._quotas.add(tenant, self._stride(slot))
             out.append([slot, self._gen(slot), self.offset_of(slot)])
         return out
 
@@ -408,6 +437,8 @@ class SlotTable:
                 self._slots[slot].state = PUBLISHED
                 self._set_state(slot, PUBLISHED)
                 self._classes[self._regions[slot // self._per_region].cls].lru[slot] = None
+                if self._quotas.enabled:
+                    self._tenant_lru.setdefault(self._slots[slot].tenant, OrderedDict())[slot] = None
             out.append(ok)
         if stored and self._listeners:
             self._notify("stored", stored)
@@ -481,6 +512,24 @@ class SlotTable:
         for slot in unleased:
             self._free_slot(slot)
         return len(unleased)
+
+    def _make_quota_room(self, tenant: str, stride: int) -> bool:
+        """Evict ``tenant``'s least recently used unheld published slots until ``stride`` more bytes fit its
+        quota; False when they cannot."""
+        quotas = self._quotas
+        while quotas.over(tenant, stride):
+            own = self._tenant_lru.get(tenant, OrderedDict())
+            victim = next((slot for slot in own if not self._held(self._slots[slot])), None)
+            if victim is None:
+                return False
+            self._free_slot(victim, "evicted")
+            self.evictions += 1
+            self.quota_evictions += 1
+        return True
+
+    def held_bytes(self, tenant: str) -> int:
+        """Bytes (slot strides) ``tenant``'s reserved and published slots take (counted with quotas on)."""
+        return self._quotas.held.get(tenant, 0)
 
     def pin(self, key: str) -> bool:
         """Keep the published ``key`` until :meth:`unpin` (never evicted, stolen or cleared); True when pinned
@@ -562,6 +611,8 @@ class SlotTable:
             "alloc_failures": self.alloc_failures,
             "too_large": self.too_large,
             "cap_refusals": self.cap_refusals,
+            "quota_refusals": self.quota_refusals,
+            "quota_evictions": self.quota_evictions,
             "regions": len(self._regions),
             "free_regions": len(self._free_regions),
             "classes": len(self._classes),

@@ -70,16 +70,16 @@ class ServerL1:
         self.slot_bytes = table.max_object
         self.capacity = self.seg.data_bytes
 
-    def reserve_write(self, key: str, spec: KVSpec) -> ServerObject | None:
-        """Reserve a slot for ``key`` (connection 0); None if present or no room."""
-        return self.batched_reserve_write([key], [spec])[0]
+    def reserve_write(self, key: str, spec: KVSpec, tenant: str = "") -> ServerObject | None:
+        """Reserve a slot for ``key`` (connection 0) on behalf of ``tenant``; None if present or no room."""
+        return self.batched_reserve_write([key], [spec], tenant)[0]
 
     def batched_reserve_write(
-        self, keys: Sequence[str], specs: Sequence[KVSpec]
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
     ) -> list[ServerObject | None]:
         """:meth:`reserve_write` for each key."""
         refs = self.table.alloc(
-            SERVER_CONN, list(keys), [s.nbytes for s in specs], [spec_meta(s) for s in specs]
+            SERVER_CONN, list(keys), [s.nbytes for s in specs], [spec_meta(s) for s in specs], tenant
         )
         return [
             ServerObject(self.seg, key, spec, ref[0], ref[1], ref[2], ObjectState.WRITING)

@@ -19,6 +19,7 @@ from tiercache.spec import KVFormat
 from tiercache.store.l1 import stored_nbytes
 from tiercache.store.l1_frames import l1_codec
 from tiercache.store.manager import L1_TIER, PrefixHit, StorageManager, TierHit
+from tiercache.store.policy import tenant_id
 
 if TYPE_CHECKING:
     import torch
@@ -288,7 +289,9 @@ class CacheEngine:
             spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
             fresh = [False] * len(spans)
             for layer in range(self.layout.num_layers):
-                stored = await self._store_layer(layer, spans, kv_caches, slot_mapping)
+                stored = await self._store_layer(
+                    layer, spans, kv_caches, slot_mapping, self.tenant_of(identity)
+                )
                 fresh = [a or b for a, b in zip(fresh, stored, strict=True)]
             return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
         first, keys = self._chunk_keys(tokens, mask, identity=identity, block_hashes=block_hashes)
@@ -298,7 +301,7 @@ class CacheEngine:
         specs = self._chunk_specs(first + len(keys), num_tokens)[first:]
         if self.events is not None and block_hashes is not None:
             self._describe(tokens, first, keys, identity, block_hashes)
-        async with self.manager.writing(keys, specs) as objects:
+        async with self.manager.writing(keys, specs, self.tenant_of(identity)) as objects:
             todo = [(c, o) for c, o in enumerate(objects, start=first) if o is not None]
             ranges = [(c * chunk, min(c * chunk + chunk, num_tokens)) for c, _ in todo]
             if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads
@@ -325,14 +328,27 @@ class CacheEngine:
         seq = cast("Sequence[int]", tokens)
         self.events.describe_request(keys, seq, blocks.hashes, blocks.block_size, bounds, lora)
 
+    def tenant_of(self, identity: RequestIdentity | None) -> str:
+        """The tenant whose quota a store counts against: :func:`~tiercache.store.policy.tenant_id` of the
+        request's ``cache_salt``, else of the process-wide one."""
+        salt = (
+            identity.cache_salt if identity is not None and identity.cache_salt else self.keyspace.cache_salt
+        )
+        return tenant_id(salt)
+
     async def _store_layer(
-        self, layer: int, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor
+        self,
+        layer: int,
+        spans: Sequence[ChunkSpan],
+        kv_caches: KVCaches,
+        slot_mapping: torch.Tensor,
+        tenant: str = "",
     ) -> list[bool]:
         """Gather one layer of ``spans`` into fresh per-layer L1 objects and queue them; True where stored."""
         from tiercache.gpu import dispatch
 
         keys = [str(s.key.with_layer(layer)) for s in spans]
-        async with self.manager.writing(keys, [self._spec(s, layer) for s in spans]) as objects:
+        async with self.manager.writing(keys, [self._spec(s, layer) for s in spans], tenant) as objects:
             todo = [(s, o) for s, o in zip(spans, objects, strict=True) if o is not None]
             if todo:
                 move = Move.gather(
@@ -359,8 +375,9 @@ class CacheEngine:
         if not self.layerwise:
             raise ValueError("store_layers needs an engine built with layerwise=True")
         spans = self.token_db.process_tokens(tokens, mask, identity=identity, block_hashes=block_hashes)
+        tenant = self.tenant_of(identity)
         for layer in range(self.layout.num_layers):
-            await self._store_layer(layer, spans, kv_caches, slot_mapping)
+            await self._store_layer(layer, spans, kv_caches, slot_mapping, tenant)
             yield layer
 
     # ----- lookup -------------------------------------------------------------------------------------------

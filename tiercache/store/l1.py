@@ -492,9 +492,11 @@ class L1Cache:
             self._current(obj, ObjectState.WRITING)
             self._free_slot(obj)
 
-    def batched_reserve_write(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[KVObject | None]:
+    def batched_reserve_write(
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+    ) -> list[KVObject | None]:
         """:meth:`reserve_write` for each key (one call, as on the shared L1)."""
-        return [self.reserve_write(key, spec) for key, spec in zip(keys, specs, strict=True)]
+        return [self.reserve_write(key, spec, tenant) for key, spec in zip(keys, specs, strict=True)]
 
     def batched_finish_write(self, objs: Sequence[KVObject]) -> None:
         """:meth:`finish_write` for each object."""

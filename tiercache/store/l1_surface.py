@@ -62,10 +62,13 @@ class L1Surface(Protocol[ObjT, LeaseT]):
     def slot_bytes(self) -> int:
         """Bytes of the largest object the L1 takes."""
 
-    def reserve_write(self, key: str, spec: KVSpec) -> ObjT | None:
-        """A WRITING object for ``key``; None if the key exists or there is no room."""
+    def reserve_write(self, key: str, spec: KVSpec, tenant: str = "") -> ObjT | None:
+        """A WRITING object for ``key``, counted against ``tenant``'s quota; None if the key exists or
+        there is no room."""
 
-    def batched_reserve_write(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[ObjT | None]:
+    def batched_reserve_write(
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+    ) -> list[ObjT | None]:
         """:meth:`reserve_write` for each key in one call."""
 
     def finish_write(self, obj: ObjT) -> None:

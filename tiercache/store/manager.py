@@ -27,6 +27,7 @@ from tiercache.store.hits import L1_TIER, PrefixHit, TierHit
 from tiercache.store.l1_frames import check_tier, l1_codec
 from tiercache.store.l1_surface import LocatesL2
 from tiercache.store.l2_controller import L2Context
+from tiercache.store.policy import HitRateCeiling
 from tiercache.store.prefetch_controller import PrefetchController
 from tiercache.store.store_controller import STORE_LEASE_DEADLINES, StoreController
 from tiercache.store.tier import TierClient, open_tier_adapter
@@ -87,6 +88,11 @@ class StorageManager:
         self.metrics.add_tier(L1_TIER, l2=False)
         if not self.remote:
             self.metrics.watch_l1(l1)
+            self.metrics.watch_tenants(l1)
+        self.ceiling = HitRateCeiling(sample_bits=4)
+        """Distinct chunks vs lookups (one key in 16 sampled, by hash: ~35 us per 512 keys): the hit rate
+        an unbounded cache would reach on the traffic seen."""
+        self.metrics.hit_rate_ceiling.set_function(lambda: self.ceiling.ceiling())
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiercache-codec")
         for name, _, pipeline in tiers:
             check_tier(l1_codec(l1), name, pipeline)
@@ -121,25 +127,41 @@ class StorageManager:
         succeeds. Configuration errors still raise here."""
         from tiercache.store.l1 import L1Cache
 
-        l1 = L1Cache(config.l1.capacity, slot_bytes, pinned=config.l1.pinned, codec=config.l1.codec)
-        return cls(l1, await open_tiers(config, reopen_delay_s), config.manager, metrics=metrics)
+        c = config.l1
+        l1 = L1Cache(
+            c.capacity,
+            slot_bytes,
+            pinned=c.pinned,
+            codec=c.codec,
+            eviction=c.eviction,
+            quotas=c.quotas,
+            default_quota=c.default_quota,
+            max_pinned_share=c.max_pinned_share,
+            max_tenant_labels=c.max_tenant_labels,
+        )
+        manager = cls(l1, await open_tiers(config, reopen_delay_s), config.manager, metrics=metrics)
+        manager.store.admit_after = {t.name: t.admit_after for t in config.tiers if t.admit_after > 1}
+        return manager
 
     async def _run(self, fn: Callable[[], T]) -> T:
         """Run a codec job on the codec threads."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ----- allocation and puts ------------------------------------------------------------------------------
-    def writing(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> WriteSession:
-        """A write session (``async with``): reserve L1 objects (None where the key is stored already or L1
-        is full), let the caller fill them, then publish and queue them for L2 on exit; on an exception every
-        reserved object is aborted (never visible) and the exception propagates."""
-        return WriteSession(self, keys, specs)
+    def writing(self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = "") -> WriteSession:
+        """A write session (``async with``): reserve L1 objects for ``tenant`` (None where the key is stored
+        already or L1 is full), let the caller fill them, then publish and queue them for L2 on exit; on an
+        exception every reserved object is aborted (never visible) and the exception propagates."""
+        return WriteSession(self, keys, specs, tenant)
 
-    async def batched_allocate(self, keys: Sequence[str], specs: Sequence[KVSpec]) -> list[Any]:
-        """Reserve L1 objects to write into (one call); None where the key is already stored or L1 has no
-        room (counted in ``tiercache_l1_alloc_failures``; in server mode the server counts them, as
-        ``tiercache_server_alloc_failures``, and no second round trip tells the two apart)."""
-        objects = self.l1.batched_reserve_write(keys, specs)
+    async def batched_allocate(
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+    ) -> list[Any]:
+        """Reserve L1 objects to write into (one call) for ``tenant`` (its quota applies); None where the
+        key is already stored or L1 has no room (counted in ``tiercache_l1_alloc_failures``; in server mode
+        the server counts them, as ``tiercache_server_alloc_failures``, and no second round trip tells the
+        two apart)."""
+        objects = self.l1.batched_reserve_write(keys, specs, tenant)
         refused = [key for obj, key in zip(objects, keys, strict=True) if obj is None]
         if refused and not self.remote:
             failures = sum(not present for present in self.l1.batched_contains(refused))
@@ -201,6 +223,7 @@ class StorageManager:
         local = self.local_prefix(keys, group)
         if local is not None:
             return local
+        self._saw(keys)
         if self.remote:
             hits = cast("LocatesL2", self.l1).batched_locate(keys, prefetch=prefetch)
         else:
@@ -227,10 +250,12 @@ class StorageManager:
         if group > 1:
             if self.tiers and not all(present):
                 return None
+            self._saw(keys)
             return self._prefix_hit([_L1_HIT if p else None for p in present], group)
         chunks = contiguous_prefix(present)
         if self.tiers and chunks < len(present):
             return None
+        self._saw(keys)
         self._count_lookup(_L1_TIERS * chunks, len(present) - chunks)
         return PrefixHit(chunks, _L1_TIERS * chunks, (_L1_HIT,) * chunks + (None,) * (len(present) - chunks))
 
@@ -240,6 +265,8 @@ class StorageManager:
         limit per message, ``LOOKUP_BATCH``), not one per list."""
         if group < 1 or any(len(keys) % group for keys in key_lists):
             raise ValueError(f"a key list does not split into groups of {group}")
+        for keys in key_lists:
+            self._saw(keys)
         hits = await self.batched_contains([key for keys in key_lists for key in keys])
         out: list[PrefixHit] = []
         start = 0
@@ -247,6 +274,13 @@ class StorageManager:
             out.append(self._prefix_hit(hits[start : start + len(keys)], group))
             start += len(keys)
         return out
+
+    def _saw(self, keys: Sequence[str]) -> None:
+        """A lookup answered for ``keys`` (counted once, where it is answered): feed the hit-rate ceiling
+        and, where a tier admits by frequency, the sightings sketch."""
+        self.ceiling.observe(keys)
+        if self.store.admit_after:
+            self.store.admission.seen(keys)
 
     def _prefix_hit(self, hits: list[TierHit | None], group: int) -> PrefixHit:
         """The contiguous prefix of whole groups in ``hits`` (a chunk's tier: the slowest of its group's);
@@ -422,18 +456,21 @@ class WriteSession:
     """``StorageManager.writing``'s session: ``async with`` gives the reserved objects (a plain class, not a
     generator: it runs once per store, on the store's host path)."""
 
-    __slots__ = ("_keys", "_manager", "_reserved", "_specs")
+    __slots__ = ("_keys", "_manager", "_reserved", "_specs", "_tenant")
 
-    def __init__(self, manager: StorageManager, keys: Sequence[str], specs: Sequence[KVSpec]) -> None:
+    def __init__(
+        self, manager: StorageManager, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+    ) -> None:
         """Remember what to reserve on entry."""
         self._manager = manager
         self._keys = keys
         self._specs = specs
+        self._tenant = tenant
         self._reserved: list[Any] = []
 
     async def __aenter__(self) -> list[Any]:
         """Reserve the objects (``batched_allocate``)."""
-        objects = await self._manager.batched_allocate(self._keys, self._specs)
+        objects = await self._manager.batched_allocate(self._keys, self._specs, self._tenant)
         self._reserved = [obj for obj in objects if obj is not None]
         return objects
 

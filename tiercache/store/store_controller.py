@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from tiercache.store._frames import FrameBuffers
 from tiercache.store.l1_frames import encode_from_l1
 from tiercache.store.l2_controller import L2Context, L2Controller
+from tiercache.store.policy import Admission
 
 if TYPE_CHECKING:
     from tiercache.store.l1_surface import L1LeaseView
@@ -53,6 +54,10 @@ class StoreController(L2Controller):
         self.store_batch = store_batch
         self.listeners: list[TierListener] = []
         """Told of every batch of keys a tier accepted (KV events)."""
+        self.admit_after: dict[str, int] = {}
+        """Tier -> lookups a key needs before that tier stores it (tiers not named: always)."""
+        self.admission = Admission()
+        """How often lookups asked for each key (fed by the manager's lookups)."""
         # frames of stores in flight reuse their buffers: room for two batches per store worker, or for two
         # frames per worker where one frame is larger than a batch (a batch of one large object)
         self._frames = FrameBuffers(
@@ -60,11 +65,16 @@ class StoreController(L2Controller):
         )
 
     def submit(self, keys: Sequence[str]) -> None:
-        """Queue the published objects under ``keys`` for every tier (never blocks; drops are counted)."""
+        """Queue the published objects under ``keys`` for every tier that admits them (never blocks; drops
+        and keys not admitted are counted)."""
         lease_s = self.policy.l2_deadline_s * STORE_LEASE_DEADLINES
         for tier in self.tiers:
             queued = False
+            threshold = self.admit_after.get(tier.name, 1)
             for key in keys:
+                if threshold > 1 and not self.admission.admit(key, threshold):
+                    self.metrics.stores_dropped.labels(tier.name, "not_admitted").inc()
+                    continue
                 lease = self.l1.acquire(key, lease_s=lease_s)
                 if lease is None:
                     self.metrics.stores_dropped.labels(tier.name, "evicted").inc()

@@ -11,7 +11,7 @@ from tiercache.store.policy.eviction import (
     S3FIFOPolicy,
     make_policy,
 )
-from tiercache.store.policy.quotas import OTHER, TenantLabels, TenantQuotas
+from tiercache.store.policy.quotas import OTHER, TenantLabels, TenantQuotas, tenant_id
 from tiercache.store.policy.sketch import Admission, FrequencySketch
 
 __all__ = [
@@ -27,4 +27,5 @@ __all__ = [
     "TenantLabels",
     "TenantQuotas",
     "make_policy",
+    "tenant_id",
 ]

@@ -1,16 +1,28 @@
-"""Per-tenant byte budgets and bounded tenant labels. A tenant is the ``cache_salt`` a request carries ("" for
-none); a budget of 0 means unlimited. :class:`TenantLabels` caps the label set of tenant metrics: the first
-``max_labels`` tenants keep their name, the rest count under ``"other"``."""
+"""Per-tenant byte budgets and bounded tenant labels. A tenant is named by :func:`tenant_id` of the
+``cache_salt`` a request carries ("" for none); a budget of 0 means unlimited. :class:`TenantLabels` caps
+the label set of tenant metrics: the first ``max_labels`` tenants keep their name, the rest count under
+``"other"``."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import threading
 from collections.abc import Mapping
 
-__all__ = ["OTHER", "TenantLabels", "TenantQuotas"]
+__all__ = ["OTHER", "TenantLabels", "TenantQuotas", "tenant_id"]
 
 OTHER = "other"
 """The label of every tenant past the cap."""
+
+
+@functools.lru_cache(maxsize=4096)
+def tenant_id(salt: str) -> str:
+    """The tenant a ``cache_salt`` stands for in quotas and metrics: ``"t-"`` + 16 hex digits of its
+    SHA-256 (the salt itself never appears), "" for no salt."""
+    if not salt:
+        return ""
+    return "t-" + hashlib.sha256(b"tiercache-tenant\0" + salt.encode()).hexdigest()[:16]
 
 
 class TenantQuotas:

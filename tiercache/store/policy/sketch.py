@@ -1,100 +1,91 @@
 """Admission by frequency: a count-min sketch of how often each key was seen, with 4-bit saturating
-counters that halve after ``10 x width`` sightings (old popularity fades), and :class:`Admission`, which lets
-a key in once it was seen ``admit_after`` times."""
+counters that halve after ``10 x width`` sightings (old popularity fades), and :class:`Admission`, which tells
+whether a key was seen at least N times. Keys are hashed with Python's ``hash`` (cached on each string,
+randomized per process: the sketch lives in memory only)."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
+from collections.abc import Iterable
 
 __all__ = ["Admission", "FrequencySketch"]
 
 _MAX = 15  # 4-bit counters
-_ROWS = 4
-
-
-def _hashes(key: str) -> tuple[int, int, int, int]:
-    d = hashlib.blake2b(key.encode(), digest_size=16).digest()
-    return (
-        int.from_bytes(d[0:4], "little"),
-        int.from_bytes(d[4:8], "little"),
-        int.from_bytes(d[8:12], "little"),
-        int.from_bytes(d[12:16], "little"),
-    )
+_MASK64 = (1 << 64) - 1
+_MULS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 
 
 class FrequencySketch:
-    """Approximate per-key counts in ``width x 4`` counters: never under the true count since the last
-    halving (over it only by collisions). Not thread-safe: :class:`Admission` locks."""
+    """Approximate per-key counts in 4 rows of ``width`` counters: never under the true count since the
+    last halving (over it only by collisions). Not thread-safe: :class:`Admission` locks."""
 
     def __init__(self, width: int = 1 << 16) -> None:
         """``width`` counters per row, rounded up to a power of two; ValueError when not positive."""
         if width <= 0:
             raise ValueError(f"sketch width must be positive: {width}")
         self.width = 1 << (width - 1).bit_length()
-        self._mask = self.width - 1
-        self._rows = [bytearray(self.width) for _ in range(_ROWS)]
+        self._shift = 64 - self.width.bit_length() + 1
+        self._rows = [bytearray(self.width) for _ in _MULS]
         self._added = 0
         self.sample = 10 * self.width
         """Sightings after which every counter halves."""
 
+    def _index(self, key: str) -> list[int]:
+        h = hash(key) & _MASK64
+        shift = self._shift
+        if self.width == 1:
+            return [0] * len(_MULS)
+        return [((h * m) & _MASK64) >> shift for m in _MULS]
+
     def add(self, key: str) -> int:
         """Count one sighting of ``key``; its estimate afterwards."""
-        hs = _hashes(key)
-        idx = [h & self._mask for h in hs]
-        low = min(row[i] for row, i in zip(self._rows, idx, strict=True))
-        for row, i in zip(self._rows, idx, strict=True):  # conservative update: raise only the minima
-            if row[i] == low and low < _MAX:
-                row[i] = low + 1
-        est = min(low + 1, _MAX)
+        idx = self._index(key)
+        rows = self._rows
+        low = min(row[i] for row, i in zip(rows, idx, strict=True))
+        if low < _MAX:
+            for row, i in zip(rows, idx, strict=True):  # conservative update: raise only the minima
+                if row[i] == low:
+                    row[i] = low + 1
         self._added += 1
         if self._added >= self.sample:
             self._halve()
-        return est
+        return min(low + 1, _MAX)
 
     def estimate(self, key: str) -> int:
         """Sightings of ``key`` (saturating at 15)."""
-        return min(row[h & self._mask] for row, h in zip(self._rows, _hashes(key), strict=True))
+        return min(row[i] for row, i in zip(self._rows, self._index(key), strict=True))
 
     def _halve(self) -> None:
         self._added //= 2
-        for i, row in enumerate(self._rows):
-            self._rows[i] = bytearray(bytes(b >> 1 for b in row))
+        table = bytes(b >> 1 for b in range(256))
+        for row in self._rows:
+            row[:] = row.translate(table)
 
 
 class Admission:
-    """Whether a tier takes a key: always (``admit_after`` 1) or once seen ``admit_after`` times (lookups
-    and stores both count as sightings, via :meth:`seen`). Thread-safe; counts admitted and refused keys."""
+    """How often lookups asked for each key, and whether a tier should take a key: once asked for
+    ``threshold`` times (1: always). Thread-safe."""
 
-    def __init__(self, admit_after: int = 1, width: int = 1 << 16) -> None:
-        """ValueError unless ``1 <= admit_after <= 15``."""
-        if not 1 <= admit_after <= _MAX:
-            raise ValueError(f"admit_after must be in 1..{_MAX}: {admit_after}")
-        self.admit_after = admit_after
-        self._sketch = FrequencySketch(width) if admit_after > 1 else None
+    def __init__(self, width: int = 1 << 16) -> None:
+        """A sketch of ``width`` counters per row (a few times the distinct chunks seen per ``10 x width``
+        sightings keeps collisions rare)."""
+        self._sketch = FrequencySketch(width)
         self._lock = threading.Lock()
-        self.admitted = 0
-        self.refused = 0
 
-    def seen(self, keys: list[str]) -> None:
+    def seen(self, keys: Iterable[str]) -> None:
         """Count one sighting of each key (a lookup asked for it)."""
-        sketch = self._sketch
-        if sketch is None:
-            return
         with self._lock:
+            add = self._sketch.add
             for key in keys:
-                sketch.add(key)
+                add(key)
 
-    def admit(self, key: str) -> bool:
-        """Whether to store ``key`` now (seen often enough); counted."""
-        sketch = self._sketch
-        if sketch is None:
-            self.admitted += 1
-            return True
+    def count(self, key: str) -> int:
+        """Sightings of ``key`` so far (saturating at 15)."""
         with self._lock:
-            ok = sketch.estimate(key) >= self.admit_after
-            if ok:
-                self.admitted += 1
-            else:
-                self.refused += 1
-            return ok
+            return self._sketch.estimate(key)
+
+    def admit(self, key: str, threshold: int) -> bool:
+        """Whether ``key`` was seen at least ``threshold`` times; ValueError unless 1..15."""
+        if not 1 <= threshold <= _MAX:
+            raise ValueError(f"admit_after must be in 1..{_MAX}: {threshold}")
+        return threshold == 1 or self.count(key) >= threshold
