@@ -9,6 +9,7 @@ from types import ModuleType
 import pytest
 
 FD_SLACK = 2
+POOL_FDS = 2 * 16  # two engines' Redis pools, 16 connections each (the adapter's default pool_size)
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,12 +38,15 @@ async def test_short_soak_serves_nothing_wrong_and_leaks_nothing(
     # restored from Redis and from the POSIX tier despite the faults
     assert end["loaded_redis"] >= 1
     assert end["loaded_disk"] >= 1
-    # fds do not grow: a fault window moves the count by a few fds either way (Redis reconnects) and a
-    # connection pool may add a connection or two to meet the load (bounded), so the last quarter's median and
-    # the drained end are held to the first quarter's peak (after warm-up) plus FD_SLACK; a fd leaked per
-    # fault (5 faults here) or per operation (hundreds) lifts them above it
+    # no fd leaks, robust to load: a busy machine makes the connection pools open more connections (up to
+    # POOL_FDS across the two engines' Redis pools), so the in-run samples are held only to the first
+    # quarter's peak plus that (a fd leaked per operation, hundreds, passes it); the sharp check is after
+    # both engines closed (every pool, executor and file closed): as many fds as before they opened, within
+    # FD_SLACK (a fd leaked per fault or per reconnect, outside any pool, stays open and fails it)
     after = [s["fds"] for s in result["samples"] if s["t_s"] >= cfg.warmup_frac * cfg.duration_s]
     quarter = max(1, len(after) // 4)
-    bound = max(after[:quarter]) + FD_SLACK
+    bound = max(after[:quarter]) + POOL_FDS + FD_SLACK
     assert statistics.median(after[-quarter:]) <= bound, after
     assert end["fds"] <= bound, (end["fds"], after)
+    around = result["fds_around"]
+    assert around["after_close"] <= around["before_open"] + FD_SLACK, (around, after)

@@ -313,6 +313,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path) -> dict[str, Any]:
     )
     prompts = make_prompts(cfg)
     state = State()
+    fds_before_open = psutil.Process().num_fds()
     prefill = await CacheEngine.open(config, LAYOUT, model="soak/model")
     decode = await CacheEngine.open(config, LAYOUT, model="soak/model")
     stop = asyncio.Event()
@@ -333,6 +334,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path) -> dict[str, Any]:
     finally:
         await prefill.aclose()
         await decode.aclose()
+        fds_after_close = psutil.Process().num_fds()
         redis.proc.stop()
     elapsed = time.monotonic() - start
     return {
@@ -346,6 +348,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path) -> dict[str, Any]:
         "faults": state.faults,
         "objects_corrupted": state.corrupted,
         "end": end,
+        "fds_around": {"before_open": fds_before_open, "after_close": fds_after_close},
         "verdict": verdict(cfg, state.samples, end, state),
         "samples": state.samples,
     }
