@@ -21,15 +21,16 @@ from tiercache.errors import ConfigError
 from tiercache.sizes import MAX_SIZE as _MAX_SIZE
 from tiercache.sizes import in_range as _in_range
 from tiercache.sizes import parse_size
-from tiercache.store.policy.eviction import EVICTION_POLICIES
 
 __all__ = [
+    "EVICTION_POLICIES",
     "L1_CODECS",
     "Config",
     "L1Config",
     "ManagerConfig",
     "ServerConfig",
     "TierConfig",
+    "check_events_endpoint",
     "check_l1_codec",
     "check_url_secrets",
     "config_from_dict",
@@ -41,6 +42,9 @@ __all__ = [
 
 L1_CODECS = ("raw", "fp8")
 """What an L1 slot may hold: the KV's bytes, or its fp8 (e4m3, float32 channel scales) payload."""
+EVICTION_POLICIES = ("lru", "s3fifo")
+"""The L1 eviction policies ``l1.eviction`` may name (``tiercache.store.policy`` implements them)."""
+_EVENTS_SCHEMES = ("tcp://", "ipc://")
 MIN_SECONDS = 0.001
 """The shortest deadline or cool-down a config may set (1 ms)."""
 MAX_CHUNK_SIZE = 1 << 20
@@ -192,10 +196,8 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
     if out.region_bytes is not None:
         _in_range(out.region_bytes, 4096, 1 << 40, f"{where}.region_bytes")
     if out.events_endpoint is not None:
-        from tiercache.server.events_pub import check_endpoint
-
         try:
-            check_endpoint(out.events_endpoint, f"{where}.events_endpoint")
+            check_events_endpoint(out.events_endpoint, f"{where}.events_endpoint")
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     return out
@@ -294,6 +296,17 @@ class Config:
             if tier.name == name:
                 return tier
         raise ConfigError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+
+def check_events_endpoint(endpoint: str, where: str = "server.events_endpoint") -> None:
+    """``ValueError`` (one line naming ``where``) unless ``endpoint`` is a tcp:// or ipc:// address and pyzmq
+    is installed."""
+    if not endpoint.startswith(_EVENTS_SCHEMES) or len(endpoint) <= 6:
+        raise ValueError(f"{where} must be a tcp:// or ipc:// address, not {endpoint!r}")
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{where} needs pyzmq: pip install 'tiercache[events]'") from None
 
 
 def resolve_secrets(

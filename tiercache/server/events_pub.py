@@ -2,8 +2,8 @@
 socket in vLLM's wire format (``[topic, 8-byte big-endian sequence number, KVEventBatch msgpack]``, as vLLM's
 ``ZmqEventPublisher`` sends), so a router subscribes to one endpoint per node.
 
-pyzmq is optional (``pip install 'tiercache[events]'``); :func:`check_endpoint` refuses the endpoint in one
-line when it is missing or the endpoint is not ``tcp://`` or ``ipc://``.
+pyzmq is optional (``pip install 'tiercache[events]'``); ``tiercache.config.check_events_endpoint`` refuses
+the endpoint in one line when it is missing or the endpoint is not ``tcp://`` or ``ipc://``.
 """
 
 from __future__ import annotations
@@ -13,27 +13,15 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from tiercache.config import check_events_endpoint
 from tiercache.events import encode_batch
 
 if TYPE_CHECKING:
     from tiercache.events import EventSink
 
-__all__ = ["EventPublisher", "check_endpoint"]
+__all__ = ["EventPublisher"]
 
 log = logging.getLogger(__name__)
-
-_SCHEMES = ("tcp://", "ipc://")
-
-
-def check_endpoint(endpoint: str, where: str = "server.events_endpoint") -> None:
-    """``ValueError`` (one line naming ``where``) unless ``endpoint`` is a tcp:// or ipc:// address and pyzmq
-    is installed."""
-    if not endpoint.startswith(_SCHEMES) or len(endpoint) <= 6:
-        raise ValueError(f"{where} must be a tcp:// or ipc:// address, not {endpoint!r}")
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        raise ValueError(f"{where} needs pyzmq: pip install 'tiercache[events]'") from None
 
 
 class EventPublisher:
@@ -41,7 +29,7 @@ class EventPublisher:
     a failed send is logged once and the batch dropped: events are best effort, like vLLM's)."""
 
     def __init__(self, sink: EventSink, endpoint: str, *, topic: str = "", interval_s: float = 0.05) -> None:
-        check_endpoint(endpoint)
+        check_events_endpoint(endpoint)
         import zmq
 
         self.sink = sink

@@ -13,10 +13,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+from tiercache.config import EVICTION_POLICIES
 
-EVICTION_POLICIES = ("lru", "s3fifo")
-"""Names :func:`make_policy` accepts."""
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
 
 
 class EvictionPolicy(Protocol):
