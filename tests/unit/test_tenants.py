@@ -187,3 +187,13 @@ def test_slot_table_quota_counts_reservations_and_frees() -> None:
     assert t.abort(1, [(ref[0], ref[1])]) == [True]
     assert t.held_bytes("t") == 0
     assert _store(t, "y", "t")
+
+
+def test_slot_table_ceiling_counts_presence_lookups_not_reads() -> None:
+    t = _table(2, Caps(max_share=1.0))
+    t.ceiling = HitRateCeiling()  # every key (the default samples one in 16)
+    for _ in range(3):
+        t.lookup(1, ["a", "b", "c", "d"], pin=False, prefix=True)
+    t.lookup(1, ["a", "b"], pin=True, prefix=True)  # a read of what a lookup found: not counted again
+    assert t.ceiling.lookups == 12
+    assert abs(t.ceiling.ceiling() - (1 - 4 / 12)) < 0.01

@@ -119,9 +119,11 @@ def check_health(
         stats = dict(out["stats"])
         result.ok, result.stats = True, stats
         clients = stats.get("clients")
+        ceiling = stats.get("hit_rate_ceiling")
         result.reason = (
             f"server at {path} answered in {seconds * 1e3:.1f} ms: epoch {result.epoch}, pid {result.pid}"
             + ("" if clients is None else f", {clients} clients")
+            + ("" if ceiling is None else f", hit-rate ceiling {ceiling:.2f}")
         )
     return result
 

@@ -122,6 +122,11 @@ class ServerCollector(Collector):
         yield slots
         yield GaugeMetricFamily("tiercache_server_leases", "live read leases", value=stats["leases"])
         yield GaugeMetricFamily(
+            "tiercache_server_hit_rate_ceiling",
+            "estimated hit rate an unbounded shared L1 would reach on the chunks looked up so far",
+            value=self.server.table.ceiling.ceiling(),
+        )
+        yield GaugeMetricFamily(
             "tiercache_server_clients", "connected clients", value=len(self.server._conns)
         )
         yield GaugeMetricFamily(

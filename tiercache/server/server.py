@@ -735,6 +735,7 @@ class L1Server:
             max_object=self.table.max_object,
             pending_stores=0 if storage is None else storage.pending_stores(),
             stores_dropped=0 if storage is None else sum(storage.dropped_stores().values()),
+            hit_rate_ceiling=round(self.table.ceiling.ceiling(), 4),
         )
         return out
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_of
 from tiercache.store.l1 import L1Listener
-from tiercache.store.policy import TenantQuotas
+from tiercache.store.policy import HitRateCeiling, TenantQuotas
 
 __all__ = ["MAX_CLASSES", "Caps", "Hit", "SlotTable"]
 
@@ -132,6 +132,8 @@ class SlotTable:
         self._tenant_lru: dict[str, OrderedDict[int, None]] = {}  # with quotas: published slots per tenant
         self.quota_refusals = 0
         self.quota_evictions = 0
+        self.ceiling = HitRateCeiling(sample_bits=4)
+        """Keys of presence lookups (not reads): the hit rate an unbounded shared L1 would reach on them."""
         self._listeners: list[L1Listener] = []
 
     # ------------------------------------------------------------------ geometry
@@ -353,6 +355,8 @@ class SlotTable:
         (a presence check leaves the LRU order alone)."""
         out: list[Hit | None] = []
         refused = 0
+        if not pin:  # a presence check asks whether a request's chunks are cached (a read asks again)
+            self.ceiling.observe(keys)
         for key in keys:
             slot = self._index.get(key)
             s = None if slot is None else self._slots[slot]
