@@ -30,14 +30,14 @@ How batches map to commands (the choices are measured by ``benchmarks/adapters_b
 * contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
   and ``GETRANGE`` (from where its nonce starts) per part for the keys that hold a manifest. delete: one
   pipeline of ``GETRANGE`` + ``DEL`` per key, then one of ``DEL`` per part of the manifests found.
-* get: one ``GET`` per key, ``GET_VALUES_IN_FLIGHT`` of a batch at once (each on its own connection), while
+* get: one ``GET`` per key, ``GET_VALUES_IN_FLIGHT`` of a batch at a time, while
   the values seen (read or written) are large (running mean > 256 KiB), else one pipeline of ``MGET``s of
   about 1 MiB of values each (cluster: of ``GET``s). Large replies land in receive buffers that are reused
   once the caller has dropped them (``adapters/_recvbuf.py``).
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
   ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces); each larger value is its own
-  ``SET`` (on the RESP client sent together with that ``GETRANGE``), all of a batch at once (up to
-  ``pool_size`` in flight): pipelining large values makes Redis copy them through its query buffer.
+  ``SET`` (on the RESP client sent together with that ``GETRANGE``), ``PUT_VALUES_IN_FLIGHT`` of a batch at
+  a time: pipelining large values makes Redis copy them through its query buffer.
 * On a plain-TCP standalone server reads, lookups and puts go through ``adapters/_resp.py``, a small RESP
   client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (no copies of a value
   on the way out or in). It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call:
@@ -141,9 +141,13 @@ PART_READS_IN_FLIGHT = 4
 """Part GETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
 PART_WRITES_IN_FLIGHT = 8
 """Part SETs in flight per adapter: 8 beat 4 and 16 (see the module docstring)."""
-GET_VALUES_IN_FLIGHT = 4
-"""Large-value GETs of one batch in flight (each on its own connection): the server sends one value while
-the next request waits on another connection, instead of a round trip's idle gap between values."""
+GET_VALUES_IN_FLIGHT = 1
+"""Large-value GETs of one batch in flight (a parted value's parts still overlap the next value's GET): on
+the 2-core project box 4 in flight read 1-4 MiB values slower than 1 (``benchmarks/vs_lmcache_resp.py
+--variants``)."""
+PUT_VALUES_IN_FLIGHT = 4
+"""Large-value SETs of one batch in flight (at most ``pool_size``): 4 wrote 1-4 MiB values faster than 16
+on the 2-core project box, and 1 MiB values faster than 1 (``vs_lmcache_resp.py --variants``)."""
 RECV_BLOCKS = 512
 """Receive buffers kept for reuse per adapter (512 MiB of them at most, ``RecvBuffers``'s default)."""
 _COMPARE_AND_DELETE = (
@@ -348,6 +352,7 @@ class RedisAdapter(Adapter):
         self.part_size = common.part_size
         self._read_lanes = asyncio.Semaphore(PART_READS_IN_FLIGHT)
         self._value_lanes = asyncio.Semaphore(GET_VALUES_IN_FLIGHT)
+        self._put_lanes = asyncio.Semaphore(PUT_VALUES_IN_FLIGHT)
         self._write_lanes = asyncio.Semaphore(PART_WRITES_IN_FLIGHT)
         self._recv = RecvBuffers(min_bytes=PIPELINE_VALUE_BYTES + 1, max_blocks=RECV_BLOCKS)
         """Receive buffers of large values (GETs over ``PIPELINE_VALUE_BYTES``, parted reads), reused once the
@@ -703,7 +708,7 @@ class RedisAdapter(Adapter):
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         """SET each value (small ones pipelined, large ones concurrently, each its own SET, up to
-        ``pool_size`` in flight); False if over 512 MiB or OOM."""
+        ``PUT_VALUES_IN_FLIGHT`` at a time); False if over 512 MiB or OOM."""
         self._check_open()
         check_lengths(keys, values)
         full = self._keys(keys)
@@ -779,7 +784,8 @@ class RedisAdapter(Adapter):
             return await self._put_parts(key, value)
         if self._resp is not None:  # GETRANGE + SET on one connection, one round trip
             try:
-                old: Any = await self._resp.replace(key.encode(), value, self.ttl_ms, peek=MANIFEST_BYTES)
+                async with self._put_lanes:
+                    old: Any = await self._resp.replace(key.encode(), value, self.ttl_ms, peek=MANIFEST_BYTES)
             except RespError as exc:
                 return rexc.ResponseError(str(exc))
         else:  # the head before the SET (concurrently, the GETRANGE could run after it)

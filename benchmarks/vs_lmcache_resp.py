@@ -110,12 +110,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tc = await RedisAdapter.open(f"redis://127.0.0.1:{port}/0")
     lmc = RESPClient("127.0.0.1", port, args.workers, loop=asyncio.get_running_loop())
     variants: dict[str, RedisAdapter] = {}
-    if args.variants:  # tiercache's reads as they were: one large GET at a time, each into a new buffer
-        variants["tc_serial_get"] = await RedisAdapter.open(f"redis://127.0.0.1:{port}/0")
-        variants["tc_serial_get"]._value_lanes = asyncio.Semaphore(1)
-        variants["tc_new_buffers_get"] = await RedisAdapter.open(f"redis://127.0.0.1:{port}/0")
-        assert variants["tc_new_buffers_get"]._resp is not None
-        variants["tc_new_buffers_get"]._resp.alloc = new_buffer  # before its first connection
+    lanes_of = {"tc_get_4_in_flight": 4, "tc_put_1_in_flight": 1, "tc_put_16_in_flight": 16}
+    if args.variants:  # tiercache with other numbers of large GETs / SETs in flight, reads into new buffers
+        for label, lanes in lanes_of.items():
+            adapter = await RedisAdapter.open(f"redis://127.0.0.1:{port}/0")
+            setattr(adapter, "_value_lanes" if "get" in label else "_put_lanes", asyncio.Semaphore(lanes))
+            variants[label] = adapter
+        variants["tc_get_new_buffers"] = await RedisAdapter.open(f"redis://127.0.0.1:{port}/0")
+        assert variants["tc_get_new_buffers"]._resp is not None
+        variants["tc_get_new_buffers"]._resp.alloc = new_buffer  # before its first connection
     try:
         for name, size, count in cases:
             values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
@@ -137,6 +140,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ok = await tc.batched_put(tc_keys, views)  # noqa: B023
                 assert all(ok), "tiercache put refused"
 
+            def tc_put_with(adapter: RedisAdapter) -> Callable[[], Awaitable[None]]:
+                async def write() -> None:
+                    ok = await adapter.batched_put(tc_keys, views)  # noqa: B023
+                    assert all(ok), "tiercache put refused"
+
+                return write
+
             async def lmc_put() -> None:
                 await lmc.batch_set(lmc_keys, views)  # noqa: B023
 
@@ -150,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "lmc_get": lmc_get,
             }
             for who, adapter in variants.items():
-                ops[who] = tc_get(who, adapter)
+                ops[who] = tc_get(who, adapter) if "get" in who else tc_put_with(adapter)
             samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in ops}
             for fn in ops.values():  # warm-up: connections, the server's allocations
                 await fn()
@@ -160,8 +170,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for op in ("put", "get"):
                     for who in order:
                         samples[f"{who}_{op}"].append(await _time(ops[f"{who}_{op}"], server.pid))
-                    if op == "get":
-                        for who in variants:
+                    for who in variants:
+                        if op in who:
                             samples[who].append(await _time(ops[who], server.pid))
                 for i in range(count):  # untimed: every byte back as written
                     for who, vals in got.items():
@@ -233,7 +243,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         action="store_true",
-        help="also time tiercache's reads one large GET at a time and into new buffers (as before)",
+        help="also time tiercache with 4 large GETs in flight, 1 and 16 large SETs in flight, and reads into "
+        "new buffers",
     )
     ap.add_argument("--server-args", nargs="*", default=[], help="more redis-server arguments")
     args = ap.parse_args()
