@@ -32,7 +32,8 @@ the same temp file + rename either way. An inline put writes into a spare: an em
 the pool (``tiercache.adapters._spare_files``), so the create, whose cost varies most, is off the loop too.
 
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
-least recently used objects (a get refreshes recency in memory; after a restart recency is the write time).
+least recently used objects (a get refreshes recency in memory; after a restart recency is the write time),
+or with ``eviction=s3fifo`` the objects S3-FIFO picks (scan-resistant: see ``tiercache.store.policy``).
 Several processes may share a directory (objects are visible to all of them); each then enforces the capacity
 only over the objects it knows.
 """
@@ -50,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import xxhash
@@ -68,6 +69,7 @@ from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
+from tiercache.store.policy.eviction import S3FIFOPolicy
 
 if TYPE_CHECKING:
     from typing import Self
@@ -266,7 +268,9 @@ class PosixOptions:
     """Options of ``file:///abs/dir`` URLs (query string or keywords); each parsed from its type."""
 
     capacity: Annotated[Size, Range(0, MAX_SIZE)] | None = None
-    """Bytes of values kept (LRU eviction beyond; None: unbounded)."""
+    """Bytes of values kept (eviction beyond; None: unbounded)."""
+    eviction: Literal["lru", "s3fifo"] = "lru"
+    """Which objects go when ``capacity`` is reached: least recently used, or S3-FIFO's choice."""
     fsync: bool = False
     """fsync each value (and its directory) as it is written."""
     shard_depth: Annotated[int, Range(0, 8)] | None = None
@@ -329,6 +333,8 @@ class PosixAdapter(Adapter):
         # Helpers only read ranges (never wait on anything), so a read waiting on them cannot deadlock.
         self._helpers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-posix-read")
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self._policy = S3FIFOPolicy(capacity) if o.eviction == "s3fifo" and capacity else None
+        """With ``eviction=s3fifo``: the order victims come in (``_index`` keeps the sizes)."""
         self._used = 0
         self._writing: dict[str, int] = {}  # key -> puts in flight (never evicted meanwhile)
         self._raced: set[str] = set()  # keys with overlapping puts in flight (``_begin_put``)
@@ -375,6 +381,10 @@ class PosixAdapter(Adapter):
         entries.sort(key=lambda e: e[2])
         self._index = OrderedDict((key, size) for key, size, _ in entries)
         self._used = sum(self._index.values())
+        if self._policy is not None:
+            self._policy = S3FIFOPolicy(self._policy.capacity)
+            for key, size, _ in entries:
+                self._policy.insert(key, size)
         evict = self._reserve_victims(0) or []
         if evict:
             await self._run(lambda: [_unlink(p) for p in evict])
@@ -501,11 +511,16 @@ class PosixAdapter(Adapter):
             self._used -= old
         self._index[key] = size
         self._used += size
+        if self._policy is not None:
+            self._policy.remove(key)
+            self._policy.insert(key, size)
 
     def _forget(self, key: str) -> None:
         old = self._index.pop(key, None)
         if old is not None:
             self._used -= old
+        if self._policy is not None:
+            self._policy.remove(key)
 
     def _reserve_victims(self, extra: int) -> list[str] | None:
         """Drop LRU entries until ``extra`` more bytes fit; their paths, or None if they cannot fit (then
@@ -513,11 +528,16 @@ class PosixAdapter(Adapter):
         if self.capacity is None or self._used + extra <= self.capacity:
             return []
         dropped: list[tuple[str, int]] = []
-        for key, size in list(self._index.items()):
-            if self._used + extra <= self.capacity:
+        policy = self._policy
+        writing = self._writing
+        lru = iter(list(self._index))
+        while self._used + extra > self.capacity:
+            key = policy.victim(lambda k: k not in writing) if policy else next(lru, None)
+            if key is None:
                 break
-            if key in self._writing:
+            if key in writing:
                 continue
+            size = self._index[key]
             self._forget(key)
             dropped.append((key, size))
         if self._used + extra > self.capacity:
@@ -525,6 +545,8 @@ class PosixAdapter(Adapter):
                 self._index[key] = size
                 self._index.move_to_end(key, last=False)
                 self._used += size
+                if policy is not None:
+                    policy.insert(key, size)
             return None
         return [self._path(key) for key, _ in dropped]
 
@@ -569,6 +591,8 @@ class PosixAdapter(Adapter):
                     self._forget(key)
             elif key in self._index:
                 self._index.move_to_end(key)
+                if self._policy is not None:
+                    self._policy.touch(key)
             else:  # written by another process (or before a restart): start accounting for it
                 self._touch(key, len(value))
         return list(results)

@@ -40,6 +40,22 @@ class TestPosixConformance(AdapterConformance):
         return _bytes_on_disk(self.root)
 
 
+class TestPosixConformanceS3FIFO(AdapterConformance):
+    """The kit with S3-FIFO eviction (query option) under a capacity."""
+
+    @pytest.fixture
+    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        return lambda: PosixAdapter.open(f"file://{tmp_path}/store?eviction=s3fifo&capacity=64MiB")
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        self.root = tmp_path / "bounded"
+        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB", eviction="s3fifo")
+
+    async def stored_bytes(self, adapter: Adapter) -> int | None:
+        return _bytes_on_disk(self.root)
+
+
 class TestPosixConformanceFsyncFlat(AdapterConformance):
     """The kit with fsync on, no sharding and one I/O thread (smaller objects to stay fast)."""
 
@@ -177,6 +193,31 @@ async def test_lru_eviction_by_capacity(tmp_path: Path) -> None:
     assert adapter.used_bytes == 3000
     assert len(_files(tmp_path)) == 2
     await adapter.aclose()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+@pytest.mark.asyncio
+async def test_s3fifo_keeps_reread_objects_through_a_scan(tmp_path: Path, eviction: str) -> None:
+    """20 objects fit. 5 objects are read once after their put, then again after every 20 one-off puts (a
+    scan). S3-FIFO keeps the 5 (read while on probation: promoted to its main queue, which the scan never
+    enters); LRU loses them to the scan between two reads."""
+    adapter = await PosixAdapter.open(f"file://{tmp_path}", capacity=20 * 100, eviction=eviction)
+    hot = [f"hot{i}" for i in range(5)]
+    values = [k.encode().ljust(100, b".") for k in hot]
+    try:
+        assert await adapter.batched_put(hot, values) == [True] * 5
+        assert await adapter.batched_get(hot) == values
+        kept = 0
+        for i in range(60):
+            assert await adapter.batched_put([f"scan{i}"], [b"s" * 100]) == [True]
+            assert adapter.used_bytes <= 20 * 100
+            if i % 20 == 19:
+                found = await adapter.batched_get(hot)
+                assert all(v is None or v == want for v, want in zip(found, values, strict=True))
+                kept += sum(v is not None for v in found)
+        assert kept == (15 if eviction == "s3fifo" else 0)
+    finally:
+        await adapter.aclose()
 
 
 @pytest.mark.asyncio
