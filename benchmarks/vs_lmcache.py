@@ -266,11 +266,13 @@ def _lmcache_engine(
     dst: Any,
     remote_url: str | None = None,
     shape: tuple[int, int, int] | None = None,
+    kernel: str = "torch",
 ) -> Any:
     """LMCache 0.5.6's engine without vLLM or a GPU: the standalone starter with a connector that copies
-    between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (one torch copy per chunk; LMCache
-    has no paged CPU copy routine, so its side copies contiguous token ranges). ``shape``: (layers, kv
-    heads, head dim), the Llama-8B shape by default."""
+    between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (``kernel="torch"``: one torch copy
+    per chunk; ``"tiercache"``: tiercache's native row kernel, ``gpu/_rowcopy.c``, over the same rows;
+    LMCache has no paged CPU copy routine, so its side copies contiguous token ranges). ``shape``: (layers,
+    kv heads, head dim), the Llama-8B shape by default."""
     layers, heads, head_dim = shape or (LAYERS, HEADS, HEAD_DIM)
     import torch
     from lmcache.v1.config import LMCacheEngineConfig
@@ -278,18 +280,35 @@ def _lmcache_engine(
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.standalone import __main__ as standalone
 
+    rows = _row_kernel(src, dst, heads, head_dim) if kernel == "tiercache" else None
+
     class CopyConnector(MockGPUConnector):  # type: ignore[misc]
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             t0 = time.perf_counter()
-            for m, a, b in zip(memory_objs, starts, ends, strict=True):
-                m.tensor.view(2, layers, b - a, heads * head_dim).copy_(src[:, :, a:b])
+            if rows is not None:
+                views = [
+                    m.tensor.view(2, layers, b - a, heads * head_dim)
+                    for m, a, b in zip(memory_objs, starts, ends, strict=True)
+                ]
+                rows(True, views, starts)
+            else:
+                for m, a, b in zip(memory_objs, starts, ends, strict=True):
+                    m.tensor.view(2, layers, b - a, heads * head_dim).copy_(src[:, :, a:b])
             KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             t0 = time.perf_counter()
-            for m, a, b in zip(memory_objs, starts, ends, strict=True):
-                if m is not None:
-                    dst[:, :, a:b].copy_(m.tensor.view(2, layers, b - a, heads * head_dim))
+            if rows is not None:
+                got = [(m, a, b) for m, a, b in zip(memory_objs, starts, ends, strict=True) if m is not None]
+                rows(
+                    False,
+                    [m.tensor.view(2, layers, b - a, heads * head_dim) for m, a, b in got],
+                    [a for _, a, _ in got],
+                )
+            else:
+                for m, a, b in zip(memory_objs, starts, ends, strict=True):
+                    if m is not None:
+                        dst[:, :, a:b].copy_(m.tensor.view(2, layers, b - a, heads * head_dim))
             KV_COPY_S["lmcache"] += time.perf_counter() - t0
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
@@ -325,6 +344,49 @@ def _lmcache_engine(
     groups = [standalone.LayerGroupSpec(layers, (2, 1, 16, heads, head_dim), torch.bfloat16)]
     starter = standalone.LMCacheStandaloneStarter(config, meta, groups, device="cpu")
     return starter.start()
+
+
+def _row_kernel(
+    src: Any, dst: Any, heads: int, head_dim: int
+) -> Callable[[bool, list[Any], list[int]], None]:
+    """Copies between LMCache's contiguous KV (``src`` read by stores, ``dst`` written by retrieves, each
+    ``[2, L, T, H*D]``) and its chunk objects with tiercache's row kernel: each KV seen as one paged block of
+    ``T`` tokens, so the kernel walks the same (span, layer, token, head, plane) rows, on the same threads,
+    with the same stores as for tiercache's own paged KV."""
+    import torch
+
+    from tiercache.gpu import cpu_rows
+
+    e, tokens = src.element_size(), src.shape[2]
+
+    def geometry(kv: Any) -> Any:
+        return cpu_rows.Geometry(
+            layers=tuple(kv[0, j].data_ptr() for j in range(kv.shape[1])),
+            block_size=tokens,
+            s_blk=tokens * kv.stride(2) * e,
+            s_off=kv.stride(2) * e,
+            s_head=head_dim * e,
+            heads=heads,
+            plane_offsets=(0, kv.stride(0) * e),
+            row_bytes=head_dim * e,
+            n_slots=tokens,
+        )
+
+    geos = {True: geometry(src), False: geometry(dst)}
+    slots = torch.arange(tokens, dtype=torch.int64)
+
+    def copy(gather: bool, objs: list[Any], starts: list[int]) -> None:
+        geo = geos[gather]
+        jobs = [
+            cpu_rows.token_job(geo, o, 2, slots, int(a), o.shape[2], 0)
+            for o, a in zip(objs, starts, strict=True)
+        ]
+        if not jobs or any(j is None for j in jobs):
+            raise RuntimeError("an LMCache object the row kernel cannot address")
+        if cpu_rows.copy(gather, geo, [j for j in jobs if j is not None], False) < 0:
+            raise RuntimeError("the row kernel refused LMCache's slots")
+
+    return copy
 
 
 LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
@@ -389,8 +451,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
     gib = 2 * nbytes / 2**30 + 1
-    lmc = _lmcache_engine(gib, src, dst)
+    lmc = _lmcache_engine(gib, src, dst, kernel=args.peer_kernel)
+    _timed_kv_copies()
     rng = np.random.default_rng(1)
+    copy_s: dict[str, list[float]] = {k: [] for k in ("tc_store", "tc_retrieve", "lmc_store", "lmc_retrieve")}
 
     def prompt() -> list[int]:
         return [int(x) for x in rng.integers(0, 128_000, tokens_n)]
@@ -417,13 +481,19 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     def t_store(stores: int, rets: list[float]) -> float:
         toks = prompt()
         cpu_rows.STORES = stores
+        KV_COPY_S["tiercache"] = 0.0
         t0 = time.perf_counter()
         loop.run_until_complete(engine.store(toks, kv, slots))
         dt = time.perf_counter() - t0
+        stored_copy = KV_COPY_S["tiercache"]
         settle()
+        KV_COPY_S["tiercache"] = 0.0
         t1 = time.perf_counter()
         loop.run_until_complete(engine.retrieve(toks, kv_back, slots))
         rets.append(time.perf_counter() - t1)
+        if stores == default_stores:
+            copy_s["tc_store"].append(stored_copy)
+            copy_s["tc_retrieve"].append(KV_COPY_S["tiercache"])
         cpu_rows.STORES = default_stores
         return dt  # the next round's prompt evicts this one (L1 holds one request)
 
@@ -438,10 +508,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         lmc.store(toks)
         dt = time.perf_counter() - t0
+        copy_s["lmc_store"].append(KV_COPY_S["lmcache"])
         settle()
+        KV_COPY_S["lmcache"] = 0.0
         t1 = time.perf_counter()
         lmc.retrieve(toks)
         lmc_ret.append(time.perf_counter() - t1)
+        copy_s["lmc_retrieve"].append(KV_COPY_S["lmcache"])
         if args.peer == "clear":
             lmc.clear()  # the next round stores into the buffer just freed
         return dt
@@ -461,6 +534,8 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     bare_dst.copy_(src)
     t_ret.clear()
     lmc_ret.clear()
+    for v in copy_s.values():
+        v.clear()
     for rets in kind_ret.values():
         rets.clear()
 
@@ -542,9 +617,25 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
             "retrieve_GBps": gbps(lmc_ret),
             "bit_exact": ok_lmc,
         },
+        "lmcache_copy_kernel": args.peer_kernel,
         "note": f"tiercache gathers from / scatters to paged {kind.name} KV (a shuffled block table); "
         "LMCache copies contiguous token ranges",
     }
+    # each op split into the copy between KV and objects and the rest (the engine's own work), medians in ms
+    ops = {"tc_store": times["tiercache"], "tc_retrieve": t_ret, "lmc_store": times["lmcache"]}
+    ops["lmc_retrieve"] = lmc_ret
+    res["split_ms"] = {
+        k: {
+            "whole": statistics.median(ops[k]) * 1e3,
+            "copy": statistics.median(copy_s[k]) * 1e3,
+            "engine": statistics.median(w - c for w, c in zip(ops[k], copy_s[k], strict=True)) * 1e3,
+        }
+        for k in ops
+    }
+    for op in ("store", "retrieve"):
+        tc, lm = res["split_ms"][f"tc_{op}"], res["split_ms"][f"lmc_{op}"]
+        res[f"{op}_tiercache_vs_lmcache_copy"] = lm["copy"] / tc["copy"]
+        res[f"{op}_tiercache_vs_lmcache_engine"] = lm["engine"] / tc["engine"] if tc["engine"] > 0 else None
     for k, rets in kind_ret.items():
         store = gbps(times[f"tiercache_stores{k}"])
         res[f"tiercache_stores{k}"] = {
@@ -1083,6 +1174,12 @@ def main() -> None:
         help="per-call host cost instead: store / lookup / retrieve of one 256-token chunk of tiny KV "
         "(TINY_SHAPE; the copies cost next to nothing), tiercache awaited in a loop and through "
         "run_until_complete, beside LMCache",
+    )
+    c.add_argument(
+        "--peer-kernel",
+        choices=["torch", "tiercache"],
+        default="torch",
+        help="LMCache's stand-in connector copies with torch copy_ or with tiercache's own row kernel",
     )
     c.add_argument("--calls", type=int, default=300, help="--tiny: calls of each op per round")
     c.add_argument("--tiny-chunks", type=int, default=1024, help="--tiny: each engine's capacity in chunks")

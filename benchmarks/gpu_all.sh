@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU measurement of one device run, one after another, each bounded in time: checks (tests/gpu),
+# the model's view while KV moves (gpu_overlap.py), tiercache beside LMCache's kernel (vs_lmcache.py gpu),
+# the whole calls against their floors (gpu_bench.py --only per_size), and several server-mode processes at
+# once (server_gpu_two.py). JSON to $OUT/<name>.json, everything printed to $OUT/gpu_all.log.
+# Usage: OUT=dir LMCACHE_SRC=<unpacked LMCache 0.5.6 source> benchmarks/gpu_all.sh [part ...]
+#   parts: tests overlap vs_lmcache per_size server_two (default: all, in that order)
+set -u
+OUT=${OUT:-benchmarks/results}
+LMCACHE_SRC=${LMCACHE_SRC:?the unpacked LMCache 0.5.6 source (it has csrc/cuda)}
+HERE=$(cd "$(dirname "$0")" && pwd)
+LOG="$OUT/gpu_all.log"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} LMCACHE_BUILD_DIR=${LMCACHE_BUILD_DIR:-/tmp/lmc_build}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests overlap vs_lmcache per_size server_two)
+step() {  # name seconds command...: run it bounded, its stdout JSON to $OUT/name.json
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.json" 2>> "$LOG"
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+    [ -s "$OUT/$name.json" ] || rm -f "$OUT/$name.json"
+}
+nvidia-smi -L | tee -a "$LOG"
+for p in "${parts[@]}"; do
+    case $p in
+        tests) echo "=== tests ($(date -u +%T))" | tee -a "$LOG"
+               timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$HERE/../tests/gpu" 2>&1 | tail -5 | tee -a "$LOG" ;;
+        overlap) step gpu_overlap 260 python3 "$HERE/gpu_overlap.py" --lmcache-src "$LMCACHE_SRC" ;;
+        vs_lmcache) step vs_lmcache_gpu 240 python3 "$HERE/vs_lmcache.py" gpu --lmcache-src "$LMCACHE_SRC" ;;
+        per_size) step gpu_bench_per_size 200 python3 "$HERE/gpu_bench.py" --only per_size ;;
+        server_two) step server_gpu_two 200 python3 "$HERE/server_gpu_two.py" ;;
+        *) echo "unknown part $p" | tee -a "$LOG" ;;
+    esac
+done
