@@ -83,8 +83,8 @@ class L1Config:
     """Which object L1 evicts for room: ``"lru"`` (least recently used) or ``"s3fifo"`` (scan-resistant:
     one-off prompts leave before the chunks conversations come back for)."""
     quotas: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """Tenant id (``tiercache tenant-id SALT``) -> bytes of L1 its objects may take; a tenant at its quota
-    evicts its own least recently used objects first."""
+    """Tenant id (``tiercache.store.policy.tenant_id(salt)``) -> bytes of L1 its objects may take; a tenant at
+    its quota evicts its own least recently used objects first."""
     default_quota: int = 0
     """L1 bytes of each tenant not in ``quotas`` (0: no limit)."""
     max_pinned_share: float = 0.5
