@@ -7,8 +7,9 @@ at most 6.25 % of its slot), up to the class holding ``max_object`` (default 128
 rejected: its put returns False, is logged at debug level and counted in ``stats["rejected_too_big"]``.
 
 Writes: a value goes into a free slot of its class (else the least recently used unpinned object of the class
-is evicted; a class with no evictable object takes the extent holding the globally least recently used object
-from another class, or a free extent). The data is written first, then its index record (key, length, xxh3_64
+is evicted, or with ``eviction=s3fifo`` the one S3-FIFO picks among the class's objects; a class with no
+evictable object takes the extent holding the globally least recently used object from another class, or a
+free extent). The data is written first, then its index record (key, length, xxh3_64
 of the value, commit sequence) is committed; an overwrite writes a NEW slot, commits it, then tombstones the
 old record and frees the old slot (after its readers are done). All record writes go through one FIFO thread,
 so a slot's tombstone always lands before the next record for that slot, and data is written into a reused
@@ -60,11 +61,11 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -92,6 +93,7 @@ from tiercache.adapters._slab_layout import (
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_bool, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
+from tiercache.store.policy.eviction import S3FIFOPolicy
 
 if TYPE_CHECKING:
     from typing import Self
@@ -187,12 +189,17 @@ class _Extent:
     ready: Future[None] | None = None  # header write that data writes must follow
 
 
+def _unpinned(lru: Mapping[str, _Entry], key: str) -> bool:
+    return not lru[key].pins
+
+
 @dataclass(eq=False, slots=True)
 class _Class:
     size: int
     extents: list[int] = field(default_factory=list)
     free: list[tuple[int, int]] = field(default_factory=list)
     lru: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
+    policy: S3FIFOPolicy | None = None  # eviction=s3fifo: the order victims come in
 
 
 @dataclass(slots=True)
@@ -229,6 +236,8 @@ class SlabOptions:
     """Reformat the file, dropping every object, or use one that is not a slab."""
     read_buffers: Annotated[Size, Range(0, 1 << 40)] = 1 << 30
     """Bytes of recycled read buffers (at most 1 TiB)."""
+    eviction: Literal["lru", "s3fifo"] = "lru"
+    """Which object of a full class goes for a new one: least recently used, or S3-FIFO's choice."""
 
 
 class SlabAdapter(Adapter):
@@ -260,7 +269,8 @@ class SlabAdapter(Adapter):
         self._format = format
         # Slots must hold the value plus its skew and the alignment of the last block.
         self._sizes = class_sizes(align_up(max_object, 4096) + 8192)
-        self._classes = [_Class(s) for s in self._sizes]
+        self._eviction = o.eviction
+        self._classes = [self._new_class(s) for s in self._sizes]
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-slab")
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tiercache-slab-io")
         self._meta = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-slab-meta")
@@ -467,7 +477,7 @@ class SlabAdapter(Adapter):
             )
         if found.max_class != self._sizes[-1]:
             self._sizes = class_sizes(found.max_class)
-            self._classes = [_Class(sz) for sz in self._sizes]
+            self._classes = [self._new_class(sz) for sz in self._sizes]
             self.max_object = min(self.max_object, found.max_class - 8192)
             self.__dict__["capabilities"] = Capabilities(
                 persistent=True, shared=False, delete=True, max_value_bytes=self.max_object
@@ -626,17 +636,26 @@ class SlabAdapter(Adapter):
         except OSError as exc:
             raise AdapterUnavailable(f"nvme+slab: metadata write failed on {self.path!r}: {exc}") from exc
 
+    def _new_class(self, size: int) -> _Class:
+        return _Class(size, policy=S3FIFOPolicy(None) if self._eviction == "s3fifo" else None)
+
     def _commit_entry(self, entry: _Entry) -> None:
         self._tick += 1
         entry.tick = self._tick
         self._index[entry.key] = entry
-        self._classes[entry.cls].lru[entry.key] = entry
+        cls = self._classes[entry.cls]
+        cls.lru[entry.key] = entry
+        if cls.policy is not None:
+            cls.policy.remove(entry.key)
+            cls.policy.insert(entry.key)
         self._extents[entry.extent].used[entry.slot] = entry
 
     def _retire(self, entry: _Entry, writes: list[tuple[int, bytes]]) -> None:
         """Drop ``entry`` from the index and queue its tombstone in ``writes``; its slot is freed later."""
         self._index.pop(entry.key, None)
-        self._classes[entry.cls].lru.pop(entry.key, None)
+        cls = self._classes[entry.cls]
+        if cls.lru.pop(entry.key, None) is not None and cls.policy is not None:
+            cls.policy.remove(entry.key)
         writes.append((self._geo.record_offset(entry.extent, entry.slot), tombstone()))
         entry.dead = True
 
@@ -704,7 +723,8 @@ class SlabAdapter(Adapter):
             old = self._classes[ext.cls]
             for entry in list(ext.used.values()):  # the new header's generation invalidates their records
                 self._index.pop(entry.key, None)
-                old.lru.pop(entry.key, None)
+                if old.lru.pop(entry.key, None) is not None and old.policy is not None:
+                    old.policy.remove(entry.key)
                 entry.dead = True
                 self.stats["evicted"] += 1
             old.extents.remove(e)
@@ -735,7 +755,11 @@ class SlabAdapter(Adapter):
                 continue
             if self._steal_extent(ci, empty_only=True):
                 continue
-            victim = next((v for v in cls.lru.values() if not v.pins), None)
+            if cls.policy is not None:
+                key = cls.policy.victim(partial(_unpinned, cls.lru))
+                victim = None if key is None else cls.lru[key]
+            else:
+                victim = next((v for v in cls.lru.values() if not v.pins), None)
             if victim is not None:
                 self.stats["evicted"] += 1
                 self._retire_now([victim])
@@ -884,7 +908,10 @@ class SlabAdapter(Adapter):
                     continue
                 self._tick += 1
                 e.tick = self._tick
-                self._classes[e.cls].lru.move_to_end(k)
+                cls = self._classes[e.cls]
+                cls.lru.move_to_end(k)
+                if cls.policy is not None:
+                    cls.policy.touch(k)
                 e.pins += 1
                 self._extents[e.extent].busy += 1
                 off = geo.data_offset(e.extent, e.slot, self._sizes[e.cls])

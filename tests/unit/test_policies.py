@@ -31,16 +31,16 @@ class PolicyMachine(RuleBasedStateMachine):
     """Any op sequence: victims are held keys the predicate allows; None only when no held key is allowed;
     the policy holds exactly the model's keys."""
 
-    @initialize(name=st.sampled_from(["lru", "s3fifo"]), capacity=st.integers(1, 10))
-    def setup(self, name: str, capacity: int) -> None:
+    @initialize(name=st.sampled_from(["lru", "s3fifo"]), capacity=st.none() | st.integers(1, 10))
+    def setup(self, name: str, capacity: int | None) -> None:
         self.policy = make_policy(name, capacity)
         self.held: set[str] = set()
         self.blocked: set[str] = set()
 
-    @rule(key=KEYS)
-    def insert(self, key: str) -> None:
+    @rule(key=KEYS, weight=st.integers(1, 3))
+    def insert(self, key: str, weight: int) -> None:
         if key not in self.held:
-            self.policy.insert(key)
+            self.policy.insert(key, weight)
             self.held.add(key)
 
     @rule(key=KEYS)

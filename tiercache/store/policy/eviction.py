@@ -94,10 +94,11 @@ class S3FIFOPolicy:
     holds 4x as many keys as the cache (the paper: 1x), so a scan longer than the cache does not flush
     the ghosts of chunks a conversation's next turn comes back for."""
 
-    def __init__(self, capacity: int, small_share: float = 0.1, ghosts: float = 4.0) -> None:
-        """``capacity`` in the cache's weight units (slots or bytes); the ghost list remembers ``ghosts``
-        times as many keys as are held. ValueError when out of range."""
-        if capacity <= 0:
+    def __init__(self, capacity: int | None, small_share: float = 0.1, ghosts: float = 4.0) -> None:
+        """``capacity`` in the cache's weight units (slots or bytes; None: whatever is held, for a cache
+        whose room changes); the ghost list remembers ``ghosts`` times as many keys as are held. ValueError
+        when out of range."""
+        if capacity is not None and capacity <= 0:
             raise ValueError(f"s3fifo capacity must be positive: {capacity}")
         if not 0 < small_share < 1:
             raise ValueError(f"s3fifo small_share must be in (0, 1): {small_share}")
@@ -105,9 +106,11 @@ class S3FIFOPolicy:
             raise ValueError(f"s3fifo ghosts must be >= 0: {ghosts}")
         self.capacity = capacity
         self.ghosts = ghosts
-        self._small_target = max(1, int(capacity * small_share))
+        self._small_share = small_share
+        self._small_target = 0 if capacity is None else max(1, int(capacity * small_share))
         self._small: OrderedDict[str, int] = OrderedDict()  # key -> weight, oldest first
         self._main: OrderedDict[str, int] = OrderedDict()
+        self._main_w = 0
         self._freq: dict[str, int] = {}
         self._small_w = 0
         self._ghost: OrderedDict[str, None] = OrderedDict()
@@ -121,6 +124,7 @@ class S3FIFOPolicy:
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = weight
+            self._main_w += weight
         else:
             self._small[key] = weight
             self._small_w += weight
@@ -139,7 +143,7 @@ class S3FIFOPolicy:
         if w is not None:
             self._small_w -= w
         else:
-            del self._main[key]
+            self._main_w -= self._main.pop(key)
 
     def _remember(self, key: str) -> None:
         ghost = self._ghost
@@ -153,15 +157,17 @@ class S3FIFOPolicy:
         small, main, freq = self._small, self._main, self._freq
         stuck_small = stuck_main = 0  # consecutive refused keys per queue
         main_rounds = 4 * len(main) + len(small) + 1  # reinsertions are bounded by the read counts
+        target = self._small_target or max(1, int((self._small_w + self._main_w) * self._small_share))
         while True:
             small_ok = small and stuck_small < len(small)
             main_ok = main and stuck_main < len(main) and main_rounds > 0
-            if small_ok and (self._small_w >= self._small_target or not main_ok):
+            if small_ok and (self._small_w >= target or not main_ok):
                 key = next(iter(small))
                 if freq[key] > 0:  # read while on probation: promote
                     w = small.pop(key)
                     self._small_w -= w
                     main[key] = w
+                    self._main_w += w
                     freq[key] = 0
                     self.promotions += 1
                     stuck_small = 0
@@ -188,7 +194,7 @@ class S3FIFOPolicy:
                 main.move_to_end(key)
                 stuck_main += 1
                 continue
-            del main[key]
+            self._main_w -= main.pop(key)
             del freq[key]
             return key
 
@@ -205,7 +211,7 @@ class S3FIFOPolicy:
         return iter([*self._small, *self._main])
 
 
-def make_policy(name: str, capacity: int, **options: float) -> EvictionPolicy:
+def make_policy(name: str, capacity: int | None, **options: float) -> EvictionPolicy:
     """The policy called ``name`` for a cache of ``capacity`` weight units (``options``: S3-FIFO's
     ``small_share``, ``ghosts``); ValueError naming the choices."""
     if name == "lru":
