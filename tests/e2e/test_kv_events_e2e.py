@@ -95,3 +95,98 @@ def test_connector_events_evictions_reset(tmp_path: Path, tiny_model: Path, writ
     assert removed_disk == gpu_a | cpu_b  # every block on disk was deleted
     assert gpu_a <= _blocks(gone, "removed", "CPU")
     assert out["after_reset_a"]["hit_tokens"] == 0  # an identical request after the reset: no external hit
+
+
+class _Subscriber:
+    """A SUB socket on ``endpoint`` decoding vLLM's KVEventBatch frames in a thread (vLLM's own decoder)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+
+    def close(self) -> list[Any]:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        return self.events
+
+
+def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model: Path, vllm_run: Any) -> None:
+    """Two vLLM instances (each its own multi-process engine) on one node server with an events endpoint and
+    a file tier, one subscriber: every block of the shared prompt is announced once per medium."""
+    import time
+
+    from vllm.distributed.kv_events import BlockStored
+
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout
+    from tiercache.store.engine import CacheEngine
+
+    layout = PagedLayout(
+        LayoutKind.CPU_BLOCKS, num_layers=2, num_kv_heads=2, head_dim=32, block_size=BLOCK, dtype="float32"
+    )
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sock = tmp_path / "l1.sock"
+    config = tmp_path / "tiercache.toml"
+    config.write_text(
+        f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n'
+        f'[server]\nsocket = "{sock}"\nslot_bytes = {CacheEngine.slot_bytes(layout, CHUNK)}\n'
+        f'events_endpoint = "{endpoint}"\n\n'
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
+    )
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("tiercache")), "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line.startswith("tiercache server listening"), line
+        sub = _Subscriber(endpoint)
+        time.sleep(0.5)
+        prompt = _prompt(3)
+        extra = {"config": str(config), "server": f"unix://{sock}"}
+        spec = {
+            "model": str(tiny_model),
+            "prompts": [prompt],
+            "max_tokens": 4,
+            "batched": 128,
+            "connector": {"role": "kv_both", "extra": extra},
+            "multiprocess": True,
+            "prefix_caching": False,
+        }
+        first = vllm_run(tmp_path, "instance1", spec, 900)
+        second = vllm_run(tmp_path, "instance2", spec, 900)
+        assert first["results"][0]["tokens"] == second["results"][0]["tokens"]
+        time.sleep(1.0)
+        events = sub.close()
+    finally:
+        server.terminate()
+        server.wait(60)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    for medium in ("CPU", "DISK"):
+        hashes = [h for e in stored if e.medium == medium for h in e.block_hashes]
+        assert len(hashes) == len(prompt) // BLOCK, medium  # every whole block ...
+        assert len(set(hashes)) == len(hashes), medium  # ... announced once, though two instances ran
+    cpu = [e for e in stored if e.medium == "CPU"]
+    assert [t for e in cpu for t in e.token_ids] == prompt
