@@ -262,6 +262,11 @@ class TierConfig:
     admit_after: int = 1
     """Store a chunk in this tier only once lookups have asked for it this many times (1: always; a
     frequency sketch counts, so one-off prompts cost this tier no bandwidth)."""
+    quotas: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Tenant id -> bytes of frames this tier may hold for it (counted over what this process stored); a
+    tenant at its quota has its oldest objects here deleted first."""
+    default_quota: int = 0
+    """Bytes in this tier of each tenant not in ``quotas`` (0: no limit)."""
 
     def adapter_options(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Options to pass to ``Adapter.open``: secrets resolved from the environment, capacity included."""
@@ -371,6 +376,18 @@ class _Reader:
             raise ConfigError(f"{self.source}: unknown config key {unknown}")
 
 
+def _quotas(r: _Reader, where: str, source: str) -> tuple[Mapping[str, int], int]:
+    """``quotas`` (tenant id -> size) and ``default_quota`` of a table, sizes checked."""
+    quotas = {
+        str(t): _size_in_range(b, 0, _MAX_SIZE, f"{source}: {where}.quotas.{t}")
+        for t, b in r.take("quotas", (dict,), {}).items()
+    }
+    default = _size_in_range(
+        r.take("default_quota", (str, int), 0), 0, _MAX_SIZE, f"{source}: {where}.default_quota"
+    )
+    return MappingProxyType(quotas), default
+
+
 def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
     r = _Reader(data, f"tiers[{index}]", source)
     name = r.take("name", (str,), None)
@@ -410,9 +427,20 @@ def _tier(data: Any, index: int, source: str, names: set[str]) -> TierConfig:
             )
     adapter = r.take("adapter", (str,), None)
     admit_after = _number(r, "admit_after", (int,), 1, 1, 15)
+    quotas, default_quota = _quotas(r, f"tiers[{index}]", source)
     r.finish()
     _validate_chain(codecs, where)
-    return TierConfig(name, url, capacity, tuple(codecs), MappingProxyType(options), adapter, admit_after)
+    return TierConfig(
+        name,
+        url,
+        capacity,
+        tuple(codecs),
+        MappingProxyType(options),
+        adapter,
+        admit_after,
+        quotas,
+        default_quota,
+    )
 
 
 def _validate_chain(codecs: list[str | Mapping[str, Any]], where: str) -> None:
@@ -468,6 +496,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
 
     l1r = _Reader(r.take("l1", (dict,), {}), "l1", source)
     l1_capacity = l1r.take("capacity", (str, int), None)
+    l1_quotas, l1_default_quota = _quotas(l1r, "l1", source)
     l1 = L1Config(
         capacity=L1Config().capacity
         if l1_capacity is None
@@ -475,15 +504,8 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         pinned=l1r.take("pinned", (bool,), None),
         codec=l1r.take("codec", (str,), "raw"),
         eviction=l1r.take("eviction", (str,), "lru"),
-        quotas=MappingProxyType(
-            {
-                str(t): _size_in_range(b, 0, _MAX_SIZE, f"{source}: l1.quotas.{t}")
-                for t, b in l1r.take("quotas", (dict,), {}).items()
-            }
-        ),
-        default_quota=_size_in_range(
-            l1r.take("default_quota", (str, int), 0), 0, _MAX_SIZE, f"{source}: l1.default_quota"
-        ),
+        quotas=l1_quotas,
+        default_quota=l1_default_quota,
         max_pinned_share=float(_number(l1r, "max_pinned_share", (int, float), 0.5, 0.0, 1.0)),
         max_tenant_labels=_number(l1r, "max_tenant_labels", (int,), 32, 0, 10_000),
     )

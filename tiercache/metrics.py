@@ -28,6 +28,7 @@ DROP_REASONS = (
     "failed",
     "refused",
     "not_admitted",
+    "quota",
 )
 """Why a store was dropped (``reason`` label of ``tiercache_stores_dropped``)."""
 

@@ -22,7 +22,7 @@ from tiercache.server.slots import Caps, SlotTable
 from tiercache.store.engine import CacheEngine
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
-from tiercache.store.policy import HitRateCeiling, tenant_id
+from tiercache.store.policy import HitRateCeiling, TierLedger, tenant_id
 
 LAYOUT = layout_of()
 SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
@@ -197,3 +197,75 @@ def test_slot_table_ceiling_counts_presence_lookups_not_reads() -> None:
     t.lookup(1, ["a", "b"], pin=True, prefix=True)  # a read of what a lookup found: not counted again
     assert t.ceiling.lookups == 12
     assert abs(t.ceiling.ceiling() - (1 - 4 / 12)) < 0.01
+
+
+@pytest.mark.asyncio
+async def test_tier_quota_deletes_the_tenants_oldest_objects(tmp_path: Path) -> None:
+    disk = await PosixAdapter.open(f"file://{tmp_path}")
+    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
+    engine = _engine(l1, [("disk", disk, build_pipeline(["raw"]))])
+    ta = tenant_id("salt-a")
+    ledger = TierLedger({ta: 5 * SLOT_BYTES // 2})  # room for two frames of a (a frame: a chunk + header)
+    engine.manager.store.ledgers = {"disk": ledger}
+    a, b = RequestIdentity(cache_salt="salt-a"), RequestIdentity(cache_salt="salt-b")
+    gpu = Engine(LAYOUT, num_blocks=128, seed=5)
+    tokens = list(range(3000, 3000 + 4 * CHUNK))
+    gpu.write(expected_kv(LAYOUT, len(tokens)), 0, len(tokens))
+    try:
+        for who in (a, b):
+            for n in (1, 2, 3, 4):  # one chunk more each time: one background store batch per chunk
+                stored = await engine.store(tokens[: n * CHUNK], gpu.kv, gpu.slots(n * CHUNK), identity=who)
+                assert stored == CHUNK
+                await engine.drain()
+        keys_a = [str(k) for k in engine.token_db.keys(tokens, identity=a)]
+        keys_b = [str(k) for k in engine.token_db.keys(tokens, identity=b)]
+        assert await disk.batched_contains(keys_a) == [False, False, True, True]  # a's oldest deleted
+        assert await disk.batched_contains(keys_b) == [True] * 4  # b has no quota
+        assert ledger.held(ta) <= 5 * SLOT_BYTES // 2
+        assert engine.manager.metrics.value("tiercache_evictions_total", tier="disk") == 2
+        more = list(range(8000, 8000 + 2 * CHUNK))  # two in one background batch
+        gpu.write(expected_kv(LAYOUT, 2 * CHUNK, seed=9), 0, 2 * CHUNK)
+        assert await engine.store(more, gpu.kv, gpu.slots(2 * CHUNK), identity=a) == 2 * CHUNK
+        await engine.drain()
+        keys_more = [str(k) for k in engine.token_db.keys(more, identity=a)]
+        assert await disk.batched_contains(keys_a + keys_more) == [False] * 4 + [True] * 2
+        dropped = engine.manager.metrics.value("tiercache_stores_dropped_total", tier="disk", reason="quota")
+        assert dropped == 0  # both fit once a's two older objects went
+        assert engine.manager.metrics.value("tiercache_evictions_total", tier="disk") == 4
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_tier_quota_within_one_batch_sends_only_what_fits(tmp_path: Path) -> None:
+    disk = await PosixAdapter.open(f"file://{tmp_path}")
+    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
+    engine = _engine(l1, [("disk", disk, build_pipeline(["raw"]))])
+    ta = tenant_id("salt-a")
+    engine.manager.store.ledgers = {"disk": TierLedger({ta: 5 * SLOT_BYTES // 2})}
+    gpu = Engine(LAYOUT, num_blocks=128, seed=6)
+    tokens = list(range(4000, 4000 + 4 * CHUNK))
+    gpu.write(expected_kv(LAYOUT, len(tokens)), 0, len(tokens))
+    ident = RequestIdentity(cache_salt="salt-a")
+    try:
+        assert await engine.store(tokens, gpu.kv, gpu.slots(len(tokens)), identity=ident) == 4 * CHUNK
+        await engine.drain()
+        keys = [str(k) for k in engine.token_db.keys(tokens, identity=ident)]
+        assert await disk.batched_contains(keys) == [False, False, True, True]
+        m = engine.manager.metrics
+        assert m.value("tiercache_stores_dropped_total", tier="disk", reason="quota") == 2  # never sent
+        assert m.value("tiercache_stores_total", tier="disk") == 2
+    finally:
+        await engine.aclose()
+
+
+def test_ledger_refuses_an_object_larger_than_the_quota() -> None:
+    ledger = TierLedger({"t": 100})
+    assert ledger.make_room("t", "k1", 60) == []
+    assert ledger.make_room("t", "k2", 60) == ["k1"]
+    assert ledger.make_room("t", "big", 101) is None
+    assert ledger.held("t") == 60
+    assert ledger.make_room("t", "k2", 90) == []  # an overwrite replaces its own count
+    ledger.forget("k2")
+    assert ledger.held("t") == 0
+    assert ledger.make_room("u", "x", 10**9) == []  # no budget: unlimited

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from tiercache.store._frames import FrameBuffers
 from tiercache.store.l1_frames import encode_from_l1
 from tiercache.store.l2_controller import L2Context, L2Controller
-from tiercache.store.policy import Admission
+from tiercache.store.policy import Admission, TierLedger
 
 if TYPE_CHECKING:
     from tiercache.store.l1_surface import L1LeaseView
@@ -58,6 +58,8 @@ class StoreController(L2Controller):
         """Tier -> lookups a key needs before that tier stores it (tiers not named: always)."""
         self.admission = Admission()
         """How often lookups asked for each key (fed by the manager's lookups)."""
+        self.ledgers: dict[str, TierLedger] = {}
+        """Tier -> its per-tenant quotas over what this process stored there (tiers not named: none)."""
         # frames of stores in flight reuse their buffers: room for two batches per store worker, or for two
         # frames per worker where one frame is larger than a batch (a batch of one large object)
         self._frames = FrameBuffers(
@@ -152,6 +154,11 @@ class StoreController(L2Controller):
             self.metrics.stores_dropped.labels(tier.name, "lease_expired").inc(dropped)
         if not frames:
             return
+        ledger = self.ledgers.get(tier.name)
+        if ledger is not None:
+            frames = await self._within_quotas(tier, ledger, batch, frames)
+            if not frames:
+                return
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
         if tier.late:  # at most one put past its deadline per worker: wait it out before the next one (it
@@ -166,6 +173,37 @@ class StoreController(L2Controller):
             late=partial(self._count_stores, tier, keys, values),
         )
 
+    async def _within_quotas(
+        self,
+        tier: TierClient,
+        ledger: TierLedger,
+        batch: list[tuple[str, L1LeaseView]],
+        frames: list[tuple[str, bytearray | memoryview]],
+    ) -> list[tuple[str, bytearray | memoryview]]:
+        """The frames whose tenants stay within their quotas on ``tier``, after deleting the tenants' oldest
+        keys there to make room (a frame larger than its tenant's whole quota is dropped, counted)."""
+        tenants = {key: getattr(lease.obj, "tenant", "") for key, lease in batch}
+        kept: dict[str, bytearray | memoryview] = {}
+        doomed: list[str] = []
+        for key, frame in frames:
+            victims = ledger.make_room(tenants.get(key, ""), key, len(frame))
+            if victims is None:
+                self.metrics.stores_dropped.labels(tier.name, "quota").inc()
+                continue
+            for victim in victims:  # one of this batch is simply not sent; an older one is deleted
+                if kept.pop(victim, None) is None:
+                    doomed.append(victim)
+                else:
+                    self.metrics.stores_dropped.labels(tier.name, "quota").inc()
+            kept[key] = frame
+        if doomed:
+            if tier.adapter.capabilities.delete:
+                await tier.call(
+                    "delete", lambda: tier.adapter.batched_delete(doomed), self.policy.l2_deadline_s
+                )
+            self.metrics.evictions.labels(tier.name).inc(len(doomed))
+        return list(kept.items())
+
     def _count_stores(
         self,
         tier: TierClient,
@@ -175,9 +213,17 @@ class StoreController(L2Controller):
     ) -> None:
         """Count a put batch by what reached the tier (None: the call failed, nothing is counted stored) and
         tell the listeners which keys the tier now holds."""
+        ledger = self.ledgers.get(tier.name)
         if stored is None:
             self.metrics.stores_dropped.labels(tier.name, "failed").inc(len(values))
+            if ledger is not None:
+                for key in keys:
+                    ledger.forget(key)
             return
+        if ledger is not None:
+            for key, ok in zip(keys, stored, strict=True):
+                if not ok:
+                    ledger.forget(key)
         for ok, value in zip(stored, values, strict=True):
             if ok:
                 self.metrics.stores.labels(tier.name).inc()

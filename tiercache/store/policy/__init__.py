@@ -11,7 +11,7 @@ from tiercache.store.policy.eviction import (
     S3FIFOPolicy,
     make_policy,
 )
-from tiercache.store.policy.quotas import OTHER, TenantLabels, TenantQuotas, tenant_id
+from tiercache.store.policy.quotas import OTHER, TenantLabels, TenantQuotas, TierLedger, tenant_id
 from tiercache.store.policy.sketch import Admission, FrequencySketch
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "S3FIFOPolicy",
     "TenantLabels",
     "TenantQuotas",
+    "TierLedger",
     "make_policy",
     "tenant_id",
 ]

@@ -8,9 +8,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 
-__all__ = ["OTHER", "TenantLabels", "TenantQuotas", "tenant_id"]
+__all__ = ["OTHER", "TenantLabels", "TenantQuotas", "TierLedger", "tenant_id"]
 
 OTHER = "other"
 """The label of every tenant past the cap."""
@@ -61,6 +62,53 @@ class TenantQuotas:
             self.held[tenant] = held
         else:
             self.held.pop(tenant, None)
+
+
+class TierLedger:
+    """Per-tenant quotas of one L2 tier over what this process stored there: each tenant's keys, oldest
+    first, with their sizes. A tenant whose next object would pass its budget gives up its oldest keys
+    (:meth:`make_room` names them, to delete first). Objects the backend drops by itself stay counted until
+    they are found gone, so a tenant may give up keys early, never hold more than its budget. Not locked:
+    used on the event loop."""
+
+    def __init__(self, budgets: Mapping[str, int] | None = None, default: int = 0) -> None:
+        """Budgets as :class:`TenantQuotas` takes them."""
+        self.quotas = TenantQuotas(budgets, default)
+        self._keys: dict[str, OrderedDict[str, int]] = {}  # tenant -> key -> bytes, oldest first
+        self._tenant: dict[str, str] = {}  # key -> tenant
+
+    def make_room(self, tenant: str, key: str, nbytes: int) -> list[str] | None:
+        """Count ``nbytes`` under ``key`` for ``tenant``; the tenant's older keys to delete first so it stays
+        within its budget (forgotten here), or None (nothing counted) when ``nbytes`` alone is over it."""
+        budget = self.quotas.budget(tenant)
+        if budget and nbytes > budget:
+            return None
+        self.forget(key)
+        own = self._keys.setdefault(tenant, OrderedDict())
+        victims: list[str] = []
+        while self.quotas.over(tenant, nbytes) and own:
+            old, size = own.popitem(last=False)
+            del self._tenant[old]
+            self.quotas.add(tenant, -size)
+            victims.append(old)
+        own[key] = nbytes
+        self._tenant[key] = tenant
+        self.quotas.add(tenant, nbytes)
+        return victims
+
+    def forget(self, key: str) -> None:
+        """``key`` is gone from the tier (or never landed)."""
+        tenant = self._tenant.pop(key, None)
+        if tenant is None:
+            return
+        own = self._keys[tenant]
+        self.quotas.add(tenant, -own.pop(key))
+        if not own:
+            del self._keys[tenant]
+
+    def held(self, tenant: str) -> int:
+        """Bytes counted for ``tenant``."""
+        return self.quotas.held.get(tenant, 0)
 
 
 class TenantLabels:
