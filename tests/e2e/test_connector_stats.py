@@ -219,6 +219,12 @@ def test_stats_reach_vllm_prometheus_end_to_end(
     assert prom["vllm:tiercache_lookups_total|"] >= 2
     assert prom["vllm:tiercache_tokens_loaded_total|"] > 0
     assert prom["vllm:tiercache_read_bytes_total|disk"] > 0
+    # the latency histogram, L1 usage, and counters that never moved are on /metrics too (at 0)
+    assert "vllm:tiercache_tier_latency_seconds_bucket|disk" in prom
+    assert prom["vllm:tiercache_tier_latency_seconds_count|disk"] >= 0
+    assert prom["vllm:tiercache_capacity_bytes|L1"] > 0
+    assert prom["vllm:tiercache_load_errors_total|"] == 0
+    assert prom["vllm:tiercache_frames_rejected_total|disk"] == 0
 
 
 def test_fast_reading_equals_the_registry_reading() -> None:
