@@ -40,8 +40,8 @@ from tests.e2e.test_scheduler_connector import BS, CHUNK, close, drive, make_req
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
-def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: int = 1024) -> Scheduler:
-    """Layer 0 in a sliding-window group, layer 1 in a full-attention group; connector kv_both."""
+def vllm_config(model: Path, config: Path, batched: int = 1024, **extra: Any) -> VllmConfig:
+    """The engine's config with the connector (kv_both, ``extra`` in its extra config)."""
     mc = ModelConfig(model=str(model), dtype="float32", seed=0)
     sc = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
@@ -52,7 +52,7 @@ def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: in
         kv_connector="TierCacheConnector",
         kv_connector_module_path="tiercache_vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"config": str(config)},
+        kv_connector_extra_config={"config": str(config), **extra},
         kv_load_failure_policy="recompute",
     )
     vc = VllmConfig(
@@ -64,6 +64,12 @@ def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: in
         parallel_config=ParallelConfig(tensor_parallel_size=1),
     )
     assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False  # the connector supports HMA
+    return vc
+
+
+def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: int = 1024) -> Scheduler:
+    """Layer 0 in a sliding-window group, layer 1 in a full-attention group; connector kv_both."""
+    vc = vllm_config(model, config, batched)
     common: dict[str, Any] = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [
         KVCacheGroupSpec([LAYERS[0]], SlidingWindowSpec(sliding_window=window, **common)),
@@ -162,3 +168,38 @@ def test_objects_of_another_window_never_hit(tiny_model: Path, posix_config: Pat
     fill(fresh, prompt[:256], [0, 1])  # the same prompt for this window: a hit
     fresh.add_request(make_request("q", prompt))
     assert [op.load_end for op in meta_of(fresh.schedule()).loads] == [256]
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_recurrent_state_is_refused_at_start_in_one_line(
+    tiny_model: Path, posix_config: Path, role: str
+) -> None:
+    """A Mamba/GDN state group beside attention: the connector refuses to start, with one line."""
+    from tiercache_vllm.connector import TierCacheConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    vc = vllm_config(tiny_model, posix_config)
+    attention = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    state = MambaSpec(block_size=BS, shapes=((4, 64), (8, 16)), dtypes=(torch.float32, torch.float32))
+    groups = [KVCacheGroupSpec([LAYERS[0]], attention), KVCacheGroupSpec([LAYERS[1]], state)]
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(NotImplementedError) as err:
+        TierCacheConnector(vc, KVConnectorRole[role], kcc)
+    assert "\n" not in str(err.value)
+    assert "recurrent state" in str(err.value)
+
+
+def test_layerwise_is_refused_on_a_hybrid_model(tiny_model: Path, posix_config: Path) -> None:
+    from tiercache_vllm.connector import TierCacheConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = vllm_config(tiny_model, posix_config, layerwise=True)
+    common: dict[str, Any] = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec([LAYERS[0]], SlidingWindowSpec(sliding_window=64, **common)),
+        KVCacheGroupSpec([LAYERS[1]], FullAttentionSpec(**common)),
+    ]
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(NotImplementedError, match="layerwise=true needs one full-attention KV cache group"):
+        TierCacheConnector(vc, KVConnectorRole.SCHEDULER, kcc)
