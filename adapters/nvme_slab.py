@@ -93,7 +93,7 @@ from tiercache.adapters._slab_layout import (
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_bool, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
-from tiercache.store.policy.eviction import S3FIFOPolicy
+from tiercache.eviction import S3FIFOPolicy
 
 if TYPE_CHECKING:
     from typing import Self

@@ -33,7 +33,7 @@ the pool (``tiercache.adapters._spare_files``), so the create, whose cost varies
 
 Capacity is tracked per adapter: ``open`` scans the tree (key -> size, oldest mtime first) and puts evict the
 least recently used objects (a get refreshes recency in memory; after a restart recency is the write time),
-or with ``eviction=s3fifo`` the objects S3-FIFO picks (scan-resistant: see ``tiercache.store.policy``).
+or with ``eviction=s3fifo`` the objects S3-FIFO picks (scan-resistant: see ``tiercache.eviction``).
 Several processes may share a directory (objects are visible to all of them); each then enforces the capacity
 only over the objects it knows.
 """
@@ -69,7 +69,7 @@ from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
 from tiercache.buffers import as_readable_bytes
 from tiercache.errors import AdapterUnavailable, ConfigError
-from tiercache.store.policy.eviction import S3FIFOPolicy
+from tiercache.eviction import S3FIFOPolicy
 
 if TYPE_CHECKING:
     from typing import Self

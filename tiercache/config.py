@@ -18,6 +18,7 @@ from typing import Any
 from tiercache._secrets import SECRET_NAMES as _SECRET_NAMES
 from tiercache._secrets import check_url_secrets, redact_text, redact_url
 from tiercache.errors import ConfigError
+from tiercache.eviction import EVICTION_POLICIES
 from tiercache.sizes import MAX_SIZE as _MAX_SIZE
 from tiercache.sizes import in_range as _in_range
 from tiercache.sizes import parse_size
@@ -42,8 +43,6 @@ __all__ = [
 
 L1_CODECS = ("raw", "fp8")
 """What an L1 slot may hold: the KV's bytes, or its fp8 (e4m3, float32 channel scales) payload."""
-EVICTION_POLICIES = ("lru", "s3fifo")
-"""The L1 eviction policies ``l1.eviction`` may name (``tiercache.store.policy`` implements them)."""
 _EVENTS_SCHEMES = ("tcp://", "ipc://")
 MIN_SECONDS = 0.001
 """The shortest deadline or cool-down a config may set (1 ms)."""

@@ -3,14 +3,14 @@ tenant labels, and the hit-rate ceiling estimate."""
 
 from __future__ import annotations
 
-from tiercache.store.policy.ceiling import HitRateCeiling, HyperLogLog
-from tiercache.store.policy.eviction import (
+from tiercache.eviction import (
     EVICTION_POLICIES,
     EvictionPolicy,
     LRUPolicy,
     S3FIFOPolicy,
     make_policy,
 )
+from tiercache.store.policy.ceiling import HitRateCeiling, HyperLogLog
 from tiercache.store.policy.quotas import OTHER, TenantLabels, TenantQuotas, TierLedger, tenant_id
 from tiercache.store.policy.sketch import Admission, FrequencySketch
 

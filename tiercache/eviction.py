@@ -13,9 +13,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from tiercache.config import EVICTION_POLICIES
-
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+
+EVICTION_POLICIES = ("lru", "s3fifo")
+"""Names :func:`make_policy` accepts (the values of ``l1.eviction`` and the disk adapters' ``eviction``)."""
 
 
 class EvictionPolicy(Protocol):
