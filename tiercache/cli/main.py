@@ -445,6 +445,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_serve_command(sub)
     add_health_command(sub)
+    from tiercache.cli.cache import add_cache_command
+
+    add_cache_command(sub)
     return parser
 
 

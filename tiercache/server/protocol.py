@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tiercache.spec import KVSpec
 
 __all__ = [
+    "CONTROL_ACTIONS",
     "MAX_KEYS",
     "MAX_MESSAGE",
     "MAX_WAIT_S",
@@ -43,6 +44,8 @@ MAX_DECLARED = 16  # object sizes one HELLO may declare
 MAX_BLOCKS = 1024  # vLLM blocks one DESCRIBE chunk may cover
 MAX_LORA_LEN = 256
 SESSION_BYTES = 16  # a session token: random, known only to the connection it was given to
+CONTROL_ACTIONS = frozenset({"pin", "unpin", "delete", "prefetch", "stats"})
+"""Cache-control actions (``CONTROL``, admin connections only)."""
 ROLES = frozenset({"worker", "scheduler", "admin", "probe"})
 """``probe``: a health check (no segment passed, STATS only); ``admin``: CLEAR and DRAIN (the server's own uid
 or its admin group only)."""
@@ -67,6 +70,7 @@ class Op(enum.IntEnum):
     DRAIN = 10
     FENCE = 11
     DESCRIBE = 12
+    CONTROL = 13
     OK = 64
     ERR = 65
 
@@ -188,6 +192,8 @@ def _validate_request(op: Op, body: dict[str, Any]) -> dict[str, Any]:
         return {"timeout_s": _seconds(body.get("timeout_s"), "timeout_s")}
     if op is Op.DESCRIBE:
         return {"chunks": [_chunk(c) for c in _list(body.get("chunks"), "chunks")]}
+    if op is Op.CONTROL:
+        return _control(body)
     raise ProtocolError(f"{op.name} is not a request")
 
 
@@ -218,6 +224,22 @@ def _chunk(v: object) -> tuple[str, list[int | bytes], int | bytes | None, list[
     if lora is not None and (type(lora) is not str or len(lora) > MAX_LORA_LEN):
         raise ProtocolError(f"DESCRIBE lora_name must be a str of at most {MAX_LORA_LEN}")
     return key, hashes, parent, [_u64(t, "token_ids") for t in tokens], size, lora
+
+
+def _control(body: dict[str, Any]) -> dict[str, Any]:
+    """``CONTROL``: ``action`` and its objects: ``keys``, or every published key under ``prefix`` (and of
+    ``tenant`` when given); ``wait_s`` bounds a pin's or prefetch's load from L2."""
+    action = body.get("action")
+    if type(action) is not str or action not in CONTROL_ACTIONS:
+        raise ProtocolError(f"CONTROL action must be one of {sorted(CONTROL_ACTIONS)}")
+    out: dict[str, Any] = {"action": action, "keys": _keys(body.get("keys", []))}
+    for name in ("prefix", "tenant"):
+        value = body.get(name)
+        if value is not None and (type(value) is not str or len(value) > MAX_KEY_LEN):
+            raise ProtocolError(f"CONTROL {name} must be a str of at most {MAX_KEY_LEN} chars")
+        out[name] = value
+    out["wait_s"] = _seconds(body.get("wait_s", 0.0), "wait_s")
+    return out
 
 
 def decode(data: bytes, *, request: bool = True) -> Message:

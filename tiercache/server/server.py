@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_ADMIN_OPS = (Op.CLEAR, Op.DRAIN)
+_ADMIN_OPS = (Op.CLEAR, Op.DRAIN, Op.CONTROL)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -216,6 +216,10 @@ class L1Server:
         self.publisher: EventPublisher | None = None
         if options.events_endpoint is not None:
             self.events = self._event_sink(tiers)
+        from tiercache.server.control import PINS_SUFFIX, CacheControl
+
+        self.control = CacheControl(self.table, self.storage, self.events, options.socket_path + PINS_SUFFIX)
+        """Cache control (``CONTROL``): pins (kept across restarts), deletes, prefetches, tenant stats."""
         self._listener: socket.socket | None = None
         self._spare_fd = -1  # closed to accept-and-refuse one client when out of file descriptors
         self._lock_fd = -1  # flock of PATH.lock while serving
@@ -286,6 +290,7 @@ class L1Server:
             )
             log.info("KV events on %s", self.publisher.endpoint)
         self._spawn(self._accept_loop())
+        self._spawn(self._restore_pins())
         geo = self.segment.geometry
         log.info(
             "tiercache server epoch %d on %s (%d regions of %d bytes)",
@@ -294,6 +299,13 @@ class L1Server:
             geo.num_regions,
             geo.region_bytes,
         )
+
+    async def _restore_pins(self) -> None:
+        """Pin again what the pin file names and a tier still holds (a restart); failures are logged."""
+        try:
+            await self.control.restore()
+        except Exception:
+            log.exception("restoring pins failed")
 
     async def serve_forever(self) -> None:
         """Wait until :meth:`stop` was called and has finished (its drain included)."""
@@ -712,6 +724,8 @@ class L1Server:
             out = {"freed": self._fence(conn, body["sessions"])}
         elif msg.op is Op.CLEAR:
             out = {"cleared": t.clear()}
+        elif msg.op is Op.CONTROL:
+            out = await self.control.handle(body)
         elif msg.op is Op.DESCRIBE:
             if self.events is not None:
                 chunks = body["chunks"]

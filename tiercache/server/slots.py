@@ -517,6 +517,40 @@ class SlotTable:
             self._free_slot(slot)
         return len(unleased)
 
+    def keys(self, prefix: str = "", tenant: str | None = None) -> list[str]:
+        """Published keys starting with ``prefix`` (of ``tenant`` when given)."""
+        slots, published = self._slots, PUBLISHED
+        return [
+            key
+            for key, slot in self._index.items()
+            if key.startswith(prefix)
+            and (s := slots.get(slot)) is not None
+            and s.state == published
+            and (tenant is None or s.tenant == tenant)
+        ]
+
+    def delete(self, key: str) -> bool:
+        """Free the published ``key`` (its pin goes with it; announced as ``"deleted"``); False when
+        absent, not published or leased."""
+        slot = self._index.get(key)
+        s = None if slot is None else self._slots.get(slot)
+        if slot is None or s is None or s.state != PUBLISHED or s.leases:
+            return False
+        self._free_slot(slot, "deleted")
+        return True
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant: published objects, their bytes (slot strides) and pinned objects."""
+        out: dict[str, dict[str, int]] = {}
+        for slot, s in self._slots.items():
+            if s.state != PUBLISHED:
+                continue
+            row = out.setdefault(s.tenant, {"objects": 0, "bytes": 0, "pinned": 0})
+            row["objects"] += 1
+            row["bytes"] += self._stride(slot)
+            row["pinned"] += int(s.pinned)
+        return out
+
     def _make_quota_room(self, tenant: str, stride: int) -> bool:
         """Evict ``tenant``'s least recently used unheld published slots until ``stride`` more bytes fit its
         quota; False when they cannot."""

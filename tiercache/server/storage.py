@@ -142,8 +142,8 @@ class ServerL1:
             lease.release()
 
     def delete(self, key: str) -> bool:
-        """Not supported (eviction and CLEAR free slots): always False."""
-        return False
+        """Free the published, unleased ``key`` (cache control); False otherwise."""
+        return self.table.delete(key)
 
     def stats(self) -> L1Stats:
         """Occupancy in :class:`L1Stats` terms."""

@@ -38,11 +38,9 @@ async def delete_keys(
         if unpin_fn is not None:
             unpin_fn(key)
         with contextlib.suppress(ValueError):
-            if l1.delete(key):  # a local L1 announces it to its listeners itself
+            if l1.delete(key):
                 gone.append(key)
-    deleted += len(gone)
-    if sink is not None and gone and not hasattr(l1, "add_listener"):
-        sink.on_tier(L1_TIER, "deleted", gone)
+    deleted += len(gone)  # the L1's listeners announce them
     for tier in manager.tiers:
         if not tier.adapter.capabilities.delete:
             continue
