@@ -3,7 +3,8 @@ import pytest.
 
 Third parties subclass ``AdapterConformance`` / ``CodecConformance`` in their own test suites;
 ``FaultInjectingAdapter`` injects faults around a real adapter (``InMemoryAdapter`` is the old name of
-``tiercache.adapters.memory.MemoryAdapter``).
+``tiercache.adapters.memory.MemoryAdapter``). ``tiercache.testing.harness`` holds the test support that the
+repository's tests and benchmarks share (server launchers, the fuzz, soak and fault-matrix harnesses).
 """
 
 from __future__ import annotations
