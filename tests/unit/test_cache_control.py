@@ -140,6 +140,13 @@ def test_pin_prefetch_delete_and_stats(server: Serve) -> None:
     answer = run_cli("delete", "--socket", server.path, "--key", keys[0], "--key", keys[1])
     assert answer["deleted"] == 4  # two from L1, two from the disk tier
     assert node.tiers(kept) == ()
+    # the burst's prompts: some only on disk now; a keyspace delete (the connector's reset_cache in server
+    # mode) removes them from L1 and disk alike: the server tracks what its tiers hold
+    assert node.tiers(prompt(3)) == ("disk", "disk")
+    answer = run_cli("delete", "--socket", server.path, "--prefix", node.engine.token_db.key_prefix)
+    assert answer["keys"] == 2 * (1 + SLOTS)  # other + the burst, each two chunks
+    for seed in [2, *range(3, 3 + SLOTS)]:
+        assert node.tiers(prompt(seed)) == ()
     asyncio.run(node.engine.aclose())
 
 

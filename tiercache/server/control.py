@@ -83,6 +83,7 @@ class CacheControl:
         event sink saw an L2 tier hold under that prefix)."""
         wanted = list(keys)
         if self.events is not None and body["prefix"] is not None and body["tenant"] is None:
+            # L2 tiers cannot list keys: the ones this server stored or saw stored under the prefix
             for tier in self.events.tiers():
                 wanted += self.events.held(tier, body["prefix"])
         wanted = list(dict.fromkeys(wanted))

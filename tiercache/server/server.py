@@ -211,11 +211,10 @@ class L1Server:
             from tiercache.server.storage import ServerStorage
 
             self.storage = ServerStorage(self.table, tiers, policy)
-        self.events: EventSink | None = None
-        """The node's KV events (with ``events_endpoint``): what the shared L1 and the L2 tiers hold."""
+        self.events: EventSink = self._event_sink(tiers, emit=options.events_endpoint is not None)
+        """What the shared L1 and the L2 tiers hold (cache control deletes by prefix from it) and, with
+        ``events_endpoint``, the node's KV events."""
         self.publisher: EventPublisher | None = None
-        if options.events_endpoint is not None:
-            self.events = self._event_sink(tiers)
         from tiercache.server.control import PINS_SUFFIX, CacheControl
 
         self.control = CacheControl(self.table, self.storage, self.events, options.socket_path + PINS_SUFFIX)
@@ -249,11 +248,11 @@ class L1Server:
             "freed_unsent": 0,
         }
 
-    def _event_sink(self, tiers: Sequence[tuple[str, Adapter, CodecPipeline]]) -> EventSink:
+    def _event_sink(self, tiers: Sequence[tuple[str, Adapter, CodecPipeline]], *, emit: bool) -> EventSink:
         """A sink following the slot table and the write-behind (each tier's medium from its scheme)."""
         from tiercache.events import EventSink, medium_of
 
-        sink = EventSink({name: medium_of(f"{adapter.scheme}://") for name, adapter, _ in tiers})
+        sink = EventSink({name: medium_of(f"{adapter.scheme}://") for name, adapter, _ in tiers}, emit=emit)
         self.table.add_listener(sink.l1_listener)
         if self.storage is not None:
             self.storage.manager.store.listeners.append(sink.on_tier)
@@ -282,7 +281,7 @@ class L1Server:
         sock.setblocking(False)
         self._listener = sock
         self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        if self.events is not None and self.options.events_endpoint is not None:
+        if self.options.events_endpoint is not None:
             from tiercache.server.events_pub import EventPublisher
 
             self.publisher = EventPublisher(
@@ -659,7 +658,7 @@ class L1Server:
             "declared": declared,
             "fenced": freed,
             "tiers": [] if self.storage is None else self.storage.tier_names,
-            "events": self.events is not None,
+            "events": self.events.emit,
             "ready": True,
         }
         fds = [] if conn.role == "probe" else [self._data_fd, self._header_fd]
@@ -727,9 +726,8 @@ class L1Server:
         elif msg.op is Op.CONTROL:
             out = await self.control.handle(body)
         elif msg.op is Op.DESCRIBE:
-            if self.events is not None:
-                chunks = body["chunks"]
-                self.events.describe([c[0] for c in chunks], [_chunk_info(c) for c in chunks])
+            chunks = body["chunks"]
+            self.events.describe([c[0] for c in chunks], [_chunk_info(c) for c in chunks])
             out = {}
         elif msg.op is Op.DRAIN:
             drained = True if storage is None else await storage.drain(body["timeout_s"])

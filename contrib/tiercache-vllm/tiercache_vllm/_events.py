@@ -240,29 +240,49 @@ class HitSources:
 
 
 def reset_cache(side: SchedulerSide | None) -> bool:
-    """Delete what this engine's keyspace holds in L1 and the L2 tiers it stored to (announced as events);
-    False where this process cannot reach the worker's L1 (a multi-process engine, server mode)."""
+    """Delete what this engine's keyspace holds in L1 and the L2 tiers (announced as events): in process,
+    what the worker's engine holds; in server mode, the keyspace on the node server (every instance of the
+    same model there). False where this process cannot reach the worker's L1 (a multi-process engine without
+    a server) or the server refused (cache control needs its uid or admin group)."""
     if side is None:
         return False
     engines = side._get_engines()
-    if not engines or not side.shares_worker_engine or side.server.socket is not None:
-        logger.warning(
-            "tiercache: reset_cache needs the worker's engine in this process (in-process mode, "
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0 or the uniprocess executor); nothing was reset"
-        )
+    if not engines:
         return False
-    base = engines[0]
-    sink = base.events
-    if sink is None:
+    prefixes = sorted({e.token_db.key_prefix for e in engines})
+    if side.server.socket is not None:
+        return _reset_on_server(side, side.server.socket, prefixes)
+    if not side.shares_worker_engine or engines[0].events is None:
+        logger.warning(
+            "tiercache: reset_cache needs the worker's engine in this process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0, uniprocess executor) or a node server; nothing was reset"
+        )
         return False
     from tiercache.store.control import clear_keyspaces
 
-    prefixes = sorted({e.token_db.key_prefix for e in engines})
     try:
-        deleted = _loop.call(clear_keyspaces(base.manager, sink, prefixes), side.settings.save_timeout_s)
+        deleted = _loop.call(
+            clear_keyspaces(engines[0].manager, engines[0].events, prefixes), side.settings.save_timeout_s
+        )
     except Exception:
         logger.exception("tiercache: reset_cache failed")
         return False
     side._lookups.clear()
     logger.info("tiercache: reset_cache deleted %d objects", deleted)
+    return True
+
+
+def _reset_on_server(side: SchedulerSide, socket_path: str, prefixes: list[str]) -> bool:
+    """``tiercache cache delete --prefix`` of each keyspace prefix on the node server."""
+    from tiercache.cli.cache import control
+
+    deleted = 0
+    try:
+        for prefix in prefixes:
+            deleted += int(control(socket_path, "delete", prefix=prefix).get("deleted", 0))
+    except Exception as exc:
+        logger.warning("tiercache: reset_cache on the server at %s failed: %s", socket_path, exc)
+        return False
+    side._lookups.clear()
+    logger.info("tiercache: reset_cache deleted %d objects on the server", deleted)
     return True
