@@ -139,7 +139,19 @@ class TenantStats:
 class KVObject:
     """A view on one L1 slot holding ``spec``; created by :meth:`L1Cache.reserve_write`, never by users."""
 
-    __slots__ = ("_cache", "_gen", "_leases", "_pinned", "_slot", "key", "nbytes", "spec", "state", "tenant")
+    __slots__ = (
+        "_cache",
+        "_gen",
+        "_label",
+        "_leases",
+        "_pinned",
+        "_slot",
+        "key",
+        "nbytes",
+        "spec",
+        "state",
+        "tenant",
+    )
 
     def __init__(
         self, cache: L1Cache, key: str, spec: KVSpec, slot: int, gen: int, nbytes: int, tenant: str = ""
@@ -150,6 +162,7 @@ class KVObject:
         self.spec = spec
         self.tenant = tenant
         """Who stored the object (its ``cache_salt``, "" for none): quotas and pin bounds count by it."""
+        self._label = cache._labels.label(tenant)  # the tenant's metric label, looked up once
         self._pinned = False
         self.nbytes = nbytes
         """Bytes the object takes in its slot: ``spec.nbytes`` in a raw L1, the fp8 payload in an fp8 L1."""
@@ -398,14 +411,20 @@ class L1Cache:
                 return False
             obj = victim
         else:
-            key = self._policy.victim(lambda k: not ready[k]._pinned and not self._is_leased(ready[k], now))
+            is_leased = self._is_leased
+
+            def evictable(key: str) -> bool:
+                obj = ready[key]
+                return not obj._pinned and (not obj._leases or not is_leased(obj, now))
+
+            key = self._policy.victim(evictable)
             if key is None:
                 return False
             obj = ready[key]
         self._free_slot(obj, "evicted")
         self._evictions += 1
-        label = self._labels.label(obj.tenant)
-        self._tenant_evictions[label] = self._tenant_evictions.get(label, 0) + 1
+        counts = self._tenant_evictions
+        counts[obj._label] = counts.get(obj._label, 0) + 1
         return True
 
     def _current(self, obj: KVObject, state: ObjectState) -> None:
@@ -421,8 +440,8 @@ class L1Cache:
         self._policy.touch(key)
         if self._by_tenant:
             self._by_tenant[obj.tenant].move_to_end(key)
-        label = self._labels.label(obj.tenant)
-        self._tenant_hits[label] = self._tenant_hits.get(label, 0) + 1
+        hits = self._tenant_hits
+        hits[obj._label] = hits.get(obj._label, 0) + 1
         lease_id = next(self._lease_ids)
         expires_at = now + lease_s
         obj._leases[lease_id] = expires_at

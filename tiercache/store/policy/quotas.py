@@ -40,11 +40,8 @@ class TenantQuotas:
         self.budgets = dict(budgets or {})
         self.default = default
         self.held: dict[str, int] = {}
-
-    @property
-    def enabled(self) -> bool:
+        self.enabled = bool(self.default or any(self.budgets.values()))
         """Whether any tenant has a budget."""
-        return bool(self.default or any(self.budgets.values()))
 
     def budget(self, tenant: str) -> int:
         """``tenant``'s budget in bytes (0: unlimited)."""
