@@ -284,6 +284,8 @@ class L1Server:
         if self.options.events_endpoint is not None:
             from tiercache.server.events_pub import EventPublisher
 
+            self.events.cleared()  # a new epoch: whatever an earlier server announced on this stream is gone
+
             self.publisher = EventPublisher(
                 self.events, self.options.events_endpoint, topic=self.options.events_topic
             )
