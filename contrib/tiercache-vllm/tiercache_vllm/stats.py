@@ -18,7 +18,8 @@ Counters from each engine's ``tiercache.metrics.Metrics`` (summed over labels ot
 ``tier_errors``, ``prefetched``, ``call_seconds``/``calls`` (the tier-call latency histogram's sum and
 count over all operations: their rates give the mean latency); from the connector's own counters
 (tier ``""``): ``load_errors``, ``invalid_blocks``, ``tokens_loaded``, ``tokens_saved``, ``save_failures``,
-``lookups``, ``lookup_failures``, ``lookup_hit_tokens``; in server mode, from each engine's client of the
+``kv_bytes_read``, ``kv_bytes_read_full``, ``kv_bytes_stored`` (hybrid models), ``lookups``,
+``lookup_failures``, ``lookup_hit_tokens``; in server mode, from each engine's client of the
 server (tier ``""``): ``server_requests``, ``server_lost_connections``, ``server_reconnects``,
 ``server_offline_misses``, ``server_skipped_stores``, ``server_refused_leases``. Gauges (the largest value
 over workers): ``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``, ``tier_down``,
@@ -89,6 +90,9 @@ CONNECTOR_COUNTERS: dict[str, str] = {
     "tokens_loaded": "Tokens restored from tiercache into the paged KV",
     "tokens_saved": "Tokens newly stored from the paged KV into tiercache (cached chunks count none)",
     "save_failures": "KV saves that failed (nothing stored)",
+    "kv_bytes_read": "Bytes of chunk objects a hybrid model's loads read (windowed groups: their window's)",
+    "kv_bytes_read_full": "Bytes those loads would read with every group needing every chunk",
+    "kv_bytes_stored": "Bytes of chunk objects a hybrid model's saves gathered (one per group per chunk)",
     "lookups": "Scheduler lookups of a prompt's stored prefix",
     "lookup_failures": "Scheduler lookups that failed (treated as misses)",
     "lookup_hit_tokens": "Tokens the scheduler reported as external hits",
@@ -341,6 +345,9 @@ class SideCounters:
         "tokens_loaded": "tokens_loaded",
         "tokens_saved": "tokens_saved",
         "save_failures": "save_failures",
+        "kv_bytes_read": "kv_bytes_read",
+        "kv_bytes_read_full": "kv_bytes_read_full",
+        "kv_bytes_stored": "kv_bytes_stored",
         "lookups": "lookups",
         "lookup_failures": "lookup_failures",
         "hit_tokens": "lookup_hit_tokens",
