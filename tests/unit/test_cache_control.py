@@ -125,6 +125,7 @@ def test_pin_prefetch_delete_and_stats(server: Serve) -> None:
     assert stats["pins"] == 2
     assert stats["tenants"][""]["pinned"] == 2
     assert stats["tenants"][""]["objects"] == 4
+    assert stats["keyspaces"] == {node.engine.token_db.key_prefix: 4}
     for seed in range(3, 3 + SLOTS):  # a burst of 2 * SLOTS chunks: evicts everything unpinned
         node.store(prompt(seed))
     node.drain(server.path)

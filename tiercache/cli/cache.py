@@ -75,6 +75,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         print(f"{'tenant':<20} {'objects':>8} {'bytes':>14} {'pinned':>7}")
         for name, row in sorted(answer.get("tenants", {}).items()):
             print(f"{name or '(none)':<20} {row['objects']:>8} {row['bytes']:>14} {row['pinned']:>7}")
+        print(f"{'keyspace prefix':<40} {'objects':>8}")
+        for prefix, count in sorted(answer.get("keyspaces", {}).items()):
+            print(f"{prefix or '(other keys)':<40} {count:>8}")
         print(f"pinned on request: {answer.get('pins', 0)}")
     else:
         print(" ".join(f"{k}={v}" for k, v in sorted(answer.items())))

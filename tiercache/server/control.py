@@ -47,7 +47,11 @@ class CacheControl:
         """One validated ``CONTROL`` request's answer."""
         action = body["action"]
         if action == "stats":
-            return {"tenants": self.table.tenant_stats(), "pins": len(self.pins)}
+            return {
+                "tenants": self.table.tenant_stats(),
+                "keyspaces": self._keyspaces(),
+                "pins": len(self.pins),
+            }
         keys = self._keys(body)
         if action == "pin":
             return await self.pin(keys, body["wait_s"])
@@ -58,9 +62,19 @@ class CacheControl:
             return {"unpinned": sum(done), "keys": len(keys)}
         if action == "prefetch":
             await self._load(keys, body["wait_s"])
-            published = set(self.table.keys())
+            published = set(self.table.keys(""))
             return {"in_l1": sum(k in published for k in keys), "keys": len(keys)}
         return await self.delete(keys, body)
+
+    def _keyspaces(self) -> dict[str, int]:
+        """Published objects per key prefix up to the chunk hash (``tc1.<keyspace digest>.``: one model's
+        layout and process salt)."""
+        counts: dict[str, int] = {}
+        for key in self.table.keys(""):
+            head, dot, _ = key.rpartition(".")
+            prefix = head + dot if key.startswith("tc") and head.count(".") == 1 else ""
+            counts[prefix] = counts.get(prefix, 0) + 1
+        return counts
 
     def _keys(self, body: dict[str, Any]) -> list[str]:
         """The listed keys, or every published key under ``prefix`` / of ``tenant``."""
