@@ -3,6 +3,9 @@ misses) is each tier's hit ratio), every child at 0 from the start, L1 and tier 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,7 +15,7 @@ from tiercache.metrics import DROP_REASONS, TIER_OPS, Metrics
 from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
-from tiercache.store.manager import StorageManager
+from tiercache.store.manager import StorageManager, TierHit
 
 pytestmark = pytest.mark.asyncio
 
@@ -117,3 +120,33 @@ async def test_l1_and_tier_usage_and_evictions() -> None:
         await manager.drain()
         assert m.value("tiercache_objects", tier="mem") == 3
         assert m.value("tiercache_used_bytes", tier="mem") == tier.used_bytes > 3 * SPEC.nbytes
+
+
+class RemoteL1:
+    """A server's shared L1 as the manager sees it (``LocatesL2``): it answers where each key is."""
+
+    def __init__(self, where: dict[str, TierHit]) -> None:
+        self.where = where
+
+    def batched_locate(self, keys: Sequence[str], *, prefetch: bool) -> list[TierHit | None]:
+        return [self.where.get(k) for k in keys]
+
+    def batched_acquire_loaded(self, keys: Sequence[str], wait_s: float) -> list[Any]:
+        return [None] * len(keys)
+
+
+async def test_server_mode_learns_the_servers_tiers_for_the_misses() -> None:
+    """In server mode the tiers are the server's: a hit from its level-2 tier teaches the manager that
+    level, so later chunks served or missed below count there too (the same pairing as in process)."""
+    where = {"a": TierHit("L1", 0), "b": TierHit("redis", 1), "c": TierHit("disk", 2)}
+    async with StorageManager(RemoteL1(where)) as manager:  # type: ignore[arg-type]
+        m = manager.metrics
+        await manager.lookup_prefix(["a", "b", "c", "x"], prefetch=False)
+        got = {
+            t: (m.value("tiercache_hits_total", tier=t), m.value("tiercache_misses_total", tier=t))
+            for t in ("L1", "redis", "disk")
+        }
+        assert got == {"L1": (1, 3), "redis": (1, 2), "disk": (1, 1)}
+        await manager.lookup_prefix(["x"], prefetch=False)  # a miss everywhere, at every level learnt
+        assert m.value("tiercache_misses_total", tier="disk") == 2
+        assert m.value("tiercache_misses_total", tier="redis") == 3
