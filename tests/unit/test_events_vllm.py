@@ -62,8 +62,11 @@ def test_hit_source_per_medium() -> None:
     assert hit_source(MEDIUM_REMOTE) is CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
-def _side(req_id: str, local: int, tiers: tuple[str, ...]) -> Any:
-    lookup = SimpleNamespace(local=local, result=SimpleNamespace(tiers=tiers))
+def _side(req_id: str, local: int, tiers: tuple[str, ...], *, batched: bool = False) -> Any:
+    """A scheduler side whose lookup of ``req_id`` found ``tiers`` (``batched``: a server's batched lookup,
+    which keeps the tiers but no engine result)."""
+    result = None if batched else SimpleNamespace(tiers=tiers)
+    lookup = SimpleNamespace(local=local, result=result, tiers=tiers if batched else ())
     return SimpleNamespace(_lookups={req_id: lookup})
 
 
@@ -79,6 +82,9 @@ def test_hit_sources_split_by_chunk_tier() -> None:
         CacheHitSource.EXTERNAL_UNSPECIFIED: 58,
     }
     assert sum(split.values()) == 218
-    # no lookup answer kept (server mode's batched lookups): all unspecified, still summing up
+    # no plan kept for the request: all unspecified, still summing up
     assert sources.split(request, 10) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 10}  # type: ignore[arg-type]
+    # a server's batched lookup: the tiers it reported per chunk
+    sources.remember(_side("r", 0, ("L1", "nvme"), batched=True), request, 100)  # type: ignore[arg-type]
+    assert sources.split(request, 100) == {CacheHitSource.HOST: 64, CacheHitSource.DISK: 36}  # type: ignore[arg-type]
     assert sources.split(request, 0) == {}  # type: ignore[arg-type]

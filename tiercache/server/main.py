@@ -122,7 +122,12 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
             flush=True,
         )
     try:
-        server = L1Server(options, tiers=tiers, policy=None if config is None else config.manager)
+        server = L1Server(
+            options,
+            tiers=tiers,
+            policy=None if config is None else config.manager,
+            tier_configs=() if config is None else config.tiers,
+        )
         await server.start()
     except BaseException:
         for _, adapter, _ in tiers:

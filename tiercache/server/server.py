@@ -38,7 +38,7 @@ from tiercache.server.slots import Caps, SlotTable
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter
-    from tiercache.config import ManagerConfig
+    from tiercache.config import ManagerConfig, TierConfig
     from tiercache.events import ChunkInfo, EventSink
     from tiercache.serde import CodecPipeline
     from tiercache.server.events_pub import EventPublisher
@@ -192,10 +192,11 @@ class L1Server:
         epoch: int | None = None,
         tiers: Sequence[tuple[str, Adapter, CodecPipeline]] = (),
         policy: ManagerConfig | None = None,
+        tier_configs: Sequence[TierConfig] = (),
     ) -> None:
         """Create the sealed segment (memfds) for a new epoch and, with ``tiers`` (opened L2 tiers, closed by
-        :meth:`stop`), the storage that runs them; nothing listens until :meth:`start`. Construct inside the
-        event loop that will serve."""
+        :meth:`stop`), the storage that runs them (``tier_configs``: their admission and tenant quotas);
+        nothing listens until :meth:`start`. Construct inside the event loop that will serve."""
         self.options = options
         self.epoch = epoch if epoch is not None else time.time_ns() & (2**62 - 1)
         self.segment, self._data_fd, self._header_fd = Segment.create(options.geometry(), self.epoch)
@@ -210,7 +211,7 @@ class L1Server:
         if tiers:
             from tiercache.server.storage import ServerStorage
 
-            self.storage = ServerStorage(self.table, tiers, policy)
+            self.storage = ServerStorage(self.table, tiers, policy, tier_configs=tier_configs)
         self.events: EventSink = self._event_sink(tiers, emit=options.events_endpoint is not None)
         """What the shared L1 and the L2 tiers hold (cache control deletes by prefix from it) and, with
         ``events_endpoint``, the node's KV events."""

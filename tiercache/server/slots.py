@@ -509,6 +509,11 @@ class SlotTable:
         s = self._slots.get(slot)
         return "" if s is None else s.key
 
+    def tenant_of(self, slot: int) -> str:
+        """The tenant a RESERVED or PUBLISHED ``slot`` was allocated for ("" when FREE or none)."""
+        s = self._slots.get(slot)
+        return "" if s is None else s.tenant
+
     def clear(self) -> int:
         """Free every PUBLISHED slot without a lease or pin (CLEAR); reservations, leased and pinned slots
         stay. The number freed."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.keys import contiguous_prefix
 from tiercache.server.protocol import meta_spec, spec_meta
-from tiercache.server.segment import PUBLISHED, SlotObject
+from tiercache.server.segment import PUBLISHED, Segment, SlotObject
 from tiercache.server.slots import SlotTable
 from tiercache.store.hits import TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
@@ -24,7 +24,7 @@ from tiercache.store.manager import StorageManager
 
 if TYPE_CHECKING:
     from tiercache.adapters import Adapter
-    from tiercache.config import ManagerConfig
+    from tiercache.config import ManagerConfig, TierConfig
     from tiercache.metrics import Metrics
     from tiercache.serde import CodecPipeline
     from tiercache.spec import KVSpec
@@ -35,8 +35,25 @@ SERVER_CONN = 0
 """Connection id of the server's own reservations and leases."""
 
 
-ServerObject = SlotObject
-"""An object of the server's own (a prefetch's reservation, a leased slot)."""
+class ServerObject(SlotObject):
+    """An object of the server's own (a prefetch's reservation, a leased slot) with the tenant its slot was
+    allocated for (the write-behind counts it against that tenant's L2 quotas)."""
+
+    __slots__ = ("tenant",)
+
+    def __init__(
+        self,
+        seg: Segment,
+        key: str,
+        spec: KVSpec,
+        slot: int,
+        gen: int,
+        offset: int,
+        state: ObjectState,
+        tenant: str = "",
+    ):
+        super().__init__(seg, key, spec, slot, gen, offset, state)
+        self.tenant = tenant
 
 
 class ServerLease:
@@ -82,7 +99,7 @@ class ServerL1:
             SERVER_CONN, list(keys), [s.nbytes for s in specs], [spec_meta(s) for s in specs], tenant
         )
         return [
-            ServerObject(self.seg, key, spec, ref[0], ref[1], ref[2], ObjectState.WRITING)
+            ServerObject(self.seg, key, spec, ref[0], ref[1], ref[2], ObjectState.WRITING, tenant)
             if isinstance(ref, list)
             else None
             for key, spec, ref in zip(keys, specs, refs, strict=True)
@@ -132,7 +149,16 @@ class ServerL1:
                     self.table.release(SERVER_CONN, [hit.lease])
                 out.append(None)
                 continue
-            obj = ServerObject(self.seg, key, spec, hit.slot, hit.generation, hit.offset, ObjectState.READY)
+            obj = ServerObject(
+                self.seg,
+                key,
+                spec,
+                hit.slot,
+                hit.generation,
+                hit.offset,
+                ObjectState.READY,
+                self.table.tenant_of(hit.slot),
+            )
             out.append(ServerLease(self, obj, hit.lease))
         return out
 
@@ -172,10 +198,13 @@ class ServerStorage:
         policy: ManagerConfig | None = None,
         *,
         metrics: Metrics | None = None,
+        tier_configs: Sequence[TierConfig] = (),
     ) -> None:
-        """Construct inside the server's event loop."""
+        """Construct inside the server's event loop; ``tier_configs``: the tiers' admission and tenant quotas
+        (by tier name)."""
         self.l1 = ServerL1(table)
         self.manager = StorageManager(self.l1, tiers, policy, metrics=metrics)
+        self.manager.store.configure(tier_configs)
 
     @property
     def tier_names(self) -> list[str]:
@@ -189,7 +218,11 @@ class ServerStorage:
 
     async def locate(self, keys: Sequence[str], *, prefetch: bool) -> list[int]:
         """Per key its level: 0 = L1, n >= 1 = L2 tier n, -1 = nowhere. With ``prefetch`` the L2 part of the
-        contiguous prefix starts loading into L1 (PrefetchController)."""
+        contiguous prefix starts loading into L1 (PrefetchController). A tier that admits by frequency counts
+        this lookup as a sighting of each key."""
+        store = self.manager.store
+        if store.admit_after:
+            store.admission.seen(keys)
         hits = await self.manager.batched_contains(keys)
         if prefetch:
             n = contiguous_prefix(hits)
@@ -207,11 +240,12 @@ class ServerStorage:
                     await self.manager.load_into_l1(keys, None, wait_s)
 
     def dropped_stores(self) -> dict[str, int]:
-        """Write-behind stores dropped so far, by reason (queue full, evicted, failed, ...), all tiers."""
+        """Write-behind stores dropped so far, by reason (queue full, evicted, failed, ...; reasons never
+        seen left out), all tiers."""
         out: dict[str, int] = {}
         for family in self.manager.metrics.stores_dropped.collect():
             for sample in family.samples:
-                if sample.name.endswith("_total"):
+                if sample.name.endswith("_total") and sample.value:
                     reason = sample.labels.get("reason", "")
                     out[reason] = out.get(reason, 0) + int(sample.value)
         return out

@@ -27,7 +27,7 @@ from tiercache.store.hits import L1_TIER, PrefixHit, TierHit
 from tiercache.store.l1_frames import check_tier, l1_codec
 from tiercache.store.l1_surface import LocatesL2
 from tiercache.store.l2_controller import L2Context
-from tiercache.store.policy import HitRateCeiling, TierLedger
+from tiercache.store.policy import HitRateCeiling
 from tiercache.store.prefetch_controller import PrefetchController
 from tiercache.store.store_controller import STORE_LEASE_DEADLINES, StoreController
 from tiercache.store.tier import TierClient, open_tier_adapter
@@ -140,10 +140,7 @@ class StorageManager:
             max_tenant_labels=c.max_tenant_labels,
         )
         manager = cls(l1, await open_tiers(config, reopen_delay_s), config.manager, metrics=metrics)
-        manager.store.admit_after = {t.name: t.admit_after for t in config.tiers if t.admit_after > 1}
-        manager.store.ledgers = {
-            t.name: TierLedger(t.quotas, t.default_quota) for t in config.tiers if t.quotas or t.default_quota
-        }
+        manager.store.configure(config.tiers)
         return manager
 
     async def _run(self, fn: Callable[[], T]) -> T:

@@ -21,6 +21,7 @@ from tiercache.store.l2_controller import L2Context, L2Controller
 from tiercache.store.policy import Admission, TierLedger
 
 if TYPE_CHECKING:
+    from tiercache.config import TierConfig
     from tiercache.store.l1_surface import L1LeaseView
     from tiercache.store.tier import TierClient
 
@@ -65,6 +66,14 @@ class StoreController(L2Controller):
         self._frames = FrameBuffers(
             2 * ctx.policy.store_parallel * STORE_BATCH_BYTES + (64 << 20), keep=2 * ctx.policy.store_parallel
         )
+
+    def configure(self, tiers: Sequence[TierConfig]) -> None:
+        """Take each configured tier's admission threshold and tenant quotas (tiers without them: store
+        always, no quotas)."""
+        self.admit_after = {t.name: t.admit_after for t in tiers if t.admit_after > 1}
+        self.ledgers = {
+            t.name: TierLedger(t.quotas, t.default_quota) for t in tiers if t.quotas or t.default_quota
+        }
 
     def submit(self, keys: Sequence[str]) -> None:
         """Queue the published objects under ``keys`` for every tier that admits them (never blocks; drops

@@ -210,11 +210,11 @@ class HitSources:
         """Note where the lookup found the request's chunks (before the load plan consumes the lookup)."""
         req_id = request.request_id
         found = side._lookups.get(req_id)
-        result = None if found is None else found.result
-        if num_external_tokens <= 0 or found is None or result is None:
+        tiers = () if found is None else found.result.tiers if found.result is not None else found.tiers
+        if num_external_tokens <= 0 or found is None or not tiers:
             self._plans.pop(req_id, None)
             return
-        self._plans[req_id] = (found.local, tuple(result.tiers))
+        self._plans[req_id] = (found.local, tuple(tiers))
 
     def split(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """``num_external_tokens`` by source: each loaded token counts for the tier of its chunk."""

@@ -75,6 +75,8 @@ class _Lookup:
     """The engine's answer, kept only when the lookup ran on the worker's engine (same process)."""
     step: int = -1
     """The scheduler step that looked it up (server mode: a batched answer serves that step only)."""
+    tiers: tuple[str, ...] = ()
+    """The tier serving each chunk of the hit ("L1" or an L2 tier's name), where the lookup said."""
 
 
 @dataclass(slots=True)
@@ -224,12 +226,13 @@ class SchedulerSide:
                 for e in engines
             ]
             reusable = hits[0] if self._shared and len(hits) == 1 else None
-            return _Lookup(min(h.tokens for h in hits), result=reusable)
+            shortest = min(hits, key=lambda h: h.tokens)
+            return _Lookup(shortest.tokens, result=reusable, tiers=shortest.tiers)
         batch = _rank_keys(engines, tokens, keys)
         if not batch:
             return _Lookup(0)
         hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
-        return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)))
+        return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), tiers=hit.tiers)
 
     def _lookup_sync(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
         """:meth:`_lookup` from vLLM's thread: one engine whose L1 alone decides it answers here (no hop to
@@ -242,7 +245,7 @@ class SchedulerSide:
         found = engines[0].lookup_hit_now(tokens, identity=keys.identity, block_hashes=keys.block_hashes)
         if isinstance(found, PendingLookup):
             found = _loop.call(found.complete(prefetch=self._shared), timeout)
-        return _Lookup(found.tokens, result=found if self._shared else None)
+        return _Lookup(found.tokens, result=found if self._shared else None, tiers=found.tiers)
 
     def _batches_requests(self, engines: list[CacheEngine]) -> bool:
         """Whether lookups go to a server from this scheduler's own engine: then one batched lookup answers
@@ -263,7 +266,7 @@ class SchedulerSide:
         key_lists = [_rank_keys(engines, tokens, keys) for _, tokens, keys in requests]
         hits = await engines[0].manager.lookup_prefixes(key_lists, group=len(engines))
         return {
-            req_id: _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), step=self._step)
+            req_id: _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), step=self._step, tiers=hit.tiers)
             for (req_id, tokens, _), hit in zip(requests, hits, strict=True)
         }
 

@@ -1,0 +1,93 @@
+"""Tenants through the node server's write-behind: the tenant of each ALLOC reaches the L2 tiers' quotas, and
+the tiers' admission thresholds apply in the server as in-process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tiercache.adapters.memory import MemoryAdapter
+from tiercache.config import TierConfig
+from tiercache.serde import build_pipeline
+from tiercache.server.client import SharedL1
+from tiercache.server.server import L1Server, ServerOptions
+from tiercache.spec import KVSpec
+from tiercache.store.policy import tenant_id
+
+pytestmark = pytest.mark.asyncio
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
+TA, TB = tenant_id("salt-a"), tenant_id("salt-b")
+QUOTA = 5 * SPEC.nbytes // 2  # two frames of a (a frame: the chunk and a small header)
+
+
+@pytest_asyncio.fixture
+async def served(sock_dir: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]]:
+    tier = MemoryAdapter()
+    configs = [
+        TierConfig("mem", "memory://", quotas={TA: QUOTA}),
+        TierConfig("gated", "memory://", admit_after=2),
+    ]
+    gated = MemoryAdapter()
+    options = ServerOptions(str(sock_dir / "l1.sock"), 16 * 4096, (4096,), region_bytes=4096, drain_s=5.0)
+    server = L1Server(
+        options,
+        tiers=[("mem", tier, build_pipeline(["raw"])), ("gated", gated, build_pipeline(["raw"]))],
+        tier_configs=configs,
+    )
+    await server.start()
+    server.gated = gated  # type: ignore[attr-defined]
+    yield server, tier
+    await server.stop()
+
+
+def store(l1: SharedL1, keys: list[str], tenant: str) -> None:
+    objects = l1.batched_reserve_write(keys, [SPEC] * len(keys), tenant)
+    for i, obj in enumerate(objects):
+        assert obj is not None
+        obj.buffer()[:] = bytes([i + 1]) * SPEC.nbytes
+    l1.batched_finish_write([o for o in objects if o is not None])
+
+
+async def test_write_behind_counts_each_alloc_against_its_tenant(
+    served: tuple[L1Server, MemoryAdapter],
+) -> None:
+    server, tier = served
+    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
+    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    keys_a = [f"a-{i}" for i in range(4)]
+    keys_b = [f"b-{i}" for i in range(4)]
+    for i in range(4):  # one commit (one write-behind batch) at a time: a's oldest go first
+        await asyncio.to_thread(store, l1, [keys_a[i]], TA)
+        await asyncio.to_thread(store, l1, [keys_b[i]], TB)
+        assert await asyncio.to_thread(admin.drain, 5.0)
+    assert await tier.batched_contains(keys_a) == [False, False, True, True]  # a held to its quota
+    assert await tier.batched_contains(keys_b) == [True] * 4  # b has none
+    assert server.storage is not None
+    ledger = server.storage.manager.store.ledgers["mem"]
+    assert 0 < ledger.held(TA) <= QUOTA
+    assert ledger.held(TB) == 4 * ledger.held(TA) // 2  # counted as b, not as the default tenant
+    assert ledger.held("") == 0
+    assert server.storage.manager.metrics.value("tiercache_evictions_total", tier="mem") == 2
+
+
+async def test_server_tier_admits_after_its_threshold(served: tuple[L1Server, MemoryAdapter]) -> None:
+    server, tier = served
+    gated: MemoryAdapter = server.gated  # type: ignore[attr-defined]
+    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
+    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    await asyncio.to_thread(l1.batched_locate, ["seen"], prefetch=False)  # a lookup sees it once...
+    await asyncio.to_thread(l1.batched_locate, ["seen"], prefetch=False)  # ...and twice
+    await asyncio.to_thread(store, l1, ["seen", "once"], TB)
+    assert await asyncio.to_thread(admin.drain, 5.0)
+    assert await tier.batched_contains(["seen", "once"]) == [True, True]  # the ungated tier stores both
+    assert await gated.batched_contains(["seen", "once"]) == [True, False]
+    assert server.storage is not None
+    dropped = server.storage.manager.metrics.value(
+        "tiercache_stores_dropped_total", tier="gated", reason="not_admitted"
+    )
+    assert dropped == 1
