@@ -144,9 +144,11 @@ class Metrics:
         )
 
     def add_tier(self, tier: str, *, l2: bool = True) -> None:
-        """Create every child of ``tier`` at 0 (idempotent): hits and misses (and evictions) for any tier;
+        """Create every child of ``tier`` at 0 (idempotent): hits and misses for any tier, evictions for L1;
         for an L2 tier also its bytes, stores, drops, errors, latency per op, rejections and circuit."""
-        families: list[Counter | Gauge] = [self.hits, self.misses, self.evictions]
+        families: list[Counter | Gauge] = [self.hits, self.misses]
+        if tier == L1:  # evictions are counted for L1 (an L2 adapter evicts on its own, uncounted)
+            families.append(self.evictions)
         if l2:
             families += [
                 self.bytes_read,

@@ -406,6 +406,8 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         self._touched.add((engine_idx, tier))
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         names = set(CONNECTOR_COUNTERS) if tier == _NO_TIER else set(ENGINE_COUNTERS)
+        if tier not in (_NO_TIER, "L1"):
+            names.discard("evictions")  # counted for L1 only
         for name in names:
             self._counters[name].labels(*labels, tier)
         if tier != _NO_TIER:
