@@ -14,7 +14,7 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
 ``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
-``speculative`` (vLLM's ``speculative_config``, e.g. n-gram),
+``speculative`` (vLLM's ``speculative_config``, e.g. n-gram; its counters are returned under ``spec_decode``),
 ``prefix_caching`` (vLLM's own prefix cache, default True),
 ``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
 under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
@@ -81,6 +81,7 @@ def main() -> None:
         kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("speculative"):  # e.g. {"method": "ngram", "num_speculative_tokens": 3, ...}
         kwargs["speculative_config"] = spec["speculative"]
+        kwargs["disable_log_stats"] = False  # its draft and acceptance counters are returned
     if spec.get("hybrid_manager") is False:  # one KV cache group: windowed layers allocated as full attention
         kwargs["disable_hybrid_kv_cache_manager"] = True
     conn = spec.get("connector")
@@ -136,6 +137,12 @@ def main() -> None:
     t2 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora_requests)  # type: ignore[arg-type]
     result["gen_s"] = time.perf_counter() - t2
+    if spec.get("speculative"):
+        result["spec_decode"] = {
+            m.name: m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
+        }
     result["results"] = [
         {
             "prompt_len": len(o.prompt_token_ids or ()),

@@ -6,7 +6,8 @@ with a window of 64 on every layer (one sliding-window group), Llama-4 style (ch
 on 3 of 4 layers: four groups). Chunked prefill runs everywhere (128 tokens a step < every prompt), so
 out-of-window pages are already vLLM's null block when later chunks are saved. Also: a hit needs every
 group (one group's objects removed: no hit), the single-group fallback (vLLM's hybrid manager off) against
-vLLM's ExampleConnector, and the Gemma-3-style model through ``tiercache serve``.
+vLLM's ExampleConnector, the Gemma-3-style model through ``tiercache serve``, and n-gram speculative
+decoding through the connector (only verified prompt KV is ever saved).
 """
 
 from __future__ import annotations
@@ -125,6 +126,18 @@ def test_consumer_restores_every_group_exactly(stored: dict[str, Any], vllm_run:
     )
 
 
+def test_multiprocess_engine_consumer(stored: dict[str, Any], vllm_run: Any) -> None:
+    """vLLM's default engine: the scheduler (its own lookup-only engines, one per group) and the worker in
+    separate processes; every group's objects come from the POSIX tier."""
+    if stored["kind"] != "gemma3":
+        pytest.skip("one model is enough: the lookup path is the same")
+    consumer = {"role": "kv_consumer", "extra": {"config": str(stored["config"])}}
+    run = spec(stored["model"], DECODE, consumer, multiprocess=True)
+    result = vllm_run(stored["work"], "consumer_mp", run, VLLM_TIMEOUT)
+    assert tokens_of(result) == stored["cold"]
+    assert cached_of(result)[0] == 256
+
+
 def test_a_hit_needs_every_group(stored: dict[str, Any], vllm_run: Any) -> None:
     """Remove one KV cache group's objects (one keyspace digest): nothing restores, tokens unchanged."""
     if stored["kind"] == "mistral_window":
@@ -170,7 +183,7 @@ def test_single_group_fallback_matches_example_connector(
     assert cached_of(tc)[0] == 256  # C: A's chunks
     assert worker(tc)["tokens_loaded"] >= 256
     assert all(t >= e for t, e in zip(cached_of(tc), cached_of(ex), strict=True)), (tc, ex)
-    assert result_groups(work / "tc_consumer.log") == 1
+    assert "Hybrid KV cache manager is disabled" in (work / "tc_consumer.log").read_text()  # one group
 
 
 def result_groups(log: Path) -> int:
@@ -208,3 +221,43 @@ def test_two_groups_through_the_server(tmp_path_factory: pytest.TempPathFactory,
     assert cached_of(second)[0] == 256
     assert published >= 2 * 5  # two groups' objects of A's 5 and B's chunks
     assert result_groups(work / "instance2.log") == 2
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_ngram_speculative_decoding_restores_exactly(
+    tmp_path_factory: pytest.TempPathFactory, vllm_run: Any
+) -> None:
+    """n-gram speculative decoding on the Gemma-3-style model: drafts are proposed and rejected (vLLM's
+    counters), the producer stores the prompts' KV alone (no output token, so no unverified draft token, is
+    ever saved) and the consumer restores it with the cold run's tokens."""
+    work = tmp_path_factory.mktemp("hybrid_ngram")
+    model = build("gemma3", work / "model")
+    rng = random.Random(5)
+    base = [rng.randrange(3, 350) for _ in range(40)]  # repeated: the n-gram proposer finds matches
+    prompts = {"A": base * 6 + base[:17], "B": base * 5 + base[7:40]}
+    prompts["C"] = prompts["A"] + base[:30]
+    names = ["C", "B", "A"]
+
+    def run(name: str, which: list[str], conn: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        body = {"model": str(model), "prompts": [prompts[n] for n in which], "max_tokens": 24}
+        return vllm_run(work, name, {**body, "batched": BATCHED, "connector": conn, **extra}, VLLM_TIMEOUT)
+
+    cold = run("cold", names, None)
+    cfg = config(work / "tc.toml", work / "l2")
+    prod = run(
+        "producer", ["A", "B"], {"role": "kv_producer", "extra": {"config": str(cfg)}}, speculative=NGRAM
+    )
+    cons = run("consumer", names, {"role": "kv_consumer", "extra": {"config": str(cfg)}}, speculative=NGRAM)
+    expected = dict(zip(names, tokens_of(cold), strict=True))
+    assert tokens_of(prod) == [expected["A"], expected["B"]]
+    assert tokens_of(cons) == tokens_of(cold)
+    assert cached_of(cons)[0] == 256
+    assert "speculative_config=SpeculativeConfig(method='ngram'" in (work / "consumer.log").read_text()
+    counters = prod["spec_decode"]
+    (work / "spec_decode.json").write_text(json.dumps({"producer": counters}))
+    drafted = counters["vllm:spec_decode_num_draft_tokens"]
+    assert drafted > counters["vllm:spec_decode_num_accepted_tokens"], counters  # rejected drafts existed
+    shared = 192  # A and B share 3 whole chunks
+    assert worker(prod)["tokens_saved"] == len(prompts["A"]) + len(prompts["B"]) - shared
