@@ -143,8 +143,10 @@ class EventSink:
     under the L1's lock, so nothing here calls back into a tier).
 
     ``media``: tier name -> medium (``"L1"`` -> CPU is implied). ``emit``: False keeps membership only (for
-    resets) and queues no event. ``max_described``: keys whose block info is kept (oldest forgotten first;
-    a forgotten key's removal is counted in ``lost`` instead of announced)."""
+    resets) and queues no event. ``max_described``: keys whose block info is kept; ``max_held``: keys one L2
+    tier is tracked holding (L1 is bounded by its capacity). Past either bound the oldest key is forgotten
+    (counted in ``lost``): its blocks' counts drop silently, its removal is never announced and a reset no
+    longer finds it."""
 
     def __init__(
         self,
@@ -153,19 +155,21 @@ class EventSink:
         emit: bool = True,
         int_hashes: bool = True,
         max_described: int = 1 << 16,
+        max_held: int = 1 << 20,
     ) -> None:
         self.media: dict[str, str] = {"L1": MEDIUM_CPU, **(media or {})}
         self.emit = emit
         self.int_hashes = int_hashes
         """Block hashes as ints (vLLM's default) or bytes, as :func:`external_hash` makes them."""
         self.max_described = max_described
+        self.max_held = max_held
         self._lock = threading.Lock()
         self._info: OrderedDict[str, ChunkInfo] = OrderedDict()
         self._held: dict[str, dict[str, None]] = {}  # tier -> keys it holds (insertion-ordered set)
         self._counts: Counter[tuple[BlockHash, str]] = Counter()
         self._queue: list[Event] = []
         self.lost = 0
-        """Held keys whose block info was forgotten (``max_described``): their removal is not announced."""
+        """Held keys forgotten past ``max_described`` or ``max_held``."""
 
     # ----- inputs ------------------------------------------------------------------------------------
     def describe(self, keys: Sequence[str], infos: Sequence[ChunkInfo | None]) -> None:
@@ -179,9 +183,12 @@ class EventSink:
                 self._info[key] = info
                 self._info.move_to_end(key)
             while len(self._info) > self.max_described:
-                old, _ = self._info.popitem(last=False)
-                if any(old in held for held in self._held.values()):
-                    self.lost += 1
+                old = next(iter(self._info))
+                holders = [tier for tier, held in self._held.items() if old in held]
+                for tier in holders:  # counts drop now: nothing could take them back later
+                    self._count(old, self.media.get(tier, MEDIUM_REMOTE), -1, silent=True)
+                self.lost += bool(holders)
+                del self._info[old]
 
     def describe_request(
         self,
@@ -209,6 +216,11 @@ class EventSink:
                     if key not in held:
                         held[key] = None
                         self._count(key, medium, +1)
+                while tier != "L1" and len(held) > self.max_held:
+                    old = next(iter(held))
+                    del held[old]
+                    self._count(old, medium, -1, silent=True)
+                    self.lost += 1
             else:
                 for key in keys:
                     if held.pop(key, 0) is None:
@@ -257,7 +269,7 @@ class EventSink:
             return out
 
     # ----- internals (lock held) ---------------------------------------------------------------------
-    def _count(self, key: str, medium: str, delta: int) -> None:
+    def _count(self, key: str, medium: str, delta: int, *, silent: bool = False) -> None:
         """Count ``key``'s blocks on ``medium`` up or down by ``delta``; queue those that appear or go."""
         info = self._info.get(key)
         if info is None:
@@ -274,7 +286,7 @@ class EventSink:
                 del counts[slot]
             if (before > 0) != (after > 0):
                 changed.append(i)
-        if not changed or not self.emit:
+        if not changed or not self.emit or silent:
             return
         hashes = info.block_hashes
         if delta < 0:

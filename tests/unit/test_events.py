@@ -257,3 +257,27 @@ def test_wire_format_matches_vllm_msgspec() -> None:
     ranked = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(encode_batch([], 1.0, 3))
     assert ranked.data_parallel_rank == 3
     assert ranked.events == []
+
+
+def test_sink_bounds_forget_oldest_keys_consistently() -> None:
+    """Past max_held (an L2 tier) or max_described the oldest key is forgotten: counted in ``lost``, its
+    removal never announced, and the counts of the blocks it shared with other keys stay consistent."""
+    sink = EventSink({"disk": MEDIUM_DISK}, max_held=2, max_described=3)
+    sink.describe(["a", "b", "c"], [info(0, 1), info(1, 1), info(2, 1)])
+    sink.on_tier("disk", "stored", ["a", "b", "c"])
+    assert sink.held("disk") == ["b", "c"]
+    assert sink.lost == 1
+    events = sink.take()
+    sink.on_tier("disk", "deleted", ["a"])  # forgotten: nothing to announce
+    assert sink.take() == []
+    sink.describe(["d", "e"], [info(1, 2), info(1, 1)])  # forgets a's and b's descriptions: b is held
+    assert sink.lost == 2
+    sink.on_tier("disk", "stored", ["d"])
+    sink.on_tier("disk", "deleted", ["d", "c", "b"])
+    events += sink.take()
+    h0, h1, h2 = (info(i, 1).block_hashes[0] for i in range(3))
+    # a was forgotten while held: still announced; b's hold of h1 stopped counting when it was forgotten,
+    # so d's removal took h1 back (a router then under-counts: a miss, never wrong data)
+    assert replay(events) == {MEDIUM_DISK: {h0}}
+    assert Removed((h2,), MEDIUM_DISK) in events
+    assert sink.held("disk") == []
