@@ -28,6 +28,7 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.keys import KeySpace
+from tiercache.metrics import L1
 from tiercache.serde import build_pipeline
 from tiercache.store.engine import CacheEngine
 from tiercache.store.l1 import L1Cache
@@ -44,6 +45,7 @@ __all__ = [
     "make_layout",
     "paged_kv",
     "slot_mapping",
+    "traffic",
 ]
 
 LAYERS, HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -329,6 +331,7 @@ async def bench_lookup(
                 t0 = time.perf_counter()
                 await adapter.batched_contains(keys[:1])
                 rtt[i].append(time.perf_counter() - t0)
+        seen = traffic(manager)
         await manager.aclose()
     finally:
         for d in dirs:
@@ -359,6 +362,21 @@ async def bench_lookup(
         "goal_ms": round(goal, 3),
         "meets_goal": lookup_med <= goal,
         "meets_goal_numpy_tokens": statistics.median(t_lookup_arr) * 1e3 <= goal,
+        "traffic": seen,
+    }
+
+
+def traffic(manager: StorageManager) -> dict[str, float]:
+    """What ``manager``'s lookups saw: chunks looked up, the share found in any tier (``hit_rate``) and
+    the share an unbounded cache would have found (``hit_rate_ceiling``, from its distinct-chunk sketch)."""
+    m = manager.metrics
+    levels = [L1, *(t.name for t in manager.tiers)]
+    hits = sum(m.value("tiercache_hits_total", tier=name) for name in levels)
+    chunks = hits + m.value("tiercache_misses_total", tier=levels[-1])  # a miss is counted at every level
+    return {
+        "chunks_looked_up": int(chunks),
+        "hit_rate": round(hits / chunks, 4) if chunks else 0.0,
+        "hit_rate_ceiling": round(manager.ceiling.ceiling(), 4),
     }
 
 
@@ -405,7 +423,12 @@ async def engine_suite(ctx: SuiteContext) -> list[Row]:
             raw=lookup_tokens / hash_med / 1e6,
             baseline="hashing alone (process_tokens)",
             latency_s={"p50": med},
-            extra={"correct": look["correct"], "goal_ms": look["goal_ms"], "rtt_ms": look["rtt_ms"]},
+            extra={
+                "correct": look["correct"],
+                "goal_ms": look["goal_ms"],
+                "rtt_ms": look["rtt_ms"],
+                **look["traffic"],
+            },
         )
     )
     ctx.advance("engine lookup")

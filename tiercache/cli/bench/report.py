@@ -100,7 +100,8 @@ def write_png(doc: dict[str, Any], path: Path) -> None:
 
 def summary_table(docs: Sequence[dict[str, Any]]) -> Table:
     """One line per suite and case at its largest size: rate, raw rate, ratio and its p10-p90 range over the
-    interleaved repeats ('!': the machine was noisy for it), p50 and p99 latency."""
+    interleaved repeats ('!': the machine was noisy for it), p50 and p99 latency; a caption with the hit rate
+    and hit-rate ceiling of the in-process lookups that report one."""
     from rich.table import Table
 
     table = Table(title="tiercache bench summary (largest size per case)")
@@ -129,4 +130,14 @@ def summary_table(docs: Sequence[dict[str, Any]]) -> Table:
                 f"{lat['p50'] * 1e3:.3g}" if "p50" in lat else "",
                 f"{lat['p99'] * 1e3:.3g}" if "p99" in lat else "",
             )
+    ceilings = [
+        f"{doc['suite']} {r['case']}: hit rate {r['extra']['hit_rate']:.2f}, ceiling "
+        f"{r['extra']['hit_rate_ceiling']:.2f} over {r['extra']['chunks_looked_up']} chunks"
+        for doc in docs
+        if not doc["skipped"]
+        for r in doc["rows"]
+        if "hit_rate_ceiling" in r.get("extra", {})
+    ]
+    if ceilings:  # the ceiling: the hit rate an unbounded cache would reach on the same lookups
+        table.caption = "hit-rate ceiling (an unbounded cache on the same lookups): " + "; ".join(ceilings)
     return table
