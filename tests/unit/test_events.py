@@ -279,5 +279,6 @@ def test_sink_bounds_forget_oldest_keys_consistently() -> None:
     # a was forgotten while held: still announced; b's hold of h1 stopped counting when it was forgotten,
     # so d's removal took h1 back (a router then under-counts: a miss, never wrong data)
     assert replay(events) == {MEDIUM_DISK: {h0}}
+    assert Removed((h1,), MEDIUM_DISK) in events
     assert Removed((h2,), MEDIUM_DISK) in events
     assert sink.held("disk") == []
