@@ -24,9 +24,12 @@ server (tier ``""``): ``server_requests``, ``server_lost_connections``, ``server
 ``server_offline_misses``, ``server_skipped_stores``, ``server_refused_leases``. Gauges (the largest value
 over workers): ``circuit_open`` (1 while a tier's circuit is open), ``store_queue_depth``, ``tier_down``,
 and the usage gauges ``used_bytes``, ``objects``, ``capacity_bytes`` (which alone never make an interval
-non-empty). Also ``evictions`` and ``vanished`` counters, the tier-call latency histogram's bucket
-increments under ``histograms`` (``stats_histograms``), and, in an engine's first interval, ``tiers``: the
-tier names, so the front end creates every counter, gauge and histogram of each tier at 0.
+non-empty). Usage gauges of an in-process engine too: ``hit_rate_ceiling`` (tier ``""``: the hit rate an
+unbounded cache would reach on the chunks its lookups asked for) and, by tenant label in place of the tier,
+``tenant_l1_bytes``, ``tenant_l1_hits``, ``tenant_l1_evictions`` (``TENANT_GAUGES``). Also ``evictions``
+and ``vanished`` counters, the tier-call latency histogram's bucket increments under ``histograms``
+(``stats_histograms``), and, in an engine's first interval, ``tiers``: the tier names, so the front end
+creates every counter, gauge and histogram of each tier at 0.
 Increments are taken per ``Metrics`` object, shared by every connector side of the process, so an engine the
 scheduler shares with the worker is counted once.
 """
@@ -55,6 +58,7 @@ __all__ = [
     "GAUGES",
     "PROM_PREFIX",
     "SERVER_COUNTERS",
+    "TENANT_GAUGES",
     "SideCounters",
     "TierCachePromMetrics",
     "TierCacheStats",
@@ -63,6 +67,7 @@ __all__ = [
     "read_engine_metrics",
     "read_engine_metrics_slow",
     "server_increments",
+    "usage_gauges",
 ]
 
 PROM_PREFIX = "vllm:tiercache_"
@@ -120,7 +125,15 @@ GAUGES: dict[str, tuple[str, str]] = {
     "objects": ("tiercache_objects", "Objects held, by tier"),
     "capacity_bytes": ("tiercache_capacity_bytes", "Bytes a tier may hold (0: unbounded)"),
 }
-_USAGE_GAUGES = frozenset({"used_bytes", "objects", "capacity_bytes"})
+TENANT_GAUGES: dict[str, tuple[str, str]] = {
+    # payload name: (field of tiercache.store.l1.TenantStats, help text); rows keyed by tenant label
+    "tenant_l1_bytes": ("held_bytes", "L1 bytes held, by tenant"),
+    "tenant_l1_hits": ("hits", "L1 reads served, by tenant"),
+    "tenant_l1_evictions": ("evictions", "L1 objects evicted, by tenant"),
+}
+CEILING = "hit_rate_ceiling"
+CEILING_DOC = "Estimated hit rate an unbounded cache would reach on the chunks looked up so far"
+_USAGE_GAUGES = frozenset({"used_bytes", "objects", "capacity_bytes", CEILING, *TENANT_GAUGES})
 """Gauges that ride along with an interval's other numbers but do not make it non-empty by themselves."""
 _SAMPLE_TO_COUNTER = {sample: name for name, (sample, _) in ENGINE_COUNTERS.items()}
 _SAMPLE_TO_GAUGE = {sample: name for name, (sample, _) in GAUGES.items()}
@@ -319,6 +332,19 @@ def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
         into.set_gauge(name, tier, value)
 
 
+def usage_gauges(engine: CacheEngine | None, into: TierCacheStats) -> None:
+    """Set ``engine``'s hit-rate ceiling and its local L1's per-tenant gauges in ``into`` (those it has)."""
+    manager = getattr(engine, "manager", None)
+    ceiling = getattr(manager, "ceiling", None)
+    if ceiling is not None:
+        into.set_gauge(CEILING, _NO_TIER, round(float(ceiling.ceiling()), 4))
+    tenant_stats = getattr(getattr(manager, "l1", None), "tenant_stats", None)
+    if callable(tenant_stats):
+        for label, st in tenant_stats().items():
+            for name, (field, _) in TENANT_GAUGES.items():
+                into.set_gauge(name, str(label), float(getattr(st, field)))
+
+
 def server_increments(engine: CacheEngine | None, into: TierCacheStats) -> None:
     """Add the increments of ``engine``'s server-client counters (server mode; nothing for an in-process
     engine) since the last call for the same client (any caller in this process) to ``into``."""
@@ -393,6 +419,21 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             )
             for name, (_, doc) in GAUGES.items()
         }
+        self._gauges[CEILING] = self._gauge_cls(
+            name=f"{PROM_PREFIX}{CEILING}",
+            documentation=f"tiercache: {CEILING_DOC}",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
+        self._tenant_gauges: dict[str, Any] = {
+            name: self._gauge_cls(
+                name=f"{PROM_PREFIX}{name}",
+                documentation=f"tiercache: {doc}",
+                labelnames=[*labelnames, "tenant"],
+                multiprocess_mode="mostrecent",
+            )
+            for name, (_, doc) in TENANT_GAUGES.items()
+        }
         self._histograms = PromHistograms(self._histogram_cls, PROM_PREFIX, labelnames)
         self._touched: set[tuple[int, str]] = set()
         for engine_idx in per_engine_labelvalues:  # every counter at 0 from the start
@@ -410,9 +451,12 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             names.discard("evictions")  # counted for L1 only
         for name in names:
             self._counters[name].labels(*labels, tier)
-        if tier != _NO_TIER:
-            for gauge in self._gauges.values():
-                gauge.labels(*labels, tier)
+        if tier == _NO_TIER:
+            self._gauges[CEILING].labels(*labels, tier)
+        else:
+            for name, gauge in self._gauges.items():
+                if name != CEILING:
+                    gauge.labels(*labels, tier)
             if tier != "L1":
                 self._histograms.touch(labels, tier, TIER_OPS)
 
@@ -431,6 +475,11 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 if value > 0:
                     counter.labels(*labels, tier).inc(value)
         for name, row in stats.gauges.items():
+            tenant_gauge = self._tenant_gauges.get(name)
+            if tenant_gauge is not None:
+                for tenant, value in row.items():
+                    tenant_gauge.labels(*labels, tenant).set(value)
+                continue
             gauge = self._gauges.get(name)
             if gauge is not None:
                 for tier, value in row.items():
@@ -458,4 +507,5 @@ def collect_stats(
             seen.add(id(metrics))
             engine_increments(metrics, stats)
             server_increments(engine, stats)
+            usage_gauges(engine, stats)
     return None if stats.is_empty() else stats
