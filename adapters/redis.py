@@ -30,7 +30,7 @@ How batches map to commands (the choices are measured by ``benchmarks/adapters_b
 * contains: one pipeline of ``EXISTS`` and ``GETRANGE`` (the first 52 bytes) per key, then one of ``EXISTS``
   and ``GETRANGE`` (from where its nonce starts) per part for the keys that hold a manifest. delete: one
   pipeline of ``GETRANGE`` + ``DEL`` per key, then one of ``DEL`` per part of the manifests found.
-* get: one ``GET`` per key, ``GET_VALUES_IN_FLIGHT`` of a batch at a time, while
+* get: one ``GET`` per key, ``GET_VALUES_IN_FLIGHT`` of a batch at once, each on its own connection, while
   the values seen (read or written) are large (running mean > 256 KiB), else one pipeline of ``MGET``s of
   about 1 MiB of values each (cluster: of ``GET``s). Large replies land in receive buffers that are reused
   once the caller has dropped them (``adapters/_recvbuf.py``).
@@ -141,13 +141,11 @@ PART_READS_IN_FLIGHT = 4
 """Part GETs in flight per adapter: 4 beat 1, 2, 8 and 16 (benchmarks/adapters_bench.py, split_64MiB)."""
 PART_WRITES_IN_FLIGHT = 8
 """Part SETs in flight per adapter: 8 beat 4 and 16 (see the module docstring)."""
-GET_VALUES_IN_FLIGHT = 1
-"""Large-value GETs of one batch in flight (a parted value's parts still overlap the next value's GET): on
-the 2-core project box 4 in flight read 1-4 MiB values slower than 1 (``benchmarks/vs_lmcache_resp.py
---variants``)."""
+GET_VALUES_IN_FLIGHT = 4
+"""Large-value GETs of one batch in flight, each on its own connection (a parted value's parts share the part
+lanes across the batch). ``benchmarks/vs_lmcache_resp.py --variants`` times 1 beside it."""
 PUT_VALUES_IN_FLIGHT = 4
-"""Large-value SETs of one batch in flight (at most ``pool_size``): 4 wrote 1-4 MiB values faster than 16
-on the 2-core project box, and 1 MiB values faster than 1 (``vs_lmcache_resp.py --variants``)."""
+"""Large-value SETs of one batch in flight (at most ``pool_size``); the same benchmark times 1 and 16."""
 RECV_BLOCKS = 512
 """Receive buffers kept for reuse per adapter (512 MiB of them at most, ``RecvBuffers``'s default)."""
 _COMPARE_AND_DELETE = (

@@ -1204,6 +1204,7 @@ def main() -> None:
         print(json.dumps(gpu(args), indent=2))
     else:
         res = (cpu_tiny(args) if args.tiny else cpu(args)) if args.part == "cpu" else redis_part(args)
+        res["command"] = "python benchmarks/vs_lmcache.py " + " ".join(sys.argv[1:])
         print(json.dumps(res, indent=2))
         sys.stdout.flush()
         os._exit(0)  # LMCache's shutdown can wait for its threads
