@@ -26,6 +26,7 @@ from tiercache.sizes import parse_size
 __all__ = [
     "EVICTION_POLICIES",
     "L1_CODECS",
+    "LOG_LEVELS",
     "Config",
     "L1Config",
     "ManagerConfig",
@@ -135,6 +136,13 @@ class ServerConfig:
     None = off. Needs pyzmq (``pip install 'tiercache[events]'``)."""
     events_topic: str = ""
     """Topic frame of every event message (vLLM's ``kv_events_config.topic``)."""
+    log_level: str = "info"
+    """Lowest level the server logs to stderr: debug, info, warning, error or critical (``tiercache serve
+    --log-level`` wins)."""
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""Level names of ``server.log_level`` (and the server's ``--log-level``)."""
 
 
 def _number(r: _Reader, key: str, kinds: tuple[type, ...], default: Any, low: float, high: float) -> Any:
@@ -185,11 +193,14 @@ def _server_config(data: Mapping[str, Any], source: str) -> ServerConfig:
         drain_s=float(_number(r, "drain_s", (int, float), 10.0, 0, 3600)),
         events_endpoint=r.take("events_endpoint", (str,), None),
         events_topic=r.take("events_topic", (str,), ""),
+        log_level=r.take("log_level", (str,), "info").lower(),
     )
     r.finish()
     if not 0 <= out.mode <= 0o777:
         raise ConfigError(f"{source}: server.mode {oct(out.mode)} is not a file mode")
     where = f"{source}: server"
+    if out.log_level not in LOG_LEVELS:
+        raise ConfigError(f"{where}.log_level must be one of {', '.join(LOG_LEVELS)}, got {out.log_level!r}")
     if out.slot_bytes is not None:
         _in_range(out.slot_bytes, 1, 1 << 40, f"{where}.slot_bytes")
     if out.region_bytes is not None:

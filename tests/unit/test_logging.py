@@ -33,7 +33,10 @@ PRINTS_ALLOWED = {
     "tiercache/__main__.py",
     "tiercache/server/__main__.py",
 }
-LOGGER_SETUP = "contrib/tiercache-vllm/tiercache_vllm/_log.py"  # names the "tiercache" and "vllm" loggers
+LOGGER_SETUPS = {  # they name the "tiercache" (and "vllm") loggers
+    "contrib/tiercache-vllm/tiercache_vllm/_log.py",
+    "tiercache/server/logsetup.py",
+}
 ROOT_LOGGER_CALLS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
 
 
@@ -68,7 +71,7 @@ def offences(path: Path, source: str) -> list[str]:
         where = f"{rel}:{node.lineno}"
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             owner, attr = func.value.id, func.attr
-            if owner == "logging" and attr == "getLogger" and rel != LOGGER_SETUP:
+            if owner == "logging" and attr == "getLogger" and rel not in LOGGER_SETUPS:
                 if len(node.args) != 1 or not _is_name_logger(node.args[0]):
                     out.append(f"{where}: logging.getLogger not named after the module")
             elif owner == "logging" and attr in ROOT_LOGGER_CALLS:

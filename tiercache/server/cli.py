@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from tiercache.config import LOG_LEVELS
+
 __all__ = ["add_health_command", "add_serve_command", "serve"]
 
 
@@ -23,6 +25,12 @@ def add_serve_command(sub: Any) -> None:
         type=int,
         help="an object size to make a size class for at start (wins over server.slot_bytes; optional: "
         "classes come from the clients' object sizes)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="lowest level logged to stderr, one line per record (wins over server.log_level; default info)",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -42,6 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from tiercache.config import Config, load_config
     from tiercache.errors import ConfigError
+    from tiercache.server.logsetup import setup_server_logging
     from tiercache.server.main import options_from_config, run_server
 
     try:
@@ -59,6 +68,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"tiercache serve: {args.config or 'no config'}: {exc}", file=sys.stderr)
         return 2
     srv = config.server
+    setup_server_logging(args.log_level or srv.log_level)
     metrics = None if srv.metrics_port is None else (srv.metrics_host, srv.metrics_port)
     return run_server(options, metrics=metrics, config=config)
 

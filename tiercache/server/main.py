@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tiercache.config import LOG_LEVELS
+from tiercache.server.logsetup import setup_server_logging
 from tiercache.server.segment import stride_of
 from tiercache.server.server import L1Server, ServerAlreadyRunning, ServerOptions
 from tiercache.server.slots import Caps
 
 if TYPE_CHECKING:
     from tiercache.config import Config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["main", "options_from_config", "raise_fd_limit", "run_server", "server_uid_of"]
 
@@ -115,11 +120,10 @@ async def _run(options: ServerOptions, metrics: tuple[str, int] | None, config: 
         )  # a tier down now is kept as a down tier, re-opened in the background
     soft, _ = raise_fd_limit()
     if soft < 4 * options.max_clients:
-        print(
-            f"tiercache server: warning: the open-file limit ({soft}) is below 4 x max_clients "
-            f"({options.max_clients}); raise LimitNOFILE / ulimit -n",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            "the open-file limit (%d) is below 4 x max_clients (%d); raise LimitNOFILE / ulimit -n",
+            soft,
+            options.max_clients,
         )
     try:
         server = L1Server(
@@ -193,7 +197,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-share", type=float, default=Caps().max_share, help="fraction of the segment per connection"
     )
     ap.add_argument("--orphan-grace-s", type=float, default=60.0, help="see server.orphan_grace_s")
+    ap.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="lowest level logged to stderr",
+    )
     args = ap.parse_args(argv)
+    setup_server_logging(args.log_level)
     capacity = args.capacity or 1 << 30
     region = args.region_bytes
     if args.slots is not None:
