@@ -27,6 +27,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "L1_CODECS",
     "LOG_LEVELS",
+    "TENANT_BY",
     "Config",
     "L1Config",
     "ManagerConfig",
@@ -91,6 +92,13 @@ class L1Config:
     """Share of L1's slots one tenant may keep pinned."""
     max_tenant_labels: int = 32
     """Tenants named in per-tenant metrics; the others are counted under ``"other"``."""
+    tenant_by: str = "salt"
+    """What names a tenant in quotas and metrics: ``"salt"`` (the request's ``cache_salt``) or
+    ``"salt+lora"`` (its salt and LoRA adapter name: each adapter a tenant of its own)."""
+
+
+TENANT_BY = ("salt", "salt+lora")
+"""The values of ``l1.tenant_by``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,8 +526,13 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
         default_quota=l1_default_quota,
         max_pinned_share=float(_number(l1r, "max_pinned_share", (int, float), 0.5, 0.0, 1.0)),
         max_tenant_labels=_number(l1r, "max_tenant_labels", (int,), 32, 0, 10_000),
+        tenant_by=l1r.take("tenant_by", (str,), "salt"),
     )
     l1r.finish()
+    if l1.tenant_by not in TENANT_BY:
+        raise ConfigError(
+            f"{source}: l1.tenant_by must be one of {', '.join(map(repr, TENANT_BY))}, not {l1.tenant_by!r}"
+        )
     if l1.eviction not in EVICTION_POLICIES:
         choices = ", ".join(map(repr, EVICTION_POLICIES))
         raise ConfigError(f"{source}: l1.eviction must be one of {choices}, not {l1.eviction!r}")

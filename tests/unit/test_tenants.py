@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,12 +126,13 @@ def test_config_keys() -> None:
     assert dict(cfg.l1.quotas) == {"t-0123456789abcdef": 256 << 20}
     assert (cfg.l1.default_quota, cfg.l1.max_pinned_share, cfg.l1.max_tenant_labels) == (128 << 20, 0.25, 8)
     assert cfg.tiers[0].admit_after == 2
-    for bad, fragment in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"l1": {"eviction": "arc"}}, "l1.eviction must be one of 'lru', 's3fifo', not 'arc'"),
         ({"l1": {"quotas": {"t-x": -1}}}, "l1.quotas.t-x"),
         ({"l1": {"max_pinned_share": 2}}, "l1.max_pinned_share"),
         ({"tiers": [{"name": "d", "url": "file:///tmp/x", "admit_after": 0}]}, "admit_after"),
-    ]:
+    ]
+    for bad, fragment in cases:
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             config_from_dict(bad)
 
@@ -269,3 +271,67 @@ def test_ledger_refuses_an_object_larger_than_the_quota() -> None:
     ledger.forget("k2")
     assert ledger.held("t") == 0
     assert ledger.make_room("u", "x", 10**9) == []  # no budget: unlimited
+
+
+def test_tenant_id_of_a_lora_adapter() -> None:
+    assert tenant_id("salt-a", "") == tenant_id("salt-a")  # no adapter: the salt's id, as before
+    with_lora = tenant_id("salt-a", "adapter-1")
+    assert with_lora.startswith("t-")
+    assert len(with_lora) == 18
+    assert (
+        len({with_lora, tenant_id("salt-a"), tenant_id("salt-a", "adapter-2"), tenant_id("", "adapter-1")})
+        == 4
+    )
+    assert tenant_id("", "adapter-1") != ""  # an adapter alone names a tenant
+    assert tenant_id("salt-a\0lora\0x") != tenant_id("salt-a", "x")  # the two fields never run together
+    assert "adapter" not in with_lora
+
+
+def test_tenant_by_config() -> None:
+    assert config_from_dict({}).l1.tenant_by == "salt"
+    assert config_from_dict({"l1": {"tenant_by": "salt+lora"}}).l1.tenant_by == "salt+lora"
+    with pytest.raises(ConfigError, match=r"l1.tenant_by must be one of 'salt', 'salt\+lora', not 'lora'"):
+        config_from_dict({"l1": {"tenant_by": "lora"}})
+    with pytest.raises(ValueError, match="tenant_by"):
+        CacheEngine(
+            StorageManager(L1Cache(4 * SLOT_BYTES, SLOT_BYTES, pinned=False), [], POLICY),
+            LAYOUT,
+            keyspace_of(LAYOUT),
+            chunk_size=CHUNK,
+            tenant_by="adapter",
+        )
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tenant_by", ["salt", "salt+lora"])
+async def test_lora_adapters_as_tenants(tenant_by: str) -> None:
+    """With ``salt+lora`` each adapter of a salt has its own quota; with ``salt`` they share the salt's."""
+    a1 = RequestIdentity(cache_salt="salt-a", lora_name="adapter-1", lora_path="/lora/1")
+    a2 = RequestIdentity(cache_salt="salt-a", lora_name="adapter-2", lora_path="/lora/2")
+    quotas = {
+        tenant_id("salt-a"): 2 * SLOT_BYTES,
+        tenant_id("salt-a", "adapter-1"): 2 * SLOT_BYTES,
+        tenant_id("salt-a", "adapter-2"): 2 * SLOT_BYTES,
+    }
+    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False, quotas=quotas)
+    manager = StorageManager(l1, [], POLICY)
+    engine = CacheEngine(manager, LAYOUT, keyspace_of(LAYOUT), chunk_size=CHUNK, tenant_by=tenant_by)
+    gpu = Engine(LAYOUT, num_blocks=128, seed=7)
+    tokens = list(range(6000, 6000 + 2 * CHUNK))
+    gpu.write(expected_kv(LAYOUT, len(tokens)), 0, len(tokens))
+    try:
+        for who in (a1, a2):
+            assert await engine.store(tokens, gpu.kv, gpu.slots(len(tokens)), identity=who) == 2 * CHUNK
+        if tenant_by == "salt+lora":
+            assert l1.held_bytes(tenant_id("salt-a", "adapter-1")) == 2 * SLOT_BYTES
+            assert l1.held_bytes(tenant_id("salt-a", "adapter-2")) == 2 * SLOT_BYTES
+            assert l1.held_bytes(tenant_id("salt-a")) == 0
+            assert (await engine.lookup_hit(tokens, identity=a1)).tokens == 2 * CHUNK  # a2 evicted none of a1
+            assert l1.stats().quota_evictions == 0
+        else:
+            assert l1.held_bytes(tenant_id("salt-a")) == 2 * SLOT_BYTES  # both adapters count as the salt
+            assert l1.held_bytes(tenant_id("salt-a", "adapter-1")) == 0
+            assert (await engine.lookup_hit(tokens, identity=a1)).tokens == 0  # a2 made room among a1's
+            assert l1.stats().quota_evictions == 2
+    finally:
+        await engine.aclose()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
+from tiercache.config import TENANT_BY
 from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.gpu.move import Move
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
@@ -101,7 +102,10 @@ class CacheEngine:
         chunk_size: int = 256,
         save_unfull_chunk: bool = True,
         layerwise: bool = False,
+        tenant_by: str = "salt",
     ) -> None:
+        if tenant_by not in TENANT_BY:
+            raise ValueError(f"tenant_by must be one of {', '.join(TENANT_BY)}, not {tenant_by!r}")
         if layout.block_aligned and chunk_size % layout.block_size:
             raise ValueError(f"chunk_size {chunk_size} must be a multiple of block_size {layout.block_size}")
         self.manager = manager
@@ -110,6 +114,8 @@ class CacheEngine:
         self.token_db = TokenDatabase(keyspace, chunk_size, save_unfull_chunk)
         self.chunk_size = chunk_size
         self.layerwise = layerwise
+        self.tenant_by = tenant_by
+        """What names a request's tenant: ``"salt"``, or ``"salt+lora"`` (its LoRA adapter too)."""
         self.l1_codec = l1_codec(manager.l1)
         """What L1 holds (``[l1] codec``); ``"fp8"``: quantized on gather, dequantized on scatter."""
         if self.l1_codec == "fp8":
@@ -167,6 +173,7 @@ class CacheEngine:
             chunk_size=config.chunk_size,
             save_unfull_chunk=config.save_unfull_chunk,
             layerwise=layerwise,
+            tenant_by=config.l1.tenant_by,
         )
 
     @staticmethod
@@ -330,11 +337,13 @@ class CacheEngine:
 
     def tenant_of(self, identity: RequestIdentity | None) -> str:
         """The tenant whose quota a store counts against: :func:`~tiercache.store.policy.tenant_id` of the
-        request's ``cache_salt``, else of the process-wide one."""
+        request's ``cache_salt``, else of the process-wide one (with ``tenant_by = "salt+lora"``, and of the
+        request's LoRA adapter name)."""
         salt = (
             identity.cache_salt if identity is not None and identity.cache_salt else self.keyspace.cache_salt
         )
-        return tenant_id(salt)
+        lora = identity.lora_name if identity is not None and self.tenant_by == "salt+lora" else ""
+        return tenant_id(salt, lora)
 
     async def _store_layer(
         self,

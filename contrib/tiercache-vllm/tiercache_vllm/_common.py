@@ -560,6 +560,7 @@ def _open_on_server(
             chunk_size=config.chunk_size,
             save_unfull_chunk=config.save_unfull_chunk,
             layerwise=ident.layerwise,
+            tenant_by=config.l1.tenant_by,
         )
 
     return _open_on_loop(opener(), ident, timeout_s, register=register)
@@ -582,4 +583,5 @@ def engine_like(base: CacheEngine, layout: PagedLayout, keyspace: KeySpace) -> C
         chunk_size=base.chunk_size,
         save_unfull_chunk=base.token_db.save_unfull_chunk,
         layerwise=base.layerwise,
+        tenant_by=base.tenant_by,
     )

@@ -1,5 +1,6 @@
 """Per-tenant byte budgets and bounded tenant labels. A tenant is named by :func:`tenant_id` of the
-``cache_salt`` a request carries ("" for none); a budget of 0 means unlimited. :class:`TenantLabels` caps
+``cache_salt`` a request carries ("" for none), and of its LoRA adapter's name where tenants are told apart by
+adapter too (``l1.tenant_by = "salt+lora"``); a budget of 0 means unlimited. :class:`TenantLabels` caps
 the label set of tenant metrics: the first ``max_labels`` tenants keep their name, the rest count under
 ``"other"``."""
 
@@ -18,12 +19,18 @@ OTHER = "other"
 
 
 @functools.lru_cache(maxsize=4096)
-def tenant_id(salt: str) -> str:
-    """The tenant a ``cache_salt`` stands for in quotas and metrics: ``"t-"`` + 16 hex digits of its
-    SHA-256 (the salt itself never appears), "" for no salt."""
-    if not salt:
+def tenant_id(salt: str, lora: str = "") -> str:
+    """The tenant a ``cache_salt`` (and a LoRA adapter name, when tenants are told apart by adapter) stands
+    for in quotas and metrics: ``"t-"`` + 16 hex digits of their SHA-256 (neither appears), "" for neither.
+    Without ``lora`` the id is the salt's alone."""
+    if not salt and not lora:
         return ""
-    return "t-" + hashlib.sha256(b"tiercache-tenant\0" + salt.encode()).hexdigest()[:16]
+    if not lora:
+        data = b"tiercache-tenant\0" + salt.encode()
+    else:  # the salt's length first: no salt and adapter name pair reads as another
+        raw = salt.encode()
+        data = b"tiercache-tenant-lora\0" + len(raw).to_bytes(8, "big") + raw + lora.encode()
+    return "t-" + hashlib.sha256(data).hexdigest()[:16]
 
 
 class TenantQuotas:
