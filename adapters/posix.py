@@ -64,6 +64,7 @@ from tiercache.adapters._inline_writes import (
     filesystem_type,
     voluntary_switches,
 )
+from tiercache.adapters._listeners import TierListener, TierListeners
 from tiercache.adapters._spare_files import SpareFiles
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
@@ -340,6 +341,7 @@ class PosixAdapter(Adapter):
         self._raced: set[str] = set()  # keys with overlapping puts in flight (``_begin_put``)
         self._detached = DetachedWork(f"file {self.root}")  # puts whose caller was cancelled
         self._spares: SpareFiles | None = None  # temp files made ahead for inline puts (``_load``)
+        self._listeners = TierListeners()
         self._closed = False
 
     @classmethod
@@ -548,7 +550,13 @@ class PosixAdapter(Adapter):
                 if policy is not None:
                     policy.insert(key, size)
             return None
+        self._listeners.notify("evicted", [key for key, _ in dropped])
         return [self._path(key) for key, _ in dropped]
+
+    def add_listener(self, fn: TierListener) -> Callable[[], None]:
+        """Call ``fn(kind, keys)`` on every eviction for room and every deletion from now on (see
+        :data:`~tiercache.adapters._listeners.TierListener`); returns a function that removes it."""
+        return self._listeners.add_listener(fn)
 
     # -- the adapter API -------------------------------------------------------------------------------
 
@@ -753,9 +761,11 @@ class PosixAdapter(Adapter):
         if not paths:
             return []
         try:
-            return await self._run(lambda: [_unlink(p) for p in paths])
+            removed = await self._run(lambda: [_unlink(p) for p in paths])
         except OSError as exc:
             raise AdapterUnavailable(f"file: delete failed under {self.root!r}: {exc}") from exc
+        self._listeners.notify("deleted", [k for k, gone in zip(keys, removed, strict=True) if gone])
+        return removed
 
     async def aclose(self) -> None:
         """Wait for in-flight I/O and stop the threads; idempotent. Later calls raise AdapterUnavailable."""
