@@ -73,6 +73,7 @@ import xxhash
 
 from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
 from tiercache.adapters._detached import DetachedWork
+from tiercache.adapters._listeners import TierListener, TierListeners
 from tiercache.adapters._slab_layout import (
     HEADER_BYTES,
     RECORD_BYTES,
@@ -289,6 +290,7 @@ class SlabAdapter(Adapter):
         self._format_id = 0
         self._detached = DetachedWork(f"nvme+slab {path}")  # batches whose caller was cancelled
         self._closed = False
+        self._listeners = TierListeners()
         self.stats: dict[str, int] = {
             "rejected_too_big": 0,
             "rejected_full": 0,
@@ -721,12 +723,14 @@ class SlabAdapter(Adapter):
                 continue
             assert ext.cls is not None
             old = self._classes[ext.cls]
-            for entry in list(ext.used.values()):  # the new header's generation invalidates their records
+            evicted = list(ext.used.values())
+            for entry in evicted:  # the new header's generation invalidates their records
                 self._index.pop(entry.key, None)
                 if old.lru.pop(entry.key, None) is not None and old.policy is not None:
                     old.policy.remove(entry.key)
                 entry.dead = True
                 self.stats["evicted"] += 1
+            self._listeners.notify("evicted", [entry.key for entry in evicted])
             old.extents.remove(e)
             old.free = [fs for fs in old.free if fs[0] != e]
             self._assign_extent(e, ci)
@@ -763,6 +767,7 @@ class SlabAdapter(Adapter):
             if victim is not None:
                 self.stats["evicted"] += 1
                 self._retire_now([victim])
+                self._listeners.notify("evicted", [victim.key])
                 continue
             if not self._steal_extent(ci, empty_only=False):
                 return None
@@ -1052,7 +1057,13 @@ class SlabAdapter(Adapter):
                 await asyncio.wrap_future(fut)
             except OSError as exc:
                 raise AdapterUnavailable(f"nvme+slab: delete failed on {self.path!r}: {exc}") from exc
+        self._listeners.notify("deleted", [v.key for v in victims])
         return out
+
+    def add_listener(self, fn: TierListener) -> Callable[[], None]:
+        """Call ``fn(kind, keys)`` on every eviction for room and every deletion from now on (see
+        :data:`~tiercache.adapters._listeners.TierListener`); returns a function that removes it."""
+        return self._listeners.add_listener(fn)
 
     async def aclose(self) -> None:
         """Wait for in-flight I/O, sync, unlock, close; idempotent. Later calls raise AdapterUnavailable."""
