@@ -144,10 +144,11 @@ class Metrics:
         )
 
     def add_tier(self, tier: str, *, l2: bool = True) -> None:
-        """Create every child of ``tier`` at 0 (idempotent): hits and misses for any tier, evictions for L1;
-        for an L2 tier also its bytes, stores, drops, errors, latency per op, rejections and circuit."""
+        """Create every child of ``tier`` at 0 (idempotent): hits and misses for any tier, evictions for L1
+        (an L2 tier's with :meth:`watch_tier`, for an adapter that evicts); for an L2 tier also its bytes,
+        stores, drops, errors, latency per op, rejections and circuit."""
         families: list[Counter | Gauge] = [self.hits, self.misses]
-        if tier == L1:  # evictions are counted for L1 (an L2 adapter evicts on its own, uncounted)
+        if tier == L1:
             families.append(self.evictions)
         if l2:
             families += [
@@ -178,15 +179,21 @@ class Metrics:
             self.used_bytes.labels(L1).set_function(lambda: stats().used_bytes)
             self.objects.labels(L1).set_function(lambda: stats().ready)
             self.capacity_bytes.labels(L1).set_function(lambda: stats().capacity)
-        add_listener = getattr(l1, "add_listener", None)
-        if callable(add_listener):
-            evicted = self.evictions.labels(L1)
+        self._count_evictions(L1, l1)
 
-            def count(kind: str, keys: Sequence[str]) -> None:
-                if kind == "evicted":
-                    evicted.inc(len(keys))
+    def _count_evictions(self, tier: str, source: object) -> None:
+        """Count what ``source`` (an L1 or an L2 adapter) reports as evicted through its ``add_listener``
+        (``fn(kind, keys)``) under ``tier``, the series created at 0; nothing if it has no listeners."""
+        add_listener = getattr(source, "add_listener", None)
+        if not callable(add_listener):
+            return
+        evicted = self.evictions.labels(tier)
 
-            add_listener(count)
+        def count(kind: str, keys: Sequence[str]) -> None:
+            if kind == "evicted":
+                evicted.inc(len(keys))
+
+        add_listener(count)
 
     def watch_tenants(self, l1: Any) -> None:
         """Export a local L1's per-tenant counters (``tenant_stats()``: a bounded label set, the overflow
@@ -197,8 +204,10 @@ class Metrics:
             self.registry.register(_TenantCollector(tenant_stats))
 
     def watch_tier(self, tier: str, adapter: object) -> None:
-        """Read an L2 adapter's ``used_bytes``, ``len()`` and ``capacity`` at scrape time, for those it
-        offers (none is required of an adapter)."""
+        """Read an L2 adapter's ``used_bytes``, ``len()`` and ``capacity`` at scrape time, and count the
+        objects it evicts for room (from 0) through its ``add_listener``, for those it offers (none is
+        required of an adapter: one that never evicts on its own has no evictions series)."""
+        self._count_evictions(tier, adapter)
         readers: dict[Gauge, Callable[[], float]] = {}
         if hasattr(type(adapter), "used_bytes"):
             readers[self.used_bytes] = lambda: float(getattr(adapter, "used_bytes", 0) or 0)
