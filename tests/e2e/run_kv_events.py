@@ -2,7 +2,9 @@
 decodes the stream with vLLM's own msgspec decoder; runs the phases of the KV events test and writes JSON.
 
 Usage: ``python run_kv_events.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``config`` (tiercache TOML),
-``endpoint`` (``tcp://127.0.0.1:PORT``), ``prompts`` (``{"A": [...], "B": [...]}``).
+``endpoint`` (``tcp://127.0.0.1:PORT``), ``prompts`` (``{"A": [...], "B": [...]}``), ``server`` (optional: a
+node server's socket; the connector runs on it and the subscriber connects to the server's ``endpoint``
+instead of binding the one vLLM publishes to).
 
 Phases (each records the connector's scheduler hit tokens before and after, and the events received):
 ``store_a``, ``store_b`` (L1 holds one prompt: A's chunks are evicted), ``gpu_reset_a`` (vLLM's own prefix
@@ -21,7 +23,7 @@ from typing import Any
 
 
 def subscriber(
-    endpoint: str, out: list[dict[str, Any]], stop: threading.Event, ready: threading.Event
+    endpoint: str, bind: bool, out: list[dict[str, Any]], stop: threading.Event, ready: threading.Event
 ) -> None:
     """Decode every batch on ``endpoint`` into ``out`` ({"type", "medium", "hashes", "parent", "tokens"})."""
     import msgspec
@@ -31,7 +33,10 @@ def subscriber(
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.bind(endpoint)  # vLLM's publisher connects to a host:port endpoint (it binds only wildcards)
+    if bind:  # vLLM's publisher connects to a host:port endpoint (it binds only wildcards)
+        sock.bind(endpoint)
+    else:  # a node server binds its endpoint
+        sock.connect(endpoint)
     ready.set()
     while not stop.is_set():
         if not sock.poll(100):
@@ -73,9 +78,25 @@ def main() -> None:
 
     events: list[dict[str, Any]] = []
     stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(target=subscriber, args=(spec["endpoint"], events, stop, ready), daemon=True)
+    server = spec.get("server")
+    bind = server is None
+    thread = threading.Thread(
+        target=subscriber, args=(spec["endpoint"], bind, events, stop, ready), daemon=True
+    )
     thread.start()
     ready.wait(10)
+    # with a node server the stream is the server's (vLLM's own GPU events are not needed then)
+    publish: dict[str, Any] = (
+        {
+            "kv_events_config": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": spec["endpoint"],
+            }
+        }
+        if bind
+        else {}
+    )
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["model"],
@@ -94,9 +115,12 @@ def main() -> None:
             "kv_connector_module_path": "tiercache_vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config": spec["config"]},
+            "kv_connector_extra_config": {
+                "config": spec["config"],
+                **({"server": f"unix://{server}"} if server else {}),
+            },
         },
-        kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["endpoint"]},
+        **publish,
     )
     time.sleep(0.5)  # the publisher's connection is up before the first batch
 

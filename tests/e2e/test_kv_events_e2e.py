@@ -190,3 +190,60 @@ def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model:
         assert len(set(hashes)) == len(hashes), medium  # ... announced once, though two instances ran
     cpu = [e for e in stored if e.medium == "CPU"]
     assert [t for e in cpu for t in e.token_ids] == prompt
+
+
+def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir: Path) -> None:
+    """A vLLM instance on a node server (five-slot shared L1, a file tier, an events endpoint): the server's
+    stream shows the stores per medium and an eviction; ``reset_prefix_cache(reset_connector=True)`` deletes
+    the instance's keyspace on the server (True, removals published) and the identical request after it gets
+    no external hit."""
+    from tiercache.server.segment import stride_of
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sock = sock_dir / "l1.sock"
+    region = max(stride_of(OBJECT_BYTES), 4096)
+    config = tmp_path / "tiercache.toml"
+    config.write_text(
+        f"chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = {5 * region}\n\n"
+        f"[manager]\nl2_deadline_s = 2.0\nlookup_deadline_s = 0.5\n\n"
+        f'[server]\nsocket = "{sock}"\nslot_bytes = {OBJECT_BYTES}\nregion_bytes = {region}\n'
+        f'events_endpoint = "{endpoint}"\n\n'
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
+    )
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("tiercache")), "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line.startswith("tiercache server listening"), line + server.stderr.read()  # type: ignore[union-attr]
+        prompts = {"A": _prompt(1), "B": _prompt(2)}
+        spec = {
+            "model": str(tiny_model),
+            "config": str(config),
+            "endpoint": endpoint,
+            "prompts": prompts,
+            "server": str(sock),
+        }
+        out = _run(tmp_path, spec)
+    finally:
+        server.terminate()
+        server.wait(60)
+    (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
+    store_a = out["store_a"]["events"]
+    cpu_a = _blocks(store_a, "stored", "CPU")
+    assert len(cpu_a) == 8
+    assert _blocks(store_a, "stored", "DISK") == cpu_a
+    store_b = out["store_b"]["events"]
+    cpu_b = _blocks(store_b, "stored", "CPU")
+    assert len(cpu_b) == 8
+    assert _blocks(store_b, "removed", "CPU") == cpu_a  # B evicted A from the shared L1; disk keeps it
+    assert out["gpu_reset_a"]["hit_tokens"] > 0
+    reset = out["connector_reset"]
+    assert reset["answer"] is True
+    assert _blocks(reset["events"], "removed", "DISK") == cpu_a | cpu_b
+    assert out["after_reset_a"]["hit_tokens"] == 0
