@@ -242,8 +242,8 @@ class HitSources:
 def reset_cache(side: SchedulerSide | None) -> bool:
     """Delete what this engine's keyspace holds in L1 and the L2 tiers (announced as events): in process,
     what the worker's engine holds; in server mode, the keyspace on the node server (every instance of the
-    same model there). False where this process cannot reach the worker's L1 (a multi-process engine without
-    a server) or the server refused (cache control needs its uid or admin group)."""
+    same model there). False where this process cannot reach the worker's L1 (workers in their own processes
+    and no server) or the server refused (cache control needs its uid or admin group)."""
     if side is None:
         return False
     engines = side._get_engines()
@@ -254,8 +254,8 @@ def reset_cache(side: SchedulerSide | None) -> bool:
         return _reset_on_server(side, side.server.socket, prefixes)
     if not side.shares_worker_engine or engines[0].events is None:
         logger.warning(
-            "tiercache: reset_cache needs the worker's engine in this process "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0, uniprocess executor) or a node server; nothing was reset"
+            "tiercache: reset_cache needs the worker in the scheduler's process (the uniprocess "
+            "executor) or a node server; nothing was reset"
         )
         return False
     from tiercache.store.control import clear_keyspaces
