@@ -36,6 +36,11 @@ least recently used objects (a get refreshes recency in memory; after a restart 
 or with ``eviction=s3fifo`` the objects S3-FIFO picks (scan-resistant: see ``tiercache.eviction``).
 Several processes may share a directory (objects are visible to all of them); each then enforces the capacity
 only over the objects it knows.
+
+Tenants: where a tier has per-tenant quotas, the store tags each object it puts with its tenant id, an
+extended attribute of its file (``user.tiercache.tenant``; the object's bytes and name are unchanged), and at
+open the quotas count what each tenant holds from ``tenant_usage``. A filesystem without user extended
+attributes keeps no tags: its objects count as the default tenant after a restart.
 """
 
 from __future__ import annotations
@@ -246,6 +251,25 @@ def _file_size(path: str) -> int | None:
         return os.stat(path).st_size
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+TENANT_XATTR = "user.tiercache.tenant"
+"""The extended attribute holding an object's tenant id."""
+
+
+def _set_tenant(path: str, tenant: str) -> bool:
+    try:
+        os.setxattr(path, TENANT_XATTR, tenant.encode())
+    except OSError:
+        return False
+    return True
+
+
+def _get_tenant(path: str) -> str:
+    try:
+        return os.getxattr(path, TENANT_XATTR).decode("ascii")
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 class _Ended(Enum):
@@ -552,6 +576,23 @@ class PosixAdapter(Adapter):
             return None
         self._listeners.notify("evicted", [key for key, _ in dropped])
         return [self._path(key) for key, _ in dropped]
+
+    async def batched_tag_tenants(self, keys: Sequence[str], tenants: Sequence[str]) -> list[bool]:
+        """Record each object's tenant id with it (an extended attribute of its file); per key whether it
+        was recorded (False: the object is gone or the filesystem keeps no user attributes)."""
+        check_lengths(keys, tenants)
+        self._check_open()
+        paths = [self._path(check_key(k)) for k in keys]
+        return await self._run(lambda: [_set_tenant(p, t) for p, t in zip(paths, tenants, strict=True)])
+
+    async def tenant_usage(self) -> list[tuple[str, str, int]]:
+        """``(key, tenant id, bytes)`` of every object this adapter knows, least recently used first (tenant
+        "" where the object carries no tag)."""
+        self._check_open()
+        items = list(self._index.items())
+        paths = [self._path(k) for k, _ in items]
+        tenants = await self._run(lambda: [_get_tenant(p) for p in paths])
+        return [(k, t, size) for (k, size), t in zip(items, tenants, strict=True)]
 
     def add_listener(self, fn: TierListener) -> Callable[[], None]:
         """Call ``fn(kind, keys)`` on every eviction for room and every deletion from now on (see

@@ -265,6 +265,8 @@ class L1Server:
         servers started at once on one path cannot both run), bind the socket (0600 unless configured) and
         start accepting."""
         path = self.options.socket_path
+        if self.storage is not None:  # per-tenant usage of the quota'd tiers from before this server
+            await self.storage.manager.store.restore_ledgers()
         self._lock_fd = _lock_path(path + ".lock")
         claim_socket_path(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

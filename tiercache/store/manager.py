@@ -141,6 +141,7 @@ class StorageManager:
         )
         manager = cls(l1, await open_tiers(config, reopen_delay_s), config.manager, metrics=metrics)
         manager.store.configure(config.tiers)
+        await manager.store.restore_ledgers()
         return manager
 
     async def _run(self, fn: Callable[[], T]) -> T:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,20 @@ class StoreController(L2Controller):
         self._frames = FrameBuffers(
             2 * ctx.policy.store_parallel * STORE_BATCH_BYTES + (64 << 20), keep=2 * ctx.policy.store_parallel
         )
+
+    async def restore_ledgers(self) -> None:
+        """Count again, per tenant, what each quota'd tier holds from before this process (tiers that keep
+        each object's tenant: ``tenant_usage()``; untagged objects count as the default tenant ""). A tier
+        that cannot answer keeps its ledger at what this process stores."""
+        for tier in self.tiers:
+            ledger = self.ledgers.get(tier.name)
+            usage = getattr(tier.adapter, "tenant_usage", None)
+            if ledger is None or usage is None:
+                continue
+            try:
+                ledger.restore(await usage())
+            except Exception as exc:  # never fails an open: the ledger starts from what is stored now
+                log.warning("tier %s: cannot count what each tenant holds there (%r)", tier.name, exc)
 
     def configure(self, tiers: Sequence[TierConfig]) -> None:
         """Take each configured tier's admission threshold and tenant quotas (tiers without them: store
@@ -164,12 +178,18 @@ class StoreController(L2Controller):
         if not frames:
             return
         ledger = self.ledgers.get(tier.name)
+        tags = None
         if ledger is not None:
             frames = await self._within_quotas(tier, ledger, batch, frames)
             if not frames:
                 return
+            tags = getattr(tier.adapter, "batched_tag_tenants", None)  # the tier keeps each object's tenant
         keys = [k for k, _ in frames]
         values = [f for _, f in frames]
+        put: Callable[[], Awaitable[list[bool]]] = partial(tier.adapter.batched_put, keys, values)
+        if tags is not None:  # a restart counts each tenant's objects there again
+            owners = {key: getattr(lease.obj, "tenant", "") for key, lease in batch}
+            put = partial(_put_tagged, tier.adapter, tags, keys, values, owners)
         if tier.late:  # at most one put past its deadline per worker: wait it out before the next one (it
             # is bounded by the adapter's own timeouts; meanwhile new stores queue up or are dropped, counted)
             await asyncio.wait(set(tier.late))
@@ -177,7 +197,7 @@ class StoreController(L2Controller):
         put_s = max(self.policy.l2_deadline_s, self.policy.l2_read_deadline_s(sum(len(v) for v in values)))
         await tier.call(
             "put",
-            lambda: tier.adapter.batched_put(keys, values),
+            put,
             put_s,
             late=partial(self._count_stores, tier, keys, values),
         )
@@ -194,14 +214,16 @@ class StoreController(L2Controller):
         tenants = {key: getattr(lease.obj, "tenant", "") for key, lease in batch}
         kept: dict[str, bytearray | memoryview] = {}
         doomed: list[str] = []
+        evicted = 0
         for key, frame in frames:
             victims = ledger.make_room(tenants.get(key, ""), key, len(frame))
             if victims is None:
                 self.metrics.stores_dropped.labels(tier.name, "quota").inc()
                 continue
-            for victim in victims:  # one of this batch is simply not sent; an older one is deleted
+            for victim in victims:  # deleted (it may be on the tier from before); one of this batch not sent
+                doomed.append(victim)
                 if kept.pop(victim, None) is None:
-                    doomed.append(victim)
+                    evicted += 1
                 else:
                     self.metrics.stores_dropped.labels(tier.name, "quota").inc()
             kept[key] = frame
@@ -210,7 +232,8 @@ class StoreController(L2Controller):
                 await tier.call(
                     "delete", lambda: tier.adapter.batched_delete(doomed), self.policy.l2_deadline_s
                 )
-            self.metrics.evictions.labels(tier.name).inc(len(doomed))
+            if evicted:
+                self.metrics.evictions.labels(tier.name).inc(evicted)
         return list(kept.items())
 
     def _count_stores(
@@ -265,3 +288,20 @@ class StoreController(L2Controller):
             while not tier.queue.empty():
                 _, lease = tier.queue.get_nowait()
                 lease.release()
+
+
+async def _put_tagged(
+    adapter: object,
+    tag: Callable[[list[str], list[str]], Awaitable[list[bool]]],
+    keys: list[str],
+    values: list[bytearray | memoryview],
+    owners: dict[str, str],
+) -> list[bool]:
+    """Put the frames, then record each landed object's tenant with it (a failed tag leaves the object
+    untagged: after a restart it counts as the default tenant)."""
+    stored: list[bool] = await adapter.batched_put(keys, values)  # type: ignore[attr-defined]
+    landed = [key for key, ok in zip(keys, stored, strict=True) if ok and owners.get(key)]
+    if landed:
+        with contextlib.suppress(Exception):
+            await tag(landed, [owners[key] for key in landed])
+    return stored

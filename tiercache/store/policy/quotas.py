@@ -10,7 +10,7 @@ import functools
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 __all__ = ["OTHER", "TenantLabels", "TenantQuotas", "TierLedger", "tenant_id"]
 
@@ -99,6 +99,22 @@ class TierLedger:
         self._tenant[key] = tenant
         self.quotas.add(tenant, nbytes)
         return victims
+
+    def restore(self, entries: Iterable[tuple[str, str, int]]) -> None:
+        """Count ``(key, tenant, bytes)`` the tier held before this process, oldest first, as older than
+        anything counted already (keys counted already are skipped). A tenant over its budget now gives up
+        its oldest keys at its next store."""
+        fresh: dict[str, list[tuple[str, int]]] = {}
+        for key, tenant, nbytes in entries:
+            if key not in self._tenant:
+                self._tenant[key] = tenant
+                fresh.setdefault(tenant, []).append((key, nbytes))
+                self.quotas.add(tenant, nbytes)
+        for tenant, rows in fresh.items():
+            own = self._keys.setdefault(tenant, OrderedDict())
+            for key, nbytes in reversed(rows):
+                own[key] = nbytes
+                own.move_to_end(key, last=False)
 
     def forget(self, key: str) -> None:
         """``key`` is gone from the tier (or never landed)."""
