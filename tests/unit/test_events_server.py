@@ -10,7 +10,7 @@ import hashlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,25 +87,41 @@ def block_hashes(tokens: list[int]) -> BlockHashes:
     return BlockHashes(hashes, BLOCK)
 
 
-def receive(sock: Any, seconds: float) -> list[Any]:
+def subscribe(endpoint: str) -> Any:
+    """A SUB socket on ``endpoint`` whose connection is up (the handshake done, so the subscription reaches
+    the publisher before the test makes events, however loaded the machine)."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(endpoint)
+    try:
+        assert monitor.poll(30_000), f"no connection to {endpoint} within 30 s"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    time.sleep(0.1)  # the subscription frame follows the handshake on the same connection
+    return sock
+
+
+def receive(sock: Any, done: Callable[[list[Any]], bool], settle_s: float = 1.0) -> list[Any]:
+    """Events until ``done(events)`` (at most 60 s), then ``settle_s`` more (so duplicates would show)."""
     decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
     out: list[Any] = []
     seqs: list[int] = []
-    end = time.monotonic() + seconds
+    end = time.monotonic() + 60
     while time.monotonic() < end:
         if sock.poll(100):
             _topic, seq, payload = sock.recv_multipart()
             seqs.append(int.from_bytes(seq, "big"))
             out.extend(decoder.decode(payload).events)
+        elif done(out):
+            end = min(end, time.monotonic() + settle_s)
     assert seqs == sorted(seqs)
     return out
 
 
 def test_two_engines_one_stream_each_block_once(server: EventServer, endpoint: str) -> None:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    time.sleep(0.3)
+    sub = subscribe(endpoint)
     tokens = list(range(3000, 3000 + 3 * CHUNK))
     blocks = block_hashes(tokens)
     kv = expected_kv(LAYOUT, len(tokens))
@@ -123,10 +139,17 @@ def test_two_engines_one_stream_each_block_once(server: EventServer, endpoint: s
         return stored
 
     assert asyncio.run(store_twice()) == [len(tokens), 0]  # the second finds every chunk stored
-    events = receive(sub, 4.0)
+    want = [int.from_bytes(h[-8:], "big") for h in blocks.hashes]
+
+    def both_media(events: list[Any]) -> bool:
+        stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+        return all(
+            sum(len(e.block_hashes) for e in stored if e.medium == m) >= len(want) for m in ("CPU", "DISK")
+        )
+
+    events = receive(sub, both_media)
     sub.close(linger=0)
     stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
-    want = [int.from_bytes(h[-8:], "big") for h in blocks.hashes]
     for medium in ("CPU", "DISK"):
         announced = [h for e in stored if e.medium == medium for h in e.block_hashes]
         assert announced == want, medium  # every block once, in prefix order
