@@ -256,3 +256,18 @@ def test_the_vllm_guide_names_every_connector_key() -> None:
     text = (ROOT / "docs" / "vllm.md").read_text()
     missing = [f.name for f in dataclasses.fields(ConnectorSettings) if f"| `{f.name}` |" not in text]
     assert not missing, f"docs/vllm.md does not describe: {missing}"
+
+
+def test_the_configuration_reference_has_one_row_per_key() -> None:
+    """No table of docs/configuration.md describes a key twice (two rows that may disagree)."""
+    dupes: list[str] = []
+    seen: set[str] = set()
+    for line in [*prose_lines((ROOT / "docs" / "configuration.md").read_text()), ""]:
+        if not line.startswith("|"):
+            seen = set()  # a table ends
+            continue
+        key = line.split("|")[1].strip()
+        if key in seen and not set(key) <= set("-: "):
+            dupes.append(key)
+        seen.add(key)
+    assert not dupes, f"docs/configuration.md describes these twice in one table: {dupes}"
