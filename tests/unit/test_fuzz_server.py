@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tiercache.server.client import ServerConnection
@@ -20,6 +21,15 @@ from tiercache.testing.harness import fuzz
 
 def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _fds_settle_at(pid: int, want: int, timeout_s: float = 30.0) -> int:
+    """The server's open fds once they are ``want`` (a loaded server may close a connection's descriptors
+    a moment after answering), or what they are after ``timeout_s`` (a leak never settles)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := _open_fds(pid)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
 
 
 def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> None:
@@ -48,7 +58,7 @@ def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> No
                 os.close(fd)
             sock.close()
         assert probe.request(Op.STATS, {})["clients"] == 1  # every HELLO connection was closed
-        assert _open_fds(proc.pid) == before
+        assert _fds_settle_at(proc.pid, before) == before
         probe.close()
     finally:
         proc.send_signal(signal.SIGTERM)
