@@ -148,6 +148,9 @@ class EventSink:
     (counted in ``lost``): its blocks' counts drop silently, its removal is never announced and a reset no
     longer finds it."""
 
+    describes_lookups = True
+    """Whether an engine describes the chunks its lookups find (their prefetches into L1 are announced)."""
+
     def __init__(
         self,
         media: Mapping[str, str] | None = None,
@@ -173,15 +176,21 @@ class EventSink:
 
     # ----- inputs ------------------------------------------------------------------------------------
     def describe(self, keys: Sequence[str], infos: Sequence[ChunkInfo | None]) -> None:
-        """Which blocks each key covers (call before the key is stored; None: the key announces nothing)."""
+        """Which blocks each key covers (None: the key announces nothing). A key a tier already holds is
+        announced now (a chunk another process stored, found by a lookup and prefetched)."""
         if not self.emit:
             return
         with self._lock:
             for key, info in zip(keys, infos, strict=True):
                 if info is None:
                     continue
+                known = key in self._info
                 self._info[key] = info
                 self._info.move_to_end(key)
+                if not known:
+                    for tier, held in self._held.items():
+                        if key in held:
+                            self._count(key, self.media.get(tier, MEDIUM_REMOTE), +1)
             while len(self._info) > self.max_described:
                 old = next(iter(self._info))
                 holders = [tier for tier, held in self._held.items() if old in held]
@@ -307,6 +316,8 @@ class EventSink:
 class ForwardingSink(EventSink):
     """A sink that only forwards descriptions to ``target`` (a client of a server that publishes the events:
     ``SharedL1.describe``); it tracks and queues nothing itself."""
+
+    describes_lookups = False  # a lookup would cost a round trip to the server: stores only
 
     def __init__(
         self, target: Callable[[Sequence[str], Sequence[ChunkInfo | None]], None], *, int_hashes: bool = True

@@ -282,3 +282,61 @@ def test_sink_bounds_forget_oldest_keys_consistently() -> None:
     assert Removed((h1,), MEDIUM_DISK) in events
     assert Removed((h2,), MEDIUM_DISK) in events
     assert sink.held("disk") == []
+
+
+def test_describe_announces_keys_tiers_already_hold() -> None:
+    """A key stored before it was described (a prefetch racing the lookup that describes it) is announced
+    when the description comes; a second description changes nothing."""
+    sink = EventSink()
+    sink.on_tier("L1", "stored", ["a"])
+    assert sink.take() == []
+    sink.describe(["a"], [info(0, 2)])
+    assert replay(sink.take()) == {MEDIUM_CPU: set(info(0, 2).block_hashes)}
+    sink.describe(["a"], [info(0, 2)])
+    assert sink.take() == []
+
+
+@pytest.mark.asyncio
+async def test_lookup_announces_what_its_prefetch_brings_into_l1(tmp_path: Path) -> None:
+    """A consumer that never stored a prompt looks it up (vLLM block hashes given): the chunks its prefetch
+    loads from the shared file tier into its L1 are announced as CPU blocks."""
+    from tests.unit.test_engine import CHUNK, Engine, expected_kv, keyspace_of, layout_of
+    from tiercache.keys import BlockHashes
+    from tiercache.store.engine import CacheEngine
+
+    layout = layout_of()
+    slot = CacheEngine.slot_bytes(layout, CHUNK)
+    tokens = list(range(500, 500 + 2 * CHUNK))
+    blocks = BlockHashes(
+        [block_hash(100 + i) for i in range(len(tokens) // layout.block_size)], layout.block_size
+    )
+    policy = ManagerConfig(l2_deadline_s=5.0, lookup_deadline_s=2.0)
+
+    async def engine_on_tier() -> CacheEngine:
+        adapter = await PosixAdapter.open(f"file://{tmp_path}/l2")
+        manager = StorageManager(
+            L1Cache(slot * 4, slot), [("disk", adapter, build_pipeline(["raw"]))], policy
+        )
+        return CacheEngine(manager, layout, keyspace_of(layout), chunk_size=CHUNK)
+
+    producer, consumer = await engine_on_tier(), await engine_on_tier()
+    try:
+        src = Engine(layout, num_blocks=64, seed=1)
+        src.write(expected_kv(layout, len(tokens)), 0, len(tokens))
+        assert await producer.store(tokens, src.kv, src.slots(len(tokens)), block_hashes=blocks) == len(
+            tokens
+        )
+        await producer.drain()
+        sink = EventSink({"disk": MEDIUM_DISK})
+        detach = sink.attach(consumer.manager)
+        consumer.events = sink
+        hit = await consumer.lookup_hit(tokens, block_hashes=blocks)
+        assert hit.tiers == ("disk", "disk")
+        await consumer.manager.prefetch.wait(list(hit.keys), 5.0)
+        assert consumer.manager.l1.batched_contains(list(hit.keys)) == [True, True]
+        want = {external_hash(h, True) for h in blocks.hashes}
+        assert replay(sink.take()) == {MEDIUM_CPU: want}
+        detach()
+    finally:
+        await producer.aclose()
+        await consumer.aclose()

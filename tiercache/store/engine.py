@@ -416,6 +416,17 @@ class CacheEngine:
         keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
         if not keys:
             return LookupResult(0, 0, (), len(tokens))  # type: ignore[arg-type]
+        events = self.events
+        if (
+            events is not None
+            and events.emit
+            and events.describes_lookups
+            and block_hashes
+            and not self.layerwise
+        ):
+            self._describe(
+                tokens, 0, keys, identity, block_hashes
+            )  # its chunks prefetched into L1 are announced
         hit = self.manager.local_prefix(keys, self._group)
         if hit is None:
             return PendingLookup(self, len(tokens), keys, specs)  # type: ignore[arg-type]
