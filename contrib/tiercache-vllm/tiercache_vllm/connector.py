@@ -286,6 +286,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished`` of a hybrid-aware connector: one answer for every KV cache group."""
+        self._hit_sources.forget(request.request_id)
         return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
