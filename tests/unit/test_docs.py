@@ -271,3 +271,19 @@ def test_the_configuration_reference_has_one_row_per_key() -> None:
             dupes.append(key)
         seen.add(key)
     assert not dupes, f"docs/configuration.md describes these twice in one table: {dupes}"
+
+
+def test_every_results_file_is_current_and_documented() -> None:
+    """``benchmarks/results`` holds the current file of each benchmark: no reruns or per-run series, and each
+    file (or its folder) is named in the README or docs/, where its figures are read."""
+    results = ROOT / "benchmarks" / "results"
+    docs = "\n".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    files = [p for p in repo_files() if p.is_relative_to(results)]
+    reruns = [p.name for p in files if re.search(r"_(rerun|runs|set\d+|variants|old)\b", p.stem)]
+    assert not reruns, f"keep one current results file per benchmark, not reruns: {reruns}"
+    unnamed = [
+        str(p.relative_to(results))
+        for p in files
+        if p.name not in docs and (p.parent == results or p.parent.name not in docs)
+    ]
+    assert not unnamed, f"results files no page names (stale, or undocumented): {unnamed}"
