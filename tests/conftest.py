@@ -1,5 +1,6 @@
-"""Suite-wide collection order (the files holding a ``slow`` test first, collection order otherwise) and the
-short directory for unix sockets (``sock_dir``).
+"""Suite-wide collection order (the files holding a ``slow`` test first, collection order otherwise), the
+short directory for unix sockets (``sock_dir``), and Hypothesis's settings: no per-example deadline and no
+too-slow health check (a loaded machine makes examples slow, never wrong; the suite's timeout ends a hang).
 
 ``make test`` runs two xdist workers with ``--dist loadfile --no-loadscope-reorder``: each file goes whole to
 the next free worker in this order, so the long vLLM and interpreter files start early and the many short
@@ -15,6 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("tiercache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tiercache")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
