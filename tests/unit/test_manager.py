@@ -27,6 +27,9 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", token
 POLICY = ManagerConfig(
     l2_deadline_s=0.5, lookup_deadline_s=0.2, store_queue_size=64, circuit_failures=2, circuit_cooldown_s=0.3
 )
+"""Short deadlines for the tests whose fakes hang or fail (a deadline must pass quickly)."""
+ROOMY = dataclasses.replace(POLICY, l2_deadline_s=30.0, lookup_deadline_s=30.0)
+"""For a real tier that must answer (its file I/O on a worker thread may take a loaded machine long)."""
 
 
 def make_l1(slots: int = 32) -> L1Cache:
@@ -61,13 +64,13 @@ async def posix_dir(tmp_path: Path) -> AsyncIterator[str]:
 async def test_store_then_fresh_node_restores_from_l2_bit_exact(posix_dir: str) -> None:
     raw = build_pipeline(["raw"])
     async with StorageManager(
-        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], POLICY
+        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], ROOMY
     ) as prefill:
         await put_all(prefill, keys_of(5))
         await prefill.drain()
         assert prefill.metrics.value("tiercache_stores_total", tier="disk") == 5
     async with StorageManager(
-        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], POLICY
+        make_l1(), [("disk", await PosixAdapter.open(posix_dir), raw)], ROOMY
     ) as decode:
         hit = await decode.lookup_prefix(keys_of(6), [SPEC] * 6)
         assert hit.chunks == 5
