@@ -11,7 +11,8 @@ flight at once, interleaved at random); between conversation turns a batch tenan
 scan, ``--scan-per-turn`` prompts of ``--scan-chunks`` chunks each). Keys come from the real
 ``TokenDatabase`` (the salt enters the first chunk); every request goes through a real ``L1Cache`` like the
 engine does: a prefix lookup, a restore of each hit chunk (leased, every byte compared with what was stored
-under that key, then the lease checked valid) and a store of the chunks after the hit prefix.
+under that key, then the lease checked valid) and a store of the chunks after the hit prefix (one
+``batched_reserve_write`` of the request's chunks in order, as the engine's store makes).
 
 Two traces: ``conversations`` (the options as given) and ``long_system_prompts`` (system prompts of 32
 chunks, longer replies, a 3x L1, a larger scan: the shared prefixes LRU keeps anyway weigh more). Runs per
@@ -141,14 +142,13 @@ def replay(
         else:
             scan_hits += hits
             scan_lookups += len(ks)
-        for k in ks[hits:]:  # store what missed
-            if not admission.admit(k, admit_after):
-                refused += 1
-                continue
-            obj = l1.reserve_write(k, SPEC, req.tenant)
+        admitted = [k for k in ks[hits:] if admission.admit(k, admit_after)]
+        refused += len(ks) - hits - len(admitted)
+        wanted = ks[:hits] + admitted  # like the engine: the request's chunks in order, cached ones first
+        for obj in l1.batched_reserve_write(wanted, [SPEC] * len(wanted), req.tenant):  # store what missed
             if obj is None:
                 continue
-            obj.buffer()[:] = _payload(k)
+            obj.buffer()[:] = _payload(obj.key)
             l1.finish_write(obj)
             stored += 1
         for tenant, held in l1.tenant_stats().items():

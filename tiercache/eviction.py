@@ -3,8 +3,9 @@ small probationary FIFO, a main FIFO with reinsertion, a ghost list of recently 
 scan-resistant choice: a key seen once leaves from the small queue without disturbing the keys in main.
 
 A policy only orders keys; the cache owns the data. The cache calls :meth:`insert` when a key becomes
-visible, :meth:`touch` on a read, :meth:`remove` when it drops a key itself, and :meth:`victim` for room,
-passing ``evictable`` (False for leased, pinned or, under a quota, other tenants' keys).
+visible (``reused=True`` when it already has evidence the key will be read again), :meth:`touch` on a read,
+:meth:`remove` when it drops a key itself, and :meth:`victim` for room, passing ``evictable`` (False for
+leased, pinned or, under a quota, other tenants' keys).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ EVICTION_POLICIES = ("lru", "s3fifo")
 class EvictionPolicy(Protocol):
     """An order over the keys a cache holds; weights are bytes or slots, as the cache counts."""
 
-    def insert(self, key: str, weight: int = 1) -> None:
-        """``key`` is now held (not held before)."""
+    def insert(self, key: str, weight: int = 1, reused: bool = False) -> None:
+        """``key`` is now held (not held before); ``reused``: evidence that it will be read again."""
 
     def touch(self, key: str) -> None:
         """``key`` was read (ignored when not held)."""
@@ -52,8 +53,8 @@ class LRUPolicy:
         """An empty order."""
         self._order: OrderedDict[str, None] = OrderedDict()
 
-    def insert(self, key: str, weight: int = 1) -> None:
-        """Most recent."""
+    def insert(self, key: str, weight: int = 1, reused: bool = False) -> None:
+        """Most recent (``reused`` changes nothing)."""
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -93,7 +94,8 @@ class S3FIFOPolicy:
     evicted and remembered in the ghost list; a ghost key inserted again goes straight to main. Main evicts
     from its head, giving a key read since its last pass another round (reads count up to 3). The ghost list
     holds 4x as many keys as the cache (the paper: 1x), so a scan longer than the cache does not flush
-    the ghosts of chunks a conversation's next turn comes back for."""
+    the ghosts of chunks a conversation's next turn comes back for. A key inserted with ``reused`` (the
+    cache knows it continues a sequence that came back) goes to main like a ghost."""
 
     def __init__(self, capacity: int | None, small_share: float = 0.1, ghosts: float = 4.0) -> None:
         """``capacity`` in the cache's weight units (slots or bytes; None: whatever is held, for a cache
@@ -118,12 +120,12 @@ class S3FIFOPolicy:
         self.promotions = 0
         """Keys moved from the small queue to main."""
 
-    def insert(self, key: str, weight: int = 1) -> None:
-        """Into main when the ghost list remembers ``key``, else into the small queue."""
+    def insert(self, key: str, weight: int = 1, reused: bool = False) -> None:
+        """Into main when the ghost list remembers ``key`` or it is ``reused``, else into the small queue."""
         self.remove(key)
         self._freq[key] = 0
-        if key in self._ghost:
-            del self._ghost[key]
+        if reused or key in self._ghost:
+            self._ghost.pop(key, None)
             self._main[key] = weight
             self._main_w += weight
         else:

@@ -146,6 +146,7 @@ class KVObject:
         "_leases",
         "_pinned",
         "_slot",
+        "continues",
         "key",
         "nbytes",
         "spec",
@@ -162,6 +163,9 @@ class KVObject:
         self.spec = spec
         self.tenant = tenant
         """Who stored the object (its ``cache_salt``, "" for none): quotas and pin bounds count by it."""
+        self.continues = False
+        """Stored by a request whose cached prefix held an earlier request's last chunks (a conversation's
+        next turn): the eviction policy takes that as evidence of reuse."""
         self._label = cache._labels.label(tenant)  # the tenant's metric label, looked up once
         self._pinned = False
         self.nbytes = nbytes
@@ -319,6 +323,7 @@ class L1Cache:
         self._ready: dict[str, KVObject] = {}  # READY only
         self.eviction = eviction
         self._policy = make_policy(eviction, num_slots, **(eviction_options or {}))  # orders READY keys
+        self._request_ends: OrderedDict[str, None] = OrderedDict()  # last chunks of recent stores
         self._quotas = TenantQuotas(quotas, default_quota)
         self._by_tenant: dict[str, OrderedDict[str, KVObject]] = {}  # with quotas: READY, least recent first
         self._labels = TenantLabels(max_tenant_labels)
@@ -499,7 +504,7 @@ class L1Cache:
             obj.state = ObjectState.READY
             self._writing -= 1
             self._ready[obj.key] = obj
-            self._policy.insert(obj.key)
+            self._policy.insert(obj.key, reused=obj.continues)
             if self._quotas.enabled:
                 self._by_tenant.setdefault(obj.tenant, OrderedDict())[obj.key] = obj
             if self._listeners:
@@ -514,8 +519,24 @@ class L1Cache:
     def batched_reserve_write(
         self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
     ) -> list[KVObject | None]:
-        """:meth:`reserve_write` for each key (one call, as on the shared L1)."""
-        return [self.reserve_write(key, spec, tenant) for key, spec in zip(keys, specs, strict=True)]
+        """:meth:`reserve_write` for each key (one call, as on the shared L1). ``keys`` are one request's
+        chunks in order: when the cached ones before the first reserved chunk include the last chunks of an
+        earlier request (this request continues it, as a conversation's next turn does), the reserved
+        objects are marked ``continues``; this request's last two chunks are remembered for the next."""
+        objs = [self.reserve_write(key, spec, tenant) for key, spec in zip(keys, specs, strict=True)]
+        first = next((i for i, o in enumerate(objs) if o is not None), len(objs))
+        with self._lock:
+            ends = self._request_ends
+            if 0 < first < len(objs) and any(key in ends for key in keys[:first]):
+                for obj in objs[first:]:
+                    if obj is not None:
+                        obj.continues = True
+            for key in keys[-2:]:  # the last chunk may be partial: the next turn's key for it differs
+                ends[key] = None
+                ends.move_to_end(key)
+            while len(ends) > max(self.num_slots, 2):
+                ends.popitem(last=False)
+        return objs
 
     def batched_finish_write(self, objs: Sequence[KVObject]) -> None:
         """:meth:`finish_write` for each object."""
