@@ -12,6 +12,7 @@ another process stored) is tracked for resets but announces nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -240,15 +241,22 @@ class EventSink:
         self.on_tier("L1", kind, keys)
 
     def attach(self, manager: StorageManager) -> Callable[[], None]:
-        """Follow ``manager``'s L1 (a local one: a server's shared L1 is the server's to announce) and L2
-        stores and removals; returns a function that stops following."""
+        """Follow ``manager``'s L1 (a local one: a server's shared L1 is the server's to announce), its L2
+        stores, and the evictions and deletes of the L2 adapters that report them (file, nvme+slab);
+        returns a function that stops following."""
+        removers: list[Callable[[], None]] = []
         add_listener = getattr(manager.l1, "add_listener", None)
-        remove_l1 = add_listener(self.l1_listener) if add_listener is not None else None
+        if callable(add_listener):
+            removers.append(add_listener(self.l1_listener))
+        for tier in manager.tiers:
+            add_tier_listener = getattr(tier.adapter, "add_listener", None)
+            if callable(add_tier_listener):
+                removers.append(add_tier_listener(functools.partial(self.on_tier, tier.name)))
         manager.store.listeners.append(self.on_tier)
 
         def detach() -> None:
-            if remove_l1 is not None:
-                remove_l1()
+            for remove in removers:
+                remove()
             if self.on_tier in manager.store.listeners:
                 manager.store.listeners.remove(self.on_tier)
 

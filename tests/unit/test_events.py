@@ -340,3 +340,32 @@ async def test_lookup_announces_what_its_prefetch_brings_into_l1(tmp_path: Path)
     finally:
         await producer.aclose()
         await consumer.aclose()
+
+
+@pytest.mark.asyncio
+async def test_file_tier_evictions_are_announced(tmp_path: Path) -> None:
+    """A file tier with a capacity of two objects evicts for room: the sink hears it from the adapter and
+    announces the DISK removal (the L1 copy stays announced as CPU)."""
+    # two frames (the object plus a header of well under 750 bytes) fit, three do not
+    adapter = await PosixAdapter.open(f"file://{tmp_path}/l2", capacity=2 * SPEC.nbytes + 1500)
+    policy = ManagerConfig(l2_deadline_s=2.0, lookup_deadline_s=1.0)
+    manager = StorageManager(
+        L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("disk", adapter, build_pipeline(["raw"]))], policy
+    )
+    sink = EventSink({"disk": MEDIUM_DISK})
+    detach = sink.attach(manager)
+    try:
+        events: list[Event] = []
+        for i, key in enumerate(["ks.a", "ks.b", "ks.c"]):
+            await _put(manager, sink, [key], [2 * i])
+            await manager.drain()
+            events += sink.take()
+        assert Removed(info(0, 2).block_hashes, MEDIUM_DISK) in events  # ks.a left the full file tier
+        assert replay(events) == {
+            MEDIUM_CPU: set(info(0, 6).block_hashes),
+            MEDIUM_DISK: set(info(2, 4).block_hashes),
+        }
+        assert sink.held("disk") == ["ks.b", "ks.c"]
+    finally:
+        detach()
+        await manager.aclose()

@@ -250,13 +250,14 @@ class L1Server:
         }
 
     def _event_sink(self, tiers: Sequence[tuple[str, Adapter, CodecPipeline]], *, emit: bool) -> EventSink:
-        """A sink following the slot table and the write-behind (each tier's medium from its scheme)."""
+        """A sink following the slot table, the write-behind and the tiers that report their evictions (each
+        tier's medium from its scheme)."""
         from tiercache.events import EventSink, medium_of
 
         sink = EventSink({name: medium_of(f"{adapter.scheme}://") for name, adapter, _ in tiers}, emit=emit)
         self.table.add_listener(sink.l1_listener)
         if self.storage is not None:
-            self.storage.manager.store.listeners.append(sink.on_tier)
+            sink.attach(self.storage.manager)  # the write-behind's stores, the tiers' own evictions
         return sink
 
     # ------------------------------------------------------------------ lifecycle
