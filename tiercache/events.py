@@ -53,6 +53,8 @@ MEDIUM_REMOTE = "REMOTE"
 _DISK_SCHEMES = ("file", "posix", "nvme+slab", "slab")
 _CPU_SCHEMES = ("memory",)
 
+_LOW64 = (1 << 64) - 1
+
 BlockHash = bytes | int
 """A vLLM block hash as its events carry it: bytes, or their low 64 bits big-endian as an int (vLLM's
 default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
@@ -72,7 +74,7 @@ def external_hash(block_hash: bytes, as_int: bool) -> BlockHash:
     """A vLLM block hash as vLLM's events carry it (``maybe_convert_block_hash``)."""
     if not as_int:
         return bytes(block_hash)
-    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
+    return int.from_bytes(block_hash, byteorder="big") & _LOW64
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +134,14 @@ def chunk_infos(
         if start % block_size or last <= first:
             out.append(None)
             continue
-        hashes = tuple(external_hash(h, int_hashes) for h in block_hashes[first:last])
+        if int_hashes:
+            hashes: tuple[BlockHash, ...] = tuple(
+                int.from_bytes(h, "big") & _LOW64 for h in block_hashes[first:last]
+            )
+        else:
+            hashes = tuple(bytes(h) for h in block_hashes[first:last])
         parent = external_hash(block_hashes[first - 1], int_hashes) if first else None
-        toks = tuple(int(t) for t in tokens[first * block_size : last * block_size])
+        toks = tuple(map(int, tokens[first * block_size : last * block_size]))
         out.append(ChunkInfo(hashes, parent, toks, block_size, lora_name))
     return out
 
