@@ -4,9 +4,15 @@ flushes the probationary queue. LRU ignores the mark."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from tests.unit.test_engine import CHUNK, POLICY, Engine, expected_kv, keyspace_of, layout_of
 from tiercache.eviction import LRUPolicy, S3FIFOPolicy
 from tiercache.spec import KVSpec
+from tiercache.store.engine import CacheEngine
 from tiercache.store.l1 import L1Cache
+from tiercache.store.manager import StorageManager
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", tokens=16)
 
@@ -59,3 +65,31 @@ def test_next_turn_outlives_a_scan_under_s3fifo() -> None:
         _store(l1, [f"scan{n}.{i}" for i in range(6)])
     assert l1.batched_contains([f"t2.{i}" for i in range(4)]) == [True] * 4
     assert l1.batched_contains([f"other.{i}" for i in range(4)]) == [False] * 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("masked", [False, True])
+async def test_engine_marks_a_conversations_next_turn(masked: bool) -> None:
+    """Through the engine's store, with the next turn's earlier chunks cached in L1 or masked out (vLLM's
+    own prefix cache held them): its new chunks continue the earlier turn, a stranger's do not."""
+    layout = layout_of()
+    slot = CacheEngine.slot_bytes(layout, CHUNK)
+    l1 = L1Cache(64 * slot, slot, pinned=False, eviction="s3fifo")
+    engine = CacheEngine(StorageManager(l1, [], POLICY), layout, keyspace_of(layout), chunk_size=CHUNK)
+    gpu = Engine(layout, num_blocks=128, seed=13)
+    turn1 = list(range(1000, 1000 + 2 * CHUNK))
+    turn2 = turn1 + list(range(5000, 5000 + 2 * CHUNK))
+    stranger = list(range(9000, 9000 + 2 * CHUNK))
+    gpu.write(expected_kv(layout, len(turn2)), 0, len(turn2))
+    try:
+        await engine.store(turn1, gpu.kv, gpu.slots(len(turn1)))
+        await engine.store(stranger, gpu.kv, gpu.slots(len(stranger)))
+        mask = torch.tensor([False] * len(turn1) + [True] * (len(turn2) - len(turn1))) if masked else None
+        assert await engine.store(turn2, gpu.kv, gpu.slots(len(turn2)), mask) == 2 * CHUNK
+        keys = [str(k) for k in engine.token_db.keys(turn2)]
+        others = [str(k) for k in engine.token_db.keys(stranger)]
+        objects = l1._objects  # the stored objects, by key
+        assert [objects[k].continues for k in keys[2:]] == [True, True]
+        assert [objects[k].continues for k in keys[:2] + others] == [False] * 4
+    finally:
+        await engine.aclose()

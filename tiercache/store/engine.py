@@ -245,14 +245,16 @@ class CacheEngine:
         *,
         identity: RequestIdentity | None,
         block_hashes: BlockHashes | None,
+        before: bool = False,
     ) -> tuple[int, list[str]]:
         """Whole-chunk objects: the first keyed chunk at or after the mask's first True, and the storage keys
-        of it and every later keyed chunk, straight from the chunk hashes (the hot paths: no spans)."""
+        of it and every later keyed chunk (with ``before``, of every chunk from the first), straight from the
+        chunk hashes (the hot paths: no spans)."""
         hashes = self.token_db.prefix_hashes(tokens, identity=identity, block_hashes=block_hashes)
         num_tokens = len(tokens)  # type: ignore[arg-type]
         first = 0 if mask is None else self.token_db.mask_start(mask, num_tokens) // self.chunk_size
         prefix = self.token_db.key_prefix
-        return first, [prefix + h.hex() for h in hashes[first:]]
+        return first, [prefix + h.hex() for h in (hashes if before else hashes[first:])]
 
     def _layer_keys(self, span: ChunkSpan) -> list[str]:
         return [str(span.key.with_layer(layer)) for layer in range(self.layout.num_layers)]
@@ -301,14 +303,17 @@ class CacheEngine:
                 )
                 fresh = [a or b for a, b in zip(fresh, stored, strict=True)]
             return sum(span.end - span.start for span, new in zip(spans, fresh, strict=True) if new)
-        first, keys = self._chunk_keys(tokens, mask, identity=identity, block_hashes=block_hashes)
+        first, keys = self._chunk_keys(
+            tokens, mask, identity=identity, block_hashes=block_hashes, before=True
+        )
+        before, keys = keys[:first], keys[first:]
         if not keys:
             return 0
         num_tokens, chunk = len(tokens), self.chunk_size  # type: ignore[arg-type]
         specs = self._chunk_specs(first + len(keys), num_tokens)[first:]
         if self.events is not None and block_hashes is not None:
             self._describe(tokens, first, keys, identity, block_hashes)
-        async with self.manager.writing(keys, specs, self.tenant_of(identity)) as objects:
+        async with self.manager.writing(keys, specs, self.tenant_of(identity), before) as objects:
             todo = [(c, o) for c, o in enumerate(objects, start=first) if o is not None]
             ranges = [(c * chunk, min(c * chunk + chunk, num_tokens)) for c, _ in todo]
             if todo and self.l1_codec == "fp8":  # quantized while gathered: L1 gets the fp8 payloads

@@ -517,21 +517,23 @@ class L1Cache:
             self._free_slot(obj)
 
     def batched_reserve_write(
-        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = "", prefix: Sequence[str] = ()
     ) -> list[KVObject | None]:
         """:meth:`reserve_write` for each key (one call, as on the shared L1). ``keys`` are one request's
-        chunks in order: when the cached ones before the first reserved chunk include the last chunks of an
-        earlier request (this request continues it, as a conversation's next turn does), the reserved
-        objects are marked ``continues``; this request's last two chunks are remembered for the next."""
+        chunks in order, after its ``prefix`` chunks (cached elsewhere, not stored here): when the prefix and
+        the cached keys before the first reserved one include the last chunks of an earlier request (this
+        request continues it, as a conversation's next turn does), the reserved objects are marked
+        ``continues``; this request's last two chunks are remembered for the next."""
         objs = [self.reserve_write(key, spec, tenant) for key, spec in zip(keys, specs, strict=True)]
         first = next((i for i, o in enumerate(objs) if o is not None), len(objs))
         with self._lock:
             ends = self._request_ends
-            if 0 < first < len(objs) and any(key in ends for key in keys[:first]):
+            before = [*prefix, *keys[:first]]
+            if first < len(objs) and any(key in ends for key in before):
                 for obj in objs[first:]:
                     if obj is not None:
                         obj.continues = True
-            for key in keys[-2:]:  # the last chunk may be partial: the next turn's key for it differs
+            for key in [*prefix, *keys][-2:]:  # the last chunk may be partial: the next turn's key differs
                 ends[key] = None
                 ends.move_to_end(key)
             while len(ends) > max(self.num_slots, 2):

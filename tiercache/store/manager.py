@@ -149,20 +149,30 @@ class StorageManager:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ----- allocation and puts ------------------------------------------------------------------------------
-    def writing(self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = "") -> WriteSession:
+    def writing(
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = "", prefix: Sequence[str] = ()
+    ) -> WriteSession:
         """A write session (``async with``): reserve L1 objects for ``tenant`` (None where the key is stored
         already or L1 is full), let the caller fill them, then publish and queue them for L2 on exit; on an
-        exception every reserved object is aborted (never visible) and the exception propagates."""
-        return WriteSession(self, keys, specs, tenant)
+        exception every reserved object is aborted (never visible) and the exception propagates.
+        ``prefix``: the request's chunks before ``keys`` that are not stored (a local L1 tells a
+        conversation's next turn by them)."""
+        return WriteSession(self, keys, specs, tenant, prefix)
 
     async def batched_allocate(
-        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+        self, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = "", prefix: Sequence[str] = ()
     ) -> list[Any]:
         """Reserve L1 objects to write into (one call) for ``tenant`` (its quota applies); None where the
         key is already stored or L1 has no room (counted in ``tiercache_l1_alloc_failures``; in server mode
         the server counts them, as ``tiercache_server_alloc_failures``, and no second round trip tells the
-        two apart)."""
-        objects = self.l1.batched_reserve_write(keys, specs, tenant)
+        two apart). ``prefix`` as :meth:`writing` takes it."""
+        from tiercache.store.l1 import L1Cache
+
+        l1 = self.l1
+        if prefix and isinstance(l1, L1Cache):
+            objects: list[Any] = l1.batched_reserve_write(keys, specs, tenant, prefix)
+        else:
+            objects = l1.batched_reserve_write(keys, specs, tenant)
         refused = [key for obj, key in zip(objects, keys, strict=True) if obj is None]
         if refused and not self.remote:
             failures = sum(not present for present in self.l1.batched_contains(refused))
@@ -457,21 +467,27 @@ class WriteSession:
     """``StorageManager.writing``'s session: ``async with`` gives the reserved objects (a plain class, not a
     generator: it runs once per store, on the store's host path)."""
 
-    __slots__ = ("_keys", "_manager", "_reserved", "_specs", "_tenant")
+    __slots__ = ("_keys", "_manager", "_prefix", "_reserved", "_specs", "_tenant")
 
     def __init__(
-        self, manager: StorageManager, keys: Sequence[str], specs: Sequence[KVSpec], tenant: str = ""
+        self,
+        manager: StorageManager,
+        keys: Sequence[str],
+        specs: Sequence[KVSpec],
+        tenant: str = "",
+        prefix: Sequence[str] = (),
     ) -> None:
         """Remember what to reserve on entry."""
         self._manager = manager
         self._keys = keys
         self._specs = specs
         self._tenant = tenant
+        self._prefix = prefix
         self._reserved: list[Any] = []
 
     async def __aenter__(self) -> list[Any]:
         """Reserve the objects (``batched_allocate``)."""
-        objects = await self._manager.batched_allocate(self._keys, self._specs, self._tenant)
+        objects = await self._manager.batched_allocate(self._keys, self._specs, self._tenant, self._prefix)
         self._reserved = [obj for obj in objects if obj is not None]
         return objects
 
