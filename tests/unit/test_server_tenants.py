@@ -4,13 +4,18 @@ the tiers' admission thresholds apply in the server as in-process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from tiercache.adapters.memory import MemoryAdapter
+from tiercache.cli.main import main as cli
 from tiercache.config import TierConfig
 from tiercache.serde import build_pipeline
 from tiercache.server.client import SharedL1
@@ -91,3 +96,21 @@ async def test_server_tier_admits_after_its_threshold(served: tuple[L1Server, Me
         "tiercache_stores_dropped_total", tier="gated", reason="not_admitted"
     )
     assert dropped == 1
+
+
+async def test_cli_names_a_lora_tenant(served: tuple[L1Server, MemoryAdapter]) -> None:
+    server, _ = served
+    adapter_tenant = tenant_id("salt-a", "adapter-1")
+    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
+    await asyncio.to_thread(store, l1, ["x-0", "x-1"], adapter_tenant)
+    await asyncio.to_thread(store, l1, ["y-0"], TA)  # the salt without the adapter: another tenant
+
+    def delete(*extra: str) -> dict[str, Any]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli(["cache", "delete", "--socket", server.options.socket_path, "--json", *extra]) == 0
+        answer: dict[str, Any] = json.loads(out.getvalue())
+        return answer
+
+    await asyncio.to_thread(delete, "--salt", "salt-a", "--lora", "adapter-1")
+    assert await asyncio.to_thread(l1.batched_contains, ["x-0", "x-1", "y-0"]) == [False, False, True]

@@ -2,7 +2,8 @@
 :func:`control`, the same for programs (one ``CONTROL`` request on an admin connection).
 
 Objects are named by key (``--key``, repeatable), by key prefix (``--prefix``: a keyspace's prefix names
-everything one model stored) or by tenant (``--salt``: the ``cache_salt`` the tenant's requests carry).
+everything one model stored) or by tenant (``--salt``: the ``cache_salt`` the tenant's requests carry, with
+``--lora``: the LoRA adapter's name where ``l1.tenant_by = "salt+lora"``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         socket_path = load_config(args.config).server.socket
     if not socket_path:
         raise ValueError("no server socket: pass --socket or --config with server.socket")
-    tenant = tenant_id(args.salt) if args.salt is not None else None
+    lora = getattr(args, "lora", None)
+    tenant = tenant_id(args.salt or "", lora or "") if args.salt is not None or lora else None
     prefix = "" if getattr(args, "all", False) else args.prefix
     if args.action not in ("stats",) and not (args.key or prefix is not None or tenant is not None):
         raise ValueError(f"cache {args.action}: name the objects with --key, --prefix or --salt")
@@ -98,8 +100,11 @@ def add_cache_command(sub: Any) -> None:
             a.add_argument("--key", action="append", default=[], help="an object key (repeat)")
             a.add_argument("--prefix", help="every object whose key starts with this")
             a.add_argument("--salt", help="every object of the tenant whose requests carry this cache_salt")
+            a.add_argument(
+                "--lora", help='with l1.tenant_by = "salt+lora": the tenant of this LoRA adapter (and --salt)'
+            )
         else:
-            a.set_defaults(key=[], prefix=None, salt=None)
+            a.set_defaults(key=[], prefix=None, salt=None, lora=None)
         if action == "delete":
             a.add_argument("--all", action="store_true", help="every object (L1, and L2 as far as known)")
         a.set_defaults(func=_cmd_cache)
