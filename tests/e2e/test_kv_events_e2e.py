@@ -205,7 +205,7 @@ def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir
     config = tmp_path / "tiercache.toml"
     config.write_text(
         f"chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = {5 * region}\n\n"
-        f"[manager]\nl2_deadline_s = 2.0\nlookup_deadline_s = 0.5\n\n"
+        f"[manager]\nl2_deadline_s = 30.0\nlookup_deadline_s = 10.0\n\n"
         f'[server]\nsocket = "{sock}"\nslot_bytes = {OBJECT_BYTES}\nregion_bytes = {region}\n'
         f'events_endpoint = "{endpoint}"\n\n'
         f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
