@@ -211,8 +211,10 @@ def ce_call(
     """One copy-engine move: the runs' copies on the current stream (batched or one call each)."""
     n = len(size)
     dp, sp, zp = dst.ctypes.data, src.ctypes.data, size.ctypes.data
+    kept = (dst, src, size)  # the address arrays live as long as the call
 
     def run() -> None:
+        assert kept
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         rc = lib.ce_batch(dp, sp, zp, n, 1, stream) if batch else lib.ce_loop(dp, sp, zp, n, stream)
         if rc:
@@ -421,9 +423,13 @@ def main() -> None:
                 f"({with_gbps / ceil[d]:.2f} of ceiling), model slowdown {100 * (fwd / fwd_alone - 1):.1f} %"
             )
         res["sizes"][f"{n}_tokens"] = row
+        log(f"{n} tokens row: {json.dumps(row)}")  # each size's row as soon as it is done
     print(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable()
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
     main()
