@@ -138,6 +138,17 @@ def test_multiprocess_engine_consumer(stored: dict[str, Any], vllm_run: Any) -> 
     assert cached_of(result)[0] == 256
 
 
+def test_async_load_consumer(stored: dict[str, Any], vllm_run: Any) -> None:
+    """Loads that run asynchronously (the request waits for its KV) restore every group as well."""
+    if stored["kind"] != "llama4":
+        pytest.skip("one model is enough: the load path is the same")
+    consumer = {"role": "kv_consumer", "extra": {"config": str(stored["config"]), "load_async": True}}
+    result = vllm_run(stored["work"], "consumer_async", spec(stored["model"], DECODE, consumer), VLLM_TIMEOUT)
+    assert tokens_of(result) == stored["cold"]
+    assert cached_of(result)[0] == 256
+    assert worker(result)["load_failures"] == 0
+
+
 def test_a_hit_needs_every_group(stored: dict[str, Any], vllm_run: Any) -> None:
     """Remove one KV cache group's objects (one keyspace digest): nothing restores, tokens unchanged."""
     if stored["kind"] == "mistral_window":
