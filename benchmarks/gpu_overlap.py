@@ -398,6 +398,7 @@ def main() -> None:
                     smp["alone"].append(alone_gbps)
                     smp["forward"].append(fwd)
                     smp["together"].append(rate)
+                    log(f"{n} {key} round {r}: alone {alone_gbps:.1f} GB/s, with model {rate:.1f} GB/s")
         fwd_alone = statistics.median(base)
         ceil = {
             "store": statistics.median(samples["pinned_copy:store"]["alone"]),
