@@ -111,6 +111,8 @@ def test_scheduler_stats_reach_vllm_log_and_prometheus(tiny_model: Path, posix_c
     assert registry.get_sample_value("vllm:tiercache_hits_total", {**labels, "tier": "disk"}) == 5
     assert registry.get_sample_value("vllm:tiercache_lookups_total", {**labels, "tier": ""}) == 2
     assert registry.get_sample_value("vllm:tiercache_lookup_hit_tokens_total", {**labels, "tier": ""}) == 299
+    # the file tier counts its own evictions: its series is there from the start, at 0
+    assert registry.get_sample_value("vllm:tiercache_evictions_total", {**labels, "tier": "disk"}) == 0
 
 
 def test_worker_and_scheduler_stats_aggregate_like_vllm(tiny_model: Path, posix_config: Path) -> None:

@@ -29,7 +29,8 @@ unbounded cache would reach on the chunks its lookups asked for) and, by tenant 
 ``tenant_l1_bytes``, ``tenant_l1_hits``, ``tenant_l1_evictions`` (``TENANT_GAUGES``). Also ``evictions``
 and ``vanished`` counters, the tier-call latency histogram's bucket increments under ``histograms``
 (``stats_histograms``), and, in an engine's first interval, ``tiers``: the tier names, so the front end
-creates every counter, gauge and histogram of each tier at 0.
+creates every counter, gauge and histogram of each tier at 0 (and ``evicting``: the L2 tiers that count their
+own evictions, whose ``evictions`` it creates at 0 too).
 Increments are taken per ``Metrics`` object, shared by every connector side of the process, so an engine the
 scheduler shares with the worker is counted once.
 """
@@ -191,8 +192,9 @@ class TierCacheStats(KVConnectorStats):  # type: ignore[misc]
             for tier, value in row.items():
                 mine[tier] = max(mine.get(tier, value), value)
         add_histograms(self.data, incoming.data.get("histograms") or {})
-        if incoming.data.get("tiers"):
-            self.data["tiers"] = sorted({*self.data.get("tiers", ()), *incoming.data["tiers"]})
+        for announced in ("tiers", "evicting"):
+            if incoming.data.get(announced):
+                self.data[announced] = sorted({*self.data.get(announced, ()), *incoming.data[announced]})
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -324,6 +326,9 @@ def engine_increments(metrics: Metrics, into: TierCacheStats) -> None:
     totals, gauges = read_engine_metrics(metrics)
     if fresh:  # announce the engine's tiers once: the front end creates their metrics at 0
         into.data["tiers"] = sorted({*into.data.get("tiers", ()), *(tier for _, tier in totals)})
+        evicting = {tier for name, tier in totals if name == "evictions" and tier != "L1"}
+        if evicting:
+            into.data["evicting"] = sorted({*into.data.get("evicting", ()), *evicting})
     add_histograms(into.data, histogram_increments(metrics))
     with baseline.lock:
         for (name, tier), total in totals.items():
@@ -448,7 +453,7 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         names = set(CONNECTOR_COUNTERS) if tier == _NO_TIER else set(ENGINE_COUNTERS)
         if tier not in (_NO_TIER, "L1"):
-            names.discard("evictions")  # counted for L1 only
+            names.discard("evictions")  # an L2 tier's only when announced as evicting (``observe``)
         for name in names:
             self._counters[name].labels(*labels, tier)
         if tier == _NO_TIER:
@@ -466,6 +471,8 @@ class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for tier in stats.data.get("tiers") or ():
             self._touch(engine_idx, str(tier))
+        for tier in stats.data.get("evicting") or ():  # L2 tiers that count their evictions: at 0 too
+            self._counters["evictions"].labels(*labels, str(tier))
         self._histograms.observe(labels, stats.data.get("histograms") or {})
         for name, row in stats.counters.items():
             counter = self._counters.get(name)
