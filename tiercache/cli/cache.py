@@ -3,7 +3,8 @@
 
 Objects are named by key (``--key``, repeatable), by key prefix (``--prefix``: a keyspace's prefix names
 everything one model stored) or by tenant (``--salt``: the ``cache_salt`` the tenant's requests carry, with
-``--lora``: the LoRA adapter's name where ``l1.tenant_by = "salt+lora"``).
+``--lora``: the LoRA adapter's name where ``l1.tenant_by = "salt+lora"``) or by prompt (``--prompt``: a JSON
+list of token ids, keyed with the keyspace file the vLLM instance writes; see :mod:`tiercache.prompt_keys`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_cache_command", "control"]
+__all__ = ["add_cache_command", "control", "read_prompt"]
 
 _ACTIONS = {
     "pin": "load the objects into L1 from L2 where needed and keep them there (bounded per tenant)",
@@ -66,11 +67,16 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     if not socket_path:
         raise ValueError("no server socket: pass --socket or --config with server.socket")
     lora = getattr(args, "lora", None)
-    tenant = tenant_id(args.salt or "", lora or "") if args.salt is not None or lora else None
+    keys = list(args.key)
+    if getattr(args, "prompt", None):  # --salt and --lora are the prompt's, not a tenant to select
+        keys += _prompt_keys(args)
+        tenant = None
+    else:
+        tenant = tenant_id(args.salt or "", lora or "") if args.salt is not None or lora else None
     prefix = "" if getattr(args, "all", False) else args.prefix
-    if args.action not in ("stats",) and not (args.key or prefix is not None or tenant is not None):
-        raise ValueError(f"cache {args.action}: name the objects with --key, --prefix or --salt")
-    answer = control(socket_path, args.action, keys=args.key, prefix=prefix, tenant=tenant, wait_s=args.wait)
+    if args.action not in ("stats",) and not (keys or prefix is not None or tenant is not None):
+        raise ValueError(f"cache {args.action}: name the objects with --key, --prefix or --salt (or --prompt)")
+    answer = control(socket_path, args.action, keys=keys, prefix=prefix, tenant=tenant, wait_s=args.wait)
     if args.json:
         print(json.dumps(answer, indent=2, sort_keys=True))
     elif args.action == "stats":
@@ -84,6 +90,36 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     else:
         print(" ".join(f"{k}={v}" for k, v in sorted(answer.items())))
     return 0
+
+
+def read_prompt(path: str) -> list[int]:
+    """The token ids in the JSON file at ``path`` (a list of non-negative integers); ``ValueError`` naming
+    the file when it holds anything else."""
+    try:
+        with open(path) as f:
+            tokens = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--prompt {path}: cannot read a JSON list of token ids ({exc})") from None
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise ValueError(f"--prompt {path}: not a JSON list of non-negative integer token ids")
+    return tokens
+
+
+def _prompt_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of ``--prompt``'s chunks in the instance described by ``--keyspace``."""
+    from tiercache.prompt_keys import load_description, prompt_keys
+
+    if not args.keyspace:
+        raise ValueError("--prompt needs --keyspace: the keyspace file the vLLM instance writes")
+    return prompt_keys(
+        load_description(args.keyspace),
+        read_prompt(args.prompt),
+        cache_salt=args.salt or "",
+        lora_name=args.lora or "",
+        lora_path=args.lora_path or "",
+    )
 
 
 def add_cache_command(sub: Any) -> None:
@@ -103,6 +139,13 @@ def add_cache_command(sub: Any) -> None:
             a.add_argument(
                 "--lora", help='with l1.tenant_by = "salt+lora": the tenant of this LoRA adapter (and --salt)'
             )
+            a.add_argument(
+                "--prompt",
+                help="a JSON file of token ids: the objects of that prompt's chunks (with --keyspace; --salt "
+                "and --lora are then the request's cache_salt and LoRA adapter name)",
+            )
+            a.add_argument("--keyspace", help="the keyspace file of the vLLM instance (its keyspace_file)")
+            a.add_argument("--lora-path", help="with --prompt and --lora: the LoRA adapter's path")
         else:
             a.set_defaults(key=[], prefix=None, salt=None, lora=None)
         if action == "delete":

@@ -66,6 +66,7 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "key_source": (str,),
     "l1_codec": (str,),
     "server": (str,),
+    "keyspace_file": (str,),
 }
 
 
@@ -103,6 +104,9 @@ class ConnectorSettings:
     L1, dequantized while restored; every tier's chain must then start with ``fp8``). None: the config's."""
     server: str = "off"
     """``off`` (in-process), ``unix:///path`` (a node's server) or ``auto`` (see ``_server``)."""
+    keyspace_file: str | None = None
+    """Where the scheduler writes this instance's keyspace description at start (JSON, see
+    ``tiercache.prompt_keys``): cache control computes a prompt's keys from it. None: not written."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -120,6 +124,8 @@ class ConnectorSettings:
             values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
         if values.get("config"):
             values["config"] = os.path.abspath(values["config"])
+        if values.get("keyspace_file"):
+            values["keyspace_file"] = os.path.abspath(values["keyspace_file"])
         if values.get("key_source", "auto") not in KEY_SOURCES:
             raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
         if "server" in values:

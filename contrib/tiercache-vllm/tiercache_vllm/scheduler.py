@@ -140,6 +140,8 @@ class SchedulerSide:
         self._key_args: dict[str, KeyArgs | None] = {}
         self._unkeyable_reasons: set[str] = set()
         self._stamp = _keyspace_stamp(config, self._idents[0])
+        if settings.keyspace_file:
+            _write_keyspace_file(settings.keyspace_file, config, self._idents)
         self._mismatches_seen: set[str] = set()
         self._engines: list[CacheEngine] | None = None
         self._own_engine: CacheEngine | None = None
@@ -569,3 +571,27 @@ def _keyspace_stamp(config: Config, ident: EngineIdentity) -> dict[str, str]:
     """This instance's keyspace digest and key source, as a producer reports them in kv_transfer_params."""
     keyspace = keyspace_of(config, ident)
     return {"keyspace": keyspace.digest_hex, "key_source": keyspace.key_source or "tokens"}
+
+
+def _write_keyspace_file(path: str, config: Config, idents: list[EngineIdentity]) -> None:
+    """Write this instance's keyspace description to ``path`` (replaced whole): what cache control needs to
+    compute a prompt's keys outside this process. A failure is logged; the connector runs on."""
+    import json
+    import os
+
+    from tiercache.prompt_keys import KeyspaceDescription
+
+    description = KeyspaceDescription(
+        tuple(keyspace_of(config, ident) for ident in idents), config.chunk_size, config.save_unfull_chunk
+    )
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(description.to_json(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        logger.exception("tiercache: could not write the keyspace description to %s", path)
+    else:
+        logger.info(
+            "tiercache: keyspace description written to %s (key prefixes %s)", path, description.prefixes
+        )
