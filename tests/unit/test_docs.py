@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,3 +288,58 @@ def test_every_results_file_is_current_and_documented() -> None:
         if p.name not in docs and (p.parent == results or p.parent.name not in docs)
     ]
     assert not unnamed, f"results files no page names (stale, or undocumented): {unnamed}"
+
+
+def _documented_commands() -> list[str]:
+    """Every ``tiercache ...`` command line in the README and docs/: inline code and shell blocks."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for line in prose_lines(text):
+            found += [c for c in re.findall(r"`(tiercache [^`]+)`", line) if "listening on" not in c]
+        for lang, block in re.findall(r"```(bash|console|sh)\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                if lang == "console" and not line.startswith("$ "):
+                    continue  # the output of a command
+                line = line.removeprefix("$ ").split("#")[0].strip()
+                if line.startswith("tiercache "):
+                    found.append(line)
+    return found
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "tiercache", *args, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_documented_command_lines_exist() -> None:
+    """Each subcommand and ``--flag`` the documentation shows is one the CLI accepts (``--help`` names it)."""
+    top = _help()
+    commands = set(re.findall(r"\{([a-z,-]+)\}", top)[0].split(","))
+    helps: dict[str, str] = {}
+    wrong = []
+    for line in _documented_commands():
+        words = line.replace("\\|", "|").split()
+        sub = words[1]
+        if sub.startswith("-"):
+            if sub not in top:
+                wrong.append(line)
+            continue
+        if sub not in commands:
+            wrong.append(f"{line} (no command {sub!r})")
+            continue
+        if sub not in helps:
+            helps[sub] = _help(sub)
+            for action in re.findall(r"\{([a-z,-]+)\}", helps[sub])[:1]:
+                helps[sub] += "".join(_help(sub, a) for a in action.split(","))
+        for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line):
+            if flag not in helps[sub]:
+                wrong.append(f"{line} (tiercache {sub} has no {flag})")
+    assert not wrong, "the documentation shows command lines the CLI does not accept:\n" + "\n".join(wrong)
