@@ -1,15 +1,15 @@
-"""Map the card's top-level folders into the ``tiercache`` namespace (metadata lives in pyproject.toml)."""
+"""Build the ``tiercache`` package (metadata lives in pyproject.toml) and its optional C extensions.
+
+The design's top-level folders ``adapters/``, ``serde/`` and ``gpu/`` are the package's subpackages through
+relative symlinks committed in git (``tiercache/adapters -> ../adapters``, ...): every module has one real
+path under ``tiercache/``, which Python, mypy and import-graph tools all follow, and a second checkout
+imports its own folders (no package-dir mapping that an editable install would resolve to another checkout).
+"""
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-ROOTS = {
-    "tiercache": "tiercache",
-    "tiercache.adapters": "adapters",
-    "tiercache.serde": "serde",
-    "tiercache.gpu": "gpu",
-}
-PACKAGES = [p for pkg, src in ROOTS.items() for p in (pkg, *(f"{pkg}.{s}" for s in find_packages(src)))]
+PACKAGES = find_packages(include=["tiercache", "tiercache.*"])  # follows the symlinked subpackages
 
 # The CPU row-copy kernel: plain C loaded with ctypes (no Python headers needed), threaded with OpenMP (it
 # binds to torch's libgomp at load time: one worker pool for torch and the copies); optional, so an install
@@ -48,7 +48,6 @@ class BuildOptionalExt(build_ext):
 
 
 setup(
-    package_dir=ROOTS,
     packages=PACKAGES,
     ext_modules=[ROWCOPY, LAUNCH],
     cmdclass={"build_ext": BuildOptionalExt},

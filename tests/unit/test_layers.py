@@ -25,9 +25,6 @@ def _copy_source(dest: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.c")
     for name, src in PACKAGES.items():
         shutil.copytree(src, dest / name, symlinks=False, ignore=ignore)
-    for name in ("adapters", "serde", "gpu"):
-        if not (dest / "tiercache" / name).exists():
-            shutil.copytree(ROOT / name, dest / "tiercache" / name, ignore=ignore)
     return dest
 
 
