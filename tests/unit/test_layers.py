@@ -75,6 +75,16 @@ def test_a_crossing_breaks_the_contracts(tmp_path: Path, module: str, imported: 
     assert f"{importer} -> {imported}" in proc.stdout, proc.stdout
 
 
+def test_an_import_cycle_breaks_the_contracts(tmp_path: Path) -> None:
+    """The connector's server-mode module reads the settings through a protocol of its own; importing the
+    settings' module back would close a cycle."""
+    src = _copy_source(tmp_path)
+    _add_import(src / "tiercache_vllm/_server.py", "import tiercache_vllm._common")
+    proc = _lint(src)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "No cycles are allowed in tiercache_vllm" in proc.stdout, proc.stdout
+
+
 def test_an_undeclared_module_breaks_the_layers(tmp_path: Path) -> None:
     """A new top-level module must be given its layer in pyproject.toml before it lands."""
     src = _copy_source(tmp_path)

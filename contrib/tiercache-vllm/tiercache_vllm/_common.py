@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,10 +23,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache_vllm import _loop
+from tiercache_vllm._groups import slot_mapping
 from tiercache_vllm._identity import KEY_SOURCES, KeyArgs, vllm_key_source
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -238,20 +238,6 @@ def check_failure_policy(vllm_config: VllmConfig, can_load: bool) -> None:
             f'tiercache: kv_load_failure_policy="{policy}" would fail a request on any cache read error; '
             'set kv_load_failure_policy="recompute" in --kv-transfer-config (or use kv_role="kv_producer")'
         )
-
-
-def slot_mapping(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Slots of tokens ``0..num_tokens-1``: ``block_id * block_size + offset``; -1 past the given blocks."""
-    import torch
-
-    pos = torch.arange(num_tokens, dtype=torch.int64)
-    index = pos // block_size
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-    have = index < len(block_ids)
-    if bool(have.any()):
-        blocks = torch.tensor(list(block_ids), dtype=torch.int64)
-        slots[have] = blocks[index[have]] * block_size + pos[have] % block_size
-    return slots
 
 
 # ----- layout and keyspace ----------------------------------------------------------------------

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["NULL_BLOCK", "GroupSpec", "check_layerwise", "kv_groups", "live_slots"]
+__all__ = ["NULL_BLOCK", "GroupSpec", "check_layerwise", "kv_groups", "live_slots", "slot_mapping"]
 
 NULL_BLOCK = 0
 """vLLM's null block: stands for a page a windowed group no longer holds (never written by a load)."""
@@ -128,12 +129,24 @@ def check_layerwise(groups: Sequence[GroupSpec], layerwise: bool) -> None:
         )
 
 
+def slot_mapping(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Slots of tokens ``0..num_tokens-1``: ``block_id * block_size + offset``; -1 past the given blocks."""
+    import torch
+
+    pos = torch.arange(num_tokens, dtype=torch.int64)
+    index = pos // block_size
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    have = index < len(block_ids)
+    if bool(have.any()):
+        blocks = torch.tensor(list(block_ids), dtype=torch.int64)
+        slots[have] = blocks[index[have]] * block_size + pos[have] % block_size
+    return slots
+
+
 def live_slots(block_ids: Sequence[int], num_tokens: int, block_size: int, *, null_ok: bool) -> Any:
     """Slots of tokens ``0..num_tokens-1`` (``block_id * block_size + offset``; -1 past the given blocks);
     a null block's tokens get -1 (a load leaves them alone) unless ``null_ok`` (a save gathers the null
     page itself: vLLM never reads it, and a load never writes it back)."""
-    from tiercache_vllm._common import slot_mapping
-
     slots = slot_mapping(block_ids, num_tokens, block_size)
     if not null_ok:
         slots[(slots >= 0) & (slots < block_size)] = -1

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import PagedLayout
     from tiercache.store.engine import CacheEngine
     from tiercache.store.manager import StorageManager
-    from tiercache_vllm._common import ConnectorSettings
 
 __all__ = [
     "ServerChoice",
+    "ServerSettings",
     "check_server_setting",
     "open_server_manager",
     "request_timeout_s",
@@ -44,6 +44,24 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
+
+
+class ServerSettings(Protocol):
+    """The connector settings server mode reads (``ConnectorSettings`` has them)."""
+
+    @property
+    def server(self) -> str: ...
+    @property
+    def config(self) -> str | None: ...
+    @property
+    def layerwise(self) -> bool: ...
+    @property
+    def open_timeout_s(self) -> float: ...
+    @property
+    def lookup_timeout_s(self) -> float: ...
+    @property
+    def load_timeout_s(self) -> float: ...
+
 
 _SCHEME = "unix://"
 _MAX_SOCKET_PATH = 107
@@ -101,7 +119,7 @@ def resolve_server(
 
 
 def server_for(
-    vllm_config: VllmConfig, settings: ConnectorSettings, config: Config, layout: PagedLayout
+    vllm_config: VllmConfig, settings: ServerSettings, config: Config, layout: PagedLayout
 ) -> ServerChoice:
     """``resolve_server`` for one connector side of this vLLM instance."""
     from tiercache.store.engine import CacheEngine
@@ -190,7 +208,7 @@ REQUEST_SHARE = 0.75
 """The share of its caller's deadline one request to the server may take (the rest: the caller's own work)."""
 
 
-def request_timeout_s(settings: ConnectorSettings, role: str) -> float:
+def request_timeout_s(settings: ServerSettings, role: str) -> float:
     """How long one request of this side to the server may take before the client ends the connection
     (cache-off at once, reconnected in the background): ``REQUEST_SHARE`` of the shortest deadline its
     callers wait, at most ``MAX_REQUEST_TIMEOUT_S``. The scheduler's callers wait ``lookup_timeout_s``; a

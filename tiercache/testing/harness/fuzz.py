@@ -446,8 +446,10 @@ class ConnectorFuzz:
             return "rejected"
         for key, value in extra.items():
             got = getattr(settings, key)
-            if key == "config" and value:  # a relative path is taken against the working directory
+            if key in ("config", "keyspace_file") and value:  # relative paths: against the working directory
                 value = os.path.abspath(value)
+            if isinstance(got, float) and type(value) is int:  # numbers of float options are kept as floats
+                value = float(value)
             assert got == value or (got != got and value != value), f"{key}: {value!r} became {got!r}"
             assert type(got) is type(value) or isinstance(got, float), f"{key}: type {type(got)}"
         return "accepted"
