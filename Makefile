@@ -48,6 +48,7 @@ demo: $(DEMO_STAMP)
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports  # the layer contracts of pyproject.toml ([tool.importlinter])
 
 # The three mypy runs share one cache: the contrib packages reuse the analysis of tiercache and torch.
 MYPY_CACHE := $(CURDIR)/.mypy_cache
