@@ -159,6 +159,11 @@ class SchedulerSide:
         self._load_blocks: dict[str, set[int]] = {}
         self._save_issued: set[str] = set()
         self._kv_manager: KVCacheManager | None = None
+        self._loads_async = settings.load_async or len(self.groups) > 1
+        """Loads run asynchronously: always with several KV cache groups, where vLLM takes a failed load
+        only as a failed request (``failed_recving``), never as invalid blocks (ids repeat across groups)."""
+        self._failed_loads: set[str] = set()
+        """Requests whose load vLLM took as failed: recomputed, never offered a hit again."""
         self.stats = _Stats()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
@@ -375,7 +380,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` (never the whole request; MLA: up to a block
         boundary), and whether async."""
-        if not self.can_load or self._disabled:
+        if not self.can_load or self._disabled or request.request_id in self._failed_loads:
             return 0, False
         hit = self._hit_tokens(request)
         end = min(hit, request.num_tokens - 1)
@@ -384,7 +389,7 @@ class SchedulerSide:
         count = max(0, end - num_computed_tokens)
         cached = self._lookups[request.request_id]
         cached.local, cached.count = num_computed_tokens, count
-        return count, bool(count) and self.settings.load_async
+        return count, bool(count) and self._loads_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -405,7 +410,7 @@ class SchedulerSide:
             more_block_ids=[list(ids) for ids in blocks.get_block_ids()[1:]],
             skip_tokens=local,
             load_end=load_end,
-            is_async=self.settings.load_async,
+            is_async=self._loads_async,
             epoch=self._epochs.get(request.request_id, 0),
             lookup=cached.result,
         )
@@ -513,6 +518,10 @@ class SchedulerSide:
             for req_id, blocks in list(self._load_blocks.items()):
                 if blocks & invalid:
                     self._short_load(req_id, invalid)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._failed_loads.add(req_id)  # vLLM recomputes it from its first token
+            if req_id in self._load_blocks:
+                self._short_load(req_id, set(self._load_blocks[req_id]))
 
     def _short_load(self, req_id: str, invalid: set[int]) -> None:
         """A load of ``req_id`` fell short: bump its save epoch (the worker drops older saves) and save again
@@ -539,6 +548,7 @@ class SchedulerSide:
         self._key_args.pop(req_id, None)
         self._epochs.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
+        self._failed_loads.discard(req_id)
         saved = req_id in self._save_issued
         delay = saved or req_id in self._async_loading
         self._save_issued.discard(req_id)

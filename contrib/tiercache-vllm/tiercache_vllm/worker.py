@@ -47,6 +47,7 @@ from tiercache_vllm._server import request_timeout_s, server_for
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from tiercache.config import Config
@@ -131,6 +132,8 @@ class WorkerSide:
         self._saving: dict[str, list[_loop.Job[Any]]] = {}
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
+        self._failed_loads: set[str] = set()
+        """Async loads of a model with several KV cache groups that fell short (``failed_recving``)."""
         self._short: dict[str, int] = {}
         self._layer_saves: list[tuple[str, AsyncIterator[int], list[_loop.Job[Any]]]] = []
         self._layer_tokens: dict[str, int] = {}  # a layerwise save's tokens, counted once its store ends
@@ -349,8 +352,12 @@ class WorkerSide:
             self.stats.tokens_loaded += op.load_end - op.skip_tokens
             return
         self.stats.load_failures += 1
-        self.stats.tokens_loaded += max(0, good_end - op.skip_tokens)
         self._short[op.req_id] = max(op.epoch, self._short.get(op.req_id, op.epoch))
+        if len(self.groups) > 1 and op.is_async:
+            # block ids repeat across groups: vLLM takes the whole request as failed and recomputes it
+            self._failed_loads.add(op.req_id)
+            return
+        self.stats.tokens_loaded += max(0, good_end - op.skip_tokens)
         blocks: set[int] = set()
         for group_slots in slots:
             bad = group_slots[good_end : op.load_end]
@@ -562,6 +569,17 @@ class WorkerSide:
     def build_connector_worker_meta(self) -> WorkerState | None:
         """Tell the scheduler that this worker has no engine (None while it has one)."""
         return WorkerState(disabled=True) if self.disabled else None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` plus the async loads of a multi-group model that fell short (failed requests:
+        vLLM recomputes them from their first token)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
