@@ -3,7 +3,7 @@
 Engines are kept in a process-wide registry so that, when vLLM runs its scheduler and worker in one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with the ``uni`` executor), the scheduler's lookups go to the worker's
 engine and see its L1. In a multi-process engine the scheduler opens a lookup-only engine whose L1 stays
-empty: its lookups see the L2 tiers only (see the README).
+empty: its lookups see the L2 tiers only (docs/vllm.md, "Server mode").
 """
 
 from __future__ import annotations
