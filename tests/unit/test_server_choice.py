@@ -73,7 +73,7 @@ def test_auto_without_msgpack_runs_in_process_after_one_warning_line(tmp_path: P
     answer, lines = _choose("auto", "no-msgpack", tmp_path, broken)
     assert (answer["socket"], answer["how"]) == (None, "fallback")
     assert len(lines) == 1, lines
-    assert lines[0].startswith("WARNING tiercache_vllm ")
+    assert lines[0].startswith("WARNING tiercache.vllm.")
     assert "No module named 'msgpack'" in lines[0]
     assert "running in-process" in lines[0]
 
@@ -83,7 +83,7 @@ def test_unix_without_msgpack_is_one_error_line_and_cache_off(tmp_path: Path, br
     answer, lines = _choose(f"unix://{socket_path}", "no-msgpack", tmp_path, broken)
     assert (answer["socket"], answer["how"]) == (socket_path, "unavailable")  # never in-process
     assert len(lines) == 1, lines
-    assert lines[0].startswith("ERROR tiercache_vllm ")
+    assert lines[0].startswith("ERROR tiercache.vllm.")
     assert "No module named 'msgpack'" in lines[0]
     assert "the cache is off" in lines[0]
 
