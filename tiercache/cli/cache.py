@@ -75,7 +75,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         tenant = tenant_id(args.salt or "", lora or "") if args.salt is not None or lora else None
     prefix = "" if getattr(args, "all", False) else args.prefix
     if args.action not in ("stats",) and not (keys or prefix is not None or tenant is not None):
-        raise ValueError(f"cache {args.action}: name the objects with --key, --prefix or --salt (or --prompt)")
+        raise ValueError(
+            f"cache {args.action}: name the objects with --key, --prefix or --salt (or --prompt)"
+        )
     answer = control(socket_path, args.action, keys=keys, prefix=prefix, tenant=tenant, wait_s=args.wait)
     if args.json:
         print(json.dumps(answer, indent=2, sort_keys=True))
