@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 if TYPE_CHECKING:
     from tiercache.store.manager import StorageManager
 
@@ -368,5 +366,7 @@ def encode_batch(
 ) -> bytes:
     """``events`` as vLLM's ``KVEventBatch`` (msgpack, ``[ts, events, data_parallel_rank]``): what its
     ``ZmqEventPublisher`` sends as the payload frame after the topic and the 8-byte sequence number."""
+    import msgpack  # here, not at import: the connector runs in process without it
+
     body = [time.time() if ts is None else ts, [_event_map(e) for e in events], data_parallel_rank]
     return bytes(msgpack.packb(body, use_bin_type=True))
