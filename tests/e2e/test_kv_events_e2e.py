@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiercache.testing.harness.processes import free_port
+from tiercache.testing.harness.kv_events import receive, subscribe
+from tiercache.testing.harness.processes import ConfigServer, free_port
 
 HERE = Path(__file__).resolve().parent
 CHUNK, BLOCK = 64, 32
@@ -97,42 +98,9 @@ def test_connector_events_evictions_reset(tmp_path: Path, tiny_model: Path, writ
     assert out["after_reset_a"]["hit_tokens"] == 0  # an identical request after the reset: no external hit
 
 
-class _Subscriber:
-    """A SUB socket on ``endpoint`` decoding vLLM's KVEventBatch frames in a thread (vLLM's own decoder)."""
-
-    def __init__(self, endpoint: str) -> None:
-        import threading
-
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.events: list[Any] = []
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.connect(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._sock.poll(100):
-                _topic, _seq, payload = self._sock.recv_multipart()
-                self.events.extend(self._decoder.decode(payload).events)
-
-    def close(self) -> list[Any]:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(linger=0)
-        return self.events
-
-
 def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model: Path, vllm_run: Any) -> None:
     """Two vLLM instances (each its own multi-process engine) on one node server with an events endpoint and
     a file tier, one subscriber: every block of the shared prompt is announced once per medium."""
-    import time
 
     from vllm.distributed.kv_events import BlockStored
 
@@ -151,19 +119,8 @@ def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model:
         f'events_endpoint = "{endpoint}"\n\n'
         f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
     )
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("tiercache")), "serve", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        assert line.startswith("tiercache server listening"), line
-        sub = _Subscriber(endpoint)
-        time.sleep(0.5)
+    with ConfigServer(config):
+        sub = subscribe(endpoint)
         prompt = _prompt(3)
         extra = {"config": str(config), "server": f"unix://{sock}"}
         spec = {
@@ -178,11 +135,16 @@ def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model:
         first = vllm_run(tmp_path, "instance1", spec, 900)
         second = vllm_run(tmp_path, "instance2", spec, 900)
         assert first["results"][0]["tokens"] == second["results"][0]["tokens"]
-        time.sleep(1.0)
-        events = sub.close()
-    finally:
-        server.terminate()
-        server.wait(60)
+
+        def every_block_per_medium(events: list[Any]) -> bool:
+            stored = [e for e in events if isinstance(e, BlockStored)]
+            return all(
+                sum(len(e.block_hashes) for e in stored if e.medium == medium) >= len(prompt) // BLOCK
+                for medium in ("CPU", "DISK")
+            )
+
+        events = receive(sub, every_block_per_medium)
+        sub.close(linger=0)
     stored = [e for e in events if isinstance(e, BlockStored)]
     for medium in ("CPU", "DISK"):
         hashes = [h for e in stored if e.medium == medium for h in e.block_hashes]
@@ -210,17 +172,7 @@ def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir
         f'events_endpoint = "{endpoint}"\n\n'
         f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
     )
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("tiercache")), "serve", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        assert line.startswith("tiercache server listening"), line + server.stderr.read()  # type: ignore[union-attr]
+    with ConfigServer(config):
         prompts = {"A": _prompt(1), "B": _prompt(2)}
         spec = {
             "model": str(tiny_model),
@@ -230,9 +182,6 @@ def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir
             "server": str(sock),
         }
         out = _run(tmp_path, spec)
-    finally:
-        server.terminate()
-        server.wait(60)
     (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
     store_a = out["store_a"]["events"]
     cpu_a = _blocks(store_a, "stored", "CPU")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.server.segment import stride_of
+from tiercache.testing.harness.processes import ConfigServer
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 64
@@ -38,17 +39,7 @@ def test_pin_prefetch_delete_by_prompt(tmp_path: Path, tiny_model: Path, sock_di
         f'[server]\nsocket = "{sock}"\nslot_bytes = {OBJECT_BYTES}\nregion_bytes = {region}\n\n'
         f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
     )
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("tiercache")), "serve", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        assert line.startswith("tiercache server listening"), line
+    with ConfigServer(config):
         spec = {
             "model": str(tiny_model),
             "config": str(config),
@@ -57,9 +48,6 @@ def test_pin_prefetch_delete_by_prompt(tmp_path: Path, tiny_model: Path, sock_di
             "prompts": {name: _prompt(seed) for seed, name in enumerate("ABCDEFG", start=1)},
         }
         out = _run(tmp_path, spec)
-    finally:
-        server.terminate()
-        server.wait(60)
     (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
     assert len(out["keyspace"]["keyspaces"]) == 1  # one rank, one KV cache group
     pin = out["pin_a"]

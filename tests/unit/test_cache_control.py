@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 import io
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from tiercache.server.client import SharedL1
 from tiercache.server.segment import stride_of
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
+from tiercache.testing.harness.processes import ConfigServer
 
 LAYOUT = layout_of()
 SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
@@ -31,39 +30,21 @@ REGION = max(stride_of(SLOT_BYTES), 4096)
 SLOTS = 6
 
 
-class Serve:
-    """``python -m tiercache serve`` on ``sock`` (L1 of SLOTS slots, a file tier); stopped with SIGTERM."""
-
-    def __init__(self, tmp: Path, sock: Path) -> None:
-        cfg = tmp / "server.toml"
-        cfg.write_text(
-            f"[l1]\ncapacity = {SLOTS * REGION}\n\n[server]\nslot_bytes = {SLOT_BYTES}\n"
-            f"region_bytes = {REGION}\n\n[manager]\nl2_deadline_s = 5.0\n\n"
-            f'[[tiers]]\nname = "disk"\nurl = "file://{tmp}/l2"\ncodecs = ["raw"]\n'
-        )
-        self.path = str(sock)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache", "serve", "--config", str(cfg), "--socket", self.path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("tiercache server listening"), line
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+def serve(tmp: Path, sock: Path) -> ConfigServer:
+    """``tiercache serve`` on ``sock``: an L1 of SLOTS slots and a file tier."""
+    cfg = tmp / "server.toml"
+    cfg.write_text(
+        f"[l1]\ncapacity = {SLOTS * REGION}\n\n[server]\nslot_bytes = {SLOT_BYTES}\n"
+        f"region_bytes = {REGION}\n\n[manager]\nl2_deadline_s = 5.0\n\n"
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp}/l2"\ncodecs = ["raw"]\n'
+    )
+    return ConfigServer(cfg, str(sock))
 
 
 @pytest.fixture
-def server(tmp_path: Path, sock_dir: Path) -> Iterator[Serve]:
-    srv = Serve(tmp_path, sock_dir / "l1.sock")
-    yield srv
-    srv.stop()
+def server(tmp_path: Path, sock_dir: Path) -> Iterator[ConfigServer]:
+    with serve(tmp_path, sock_dir / "l1.sock") as srv:
+        yield srv
 
 
 def run_cli(*argv: str) -> dict[str, Any]:
@@ -112,7 +93,7 @@ class Node:
             conn.close()
 
 
-def test_pin_prefetch_delete_and_stats(server: Serve) -> None:
+def test_pin_prefetch_delete_and_stats(server: ConfigServer) -> None:
     node = Node(server.path)
     kept, other = prompt(1), prompt(2)
     assert node.store(kept) == len(kept)
@@ -153,7 +134,7 @@ def test_pin_prefetch_delete_and_stats(server: Serve) -> None:
 
 def test_pins_survive_a_restart(tmp_path: Path, sock_dir: Path) -> None:
     sock = sock_dir / "l1.sock"
-    server = Serve(tmp_path, sock)
+    server = serve(tmp_path, sock)
     try:
         node = Node(server.path)
         kept = prompt(1)
@@ -163,7 +144,7 @@ def test_pins_survive_a_restart(tmp_path: Path, sock_dir: Path) -> None:
         asyncio.run(node.engine.aclose())
     finally:
         server.stop()
-    server = Serve(tmp_path, sock)  # a fresh, empty shared L1: the pin file names the key, disk holds it
+    server = serve(tmp_path, sock)  # a fresh, empty shared L1: the pin file names the key, disk holds it
     try:
         deadline = time.monotonic() + 20
         while run_cli("stats", "--socket", server.path)["pins"] < 1:

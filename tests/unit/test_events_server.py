@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,8 @@ from tiercache.keys import BlockHashes
 from tiercache.server.client import SharedL1
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
-from tiercache.testing.harness.processes import free_port
+from tiercache.testing.harness.kv_events import receive, subscribe
+from tiercache.testing.harness.processes import ConfigServer, free_port
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -33,31 +32,15 @@ SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
 BLOCK = LAYOUT.block_size
 
 
-class EventServer:
-    """``python -m tiercache serve`` with an events endpoint and a file tier (stopped by its PID)."""
-
-    def __init__(self, tmp: Path, sock: Path, endpoint: str) -> None:
-        cfg = tmp / "server.toml"
-        cfg.write_text(
-            f'[l1]\ncapacity = {SLOT_BYTES * 16}\n\n[server]\nevents_endpoint = "{endpoint}"\n'
-            f"slot_bytes = {SLOT_BYTES}\n\n[manager]\nl2_deadline_s = 5.0\n\n"
-            f'[[tiers]]\nname = "disk"\nurl = "file://{tmp}/l2"\ncodecs = ["raw"]\n'
-        )
-        self.path = str(sock / "l1.sock")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache", "serve", "--config", str(cfg), "--socket", self.path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp,  # not the repo root: its tiercache/ folder would shadow the installed package
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("tiercache server listening"), line + self.proc.stderr.read()  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
+def event_server(tmp: Path, sock: Path, endpoint: str) -> ConfigServer:
+    """``tiercache serve`` with an events endpoint and a file tier."""
+    cfg = tmp / "server.toml"
+    cfg.write_text(
+        f'[l1]\ncapacity = {SLOT_BYTES * 16}\n\n[server]\nevents_endpoint = "{endpoint}"\n'
+        f"slot_bytes = {SLOT_BYTES}\n\n[manager]\nl2_deadline_s = 5.0\n\n"
+        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp}/l2"\ncodecs = ["raw"]\n'
+    )
+    return ConfigServer(cfg, str(sock / "l1.sock"))
 
 
 @pytest.fixture
@@ -66,10 +49,9 @@ def endpoint() -> str:
 
 
 @pytest.fixture
-def server(tmp_path: Path, sock_dir: Path, endpoint: str) -> Iterator[EventServer]:
-    srv = EventServer(tmp_path, sock_dir, endpoint)
-    yield srv
-    srv.stop()
+def server(tmp_path: Path, sock_dir: Path, endpoint: str) -> Iterator[ConfigServer]:
+    with event_server(tmp_path, sock_dir, endpoint) as srv:
+        yield srv
 
 
 def engine_on(path: str) -> CacheEngine:
@@ -87,40 +69,7 @@ def block_hashes(tokens: list[int]) -> BlockHashes:
     return BlockHashes(hashes, BLOCK)
 
 
-def subscribe(endpoint: str) -> Any:
-    """A SUB socket on ``endpoint`` whose connection is up (the handshake done, so the subscription reaches
-    the publisher before the test makes events, however loaded the machine)."""
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    sock.connect(endpoint)
-    try:
-        assert monitor.poll(30_000), f"no connection to {endpoint} within 30 s"
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-    time.sleep(0.1)  # the subscription frame follows the handshake on the same connection
-    return sock
-
-
-def receive(sock: Any, done: Callable[[list[Any]], bool], settle_s: float = 1.0) -> list[Any]:
-    """Events until ``done(events)`` (at most 60 s), then ``settle_s`` more (so duplicates would show)."""
-    decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
-    out: list[Any] = []
-    seqs: list[int] = []
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if sock.poll(100):
-            _topic, seq, payload = sock.recv_multipart()
-            seqs.append(int.from_bytes(seq, "big"))
-            out.extend(decoder.decode(payload).events)
-        elif done(out):
-            end = min(end, time.monotonic() + settle_s)
-    assert seqs == sorted(seqs)
-    return out
-
-
-def test_two_engines_one_stream_each_block_once(server: EventServer, endpoint: str) -> None:
+def test_two_engines_one_stream_each_block_once(server: ConfigServer, endpoint: str) -> None:
     sub = subscribe(endpoint)
     tokens = list(range(3000, 3000 + 3 * CHUNK))
     blocks = block_hashes(tokens)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
+    "ConfigServer",
     "NodeServer",
     "ServerProcess",
     "exits_within",
@@ -221,3 +222,42 @@ def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
             return True
         os.sched_yield()
     return cond()
+
+
+class ConfigServer:
+    """``tiercache serve --config CONFIG`` (as ``python -m tiercache``), run in the config's folder (not a
+    checkout's root, whose ``tiercache/`` would shadow the installed package), logging to ``serve.log``
+    beside it. ``socket``: a ``--socket`` flag (else the config's). Started ready: the listening line was
+    read, else AssertionError with its log. :meth:`stop` (or leaving the ``with`` block) sends SIGTERM and
+    waits."""
+
+    def __init__(self, config: Path, socket_path: str | None = None, *extra: str) -> None:
+        argv = [sys.executable, "-m", "tiercache", "serve", "--config", str(config)]
+        if socket_path is not None:
+            argv += ["--socket", socket_path]
+        self.path = socket_path
+        self.log_path = config.parent / "serve.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [*argv, *extra], stdout=subprocess.PIPE, stderr=log, text=True, cwd=config.parent
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("tiercache server listening"):
+            self.proc.kill()
+            self.proc.wait(60)
+            raise AssertionError(f"tiercache serve did not start: {line!r}\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        """SIGTERM and wait (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> ConfigServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
