@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_keys, check_lengths
 from tiercache.adapters.options import (
     MAX_SIZE,
     Range,
@@ -27,6 +27,7 @@ __all__ = [
     "Range",
     "Size",
     "check_key",
+    "check_keys",
     "check_lengths",
     "check_options",
     "merge_options",

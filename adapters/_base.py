@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from types import TracebackType
     from typing import Self
 
-__all__ = ["Adapter", "Buffer", "Capabilities", "check_key", "check_lengths"]
+__all__ = ["Adapter", "Buffer", "Capabilities", "check_key", "check_keys", "check_lengths", "is_key"]
 
 Buffer = bytes | bytearray | memoryview
 """What adapters store and return: opaque bytes (a whole frame)."""
@@ -37,6 +37,9 @@ class Capabilities:
     max_value_bytes: int | None = None
     """Largest value ``batched_put`` accepts (None: no limit below memory); the manager never sends a larger
     frame (it is skipped and counted as ``stores_dropped{reason="too_large"}``)."""
+    list_keys: bool = False
+    """``iter_keys`` is supported: every key stored under a prefix can be enumerated (resets and deletes by
+    prefix then reach objects other processes stored)."""
 
 
 def check_key(key: str) -> str:
@@ -45,6 +48,17 @@ def check_key(key: str) -> str:
     if not isinstance(candidate, str) or _KEY_RE.match(candidate) is None:
         raise ValueError(f"invalid object key {key!r}: use [A-Za-z0-9][A-Za-z0-9._-]{{0,254}}")
     return key
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """``check_key`` of every key of a batch, before any of it is done (ValueError on the first bad one)."""
+    for key in keys:
+        check_key(key)
+
+
+def is_key(name: str) -> bool:
+    """Whether ``name`` is a safe object name (what ``check_key`` accepts); listings skip other names."""
+    return _KEY_RE.match(name) is not None
 
 
 def check_lengths(keys: Sequence[str], values: Sequence[object]) -> None:
@@ -86,6 +100,11 @@ class Adapter(ABC):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True where an object was removed. Gated by ``capabilities.delete``."""
         raise Unsupported(f"{type(self).__name__} does not support delete")
+
+    def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """Every key stored now that starts with ``prefix``, in batches (each key once, in no set order; a key
+        put or deleted meanwhile may or may not appear). Gated by ``capabilities.list_keys``."""
+        raise Unsupported(f"{type(self).__name__} cannot list its keys")
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -1,4 +1,5 @@
-"""Listeners of an adapter that evicts on its own: told which keys it pushed out for room or deleted."""
+"""Listeners of an adapter that evicts on its own (told which keys it pushed out for room or deleted), and of
+the server's slot table (told which keys were published or left)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ into the adapter. What it raises is logged, dropped."""
 
 
 class TierListeners:
-    """The listeners of one adapter (``add_listener``) and the call that tells them (``notify``)."""
+    """The listeners of one adapter or slot table (``add_listener``) and the call that tells them
+    (``notify``); ``what`` names them in the log line of a listener that fails."""
 
-    __slots__ = ("_fns",)
+    __slots__ = ("_fns", "_what")
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "tier") -> None:
         self._fns: list[TierListener] = []
+        self._what = what
+
+    def __bool__(self) -> bool:
+        """Whether anyone listens (a caller can skip building the keys)."""
+        return bool(self._fns)
 
     def add_listener(self, fn: TierListener) -> Callable[[], None]:
-        """Call ``fn(kind, keys)`` on every eviction and deletion from now on; returns its remover."""
+        """Call ``fn(kind, keys)`` on everything ``notify`` tells from now on; returns its remover."""
         self._fns.append(fn)
 
         def remove() -> None:
@@ -41,4 +48,4 @@ class TierListeners:
             try:
                 fn(kind, keys)
             except Exception:
-                log.exception("a tier listener failed on %d %s keys", len(keys), kind)
+                log.exception("a %s listener failed on %d %s keys", self._what, len(keys), kind)

@@ -9,12 +9,12 @@ complete without awaiting, so a put is atomic with respect to concurrent gets.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, ClassVar
 from urllib.parse import urlsplit
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_keys, check_lengths
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
 from tiercache.errors import AdapterUnavailable, ConfigError
 
@@ -39,7 +39,9 @@ class MemoryAdapter(Adapter):
     """A bounded in-process store: LRU eviction by total value bytes; a value over capacity is refused."""
 
     scheme: ClassVar[str] = "memory"
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=False, shared=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delete=True, persistent=False, shared=False, list_keys=True
+    )
 
     def __init__(self, *, name: str = "", capacity: int = DEFAULT_CAPACITY) -> None:
         """A new empty store of ``capacity`` bytes (sum of value lengths); ``name`` is a label only."""
@@ -79,8 +81,7 @@ class MemoryAdapter(Adapter):
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
         """For each key, its bytes (and mark it recently used) or None."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         out: list[Buffer | None] = []
         for k in keys:
             value = self._data.get(k)
@@ -93,8 +94,7 @@ class MemoryAdapter(Adapter):
         """Copy each value in, evicting least recently used objects; False for a value over capacity."""
         self._check_open()
         check_lengths(keys, values)
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         out: list[bool] = []
         for k, v in zip(keys, values, strict=True):
             data = bytes(v)
@@ -115,8 +115,7 @@ class MemoryAdapter(Adapter):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True where it was stored."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         out: list[bool] = []
         for k in keys:
             old = self._data.pop(k, None)
@@ -124,6 +123,11 @@ class MemoryAdapter(Adapter):
                 self._used -= len(old)
             out.append(old is not None)
         return out
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """The stored keys starting with ``prefix``, in one batch."""
+        self._check_open()
+        yield [k for k in self._data if k.startswith(prefix)]
 
     async def aclose(self) -> None:
         """Drop all objects; idempotent. Later calls raise AdapterUnavailable."""

@@ -440,6 +440,9 @@ class MooncakeAdapter(Adapter):
                 raise self._fail(rc, "batch_remove")
         return [rc == 0 for rc in codes]
 
+    # No ``iter_keys``: the Mooncake store client has no call that lists keys (``capabilities.list_keys`` is
+    # False), so a reset reaches only the keys an event sink saw stored.
+
     async def aclose(self) -> None:
         """Close the store client and its threads; idempotent. Later calls raise AdapterUnavailable."""
         if self._closed:

@@ -61,19 +61,19 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
-from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import xxhash
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_keys, check_lengths
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._listeners import TierListener, TierListeners
+from tiercache.adapters._local_url import local_url
 from tiercache.adapters._slab_layout import (
     HEADER_BYTES,
     RECORD_BYTES,
@@ -246,7 +246,7 @@ class SlabAdapter(Adapter):
 
     scheme: ClassVar[str] = "nvme+slab"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=False, delete=True, max_value_bytes=DEFAULT_MAX_OBJECT
+        persistent=True, shared=False, delete=True, max_value_bytes=DEFAULT_MAX_OBJECT, list_keys=True
     )
     close_timeout_s: ClassVar[float] = 60.0
     """How long ``aclose`` waits for batches still running (their caller may have been cancelled)."""
@@ -301,7 +301,7 @@ class SlabAdapter(Adapter):
             "dropped_on_replay": 0,
         }
         self.__dict__["capabilities"] = Capabilities(
-            persistent=True, shared=False, delete=True, max_value_bytes=max_object
+            persistent=True, shared=False, delete=True, max_value_bytes=max_object, list_keys=True
         )
 
     # -- opening -----------------------------------------------------------------------------------------
@@ -309,13 +309,8 @@ class SlabAdapter(Adapter):
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
         """Open ``nvme+slab:///abs/path`` (see the module docstring for the options)."""
-        parts = urlsplit(url)
-        if parts.scheme != "nvme+slab" or parts.netloc not in ("", "localhost"):
-            raise ConfigError(f"nvme+slab: expected nvme+slab:///absolute/path, got {url!r}")
-        path = unquote(parts.path)
-        if not os.path.isabs(path):
-            raise ConfigError(f"nvme+slab: URL must name an absolute path, got {url!r}")
-        opts = parse_options(SlabOptions, "nvme+slab", parts.query, options)
+        path, query = local_url(url, ("nvme+slab",), "nvme+slab")
+        opts = parse_options(SlabOptions, "nvme+slab", query, options)
         self = cls(path, opts)
         try:
             await self._load()
@@ -482,7 +477,7 @@ class SlabAdapter(Adapter):
             self._classes = [self._new_class(sz) for sz in self._sizes]
             self.max_object = min(self.max_object, found.max_class - 8192)
             self.__dict__["capabilities"] = Capabilities(
-                persistent=True, shared=False, delete=True, max_value_bytes=self.max_object
+                persistent=True, shared=False, delete=True, max_value_bytes=self.max_object, list_keys=True
             )
         return found
 
@@ -895,8 +890,7 @@ class SlabAdapter(Adapter):
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
         """Read and verify each hit in parallel; a checksum mismatch is a miss (and drops the object)."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         # Reads pin their slots until the threads reading them are done: a cancelled caller leaves the batch
         # to unpin (and free retired slots) on its own.
         return await self._detached.run(self._get_batch(list(keys)))
@@ -960,8 +954,7 @@ class SlabAdapter(Adapter):
         """Write each value into a new slot, then commit all their records (one metadata job per batch)."""
         self._check_open()
         check_lengths(keys, values)
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         if not keys:
             return []
         # Reserved slots are written by threads that cannot be stopped: a cancelled caller leaves the batch to
@@ -1041,8 +1034,7 @@ class SlabAdapter(Adapter):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Tombstone each key's record; True where an object was removed."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         out: list[bool] = []
         victims: list[_Entry] = []
         for k in keys:
@@ -1059,6 +1051,11 @@ class SlabAdapter(Adapter):
                 raise AdapterUnavailable(f"nvme+slab: delete failed on {self.path!r}: {exc}") from exc
         self._listeners.notify("deleted", [v.key for v in victims])
         return out
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """The keys of the index (the slab's one owner holds them all) starting with ``prefix``, one batch."""
+        self._check_open()
+        yield [k for k in self._index if k.startswith(prefix)]
 
     def add_listener(self, fn: TierListener) -> Callable[[], None]:
         """Call ``fn(kind, keys)`` on every eviction for room and every deletion from now on (see

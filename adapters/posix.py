@@ -51,17 +51,24 @@ import errno
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
-from urllib.parse import unquote, urlsplit
 
 import xxhash
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import (
+    Adapter,
+    Buffer,
+    Capabilities,
+    check_key,
+    check_keys,
+    check_lengths,
+    is_key,
+)
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters._inline_writes import (
     LOCAL_FILESYSTEMS,
@@ -70,6 +77,7 @@ from tiercache.adapters._inline_writes import (
     voluntary_switches,
 )
 from tiercache.adapters._listeners import TierListener, TierListeners
+from tiercache.adapters._local_url import local_url
 from tiercache.adapters._spare_files import SpareFiles
 from tiercache.adapters._tempfiles import TempFileState, is_temp_name, temp_name, temp_state
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options
@@ -317,7 +325,9 @@ class PosixAdapter(Adapter):
     """Objects as files under a local or network-mounted directory; persistent and shareable."""
 
     scheme: ClassVar[str] = "file"
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, persistent=True, shared=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delete=True, persistent=True, shared=True, list_keys=True
+    )
     close_timeout_s: ClassVar[float] = 60.0
     """How long ``aclose`` waits for puts still writing (their caller may have been cancelled)."""
 
@@ -371,15 +381,8 @@ class PosixAdapter(Adapter):
     @classmethod
     async def open(cls, url: str, **options: object) -> Self:
         """Open ``file:///abs/dir`` (created if missing); options: ``PosixOptions``."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("file", "posix"):
-            raise ConfigError(f"file: expected a file:///absolute/path URL, got {url!r}")
-        if parts.netloc not in ("", "localhost"):
-            raise ConfigError(f"file: URL must be file:///absolute/path (no host), got {url!r}")
-        root = unquote(parts.path)
-        if not os.path.isabs(root):
-            raise ConfigError(f"file: URL must name an absolute path, got {url!r}")
-        opts = parse_options(PosixOptions, "file", parts.query, options)
+        root, query = local_url(url, ("file", "posix"), "file")
+        opts = parse_options(PosixOptions, "file", query, options)
         self = cls(root, opts)
         try:
             await self._load()
@@ -653,8 +656,7 @@ class PosixAdapter(Adapter):
         handed to the pool (so both proceed at once)."""
         self._check_open()
         check_lengths(keys, values)
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         results = [False] * len(keys)
         pooled: list[tuple[int, str, asyncio.Future[bool]]] = []
         inline: list[tuple[int, str, Buffer, int, list[str]]] = []
@@ -807,6 +809,42 @@ class PosixAdapter(Adapter):
             raise AdapterUnavailable(f"file: delete failed under {self.root!r}: {exc}") from exc
         self._listeners.notify("deleted", [k for k, gone in zip(keys, removed, strict=True) if gone])
         return removed
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """The keys of the object files under the root starting with ``prefix``: one batch per first-level
+        directory (temp and spare files, and files in another directory than their key's, are not objects)."""
+        self._check_open()
+        tops = self._first_level if self.shard_depth else [self.root]
+        for top in tops:
+            try:
+                batch = await self._run(
+                    partial(self._list_objects, top, max(self.shard_depth - 1, 0), prefix)
+                )
+            except OSError as exc:
+                raise AdapterUnavailable(f"file: cannot list {top!r}: {exc}") from exc
+            if batch:
+                yield batch
+
+    def _list_objects(self, directory: str, depth: int, prefix: str) -> list[str]:
+        """Object keys starting with ``prefix`` in ``directory``, ``depth`` shard levels above its objects."""
+        out: list[str] = []
+        try:
+            with os.scandir(directory) as it:
+                for entry in it:
+                    name = entry.name
+                    if depth > 0:
+                        if len(name) == 2 and entry.is_dir(follow_symlinks=False):
+                            out += self._list_objects(entry.path, depth - 1, prefix)
+                    elif (
+                        name.startswith(prefix)
+                        and is_key(name)
+                        and entry.is_file(follow_symlinks=False)
+                        and self._directory(name) == directory
+                    ):
+                        out.append(name)
+        except FileNotFoundError:  # a shard directory removed under us holds nothing
+            pass
+        return out
 
     async def aclose(self) -> None:
         """Wait for in-flight I/O and stop the threads; idempotent. Later calls raise AdapterUnavailable."""

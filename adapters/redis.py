@@ -36,8 +36,11 @@ How batches map to commands (the choices are measured by ``benchmarks/adapters_b
   once the caller has dropped them (``adapters/_recvbuf.py``).
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
   ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces); each larger value is its own
-  ``SET`` (on the RESP client sent together with that ``GETRANGE``), ``PUT_VALUES_IN_FLIGHT`` of a batch at
-  a time: pipelining large values makes Redis copy them through its query buffer.
+  ``SET`` after that ``GETRANGE``, in ``PUT_VALUES_IN_FLIGHT`` lanes: on the RESP client a lane is an even
+  share of the batch's large values on one connection, sent from a worker thread one value at a time (the
+  next once the last was answered: no loop wakeup per value, and the server reads each value straight into
+  its own string), and the batch's lanes are handed to the threads together (``RespPool.pipelines``: one
+  loop wakeup per batch, not per lane); through redis-py each value is a lane of its own.
 * On a plain-TCP standalone server reads, lookups and puts go through ``adapters/_resp.py``, a small RESP
   client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (no copies of a value
   on the way out or in). It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call:
@@ -100,7 +103,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -111,7 +114,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths, is_key
 from tiercache.adapters._parts import MANIFEST_BYTES, NONCE_BYTES, Manifest
 from tiercache.adapters._recvbuf import RecvBuffers
 from tiercache.adapters._resp import RespError, RespPool, RespTooLarge
@@ -129,6 +132,8 @@ _T = TypeVar("_T")
 MAX_VALUE_BYTES = 512 << 20
 """Redis's default ``proto-max-bulk-len``: the largest string value a server accepts."""
 DEFAULT_PREFIX = "tiercache:"
+SCAN_COUNT = 1000
+"""``COUNT`` of each ``SCAN`` of ``iter_keys`` (keys the server looks at per call, not a reply bound)."""
 DEFAULT_POOL_SIZE = 16
 DEFAULT_SOCKET_TIMEOUT = 5.0
 PIPELINE_VALUE_BYTES = 256 << 10
@@ -144,8 +149,12 @@ PART_WRITES_IN_FLIGHT = 8
 GET_VALUES_IN_FLIGHT = 4
 """Large-value GETs of one batch in flight, each on its own connection (a parted value's parts share the part
 lanes across the batch). ``benchmarks/vs_lmcache_resp.py --variants`` times 1 beside it."""
-PUT_VALUES_IN_FLIGHT = 4
-"""Large-value SETs of one batch in flight (at most ``pool_size``); the same benchmark times 1 and 16."""
+PUT_VALUES_IN_FLIGHT = 8
+"""Lanes of large-value SETs of one batch in flight (at most ``pool_size``); the same benchmark times 1 and
+16. On the RESP client a lane is one pipeline of ``GETRANGE`` + ``SET`` per value, about an even share of the
+batch's large values, at most ``PUT_PIPELINE_BYTES``; through redis-py each value is its own lane."""
+PUT_PIPELINE_BYTES = 16 << 20
+"""Bytes of large values per pipelined put lane at most (one call: one ``socket_timeout`` for all of it)."""
 RECV_BLOCKS = 512
 """Receive buffers kept for reuse per adapter (512 MiB of them at most, ``RecvBuffers``'s default)."""
 _COMPARE_AND_DELETE = (
@@ -202,6 +211,11 @@ def _translate(exc: BaseException, where: str) -> AdapterError:
     if isinstance(exc, rexc.TimeoutError | asyncio.TimeoutError | TimeoutError):
         return AdapterTimeout(f"{where}: no answer within the socket timeout: {exc}")
     return AdapterUnavailable(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a ``SCAN MATCH`` glob pattern."""
+    return "".join("\\" + c if c in "\\*?[]" else c for c in text)
 
 
 def _wrong_type(reply: object) -> bool:
@@ -332,7 +346,7 @@ class RedisAdapter(Adapter):
 
     scheme: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, delete=True, ttl=True, max_value_bytes=MAX_VALUE_BYTES
+        persistent=True, shared=True, delete=True, ttl=True, max_value_bytes=MAX_VALUE_BYTES, list_keys=True
     )
     _schemes: ClassVar[set[str]] = _PLAIN_SCHEMES | _TLS_SCHEMES
 
@@ -351,6 +365,11 @@ class RedisAdapter(Adapter):
         self._read_lanes = asyncio.Semaphore(PART_READS_IN_FLIGHT)
         self._value_lanes = asyncio.Semaphore(GET_VALUES_IN_FLIGHT)
         self._put_lanes = asyncio.Semaphore(PUT_VALUES_IN_FLIGHT)
+        self._put_lane_count = PUT_VALUES_IN_FLIGHT
+        """Lanes a batch's large values are split into (``_put_lanes`` of them in flight)."""
+        self._lane_threads = True
+        """A batch's put lanes go to the RESP client's ``pipelines`` together (False: one ``pipeline`` call
+        per lane, as ``benchmarks/vs_lmcache_resp.py --variants`` times beside it)."""
         self._write_lanes = asyncio.Semaphore(PART_WRITES_IN_FLIGHT)
         self._recv = RecvBuffers(min_bytes=PIPELINE_VALUE_BYTES + 1, max_blocks=RECV_BLOCKS)
         """Receive buffers of large values (GETs over ``PIPELINE_VALUE_BYTES``, parted reads), reused once the
@@ -724,32 +743,102 @@ class RedisAdapter(Adapter):
             if not small:
                 return
             todo, small, small_bytes = small, [], 0
-            results = await self._peek_and_set([full[i] for i in todo], [data[i] for i in todo])
-            for i, r in zip(todo, results[1::2], strict=True):
-                out[i] = self._put_result(r)
-            replaced = [(full[i], old) for i, old in zip(todo, results[0::2], strict=True) if out[i]]
-            await self._drop_replaced(replaced)
+            for i, ok in zip(todo, await self._peek_set_drop(full, data, todo), strict=True):
+                out[i] = ok
 
         large: list[int] = []
+        whole: list[int] = []  # large values stored whole, on the RESP client: pipelined in lanes
         for i, value in enumerate(data):
             size = memoryview(value).nbytes
             if size > MAX_VALUE_BYTES:
                 continue
             if size > PIPELINE_VALUE_BYTES or self._parted(value):
-                large.append(i)
+                (whole if self._resp is not None and not self._parted(value) else large).append(i)
                 continue
             small.append(i)
             small_bytes += size
             if small_bytes >= PIPELINE_BATCH_BYTES:
                 await flush()
         await flush()
-        if large:
-            results = await self._all([self._put_large(full[i], data[i]) for i in large])
-            for i, r in zip(large, results, strict=True):
+        lanes = self._lanes(whole, [data[i].nbytes for i in whole], self._put_lane_count)
+
+        async def lane(todo: list[int]) -> list[bool]:
+            async with self._put_lanes:
+                return await self._peek_set_drop(full, data, todo, pace=True)
+
+        async def all_lanes() -> list[list[bool]]:
+            oks: list[list[bool]] = []
+            step = self._put_lane_count
+            for at in range(0, len(lanes), step):
+                oks += await self._peek_set_lanes(full, data, lanes[at : at + step])
+            return oks
+
+        if large or lanes:
+            threaded = self._lane_threads and len(lanes) > 1
+            results = await self._all(
+                [
+                    *(self._put_large(full[i], data[i]) for i in large),
+                    *([all_lanes()] if threaded else (lane(todo) for todo in lanes)),
+                ]
+            )
+            lane_oks = results[len(large)] if threaded else results[len(large) :]
+            for i, r in zip(large, results, strict=False):
                 out[i] = self._put_result(r)
+            for todo, oks in zip(lanes, lane_oks, strict=True):
+                for i, ok in zip(todo, oks, strict=True):
+                    out[i] = ok
         return out
 
-    async def _peek_and_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[Any]:
+    async def _peek_set_lanes(
+        self, full: Sequence[str], data: Sequence[memoryview], lanes: list[list[int]]
+    ) -> list[list[bool]]:
+        """``_peek_set_drop`` of each of ``lanes`` at once through the RESP client's ``pipelines`` (its
+        threads send every lane; one event-loop wake-up for all), then one drop of what they replaced."""
+        assert self._resp is not None
+        replies = await self._resp.pipelines(
+            [self._peek_set_commands([full[i] for i in todo], [data[i] for i in todo]) for todo in lanes],
+            max_bulk=MANIFEST_BYTES,
+            pace=2,
+        )
+        out: list[list[bool]] = []
+        replaced: list[tuple[str, Any]] = []
+        for todo, lane in zip(lanes, replies, strict=True):
+            results = self._resp_results(lane)
+            oks = [self._put_result(r) for r in results[1::2]]
+            replaced += [(full[i], old) for i, old, ok in zip(todo, results[0::2], oks, strict=True) if ok]
+            out.append(oks)
+        await self._drop_replaced(replaced)
+        return out
+
+    @staticmethod
+    def _lanes(indexes: list[int], sizes: list[int], count: int) -> list[list[int]]:
+        """``indexes`` in runs of about an even share of their bytes per lane (``count`` lanes), at most
+        ``PUT_PIPELINE_BYTES`` each (one value at least)."""
+        share = min(PUT_PIPELINE_BYTES, -(-sum(sizes) // count))
+        lanes: list[list[int]] = []
+        held = 0
+        for i, size in zip(indexes, sizes, strict=True):
+            if not lanes or (held and held + size > share):
+                lanes.append([])
+                held = 0
+            lanes[-1].append(i)
+            held += size
+        return lanes
+
+    async def _peek_set_drop(
+        self, full: Sequence[str], data: Sequence[memoryview], todo: Sequence[int], pace: bool = False
+    ) -> list[bool]:
+        """Put values ``todo`` (indexes into ``full`` and ``data``) in one pipeline (``_peek_and_set``), then
+        drop the parts of the manifests they replaced: True for each stored, False for each refused (OOM)."""
+        results = await self._peek_and_set([full[i] for i in todo], [data[i] for i in todo], pace)
+        oks = [self._put_result(r) for r in results[1::2]]
+        replaced = [(full[i], old) for i, old, ok in zip(todo, results[0::2], oks, strict=True) if ok]
+        await self._drop_replaced(replaced)
+        return oks
+
+    async def _peek_and_set(
+        self, keys: Sequence[str], values: Sequence[memoryview], pace: bool = False
+    ) -> list[Any]:
         """One pipeline of ``GETRANGE`` (a key's first ``MANIFEST_BYTES``) then ``SET`` per key: (old head,
         SET result) pairs, flat; per-command errors in place. On plain TCP through the RESP client (its
         replies parse at a fraction of redis-py's cost per command), else redis-py."""
@@ -760,13 +849,26 @@ class RedisAdapter(Adapter):
                     for k, v in zip(keys, values, strict=True)
                 ]
             )
+        commands = self._peek_set_commands(keys, values)
+        replies = await self._resp.pipeline(commands, max_bulk=MANIFEST_BYTES, pace=2 if pace else 0)
+        return self._resp_results(replies)
+
+    def _peek_set_commands(
+        self, keys: Sequence[str], values: Sequence[memoryview]
+    ) -> list[list[bytes | memoryview]]:
+        """``GETRANGE`` (a key's first ``MANIFEST_BYTES``) then ``SET`` per key, as RESP client commands."""
         px = [] if self.ttl_ms is None else [b"PX", str(self.ttl_ms).encode()]
         peek = str(MANIFEST_BYTES - 1).encode()
         commands: list[list[bytes | memoryview]] = []
         for k, v in zip(keys, values, strict=True):
             key = k.encode()
             commands += [[b"GETRANGE", key, b"0", peek], [b"SET", key, v, *px]]
-        replies = await self._resp.pipeline(commands, max_bulk=MANIFEST_BYTES)
+        return commands
+
+    @staticmethod
+    def _resp_results(replies: Sequence[object]) -> list[Any]:
+        """A ``GETRANGE`` + ``SET`` pipeline's RESP client replies as redis-py's: (old head, SET result)
+        pairs, flat; an error reply as ``ResponseError`` in place."""
         return [
             rexc.ResponseError(str(r)) if isinstance(r, RespError) else (r == b"OK" if i % 2 else r)
             for i, r in enumerate(replies)
@@ -888,11 +990,47 @@ class RedisAdapter(Adapter):
             self._raise_first(await self._pipeline(lambda p: [p.delete(k) for k in parts]))
         return [bool(r) for r in results[1::2]]
 
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """``SCAN MATCH <tier prefix><prefix>*`` (``COUNT`` ``SCAN_COUNT``) on the server (cluster: on every
+        primary), one batch per reply; the tier prefix is taken off and part keys are skipped."""
+        self._check_open()
+        pattern = _glob_escape(self.prefix + prefix) + "*"
+        skip = len(self.prefix)
+        for node in self._scan_nodes():
+            cursor = 0
+            while True:
+                cursor, names = await self._guard(self._bounded(self._scan(node, cursor, pattern)))
+                batch: list[str] = []
+                for name in names:
+                    text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+                    if is_key(key := text[skip:]):  # a part (``<key>#<n>``) is no key
+                        batch.append(key)
+                if batch:
+                    yield batch
+                if not cursor:
+                    break
+
+    def _scan_nodes(self) -> list[Any]:
+        """The nodes a listing scans (None: the one server)."""
+        return [None]
+
+    async def _scan(self, node: Any, cursor: int, pattern: str) -> tuple[int, list[Any]]:
+        """One ``SCAN`` step on ``node``: the next cursor (0 at the end) and the names it returned."""
+        cursor, names = await self._client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+        return int(cursor), list(names)
+
     async def _shutdown(self) -> None:
         if self._resp is not None:
             self._resp.close()
         with contextlib.suppress(*_TRANSPORT_ERRORS):
             await self._client.aclose()
+
+    def add_expiry_listener(self, fn: Callable[[str, Sequence[str]], None]) -> Callable[[], None]:
+        """Call ``fn("expired", keys)`` for the objects the server expires (``ttl``), as it announces them
+        (``adapters/redis_expiry.py``); returns a function that stops it."""
+        from tiercache.adapters.redis_expiry import watch_expiry
+
+        return watch_expiry(self, fn)
 
     async def aclose(self) -> None:
         """Close the client and its pool; idempotent. Later calls raise AdapterUnavailable."""
@@ -983,3 +1121,13 @@ class RedisClusterAdapter(RedisAdapter):
     async def _get_one(self, key: str) -> Any:
         async with self._slots:
             return await super()._get_one(key)
+
+    def _scan_nodes(self) -> list[Any]:
+        """Every primary of the cluster (each holds its own slots' keys)."""
+        return list(self._client.get_primaries())
+
+    async def _scan(self, node: Any, cursor: int, pattern: str) -> tuple[int, list[Any]]:
+        cursors, names = await self._client.scan(
+            cursor=cursor, match=pattern, count=SCAN_COUNT, target_nodes=node
+        )
+        return int(cursors[node.name]), list(names)

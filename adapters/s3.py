@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -47,7 +47,7 @@ from urllib.parse import unquote, urlsplit
 import xxhash
 
 from tiercache._secrets import redact_url
-from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths
+from tiercache.adapters._base import Adapter, Buffer, Capabilities, check_key, check_lengths, is_key
 from tiercache.adapters._detached import DetachedWork
 from tiercache.adapters.options import MAX_SIZE, Range, Size, check_options, parse_options, parse_str
 from tiercache.buffers import as_readable_bytes
@@ -66,6 +66,9 @@ _MAX_OBJECT = 5 << 40  # S3's largest object
 _MIN_SECONDS = 0.001
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # most keys one DeleteObjects call accepts
+_SHARDS = [f"{i:02x}" for i in range(256)]  # the shard prefixes under the tier's prefix
+_LIST_SHARDS_AT_ONCE = 16  # shards ``iter_keys`` lists concurrently
+_LIST_PAGE = 1000  # keys one ListObjectsV2 page asks for (S3's most)
 _MISS_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _NOT_IMPLEMENTED = frozenset({"501", "NotImplemented"})
 _PRECONDITION = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
@@ -149,7 +152,7 @@ class S3Adapter(Adapter):
 
     scheme: ClassVar[str] = "s3"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, delete=True, max_value_bytes=_MAX_OBJECT
+        persistent=True, shared=True, delete=True, max_value_bytes=_MAX_OBJECT, list_keys=True
     )
 
     def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None) -> None:
@@ -413,10 +416,15 @@ class S3Adapter(Adapter):
             "Body": _body(body),
             "Metadata": {_LENGTH_META: str(len(body))},
         }
+        return await self._write("put_object", kwargs, conditional=conditional)
+
+    async def _write(self, method: str, kwargs: dict[str, Any], *, conditional: bool) -> bool:
+        """Call the client's ``method`` (a put or a multipart complete), with ``If-None-Match: *`` when
+        ``conditional``: False if that found an object, ``Unsupported`` when the store answers HTTP 501."""
         if conditional:
-            kwargs["IfNoneMatch"] = "*"
+            kwargs = {**kwargs, "IfNoneMatch": "*"}
         try:
-            await self._call(lambda c: c.put_object(**kwargs))
+            await self._call(lambda c: getattr(c, method)(**kwargs))
         except AdapterUnavailable as exc:
             if conditional and self._is(exc, _PRECONDITION):
                 return False
@@ -474,16 +482,8 @@ class S3Adapter(Adapter):
                 "UploadId": upload_id,
                 "MultipartUpload": {"Parts": list(etags)},
             }
-            if conditional:
-                kwargs["IfNoneMatch"] = "*"
-            try:
-                await self._call(lambda c: c.complete_multipart_upload(**kwargs))
-            except AdapterUnavailable as exc:
-                if conditional and self._is(exc, _PRECONDITION):
-                    return False
-                if conditional and self._is(exc, _NOT_IMPLEMENTED):
-                    raise Unsupported from exc
-                raise
+            if not await self._write("complete_multipart_upload", kwargs, conditional=conditional):
+                return False  # not done: the upload is aborted
             done = True
             return True
         except asyncio.CancelledError:
@@ -548,6 +548,37 @@ class S3Adapter(Adapter):
                 raise
 
         return list(await asyncio.gather(*(one(n, v) for n, v in zip(names, values, strict=True))))
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """``ListObjectsV2`` of ``<tier prefix>/<shard>/<prefix>`` for each of the 256 shards (paginated,
+        ``_LIST_SHARDS_AT_ONCE`` shards at a time), one batch per group of shards."""
+        self._check_open()
+        for start in range(0, len(_SHARDS), _LIST_SHARDS_AT_ONCE):
+            shards = _SHARDS[start : start + _LIST_SHARDS_AT_ONCE]
+            found = await asyncio.gather(*(self._list_shard(s, prefix) for s in shards))
+            batch = [key for keys in found for key in keys]
+            if batch:
+                yield batch
+
+    async def _list_shard(self, shard: str, prefix: str) -> list[str]:
+        """The keys under ``shard`` starting with ``prefix`` (names of other shape or shard are skipped)."""
+        head = f"{self.prefix}/{shard}/" if self.prefix else f"{shard}/"
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = await self._call(
+                lambda c, e=extra: c.list_objects_v2(  # type: ignore[misc]
+                    Bucket=self.bucket, Prefix=head + prefix, MaxKeys=_LIST_PAGE, **e
+                )
+            )
+            for item in page.get("Contents") or []:
+                key = str(item.get("Key", ""))[len(head) :]
+                if is_key(key) and object_name(self.prefix, key) == head + key:
+                    out.append(key)
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return out
 
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True where an object existed (HEADs, then DeleteObjects in batches of 1000)."""

@@ -15,7 +15,23 @@ if TYPE_CHECKING:
 
     from tiercache.spec import KVSpec
 
-__all__ = ["Codec", "CodecContext", "Stage"]
+__all__ = ["Codec", "CodecContext", "Stage", "int_option", "str_option"]
+
+
+def int_option(codec_id: str, name: str, value: object, lo: int, hi: int) -> int:
+    """``value`` of the option ``name``: an integer in ``lo..hi`` (not a bool); ConfigError naming the codec
+    and the option otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{codec_id} {name} must be an integer {lo}..{hi}, not {value!r}")
+    return value
+
+
+def str_option(codec_id: str, name: str, value: object) -> str | None:
+    """``value`` of the option ``name``: None or a non-empty string; ConfigError naming the codec and the
+    option otherwise."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{codec_id} {name} must be a non-empty string, not {value!r}")
+    return value
 
 
 class Stage(enum.Enum):
@@ -101,7 +117,13 @@ class Codec(ABC):
     @classmethod
     def validate_config(cls, config: Mapping[str, object]) -> None:
         """ConfigError if ``config`` is invalid, without building the codec (no secrets are read)."""
-        cls.check_options(config)
+        cls.valid_options(config)
+
+    @classmethod
+    def valid_options(cls, config: Mapping[str, object]) -> dict[str, object]:
+        """``check_options`` plus the codec's own checks of the values, reading no file, secret or environment
+        variable (what ``validate_config`` checks; a codec with value rules overrides it for both)."""
+        return cls.check_options(config)
 
     @classmethod
     def check_options(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tiercache.errors import ConfigError
-from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._codec import Codec, CodecContext, Stage, str_option
 
 if TYPE_CHECKING:
     from typing import Self
@@ -148,7 +148,8 @@ class AesGcmCodec(Codec):
 
     # ----- config -----
     @classmethod
-    def _options(cls, config: Mapping[str, object]) -> dict[str, object]:
+    def valid_options(cls, config: Mapping[str, object]) -> dict[str, object]:
+        """The options, names and shapes checked; no environment variable or key file is read."""
         secret = sorted(k for k in config if k in _SECRET_OPTIONS)
         if secret:
             raise ConfigError(
@@ -157,9 +158,7 @@ class AesGcmCodec(Codec):
             )
         options = cls.check_options(config)
         for name in ("key_env", "key_file", "decrypt_keys_env"):
-            value = options.get(name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"aesgcm {name} must be a non-empty string, not {value!r}")
+            str_option("aesgcm", name, options.get(name))
         files = options.get("decrypt_key_files", [])
         if not isinstance(files, list | tuple) or not all(isinstance(f, str) and f for f in files):
             raise ConfigError(f"aesgcm decrypt_key_files must be a list of paths, not {files!r}")
@@ -170,14 +169,9 @@ class AesGcmCodec(Codec):
         return options
 
     @classmethod
-    def validate_config(cls, config: Mapping[str, object]) -> None:
-        """Check option names and shapes; no environment variable or key file is read."""
-        cls._options(config)
-
-    @classmethod
     def from_config(cls, config: Mapping[str, object]) -> Self:
         """Build from options, reading the keys from the environment / key files (ConfigError if missing)."""
-        options = cls._options(config)
+        options = cls.valid_options(config)
         key_env = options.get("key_env")
         key_file = options.get("key_file")
         if isinstance(key_env, str):

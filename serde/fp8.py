@@ -26,6 +26,16 @@ if TYPE_CHECKING:
 __all__ = ["FP8_MAX", "SCALE_FLOOR", "Fp8Codec"]
 
 _GRANULARITIES = fp8_math.GRANULARITIES
+
+
+def _granularity(value: object) -> str:
+    """``value`` if it names a granularity; ConfigError otherwise."""
+    if not isinstance(value, str) or value not in _GRANULARITIES:
+        known = ", ".join(sorted(_GRANULARITIES))
+        raise ConfigError(f"fp8 granularity must be one of {known}, not {value!r}")
+    return value
+
+
 _PARAMS_VERSION = 1
 
 
@@ -39,28 +49,18 @@ class Fp8Codec(Codec):
 
     def __init__(self, granularity: str = "channel") -> None:
         """``granularity``: "channel" (per channel over the tokens) or "token" (per token and head)."""
-        if granularity not in _GRANULARITIES:
-            raise ConfigError(
-                f"fp8 granularity must be one of {', '.join(sorted(_GRANULARITIES))}, not {granularity!r}"
-            )
-        self.granularity = granularity
+        self.granularity = _granularity(granularity)
 
     # ----- config -----
     @classmethod
     def validate_config(cls, config: Mapping[str, object]) -> None:
         """Check option names and the granularity value."""
-        options = cls.check_options(config)
-        granularity = options.get("granularity", "channel")
-        if granularity not in _GRANULARITIES:
-            raise ConfigError(
-                f"fp8 granularity must be one of {', '.join(sorted(_GRANULARITIES))}, not {granularity!r}"
-            )
+        _granularity(cls.check_options(config).get("granularity", "channel"))
 
     @classmethod
     def from_config(cls, config: Mapping[str, object]) -> Self:
         """Build from ``{"id": "fp8", "granularity": "channel" | "token"}``."""
-        cls.validate_config(config)
-        return cls(str(config.get("granularity", "channel")))
+        return cls(_granularity(cls.check_options(config).get("granularity", "channel")))
 
     def get_config(self) -> dict[str, object]:
         """The granularity (always written, so a config pins the on-wire layout)."""

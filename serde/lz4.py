@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import lz4.block
 import numpy as np
 
-from tiercache.errors import ConfigError
-from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._codec import Codec, CodecContext, Stage, int_option
 from tiercache.serde._stored import FLAG_COMPRESSED, FLAG_STORED, read_stored, worth_compressing, write_stored
 
 if TYPE_CHECKING:
@@ -82,9 +81,7 @@ class Lz4Codec(Codec):
 
     def __init__(self, acceleration: int = 1) -> None:
         """``acceleration``: LZ4 acceleration (1 = default; higher = faster, less compression)."""
-        if not 1 <= acceleration <= 65537:
-            raise ConfigError(f"lz4 acceleration must be an integer 1..65537, not {acceleration!r}")
-        self.acceleration = acceleration
+        self.acceleration = int_option("lz4", "acceleration", acceleration, 1, 65537)
 
     @classmethod
     def validate_config(cls, config: Mapping[str, object]) -> None:
@@ -95,10 +92,7 @@ class Lz4Codec(Codec):
     def from_config(cls, config: Mapping[str, object]) -> Self:
         """Build from ``{"id": "lz4", "acceleration": 1}``."""
         options = cls.check_options(config)
-        acceleration = options.get("acceleration", 1)
-        if isinstance(acceleration, bool) or not isinstance(acceleration, int):
-            raise ConfigError(f"lz4 acceleration must be an integer, not {acceleration!r}")
-        return cls(acceleration)
+        return cls(int_option("lz4", "acceleration", options.get("acceleration", 1), 1, 65537))
 
     def get_config(self) -> dict[str, object]:
         """The acceleration."""

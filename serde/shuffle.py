@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
-from tiercache.errors import ConfigError
-from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._codec import Codec, CodecContext, Stage, int_option
 
 if TYPE_CHECKING:
     from typing import Self
@@ -33,11 +32,7 @@ _MAX_ITEMSIZE = 16
 
 
 def _check_itemsize(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_ITEMSIZE:
-        raise ConfigError(f"shuffle itemsize must be an integer 1..{_MAX_ITEMSIZE}, not {value!r}")
-    return value
+    return None if value is None else int_option("shuffle", "itemsize", value, 1, _MAX_ITEMSIZE)
 
 
 class ShuffleCodec(Codec):
@@ -106,20 +101,16 @@ class ShuffleCodec(Codec):
 
 
 def _split(src: memoryview, dst: memoryview, w: int) -> None:
-    import numpy as np
-
-    n = len(src)
-    full = n - n % w
-    if w == 1 or full == 0:
-        dst[:n] = src
-        return
-    a = np.frombuffer(src, dtype=np.uint8, count=full)
-    out = np.frombuffer(dst, dtype=np.uint8, count=full)
-    out.reshape(w, full // w)[...] = a.reshape(full // w, w).T
-    dst[full:n] = src[full:n]
+    """Byte ``j`` of each ``w``-byte element to plane ``j`` (the tail past the last whole element copied)."""
+    _transpose(src, dst, w, split=True)
 
 
 def _join(src: memoryview, dst: memoryview, w: int) -> None:
+    """The inverse of :func:`_split`."""
+    _transpose(src, dst, w, split=False)
+
+
+def _transpose(src: memoryview, dst: memoryview, w: int, *, split: bool) -> None:
     import numpy as np
 
     n = len(src)
@@ -127,7 +118,8 @@ def _join(src: memoryview, dst: memoryview, w: int) -> None:
     if w == 1 or full == 0:
         dst[:n] = src
         return
+    rows, cols = (full // w, w) if split else (w, full // w)
     a = np.frombuffer(src, dtype=np.uint8, count=full)
     out = np.frombuffer(dst, dtype=np.uint8, count=full)
-    out.reshape(full // w, w)[...] = a.reshape(w, full // w).T
+    out.reshape(cols, rows)[...] = a.reshape(rows, cols).T
     dst[full:n] = src[full:n]

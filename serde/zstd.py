@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import zstandard
 
 from tiercache.errors import ConfigError
-from tiercache.serde._codec import Codec, CodecContext, Stage
+from tiercache.serde._codec import Codec, CodecContext, Stage, int_option, str_option
 from tiercache.serde._stored import FLAG_COMPRESSED, FLAG_STORED, read_stored, worth_compressing, write_stored
 
 if TYPE_CHECKING:
@@ -35,20 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["FLAG_COMPRESSED", "FLAG_STORED", "ZstdCodec"]
 
 _MIN_LEVEL, _MAX_LEVEL = -7, 22
-
-
-def _int_option(options: Mapping[str, object], name: str, default: int, lo: int, hi: int) -> int:
-    value = options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"zstd {name} must be an integer {lo}..{hi}, not {value!r}")
-    return value
-
-
-def _str_option(options: Mapping[str, object], name: str) -> str | None:
-    value = options.get(name)
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"zstd {name} must be a non-empty string, not {value!r}")
-    return value
 
 
 class ZstdCodec(Codec):
@@ -81,26 +67,25 @@ class ZstdCodec(Codec):
 
     # ----- config -----
     @classmethod
-    def _options(cls, config: Mapping[str, object]) -> dict[str, object]:
+    def valid_options(cls, config: Mapping[str, object]) -> dict[str, object]:
+        """The options, names and values checked; the dictionary file is not read."""
         options = cls.check_options(config)
-        _int_option(options, "level", 1, _MIN_LEVEL, _MAX_LEVEL)
-        _int_option(options, "threads", 0, 0, 256)
-        path, env = _str_option(options, "dict_path"), _str_option(options, "dict_env")
+        int_option("zstd", "level", options.get("level", 1), _MIN_LEVEL, _MAX_LEVEL)
+        int_option("zstd", "threads", options.get("threads", 0), 0, 256)
+        path, env = (
+            str_option("zstd", "dict_path", options.get("dict_path")),
+            str_option("zstd", "dict_env", options.get("dict_env")),
+        )
         if path is not None and env is not None:
             raise ConfigError("zstd: give dict_path or dict_env, not both")
         return options
 
     @classmethod
-    def validate_config(cls, config: Mapping[str, object]) -> None:
-        """Check option names and values; the dictionary file is not read."""
-        cls._options(config)
-
-    @classmethod
     def from_config(cls, config: Mapping[str, object]) -> Self:
         """Build from ``{"id": "zstd", "level": 1, "dict_path": …}``; reads the dictionary."""
-        options = cls._options(config)
-        path = _str_option(options, "dict_path")
-        env = _str_option(options, "dict_env")
+        options = cls.valid_options(config)
+        path = str_option("zstd", "dict_path", options.get("dict_path"))
+        env = str_option("zstd", "dict_env", options.get("dict_env"))
         source = path
         if env is not None:
             source = os.environ.get(env)
@@ -116,8 +101,8 @@ class ZstdCodec(Codec):
             if not dictionary:
                 raise ConfigError(f"zstd dictionary {source!r} is empty")
         return cls(
-            _int_option(options, "level", 1, _MIN_LEVEL, _MAX_LEVEL),
-            threads=_int_option(options, "threads", 0, 0, 256),
+            int_option("zstd", "level", options.get("level", 1), _MIN_LEVEL, _MAX_LEVEL),
+            threads=int_option("zstd", "threads", options.get("threads", 0), 0, 256),
             dictionary=dictionary,
             dict_path=path,
             dict_env=env,

@@ -93,6 +93,14 @@ class FaultyLocalFS(LocalFileSystem):  # type: ignore[misc]
         self._maybe_fail()
         return super().mv(path1, path2, *args, **kwargs)
 
+    async def put_held_in_rename(self, adapter: FsspecAdapter, value: bytes) -> asyncio.Future[list[bool]]:
+        """Start ``adapter``'s put of "k" and return it once its rename is held (until ``release`` is set)."""
+        self.release.clear()
+        self.rename_started.clear()
+        put = asyncio.ensure_future(adapter.batched_put(["k"], [value]))
+        await asyncio.to_thread(self.rename_started.wait, 30)
+        return put
+
 
 @pytest.fixture
 def faulty(tmp_path: Path) -> tuple[FaultyLocalFS, Path]:
@@ -142,10 +150,7 @@ async def test_failed_rename_removes_the_temporary_file(faulty: tuple[FaultyLoca
     adapter = FsspecAdapter(fs, str(root), commit="rename")
     try:
         assert await adapter.batched_put(["k"], [b"old"]) == [True]
-        fs.release.clear()
-        fs.rename_started.clear()
-        put = asyncio.ensure_future(adapter.batched_put(["k"], [b"new value"]))
-        await asyncio.to_thread(fs.rename_started.wait, 30)
+        put = await fs.put_held_in_rename(adapter, b"new value")
         assert sorted(p.name for p in root.iterdir() if p.name != "k")[0].startswith(".tmp.k.")
         fs.fail = OSError("disk went away")
         fs.release.set()
@@ -163,9 +168,7 @@ async def test_cancelled_put_completes_and_aclose_waits(faulty: tuple[FaultyLoca
     """Cancelling a put mid-rename: the write finishes whole in the background; aclose waits for it."""
     fs, root = faulty
     adapter = FsspecAdapter(fs, str(root), commit="rename")
-    fs.release.clear()
-    put = asyncio.ensure_future(adapter.batched_put(["k"], [b"x" * 100_000]))
-    await asyncio.to_thread(fs.rename_started.wait, 30)
+    put = await fs.put_held_in_rename(adapter, b"x" * 100_000)
     put.cancel()
     with pytest.raises(asyncio.CancelledError):
         await put

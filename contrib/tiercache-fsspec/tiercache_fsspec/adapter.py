@@ -22,6 +22,9 @@ Async filesystems (``fs.async_impl``: gcsfs, adlfs, s3fs, http) are created with
 called through their coroutine methods (``_cat_file``, ``_pipe_file``, ...) on the caller's event loop;
 blocking ones (memory, local, sftp) run on the adapter's own thread pool, so the loop never blocks.
 
+Keys can be listed (``iter_keys``: one ``ls`` of the location), so a reset or a delete by prefix reaches
+objects other processes stored.
+
 Errors: a missing file is a miss (``None``/``False``); a timeout raises ``AdapterTimeout``; any other failure
 of the filesystem (connection, permission, server error) raises ``AdapterUnavailable``. Cancellation: reads
 simply stop waiting; a put or delete that has started runs to its end in the background (so no temporary
@@ -35,7 +38,7 @@ import contextlib
 import functools
 import os
 import secrets
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
@@ -46,6 +49,7 @@ from tiercache.adapters import (
     Buffer,
     Capabilities,
     check_key,
+    check_keys,
     check_lengths,
     parse_int,
     parse_options,
@@ -153,7 +157,9 @@ class FsspecAdapter(Adapter):
     """One directory (or bucket prefix) of an fsspec filesystem; each key is one file in it."""
 
     scheme: ClassVar[str] = SCHEME
-    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=True, delete=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True, shared=True, delete=True, list_keys=True
+    )
 
     def __init__(
         self,
@@ -306,23 +312,20 @@ class FsspecAdapter(Adapter):
     async def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """For each key, whether its file exists (a missing file is False; errors raise)."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         return list(await asyncio.gather(*(self._contains_one(k) for k in keys)))
 
     async def batched_get(self, keys: Sequence[str]) -> list[Buffer | None]:
         """For each key, the file's bytes or None when it does not exist."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         return list(await asyncio.gather(*(self._get_one(k) for k in keys)))
 
     async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
         """Write each value (copied first) so that it appears whole; True for each stored value."""
         self._check_open()
         check_lengths(keys, values)
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
         copies = [bytes(v) for v in values]
 
         async def put_all() -> list[bool]:
@@ -335,13 +338,29 @@ class FsspecAdapter(Adapter):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key's file; True where one existed."""
         self._check_open()
-        for k in keys:
-            check_key(k)
+        check_keys(keys)
 
         async def delete_all() -> list[bool]:
             return list(await asyncio.gather(*(self._delete_one(k) for k in keys)))
 
         return await self._finish_in_background(delete_all())
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """The keys of the files in the location starting with ``prefix`` (one ``ls``; temp files skipped)."""
+        self._check_open()
+        try:
+            entries = await self._guard("list", self._call("ls", self._root, detail=True))
+        except FileNotFoundError:
+            return
+        keys: list[str] = []
+        for entry in entries:
+            name = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") != "file" or not name.startswith(prefix):
+                continue
+            with contextlib.suppress(ValueError):  # a temp file or another name that is no key
+                keys.append(check_key(name))
+        if keys:
+            yield keys
 
     async def aclose(self) -> None:
         """Wait for started writes, then release the thread pool; idempotent. Later calls raise."""
@@ -356,4 +375,6 @@ class FsspecAdapter(Adapter):
 class InProcessFsspecAdapter(FsspecAdapter):
     """``fsspec+memory://``: fsspec's memory filesystem lives in this process only (not ``shared``)."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=False, delete=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True, shared=False, delete=True, list_keys=True
+    )
