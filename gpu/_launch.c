@@ -12,7 +12,8 @@
  * Copies and events, for the layer-piece pipeline (tiercache.gpu.layer_pieces): ``make_copy(dst, dst_dev,
  * dst_pitch, src, src_dev, src_pitch, width, height)`` returns a capsule holding one 2D copy (``height`` rows
  * of ``width`` bytes; ``*_dev``: a device address, else host memory), ``copy(capsule, stream)`` queues it
- * (``cuMemcpy2DAsync``), ``record(event, stream)`` and ``wait_event(stream, event)`` order streams
+ * (``cuMemcpy2DAsync``), ``copies(capsules, stream)`` queues a list of them in one call (the copy-engine
+ * path, tiercache.gpu.copy_engine), ``record(event, stream)`` and ``wait_event(stream, event)`` order streams
  * (``cuEventRecord``, ``cuStreamWaitEvent``), and ``context(ordinal)`` makes the device's primary context
  * current on a thread that has none (as the CUDA runtime does on a thread's first call). Each returns the
  * driver's status. ``same_items(items, reference)`` checks a container's items by identity (below).
@@ -294,6 +295,138 @@ static PyObject *tc_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(cu_copy2d(c, (CUstream)stream));
 }
 
+/* copies(handles, stream): queue every copy of a list or tuple of ``make_copy`` capsules, in order; the first
+ * status that is not 0, else 0. */
+static PyObject *tc_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "copies(list of capsules, stream)");
+        return NULL;
+    }
+    void *stream;
+    if (handle_arg(args[1], &stream) < 0 || load_copies() < 0)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+    PyObject **items = PySequence_Fast_ITEMS(args[0]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        CUDA_MEMCPY2D *c = (CUDA_MEMCPY2D *)PyCapsule_GetPointer(items[i], COPY_CAPSULE);
+        if (!c)
+            return NULL;
+        CUresult rc = cu_copy2d(c, (CUstream)stream);
+        if (rc)
+            return PyLong_FromLong(rc);
+    }
+    return PyLong_FromLong(0);
+}
+
+/* Batched 1D copies (the driver's cuMemcpyBatchAsync, CUDA 12.8+): ``make_batch(dsts, srcs, sizes)`` (bytes of
+ * uint64 addresses and sizes, host addresses as the unified address space has them) returns a capsule;
+ * ``batch(capsule, stream)`` queues every copy in stream order (source read in stream order, the copy engines
+ * preferred so that compute keeps the SMs) and returns the driver's status. OSError from ``make_batch`` where
+ * the driver has no batched copies. */
+typedef struct { int type; int id; } MemLocation;
+typedef struct {
+    int srcAccessOrder;
+    MemLocation srcLocHint, dstLocHint;
+    unsigned int flags;
+} MemcpyAttributes;
+enum { SRC_ACCESS_ORDER_STREAM = 1, FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1 };
+typedef CUresult (*batch13_fn)(unsigned long long *, unsigned long long *, size_t *, size_t, MemcpyAttributes *,
+                               size_t *, size_t, CUstream);
+typedef CUresult (*batch12_fn)(unsigned long long *, unsigned long long *, size_t *, size_t, MemcpyAttributes *,
+                               size_t *, size_t, size_t *, CUstream);
+static batch13_fn cu_batch13;
+static batch12_fn cu_batch12;
+
+static int load_batch(void) {
+    if (cu_batch13 || cu_batch12)
+        return 0;
+    void *lib = driver_lib();
+    if (!lib)
+        return -1;
+    cu_batch13 = (batch13_fn)dlsym(lib, "cuMemcpyBatchAsync_v2");  /* CUDA 13: no failIdx */
+    if (!cu_batch13)
+        cu_batch12 = (batch12_fn)dlsym(lib, "cuMemcpyBatchAsync");
+    if (!cu_batch13 && !cu_batch12) {
+        PyErr_SetString(PyExc_OSError, "libcuda.so.1 lacks cuMemcpyBatchAsync (a driver older than CUDA 12.8)");
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    size_t count;
+    unsigned long long *dsts, *srcs;
+    size_t *sizes;
+} Batch;
+
+static const char BATCH_CAPSULE[] = "tiercache.gpu._launch.Batch";
+
+static void free_batch(PyObject *capsule) {
+    Batch *b = (Batch *)PyCapsule_GetPointer(capsule, BATCH_CAPSULE);
+    if (b) {
+        free(b->dsts);
+        free(b);
+    }
+}
+
+static PyObject *tc_make_batch(PyObject *self, PyObject *args) {
+    Py_buffer d, s, z;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &d, &s, &z))
+        return NULL;
+    PyObject *out = NULL;
+    size_t n = (size_t)d.len / 8;
+    if (d.len % 8 || s.len != d.len || z.len != d.len || n == 0) {
+        PyErr_SetString(PyExc_ValueError, "make_batch needs three equal, non-empty arrays of 8-byte values");
+        goto done;
+    }
+    if (load_batch() < 0)
+        goto done;
+    Batch *b = calloc(1, sizeof(Batch));
+    char *mem = b ? malloc(3 * (size_t)d.len) : NULL;
+    if (!mem) {
+        free(b);
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(mem, d.buf, (size_t)d.len);
+    memcpy(mem + d.len, s.buf, (size_t)d.len);
+    memcpy(mem + 2 * d.len, z.buf, (size_t)d.len);
+    b->count = n;
+    b->dsts = (unsigned long long *)mem;
+    b->srcs = (unsigned long long *)(mem + d.len);
+    b->sizes = (size_t *)(mem + 2 * d.len);
+    out = PyCapsule_New(b, BATCH_CAPSULE, free_batch);
+    if (!out) {
+        free(mem);
+        free(b);
+    }
+done:
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&z);
+    return out;
+}
+
+static PyObject *tc_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "batch(capsule, stream)");
+        return NULL;
+    }
+    Batch *b = (Batch *)PyCapsule_GetPointer(args[0], BATCH_CAPSULE);
+    void *stream;
+    if (!b || handle_arg(args[1], &stream) < 0 || load_batch() < 0)
+        return NULL;
+    MemcpyAttributes attr;
+    memset(&attr, 0, sizeof attr);
+    attr.srcAccessOrder = SRC_ACCESS_ORDER_STREAM;
+    attr.flags = FLAG_PREFER_OVERLAP_WITH_COMPUTE;
+    size_t first = 0, fail = 0;
+    CUresult rc = cu_batch13 ? cu_batch13(b->dsts, b->srcs, b->sizes, b->count, &attr, &first, 1, (CUstream)stream)
+                             : cu_batch12(b->dsts, b->srcs, b->sizes, b->count, &attr, &first, 1, &fail,
+                                          (CUstream)stream);
+    return PyLong_FromLong(rc);
+}
+
 /* The two handle arguments of ``usage`` (record, wait_event): 0, or -1 with an exception set. */
 static int two_handles(PyObject *const *args, Py_ssize_t nargs, const char *usage, void **a, void **b) {
     if (nargs != 2) {
@@ -374,6 +507,9 @@ static PyMethodDef METHODS[] = {
     {"make_copy", tc_make_copy, METH_VARARGS,
      "make_copy(dst, dst_dev, dst_pitch, src, src_dev, src_pitch, width, height) -> capsule"},
     {"copy", (PyCFunction)(void (*)(void))tc_copy, METH_FASTCALL, "copy(capsule, stream) -> status"},
+    {"copies", (PyCFunction)(void (*)(void))tc_copies, METH_FASTCALL, "copies(capsules, stream) -> status"},
+    {"make_batch", tc_make_batch, METH_VARARGS, "make_batch(dsts, srcs, sizes) -> capsule"},
+    {"batch", (PyCFunction)(void (*)(void))tc_batch, METH_FASTCALL, "batch(capsule, stream) -> status"},
     {"record", (PyCFunction)(void (*)(void))tc_record, METH_FASTCALL, "record(event, stream) -> status"},
     {"wait_event", (PyCFunction)(void (*)(void))tc_wait_event, METH_FASTCALL, "wait_event(stream, event) -> status"},
     {"context", (PyCFunction)(void (*)(void))tc_context, METH_FASTCALL, "context(ordinal) -> status"},

@@ -2,9 +2,9 @@
 
 The C kernel (built by setup.py as an optional extension, loaded with ctypes) walks every span, layer,
 token, head and plane and copies whole rows with streaming stores (64-byte ones where the CPU has
-AVX-512F; ``memcpy`` where rows are not 16-byte aligned), on up to torch's
-intra-op thread count (an OpenMP team on torch's own libgomp pool takes (span, layer) tasks in turn; a
-forked child copies on its caller's thread); the torch reference path runs instead
+AVX-512F; ``memcpy`` where rows are not 16-byte aligned), a gather prefetching the paged rows 8 KiB
+ahead, on up to torch's intra-op thread count (an OpenMP team on torch's own libgomp pool takes (span,
+layer) tasks in turn; a forked child copies on its caller's thread); the torch reference path runs instead
 when it is missing or ``TIERCACHE_CPU_KERNELS=0``. The kernel checks every slot before it copies
 anything (a bad one: an error code, nothing written); callers validate shapes first.
 """
@@ -37,7 +37,11 @@ _SPAN_FIELDS = 7
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
-_BYTES_PER_THREAD = 8 << 20  # a smaller call runs on the caller's thread alone
+# At most one thread per 64 MiB: a second thread joins a copy within microseconds on an idle core but only
+# after a scheduler slice when the cores are busy (cpu_copy_bench: 7.8-11.6 ms at load 9 on 2 cores), and a
+# call waits for every thread of its team; a one-chunk copy (32 MiB for Llama-8B, ~1.8 ms on one thread) can
+# gain at most ~0.6 ms from it, so it runs on the caller's thread (its 2-thread median fell to 5 GB/s).
+_BYTES_PER_THREAD = 64 << 20
 STORES = 2
 """The kernel's stores: 0 cached (``memcpy``), 1 16-byte streaming, 2 the widest streaming stores the CPU
 has (the default: fastest measured, ``vs_lmcache.py cpu``); tests set the others to cover every path."""
@@ -196,5 +200,5 @@ def host_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
 
 
 def threads(nbytes: int) -> int:
-    """Threads for a copy of ``nbytes``: torch's intra-op count, at most one per 8 MiB."""
+    """Threads for a copy of ``nbytes``: torch's intra-op count, at most one per 64 MiB."""
     return max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_THREAD))

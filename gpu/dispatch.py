@@ -4,7 +4,9 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 
 - KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
   one pre-bound launch plus, unless trusted, the wait for its slot flags.
-- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool): from ``PIECED_MIN_BYTES`` to
+- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool), slots on the host: 2D copies on
+  the copy engines, no kernel (``tiercache.gpu.copy_engine``), as ``HOST_PATH`` picks.
+- Otherwise, KV on CUDA, objects in pinned host memory: from ``PIECED_MIN_BYTES`` to
   ``PIECED_MAX_BYTES``, staged in layer pieces with every step issued to the driver
   (``tiercache.gpu.layer_pieces``); below that one launch that reads / writes them in place over the bus;
   above it (or without the launch extension, or with slot checks on the host, from ``ZERO_COPY_BYTES``)
@@ -32,12 +34,13 @@ from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     from tiercache.gpu import transfer
+    from tiercache.gpu.copy_engine import CopyMove
     from tiercache.gpu.layer_pieces import PiecedMove
     from tiercache.gpu.triton_kernels import BoundMove
 
     KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-__all__ = ["gather", "kernels_enabled", "scatter"]
+__all__ = ["gather", "host_path", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
 # Moves into / out of pinned host memory from PIECED_MIN_BYTES to PIECED_MAX_BYTES are staged in layer pieces
@@ -51,6 +54,17 @@ _TRITON_OK: bool | None = None
 ZERO_COPY_BYTES = 64 << 20
 PIECED_MIN_BYTES = 16 << 20  # the H200: over the bus ahead below 16 MiB, pieces ahead from 32 MiB
 PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger than the pipeline's groups
+# Which path moves KV to and from pinned host objects: "copy_engine" (tiercache.gpu.copy_engine: DMA only,
+# where it applies), "kernel" (the kernel paths above) or "auto": the copy engines where the slots are on the
+# host, a token's plane row is contiguous and the move's contiguous pieces average COPY_ENGINE_MIN_ROW_BYTES,
+# the kernel paths otherwise. On an H100 beside a model's matmuls (gpu_overlap_h100.json), 2D copies of 8 MiB
+# (block runs of 128 tokens at Llama-8B's shape) moved KV at 0.79-0.96 of the pinned ceiling with the model
+# 0.8-2.0 % slower, where the staged kernel paths cost it 1.7-4.3 %; copies of 1 MiB fell to 0.49-0.56, and
+# vLLM's [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.17-0.19 alone. Read from
+# TIERCACHE_GPU_HOST_PATH at import.
+HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
+_HOST_PATHS = ("auto", "copy_engine", "kernel")
+COPY_ENGINE_MIN_ROW_BYTES = 256 << 10
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
@@ -133,20 +147,41 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
     return n
 
 
+def host_path() -> str:
+    """The ``HOST_PATH`` setting, checked: ``auto``, ``copy_engine`` or ``kernel``."""
+    if HOST_PATH not in _HOST_PATHS:
+        raise ValueError(
+            f"TIERCACHE_GPU_HOST_PATH must be one of {', '.join(_HOST_PATHS)}, not {HOST_PATH!r}"
+        )
+    return HOST_PATH
+
+
 def _host_move(
     kv_caches: KVCaches, move: Move, xfer: transfer.Transfer, nbytes: int
-) -> PiecedMove | BoundMove | None:
-    """The prepared run of a move of ``nbytes`` to or from pinned objects: staged in layer pieces from
-    ``PIECED_MIN_BYTES`` to ``PIECED_MAX_BYTES`` (where the launch extension can issue the copies), else up
-    to ``ZERO_COPY_BYTES`` one kernel over the bus; None for the object-group pipeline."""
-    from tiercache.gpu import layer_pieces
+) -> CopyMove | PiecedMove | BoundMove | None:
+    """The prepared run of a move of ``nbytes`` to or from pinned objects: on the copy engines where they
+    take it (``host_path``; ``auto``: pieces of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average), else
+    staged in layer pieces from ``PIECED_MIN_BYTES`` to ``PIECED_MAX_BYTES`` (where the launch extension can
+    issue the copies), else up to ``ZERO_COPY_BYTES`` one kernel over the bus; None for the object-group
+    pipeline."""
+    from tiercache.gpu import copy_engine, layer_pieces
     from tiercache.gpu import triton_kernels as tk
 
+    choice = host_path()
+    if choice != "kernel":
+        ce = copy_engine.prepare(kv_caches, move)
+        if ce is not None and (choice == "copy_engine" or _copy_engine_ahead(ce)):
+            return ce
     if PIECED_MIN_BYTES <= nbytes <= PIECED_MAX_BYTES:
         pieced = layer_pieces.prepare(kv_caches, move, xfer)
         if pieced is not None:
             return pieced
     return tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
+
+
+def _copy_engine_ahead(ce: CopyMove) -> bool:
+    """``auto``'s pick: contiguous token rows, pieces of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average."""
+    return ce.geo.contiguous and ce.mean_row_bytes >= COPY_ENGINE_MIN_ROW_BYTES
 
 
 def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:

@@ -582,9 +582,23 @@ def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, torch.Tens
     offs = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
     if not bool(((body == firsts[:, None] + offs) & (firsts[:, None] >= 0)).all()):
         return None
-    if int(firsts[0]) % block_size:
+    if bool((firsts % block_size).any()):  # every run starts a block (41, 42 with block size 2 is none)
         return None
     return k0, firsts // block_size
+
+
+def _split_blocks(
+    slots: torch.Tensor, block_size: int
+) -> tuple[tuple[int, torch.Tensor] | None, list[tuple[int, int]]]:
+    """``_whole_blocks`` of ``slots`` and the non-empty token ranges ``[a, b)`` left to move by rows (all of
+    them when there is no whole block)."""
+    t = slots.numel()
+    found = _whole_blocks(slots, block_size)
+    if found is None:
+        return None, [(0, t)] if t else []
+    k0, blocks = found
+    k1 = k0 + blocks.numel() * block_size
+    return found, [(a, b) for a, b in ((0, k0), (k1, t)) if a < b]
 
 
 def _block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -634,20 +648,14 @@ def _gather_tokens(
     layers: range, kv: Sequence[torch.Tensor], layout: PagedLayout, slots: torch.Tensor, stage: torch.Tensor
 ) -> None:
     """Token-layout gather of one span into ``stage``: whole blocks per layer in one op, the ends by rows."""
-    found = _whole_blocks(slots, layout.block_size)
-    t = slots.numel()
-    parts = [(0, t)]
+    found, parts = _split_blocks(slots, layout.block_size)
     if found is not None:
         k0, blocks = found
         nb = blocks.numel()
-        k1 = k0 + nb * layout.block_size
-        parts = [(0, k0), (k1, t)]
         for j, layer in enumerate(layers):
             lw, ow = _widened_pair(kv[layer], stage, layout)
             torch.index_select(_paged5(lw, layout), 1, blocks, out=_object5(ow, layout, j, k0, nb))
     for a, b in parts:
-        if a == b:
-            continue
         rows = _Rows(slots[a:b], layout.block_size, layout.num_kv_heads)
         for j, layer in enumerate(layers):
             src_planes = _planes(_bits(kv[layer]), layout)
@@ -678,14 +686,10 @@ def _scatter_tokens(
             for dst, src in zip(dst_planes, _obj_planes(src_obj, layout, j), strict=True):
                 _write_rows(dst, kept, src.index_select(0, sel))
         return n_keep
-    found = _whole_blocks(slots, layout.block_size)
-    t = slots.numel()
-    parts = [(0, t)]
+    found, parts = _split_blocks(slots, layout.block_size)
     if found is not None:
         k0, blocks = found
         nb = blocks.numel()
-        k1 = k0 + nb * layout.block_size
-        parts = [(0, k0), (k1, t)]
         runs = _block_runs(blocks.tolist())
         for j, layer in enumerate(layers):
             lw, ow = _widened_pair(kv[layer], src_obj, layout)
@@ -693,8 +697,6 @@ def _scatter_tokens(
             for i, b, n in runs:
                 paged[:, b : b + n].copy_(src[:, i : i + n])
     for a, b in parts:
-        if a == b:
-            continue
         rows = _Rows(slots[a:b], layout.block_size, layout.num_kv_heads)
         for j, layer in enumerate(layers):
             dst_planes = _planes(_bits(kv[layer]), layout)

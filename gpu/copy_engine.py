@@ -1,0 +1,396 @@
+# mypy: disable-error-code="no-untyped-call"
+"""Moves between CUDA paged KV and pinned host objects on the copy engines alone: no kernel, so a model
+running beside them keeps every SM.
+
+A move becomes 2D copies (``plan``), per run of tokens whose KV follows at the token pitch (consecutive
+slots of a block, or of blocks that follow each other). Where a token's row of a plane is contiguous
+(``VLLM_LEGACY``, ``VLLM_MLA``): one copy per run and plane, its rows the move's layers, when the layer
+tensors lie at one pitch in device memory (``layer_rows``), else one per run and layer, its rows the planes
+(K and V, or the MLA latent). Where it is one piece per head (``VLLM_FLASH`` on vLLM's NHD allocation, K
+and V of a head side by side): one copy per run, plane and layer, its rows the heads of the run's tokens. It
+needs the slots on the host (a CPU slot mapping or ``host_slots``: where the copies go is known before they
+are issued), the launch extension (``gpu/_launch.c``) to issue them, and contiguous objects in pinned host
+memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D copy of a single batch
+(``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse): measured slower than
+the 2D copies beside a model on an H100 (``gpu_overlap_h100.json``), so not the default. ``prepare`` returns
+None where the path does not apply. Slots are checked on the host before anything moves (``ValueError`` as
+the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves slots < 0 alone.
+``run_on_host`` carries out a plan with ``memmove`` on CPU tensors: the CPU reference of the address
+arithmetic that tests hold against ``tiercache.gpu.reference``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from tiercache.gpu.layouts import LayoutKind, layer_tensors
+from tiercache.gpu.move import Move
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
+
+    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+__all__ = [
+    "Copy2D",
+    "CopyMove",
+    "Geometry",
+    "batches_supported",
+    "flat_copies",
+    "geometry",
+    "plan",
+    "prepare",
+    "run_on_host",
+]
+
+
+class Copy2D(NamedTuple):
+    """``height`` rows of ``width`` bytes between the paged KV (from ``kv``, rows ``kv_pitch`` apart) and an
+    object (from ``obj``, rows ``obj_pitch`` apart); addresses in bytes."""
+
+    kv: int
+    kv_pitch: int
+    obj: int
+    obj_pitch: int
+    width: int
+    height: int
+
+
+class Geometry(NamedTuple):
+    """Where a token's rows lie in the paged KV, in bytes: each layer tensor's base, the planes and their
+    distance, the distance of the blocks and of the tokens of a block, one plane's row of a token in an object
+    (all heads), how it lies in the KV (``pieces`` pieces of ``piece`` bytes, ``piece_pitch`` apart: one piece
+    where it is contiguous, one per head in vLLM's ``[NB, BS, H, K|V]`` allocation), the blocks' size in
+    tokens, the slots, and the pitch of the layer tensors (None unless every layer lies at one pitch)."""
+
+    bases: tuple[int, ...]
+    planes: int
+    plane_stride: int
+    block_stride: int
+    token_stride: int
+    row: int
+    pieces: int
+    piece: int
+    piece_pitch: int
+    block_size: int
+    n_slots: int
+    layer_pitch: int | None
+
+    @property
+    def contiguous(self) -> bool:
+        """True when a token's plane row is one run of bytes and the tokens of a block follow each other."""
+        return self.pieces == 1 and self.token_stride == self.row
+
+
+def geometry(kv_caches: KVCaches, move: Move) -> Geometry | None:
+    """The ``Geometry`` of ``move``'s layout on ``kv_caches``, or None where the layers differ in shape, dtype
+    or strides, or a token's plane row is not whole heads at one pitch with the tokens of a block at that
+    pitch times the heads (``CPU_BLOCKS``, vLLM's HND allocation)."""
+    layout = move.layout
+    layers = layer_tensors(kv_caches)
+    if len(layers) != layout.num_layers or layout.kind is LayoutKind.CPU_BLOCKS:
+        return None
+    first = layers[0]
+    if any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype for t in layers):
+        return None
+    e = first.element_size()
+    st = [x * e for x in first.stride()]
+    h, d = layout.num_kv_heads, layout.head_dim
+    row = h * d * e
+    if layout.kind is LayoutKind.VLLM_LEGACY:  # [2, NB, BS, H, D]: heads back to back
+        if st[4] != e or (h > 1 and st[3] != d * e):
+            return None
+        planes, plane, block, token, nb = 2, st[0], st[1], st[2], first.shape[1]
+        pieces, piece, piece_pitch = 1, row, token
+    elif layout.kind is LayoutKind.VLLM_MLA:  # [NB, 1, BS, C]
+        if st[3] != e:
+            return None
+        planes, plane, block, token, nb = 1, 0, st[0], st[2], first.shape[0]
+        pieces, piece, piece_pitch = 1, row, token
+    else:  # VLLM_FLASH [NB, H, BS, 2D]: per head K then V
+        if st[3] != e or (h > 1 and st[2] != h * st[1]):
+            return None
+        planes, plane, block, token, nb = 2, d * e, st[0], st[2], first.shape[0]
+        pieces, piece, piece_pitch = h, d * e, st[1] if h > 1 else token
+    bases = tuple(t.data_ptr() for t in layers)
+    span = bases[move.layers.start : move.layers.stop]
+    pitch: int | None = None
+    if len(span) > 1:
+        steps = {b - a for a, b in itertools.pairwise(span)}
+        if len(steps) == 1 and (p := steps.pop()) >= row:
+            pitch = p
+    return Geometry(
+        bases,
+        planes,
+        plane,
+        block,
+        token,
+        row,
+        pieces,
+        piece,
+        piece_pitch,
+        layout.block_size,
+        nb * layout.block_size,
+        pitch,
+    )
+
+
+def plan(
+    geo: Geometry, move: Move, slots: npt.NDArray[np.int64], *, layer_rows: bool = True
+) -> tuple[list[Copy2D], int]:
+    """The copies of ``move`` (``slots``: its slot mapping on the host) and the tokens a scatter writes per
+    layer. A run is tokens whose KV follows at the token pitch. Contiguous rows: one copy per run and plane
+    with the layers as rows where ``layer_rows`` and the layers lie at one pitch (and more layers than planes
+    move), else one per run and layer with the planes as rows. Rows in pieces: one copy per run, plane and
+    layer with the pieces as rows. ``ValueError`` for a slot past the paged KV and a gather's slot < 0,
+    before any copy is made."""
+    layers = move.layers
+    nl = len(layers)
+    pitch = geo.layer_pitch if layer_rows and nl > geo.planes else None
+    row, bs = geo.row, geo.block_size
+    copies: list[Copy2D] = []
+    count = 0
+    for (s, e), k, obj in zip(move.spans, move.span_skips, move.objects, strict=True):
+        sl = slots[s + k : e]
+        if not sl.size:
+            continue
+        if int(sl.max()) >= geo.n_slots:
+            raise ValueError(f"slot {int(sl.max())} outside the paged KV of {geo.n_slots} slots")
+        neg = sl < 0
+        if not move.is_scatter and neg.any():
+            raise ValueError(f"span {(s, e)} has slots < 0: a token without KV cannot be stored")
+        off = (sl // bs) * geo.block_stride + (sl % bs) * geo.token_stride
+        cut = np.ones(sl.size, dtype=bool)
+        cut[1:] = (off[1:] != off[:-1] + geo.token_stride) | neg[1:] | neg[:-1]
+        starts = np.flatnonzero(cut)
+        ends = np.append(starts[1:], sl.size)
+        keep = ~neg[starts]
+        count += int(sl.size - neg.sum())
+        t, base = e - s, obj.data_ptr()
+        for a, z in zip(starts[keep].tolist(), ends[keep].tolist(), strict=True):
+            width, kv_off, at = (z - a) * row, int(off[a]), (k + a) * row
+            if not geo.contiguous:  # rows of pieces: a copy per plane and layer
+                height = (z - a) * geo.pieces
+                for p in range(geo.planes):
+                    for j, layer in enumerate(layers):
+                        kv = geo.bases[layer] + p * geo.plane_stride + kv_off
+                        obj_at = base + (p * nl + j) * t * row + at
+                        copies.append(Copy2D(kv, geo.piece_pitch, obj_at, geo.piece, geo.piece, height))
+            elif pitch is not None and width <= pitch:
+                for p in range(geo.planes):
+                    kv = geo.bases[layers.start] + p * geo.plane_stride + kv_off
+                    copies.append(Copy2D(kv, pitch, base + p * nl * t * row + at, t * row, width, nl))
+            elif geo.planes == 1 or geo.plane_stride >= width:
+                kv_pitch = geo.plane_stride if geo.planes > 1 else width
+                obj_pitch = nl * t * row if geo.planes > 1 else width
+                for j, layer in enumerate(layers):
+                    kv = geo.bases[layer] + kv_off
+                    copies.append(Copy2D(kv, kv_pitch, base + j * t * row + at, obj_pitch, width, geo.planes))
+            else:  # planes closer than the run is long: a copy per plane and layer
+                for p in range(geo.planes):
+                    for j, layer in enumerate(layers):
+                        kv = geo.bases[layer] + p * geo.plane_stride + kv_off
+                        obj_at = base + (p * nl + j) * t * row + at
+                        copies.append(Copy2D(kv, width, obj_at, width, width, 1))
+    return copies, count
+
+
+def run_on_host(copies: Sequence[Copy2D], *, to_kv: bool) -> None:
+    """Carry out ``copies`` between CPU tensors (``memmove`` per row): the CPU reference of a plan."""
+    for c in copies:
+        for r in range(c.height):
+            kv, obj = c.kv + r * c.kv_pitch, c.obj + r * c.obj_pitch
+            dst, src = (kv, obj) if to_kv else (obj, kv)
+            ctypes.memmove(dst, src, c.width)
+
+
+def _host_slot_array(move: Move) -> npt.NDArray[np.int64] | None:
+    """The move's slot mapping as int64 on the host (a view where it already is), or None if it is only on
+    the device."""
+    src = move.host_slots if move.host_slots is not None else move.slot_mapping
+    if src.device.type != "cpu":
+        return None
+    arr = src.numpy()
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+
+
+def flat_copies(copies: Sequence[Copy2D]) -> tuple[npt.NDArray[np.uint64], ...]:
+    """Every row of ``copies`` as a 1D copy: (KV addresses, object addresses, sizes), uint64 arrays."""
+    if not copies:
+        return tuple(np.empty(0, dtype=np.uint64) for _ in range(3))
+    c = np.array(copies, dtype=np.uint64)  # columns as Copy2D's fields
+    rows = c[:, 5].astype(np.int64)
+    r = np.arange(int(rows.sum()), dtype=np.uint64) - np.repeat(np.cumsum(rows) - rows, rows).astype(
+        np.uint64
+    )
+    kv = np.repeat(c[:, 0], rows) + r * np.repeat(c[:, 1], rows)
+    obj = np.repeat(c[:, 2], rows) + r * np.repeat(c[:, 3], rows)
+    return kv, obj, np.repeat(c[:, 4], rows)
+
+
+class CopyMove:
+    """A move prepared as copy-engine copies (``prepare``); ``run`` issues them on the current stream and
+    returns once they are done. Planned again when the host slots changed since the last run. ``batched``:
+    every row of the plan as one copy of one batch (the driver's ``cuMemcpyBatchAsync``, copy engines
+    preferred) instead of one 2D copy each."""
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        move: Move,
+        geo: Geometry,
+        index: int,
+        layer_rows: bool,
+        nat: Any,
+        batched: bool,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layers = tuple(layer_tensors(kv_caches))
+        self.move = move
+        self.geo = geo
+        self.index = index
+        self.layer_rows = layer_rows
+        self.nat = nat
+        self.batched = batched
+        self.slots: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self.handles: list[Any] = []
+        self.batch: Any = None
+        self.copies: list[Copy2D] = []
+        self.issued = 0
+        self.count = 0
+        self.replan()
+
+    def replan(self) -> None:
+        """Plan the copies for the move's current host slots and make the extension's copy handles."""
+        slots = _host_slot_array(self.move)
+        assert slots is not None
+        self.copies, self.count = plan(self.geo, self.move, slots, layer_rows=self.layer_rows)
+        to_kv = self.move.is_scatter
+        self.handles, self.batch = [], None
+        if self.batched:
+            kv, obj, size = flat_copies(self.copies)
+            order = np.argsort(obj, kind="stable")  # host memory in address order
+            kv, obj, size = kv[order], obj[order], size[order]
+            dst, src = (kv, obj) if to_kv else (obj, kv)
+            self.batch = (
+                self.nat.make_batch(dst.tobytes(), src.tobytes(), size.tobytes()) if len(size) else None
+            )
+            self.issued = len(size)
+        else:
+            self._make_handles()
+            self.issued = len(self.handles)
+        self.slots = slots.copy()
+
+    def _make_handles(self) -> None:
+        """The extension's 2D copy handles of the plan."""
+        make, to_kv = self.nat.make_copy, self.move.is_scatter
+        self.handles = [
+            make(c.kv, True, c.kv_pitch, c.obj, False, c.obj_pitch, c.width, c.height)
+            if to_kv
+            else make(c.obj, False, c.obj_pitch, c.kv, True, c.kv_pitch, c.width, c.height)
+            for c in self.copies
+        ]
+
+    @property
+    def mean_copy_bytes(self) -> float:
+        """Bytes per copy issued by the current plan (0 for a move with nothing to copy)."""
+        return sum(c.width * c.height for c in self.copies) / self.issued if self.issued else 0.0
+
+    @property
+    def mean_row_bytes(self) -> float:
+        """Bytes per contiguous piece (a row of a 2D copy) of the current plan: what the copy engines' speed
+        follows (0 for a move with nothing to copy)."""
+        rows = sum(c.height for c in self.copies)
+        return sum(c.width * c.height for c in self.copies) / rows if rows else 0.0
+
+    def valid_for(self, kv_caches: KVCaches) -> bool:
+        """True while ``kv_caches`` holds the layer tensors prepared for, at the same addresses."""
+        if kv_caches is not self.kv_caches:
+            return False
+        layers = layer_tensors(kv_caches)
+        return len(layers) == len(self.layers) and all(
+            a is b and a.data_ptr() == base
+            for a, b, base in zip(layers, self.layers, self.geo.bases, strict=True)
+        )
+
+    def run(self) -> int:
+        """Issue the copies on the current stream and wait for them: the tokens written per layer (a gather's
+        count is unused). ``ValueError`` for bad slots (nothing moved)."""
+        import torch
+
+        slots = _host_slot_array(self.move)
+        if slots is None or not np.array_equal(slots, self.slots):
+            self.replan()
+        nat = self.nat
+        _check(nat.context(self.index))
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        if self.batch is not None and stream != 0:
+            _check(nat.batch(self.batch, stream))
+            _check(nat.sync(stream))
+            return self.count
+        if self.copies and not self.handles:  # batched, on the legacy default stream, which batches refuse
+            self._make_handles()
+        if getattr(nat, "copies", None) is not None:
+            _check(nat.copies(self.handles, stream))
+        else:  # an extension built before copies()
+            for h in self.handles:
+                _check(nat.copy(h, stream))
+        _check(nat.sync(stream))
+        return self.count
+
+
+def batches_supported(nat: Any) -> bool:
+    """True when the extension and the driver can issue batched copies (``cuMemcpyBatchAsync``)."""
+    global _BATCHES
+    if _BATCHES is None:
+        one = np.ones(1, dtype=np.uint64).tobytes()
+        try:
+            _BATCHES = hasattr(nat, "make_batch") and nat.make_batch(one, one, one) is not None
+        except OSError:
+            _BATCHES = False
+    return _BATCHES
+
+
+_BATCHES: bool | None = None
+
+
+def prepare(
+    kv_caches: KVCaches,
+    move: Move,
+    *,
+    layer_rows: bool = True,
+    batched: bool = False,
+    checked_pinned: bool = False,
+) -> CopyMove | None:
+    """The ``CopyMove`` of ``move`` (CUDA KV, pinned host objects), or None where the copy engines cannot
+    take it (see the module docstring). ``batched``: one batch of 1D copies instead of 2D copies (None where
+    the driver has no batched copies). ``ValueError`` for bad slots.
+    ``checked_pinned``: the caller knows the objects are pinned."""
+    from tiercache.gpu import launch
+    from tiercache.gpu import triton_kernels as tk
+
+    nat = launch.native_copies()
+    if nat is None or move.fp8 or not move.objects or _host_slot_array(move) is None:
+        return None
+    if any(o.is_cuda or not o.is_contiguous() for o in move.objects):
+        return None
+    if not checked_pinned and not tk.pinned_objects(move.objects):
+        return None
+    geo = geometry(kv_caches, move)
+    if geo is None:
+        return None
+    if batched and not batches_supported(nat):
+        return None
+    index = layer_tensors(kv_caches)[0].device.index or 0
+    return CopyMove(kv_caches, move, geo, index, layer_rows, nat, batched)
+
+
+def _check(status: int) -> None:
+    if status:
+        raise RuntimeError(f"CUDA driver call failed with status {status}")
