@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,22 +125,32 @@ def chunk_infos(
     int_hashes: bool = True,
 ) -> list[ChunkInfo | None]:
     """One :class:`ChunkInfo` per token span ``(start, end)`` of a request: the whole vLLM blocks inside it
-    (None where it holds none, or its first block does not start on a block boundary)."""
+    (None where it holds none, or its first block does not start on a block boundary). Token ids of a list
+    whose first is a Python int are taken as they are; any other sequence's are converted with ``int``."""
+    spans = list(spans)
+    count = len(block_hashes)
+    bounds = [
+        (start // block_size, min(end // block_size, count), start % block_size) for start, end in spans
+    ]
+    wanted = [(first, last) for first, last, off in bounds if not off and last > first]
+    if not wanted:
+        return [None] * len(spans)
+    base = max(min(first for first, _ in wanted) - 1, 0)  # the first block's parent too
+    top = max(last for _, last in wanted)
+    if int_hashes:  # each block converted once, however many spans share it
+        ext: list[BlockHash] = [int.from_bytes(h, "big") & _LOW64 for h in block_hashes[base:top]]
+    else:
+        ext = [bytes(h) for h in block_hashes[base:top]]
+    plain = isinstance(tokens, list | tuple) and bool(tokens) and type(tokens[0]) is int
     out: list[ChunkInfo | None] = []
-    for start, end in spans:
-        first, last = start // block_size, min(end // block_size, len(block_hashes))
-        if start % block_size or last <= first:
+    for first, last, off in bounds:
+        if off or last <= first:
             out.append(None)
             continue
-        if int_hashes:
-            hashes: tuple[BlockHash, ...] = tuple(
-                int.from_bytes(h, "big") & _LOW64 for h in block_hashes[first:last]
-            )
-        else:
-            hashes = tuple(bytes(h) for h in block_hashes[first:last])
-        parent = external_hash(block_hashes[first - 1], int_hashes) if first else None
-        toks = tuple(map(int, tokens[first * block_size : last * block_size]))
-        out.append(ChunkInfo(hashes, parent, toks, block_size, lora_name))
+        parent = ext[first - 1 - base] if first else None
+        span = tokens[first * block_size : last * block_size]
+        toks = tuple(span) if plain else tuple(map(int, span))
+        out.append(ChunkInfo(tuple(ext[first - base : last - base]), parent, toks, block_size, lora_name))
     return out
 
 
@@ -175,7 +185,7 @@ class EventSink:
         self._lock = threading.Lock()
         self._info: OrderedDict[str, ChunkInfo] = OrderedDict()
         self._held: dict[str, dict[str, None]] = {}  # tier -> keys it holds (insertion-ordered set)
-        self._counts: Counter[tuple[BlockHash, str]] = Counter()
+        self._counts: dict[str, dict[BlockHash, int]] = {}  # medium -> block -> keys holding it there
         self._queue: list[Event] = []
         self.lost = 0
         """Held keys forgotten past ``max_described`` or ``max_held``."""
@@ -214,12 +224,24 @@ class EventSink:
         spans: Sequence[tuple[int, int]],
         lora_name: str | None = None,
     ) -> None:
-        """:meth:`describe` the keys of a request's token ``spans`` from its vLLM block hashes."""
-        if self.emit:
-            infos = chunk_infos(
-                tokens, block_hashes, block_size, spans, lora_name=lora_name, int_hashes=self.int_hashes
-            )
-            self.describe(keys, infos)
+        """:meth:`describe` the keys of a request's token ``spans`` from its vLLM block hashes (keys already
+        described are only marked recently used: a key names its blocks, so their description is the same)."""
+        if not self.emit:
+            return
+        known = self._info
+        new = [i for i, key in enumerate(keys) if key not in known]
+        if len(new) < len(keys):
+            with self._lock:
+                for key in keys:
+                    if key in known:
+                        known.move_to_end(key)
+            if not new:
+                return
+            keys, spans = [keys[i] for i in new], [spans[i] for i in new]
+        infos = chunk_infos(
+            tokens, block_hashes, block_size, spans, lora_name=lora_name, int_hashes=self.int_hashes
+        )
+        self.describe(keys, infos)
 
     def on_tier(self, tier: str, kind: str, keys: Sequence[str]) -> None:
         """``tier`` now holds (``kind == "stored"``) or no longer holds (any other kind) ``keys``."""
@@ -247,8 +269,9 @@ class EventSink:
 
     def attach(self, manager: StorageManager) -> Callable[[], None]:
         """Follow ``manager``'s L1 (a local one: a server's shared L1 is the server's to announce), its L2
-        stores, and the evictions and deletes of the L2 adapters that report them (file, nvme+slab);
-        returns a function that stops following."""
+        stores, the evictions and deletes of the L2 adapters that report them (file, nvme+slab) and, when
+        emitting, the expiries of those that announce them (Redis/Valkey with a ttl); returns a function
+        that stops following."""
         removers: list[Callable[[], None]] = []
         add_listener = getattr(manager.l1, "add_listener", None)
         if callable(add_listener):
@@ -257,6 +280,9 @@ class EventSink:
             add_tier_listener = getattr(tier.adapter, "add_listener", None)
             if callable(add_tier_listener):
                 removers.append(add_tier_listener(functools.partial(self.on_tier, tier.name)))
+            add_expiry_listener = getattr(tier.adapter, "add_expiry_listener", None)
+            if self.emit and callable(add_expiry_listener):  # a subscription to the backend: only for events
+                removers.append(add_expiry_listener(functools.partial(self.on_tier, tier.name)))
         manager.store.listeners.append(self.on_tier)
 
         def detach() -> None:
@@ -292,25 +318,40 @@ class EventSink:
 
     # ----- internals (lock held) ---------------------------------------------------------------------
     def _count(self, key: str, medium: str, delta: int, *, silent: bool = False) -> None:
-        """Count ``key``'s blocks on ``medium`` up or down by ``delta``; queue those that appear or go."""
+        """Count ``key``'s blocks on ``medium`` up (``delta`` 1) or down (-1); queue those that appear or
+        go."""
         info = self._info.get(key)
         if info is None:
             return
-        counts = self._counts
-        changed: list[int] = []  # indexes into info.block_hashes
-        for i, h in enumerate(info.block_hashes):
-            slot = (h, medium)
-            before = counts[slot]
-            after = before + delta
-            if after > 0:
-                counts[slot] = after
-            else:
-                del counts[slot]
-            if (before > 0) != (after > 0):
-                changed.append(i)
+        counts = self._counts.get(medium)
+        if counts is None:
+            counts = self._counts[medium] = {}
+        hashes = info.block_hashes
+        changed: list[int] = []  # indexes into hashes of the blocks that appear or go on this medium
+        get = counts.get
+        if delta > 0:
+            for i, h in enumerate(hashes):
+                before = get(h, 0)
+                counts[h] = before + 1
+                if not before:
+                    changed.append(i)
+        else:
+            for i, h in enumerate(hashes):
+                before = get(h, 0)
+                if before > 1:
+                    counts[h] = before - 1
+                elif before == 1:
+                    del counts[h]
+                    changed.append(i)
         if not changed or not self.emit or silent:
             return
-        hashes = info.block_hashes
+        if len(changed) == len(hashes):  # the whole chunk (the usual case): its own tuples, no copies
+            if delta < 0:
+                self._queue.append(Removed(hashes, medium))
+            else:
+                size = info.block_size
+                self._queue.append(Stored(hashes, info.parent, info.token_ids, size, medium, info.lora_name))
+            return
         if delta < 0:
             self._queue.append(Removed(tuple(hashes[i] for i in changed), medium))
             return

@@ -274,9 +274,14 @@ class BlockHashes:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
 
 
-def _token_bytes(tokens: object) -> tuple[memoryview, int]:
-    """Token ids as uint32 little-endian bytes and their count; ValueError for ids outside [0, 2**32)."""
-    if isinstance(tokens, list | tuple):
+_NATIVE_WORDS = array.array("I").itemsize == _TOKEN_BYTES and sys.byteorder == "little"
+"""array('I') is uint32 little-endian here: a list of ids packs straight into the hashed layout."""
+
+
+def _token_words(tokens: object) -> tuple[memoryview | array.array[int], int]:
+    """Token ids as a buffer of uint32 little-endian words (sliced by token, not byte) and their count;
+    ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, (list, tuple)) and _NATIVE_WORDS:
         # array('I') converts a list of ints faster than any numpy route (vLLM hands over lists).
         try:
             packed = array.array("I", tokens)
@@ -284,19 +289,15 @@ def _token_bytes(tokens: object) -> tuple[memoryview, int]:
             raise ValueError("token ids must lie in [0, 2**32)") from None
         except TypeError:
             raise ValueError("token ids must be integers") from None
-        if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - platforms with a 2-byte unsigned int
-            return _array_bytes(tokens)
-        if sys.byteorder == "big":  # pragma: no cover
-            packed.byteswap()
-        return memoryview(packed).cast("B"), len(packed)
-    return _array_bytes(tokens)
+        return packed, len(packed)
+    return _array_words(tokens)
 
 
-def _array_bytes(tokens: object) -> tuple[memoryview, int]:
+def _array_words(tokens: object) -> tuple[memoryview, int]:
     import numpy as np
 
     arr = _token_array(tokens)
-    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B"), int(arr.size)
+    return np.ascontiguousarray(arr, dtype="<u4").data, int(arr.size)
 
 
 def _token_array(tokens: object) -> npt.NDArray[np.integer[Any]]:
@@ -360,6 +361,7 @@ class TokenDatabase:
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
         self._block_hasher = hashlib.sha256(_BLOCK_TAG + keyspace.digest)
+        self._chain_start = hashlib.sha256(bytes(_HASH_BYTES) + keyspace.digest)
         self._key_prefix = f"tc{keyspace.key_format_version}.{keyspace.digest_hex}."
 
     @property
@@ -381,14 +383,14 @@ class TokenDatabase:
         if block_hashes is None and identity is None:
             if not isinstance(tokens, list | tuple):  # arrays and tensors: cast straight into the layout
                 return self._array_chain(_token_array(tokens))
-            data, num_tokens = _token_bytes(tokens)
+            data, num_tokens = _token_words(tokens)
             return self._token_chain(data, num_tokens, self._keyed(num_tokens))
         num_tokens = len(tokens)  # type: ignore[arg-type]
         keyed = self._keyed(num_tokens)
         derived = self._derivable(block_hashes, num_tokens, keyed)
         # Only the chunks not derived from block hashes need their tokens (no pass over the rest).
         rest = tokens[derived * chunk :] if derived else tokens  # type: ignore[index]
-        data, _ = _token_bytes(rest)
+        data, _ = _token_words(rest)
         return self._mixed_chain(data, num_tokens, keyed, identity, block_hashes, derived)
 
     def _keyed(self, num_tokens: int) -> int:
@@ -398,19 +400,25 @@ class TokenDatabase:
             keyed += 1
         return keyed
 
-    def _token_chain(self, data: memoryview, num_tokens: int, keyed: int) -> list[bytes]:
-        """The plain chain (no identity, no block hashes): one SHA-256 per chunk over the token bytes."""
-        step = self.chunk_size * _TOKEN_BYTES
-        end_byte = num_tokens * _TOKEN_BYTES
+    def _token_chain(self, data: memoryview | array.array[int], num_tokens: int, keyed: int) -> list[bytes]:
+        """The plain chain (no identity, no block hashes): one SHA-256 per chunk over the token words."""
+        if not keyed:
+            return []
+        chunk = self.chunk_size
+        hasher = self._chain_start.copy()  # h_{-1} and the keyspace digest: the same for every prompt
+        if num_tokens <= chunk:  # one chunk (the usual per-call case): no slicing
+            hasher.update(data)
+            return [hasher.digest()]
+        view = memoryview(data)
+        hasher.update(view[:chunk])
+        prev = hasher.digest()
+        out = [prev]
+        append = out.append
         digest = self.keyspace.digest
         sha256 = hashlib.sha256
-        prev = bytes(_HASH_BYTES)
-        out: list[bytes] = []
-        append = out.append
-        for offset in range(0, keyed * step, step):
-            hasher = sha256(prev)
-            hasher.update(digest)
-            hasher.update(data[offset : min(offset + step, end_byte)])
+        for start in range(chunk, keyed * chunk, chunk):
+            hasher = sha256(prev + digest)
+            hasher.update(view[start : start + chunk])
             prev = hasher.digest()
             append(prev)
         return out
@@ -456,7 +464,7 @@ class TokenDatabase:
 
     def _mixed_chain(
         self,
-        data: memoryview,
+        data: memoryview | array.array[int],
         num_tokens: int,
         keyed: int,
         identity: RequestIdentity | None,
@@ -492,6 +500,7 @@ class TokenDatabase:
                 append(hasher.digest())
         prev = out[-1] if out else bytes(_HASH_BYTES)
         base = derived * chunk  # ``data`` starts at this token
+        view = memoryview(data)
         for index in range(derived, keyed):
             start = index * chunk
             end = min(start + chunk, num_tokens)
@@ -500,7 +509,7 @@ class TokenDatabase:
                 prev = sha256(_EXTRAS_TAG + prev + extras).digest()
             hasher = sha256(prev)
             hasher.update(digest)
-            hasher.update(data[(start - base) * _TOKEN_BYTES : (end - base) * _TOKEN_BYTES])
+            hasher.update(view[start - base : end - base])
             prev = hasher.digest()
             out.append(prev)
         return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.gpu.layouts import PagedLayout
-    from tiercache.store.engine import CacheEngine
+    from tiercache.store.engine import CacheEngine, LookupResult
 
 __all__ = [
     "DemoRequest",
@@ -49,7 +48,7 @@ __all__ = [
     "verdict_lines",
 ]
 
-MODEL = "tiercache-demo/toy-4L-2H-64D"
+MODEL = "tiercache-demo/toy-4L-2H-64D-int"  # the integer toy KV (``expected_kv``)
 VOCAB = 32000
 LOCAL_HIT = 288  # tokens a decode request already holds in its own GPU prefix cache (seed §5's example)
 _POISON = 0x5A5A  # bit pattern of never-written paged KV in the decode process (int16 view)
@@ -121,29 +120,44 @@ def demo_requests() -> list[DemoRequest]:
 
 
 # ----- the toy model's KV -----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _tables(layers: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+_MASK32 = 0xFFFFFFFF  # the hash works on 32-bit values: times a multiplier below 2**31 it stays inside int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """32-bit values (int64) scrambled by rounds of xor-shift and odd multiply mod 2**32 (exact, in place)."""
+    for mult in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):
+        x.bitwise_xor_(x >> 15).mul_(mult).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def _bf16_bits(x: torch.Tensor, exponent: int) -> torch.Tensor:
+    """bfloat16 bit patterns (int16) taking the sign and the 9 low bits from ``x`` (2 exponent bits and the
+    mantissa) around the fixed ``exponent`` bits (``0x3E00``: exponents 124..127, magnitudes 1/8 to 2; 0: the
+    taken bits alone, a pattern that flips them and keeps the fixed ones)."""
     import torch
 
-    gen = torch.Generator().manual_seed(1234)
-    embed = torch.randn(VOCAB, width, generator=gen)
-    freqs = torch.rand(width, generator=gen) * 0.1 + 1e-3
-    scale = torch.rand(2, layers, 1, 1, generator=gen) * 2 + 0.5
-    return embed, freqs, scale
+    return (((x & 0x01FF) | exponent) - (x & 0x8000)).to(torch.int16)
 
 
 def expected_kv(tokens: Sequence[int], layout: PagedLayout) -> torch.Tensor:
     """The toy model's KV of ``tokens``: ``[2, L, T, H*D]`` in the layout's dtype, a deterministic function of
-    the token ids, their positions and the prefix before them (never zeros; same in every process)."""
+    the token ids, their positions and the prefix before them (never zero, never the poison pattern).
+
+    Integer arithmetic only, then exact conversions: every process on every CPU computes the same bytes
+    (transcendental float math does not: torch's scalar and vectorized kernels round differently, so a
+    frame stored by a process on another math path would restore as wrong KV)."""
     import torch
 
-    width = layout.num_kv_heads * layout.head_dim
-    embed, freqs, scale = _tables(layout.num_layers, width)
-    ids = torch.tensor(list(tokens), dtype=torch.int64)
-    pos = torch.arange(ids.numel(), dtype=torch.float32)[:, None]
-    prefix = (torch.cumsum(ids, 0) % 997).to(torch.float32)[:, None]  # KV depends on the whole prefix
-    rows = embed[ids] + torch.sin(pos * freqs) + 0.5 * torch.cos(prefix * freqs)  # [T, H*D]
-    kv = rows[None, None] * scale  # [2, L, T, H*D]
+    layers, width = layout.num_layers, layout.num_kv_heads * layout.head_dim
+    ids = torch.tensor(list(tokens), dtype=torch.int64) & _MASK32
+    pos = torch.arange(ids.numel(), dtype=torch.int64)
+    prefix = torch.cumsum(ids, 0) & _MASK32  # KV depends on the whole prefix
+    seed = _mix((_mix((_mix(ids.clone()) + pos) & _MASK32) + prefix) & _MASK32)  # [T]
+    channel = torch.arange(width, dtype=torch.int64)
+    rows = _bf16_bits(_mix((seed[:, None] * 31 + channel) & _MASK32), 0x3E00)  # [T, H*D]
+    # each plane and layer flips its own constant pattern of the random bits (the exponent bits stay)
+    flips = _bf16_bits(_mix(torch.arange(1, 2 * layers * width + 1, dtype=torch.int64)), 0)
+    kv = (rows[None, None] ^ flips.view(2, layers, 1, width)).view(torch.bfloat16)
     return kv.to(getattr(torch, layout.dtype)).contiguous()
 
 
@@ -243,13 +257,36 @@ async def prefill(config: Config) -> dict[str, Any]:
         _progress("prefill", f"L2 stores drained in {time.perf_counter() - started:.2f} s")
     finally:
         await engine.aclose()
-    return {"role": "prefill", "pid": os.getpid(), "requests": rows, "metrics": metrics.render()}
+    dropped = {t.name: _stores_dropped(metrics, t.name) for t in config.tiers}
+    return {
+        "role": "prefill",
+        "pid": os.getpid(),
+        "requests": rows,
+        "stores_dropped": dropped,
+        "metrics": metrics.render(),
+    }
+
+
+def _stores_dropped(metrics: Any, tier: str) -> int:
+    """Stores of ``tier`` that did not land (any ``reason`` of ``tiercache_stores_dropped``)."""
+    from tiercache.metrics import DROP_REASONS
+
+    name = "tiercache_stores_dropped_total"
+    return int(sum(metrics.value(name, tier=tier, reason=reason) for reason in DROP_REASONS))
 
 
 CHECK_BYTES = "bytes"
 CHECK_MASK = "ret_mask"
 CHECK_PAST_END = "blocks past the restored end"
 """The three checks of a restored request, as ``failed_checks`` names them."""
+
+
+def _bad_tokens(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per token of ``got`` (``[2, L, T, H*D]``): whether its KV differs from ``expected``'s (first T)."""
+    import torch
+
+    want = expected[:, :, : got.shape[2]]
+    return (got.view(torch.int16) != want.view(torch.int16)).flatten(3).any(3).any(1).any(0)
 
 
 def _failed_checks(
@@ -275,9 +312,7 @@ def _failed_checks(
     held = int(got.shape[2])
     out: dict[str, str] = {}
     if not kv_ok:
-        bad = (
-            (got.view(torch.int16) != expected[:, :, :held].view(torch.int16)).flatten(3).any(3).any(1).any(0)
-        )
+        bad = _bad_tokens(got, expected)
         first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
         chunk = first // chunk_size
         source = hit_tiers[chunk] if chunk < len(hit_tiers) else "no tier"
@@ -312,6 +347,50 @@ def _failed_checks(
             f"{local}..{restored_end - 1} ({count} entries wrong)"
         )
     return out
+
+
+async def _object_holds(
+    engine: CacheEngine, hit: LookupResult, chunk: int, expected: torch.Tensor, chunk_size: int
+) -> str:
+    """What the object that served ``chunk`` of a failed restore holds now, read again from its tier: the
+    prefill's KV (then the copy into L1 or into the paged KV went wrong) or other bytes (a valid frame that
+    a process computing other KV stored under the same key)."""
+    import torch
+
+    from tiercache.errors import FrameError
+
+    if chunk >= len(hit.tiers):
+        return "no object served that chunk"
+    key, tier = hit.keys[chunk], hit.tiers[chunk]
+    want = expected[:, :, chunk * chunk_size : (chunk + 1) * chunk_size]
+    if tier == engine.l1_tier:
+        what = "its L1 object"
+        lease = engine.manager.l1.acquire(key)
+        if lease is None:
+            return f"{what} is gone now"
+        try:
+            held = lease.obj.tensor().clone()
+        finally:
+            lease.release()
+    else:
+        what = f"its object in {tier}"
+        client = next(t for t in engine.manager.tiers if t.name == tier)
+        try:
+            frame = (await client.adapter.batched_get([key]))[0]
+        except TiercacheError as exc:
+            return f"{what} cannot be read again ({exc})"
+        if frame is None:
+            return f"{what} is gone now"
+        try:
+            held, _ = client.pipeline.decode(frame, key)
+        except FrameError as exc:
+            return f"{what} fails its checks now ({exc})"
+    if held.shape != want.shape:
+        return f"{what} holds {tuple(held.shape)}, not {tuple(want.shape)}"
+    differ = int((held.view(torch.int16) != want.view(torch.int16)).sum())
+    if not differ:
+        return f"{what} holds the prefill's KV (the copy out of it went wrong)"
+    return f"{what} holds other KV ({differ} of {want.numel()} values differ: a valid frame of other bytes)"
 
 
 def _tier_tokens(hit_tiers: Sequence[str], num_tokens: int, chunk_size: int, l1: bool) -> int:
@@ -377,6 +456,10 @@ async def decode(config: Config) -> dict[str, Any]:
                     mask_ok=mask_ok,
                 )
             )
+            if CHECK_BYTES in failed:
+                first = int(_bad_tokens(got, expected).nonzero()[0, 0])
+                held_now = await _object_holds(engine, hit, first // cs, expected, cs)
+                failed[CHECK_BYTES] += f"; {held_now}"
             row = {
                 "name": req.name,
                 "tokens": n,
@@ -574,6 +657,10 @@ def run_demo(
     )
     print(format_table(rows))
     print(f"frames rejected (served as misses): {dec['frames_rejected']:.0f}")
+    dropped = {tier: n for tier, n in pre.get("stores_dropped", {}).items() if n}
+    if dropped:
+        counts = ", ".join(f"{tier} {n}" for tier, n in dropped.items())
+        print(f"prefill stores dropped: {counts} (the decode reads what those tiers held before, or misses)")
     print("\n".join(verdict_lines(rows)))
     if show_metrics:
         print()

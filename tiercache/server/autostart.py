@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -135,14 +135,9 @@ def ensure_private_server(
         sock_path = str(where / SOCKET_NAME)
         if len(sock_path) > _MAX_SOCKET_PATH:
             raise AutostartError(f"socket path {sock_path} is over {_MAX_SOCKET_PATH} bytes; set TMPDIR")
-        try:
-            lock_fd = os.open(where / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            if os.fstat(lock_fd).st_nlink == 0:
-                continue  # the directory was removed while we waited
+        with _instance_lock(where) as held:
+            if not held:
+                continue
             failed = where / FAILED_NAME
             if failed.exists() and not _stale(where):
                 raise AutostartError(
@@ -152,8 +147,6 @@ def ensure_private_server(
                 return sock_path
             _spawn(where, sock_path, slot_bytes, config_path, timeout_s, python)
             return sock_path
-        finally:
-            os.close(lock_fd)
     raise AutostartError(f"the private directory of {instance} kept being removed")
 
 
@@ -424,14 +417,9 @@ class _Keeper:
 def _remove(where: Path, keeper: int) -> None:
     """Remove the private directory and everything in it, under the instance's flock, unless another keeper
     owns it by now (a server that exited by itself was replaced meanwhile)."""
-    try:
-        lock_fd = os.open(where / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    with _instance_lock(where) as held:
         owners = _owners(where)
-        if os.fstat(lock_fd).st_nlink == 0 or (owners and owners[0] != keeper):
+        if not held or (owners and owners[0] != keeper):
             return
         for entry in os.scandir(where):  # the lock file too: a caller waiting on it then takes a fresh one
             if not entry.is_dir(follow_symlinks=False):
@@ -439,6 +427,20 @@ def _remove(where: Path, keeper: int) -> None:
                     os.unlink(entry.path)
         with contextlib.suppress(OSError):
             where.rmdir()
+
+
+@contextlib.contextmanager
+def _instance_lock(where: Path) -> Iterator[bool]:
+    """Hold the instance's flock (its lock file in ``where``) for the block; False when the directory is
+    gone, or was removed while we waited for the lock (take a fresh one)."""
+    try:
+        lock_fd = os.open(where / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        yield False
+        return
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        yield os.fstat(lock_fd).st_nlink != 0
     finally:
         os.close(lock_fd)
 

@@ -36,7 +36,7 @@ from tiercache.server.protocol import (
     meta_spec,
     spec_meta,
 )
-from tiercache.server.segment import PUBLISHED, Geometry, Segment, SlotObject
+from tiercache.server.segment import Geometry, Segment, SlotObject
 from tiercache.store.hits import L1_TIER, TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
 
@@ -278,7 +278,7 @@ class SharedLease:
         conn = self.obj._conn
         if self._released or conn.closed or conn is not self._owner._conn:
             return False
-        return self.obj.seg.slot_state(self.obj.slot) == (self.obj.gen, PUBLISHED)
+        return self.obj.published()
 
     def release(self) -> None:
         """Drop the lease; idempotent and never raises (a lost connection already dropped it)."""

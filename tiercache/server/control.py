@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tiercache.store.control import delete_keys
+from tiercache.store.control import delete_keys, listed_keys
 
 if TYPE_CHECKING:
     from tiercache.events import EventSink
@@ -93,13 +93,15 @@ class CacheControl:
         return {"pinned": len(done), "refused": len(keys) - len(done), "keys": len(keys)}
 
     async def delete(self, keys: Sequence[str], body: dict[str, Any]) -> dict[str, Any]:
-        """Delete ``keys`` from L1 and every L2 tier that deletes (with a prefix or tenant: also the keys the
-        event sink saw an L2 tier hold under that prefix)."""
+        """Delete ``keys`` from L1 and every L2 tier that deletes (with a prefix and no tenant: also the keys
+        the L2 tiers that list keys hold under it, and those the event sink saw the other tiers hold)."""
         wanted = list(keys)
-        if self.events is not None and body["prefix"] is not None and body["tenant"] is None:
-            # L2 tiers cannot list keys: the ones this server stored or saw stored under the prefix
-            for tier in self.events.tiers():
-                wanted += self.events.held(tier, body["prefix"])
+        if body["prefix"] is not None and body["tenant"] is None:
+            if self.events is not None:  # tiers that cannot list: what this server stored or saw stored
+                for tier in self.events.tiers():
+                    wanted += self.events.held(tier, body["prefix"])
+            if self.storage is not None:
+                wanted += await listed_keys(self.storage.manager, [body["prefix"]])
         wanted = list(dict.fromkeys(wanted))
         self.pins.difference_update(wanted)
         self._save()

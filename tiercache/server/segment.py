@@ -202,6 +202,10 @@ class SlotObject:
         self.offset = offset
         self.state = state
 
+    def published(self) -> bool:
+        """Whether the segment's header shows the slot PUBLISHED at this object's generation (still it)."""
+        return self.seg.slot_state(self.slot) == (self.gen, PUBLISHED)
+
     def buffer(self) -> memoryview:
         """A writable uint8 view of exactly ``spec.nbytes`` bytes of the slot (no copy)."""
         return self.seg.buffer(self.offset, self.spec.nbytes)

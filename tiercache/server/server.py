@@ -58,6 +58,18 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+async def _until_ready(sock: socket.socket, *, write: bool = False) -> None:
+    """Wait until the running loop sees ``sock`` readable (writable with ``write``)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(sock.fileno(), _wake, fut)
+    try:
+        await fut
+    finally:
+        remove(sock.fileno())
+
+
 class ServerAlreadyRunning(RuntimeError):
     """Another live server answers on the socket path."""
 
@@ -465,17 +477,11 @@ class L1Server:
 
     async def _recv(self, sock: socket.socket) -> tuple[bytes, list[int]]:
         """One message and the descriptors passed with it (the caller closes those it does not keep)."""
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 data, anc, _, _ = sock.recvmsg(MAX_MESSAGE + 1, socket.CMSG_SPACE(4 * 4))
             except BlockingIOError:
-                fut: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(sock.fileno(), _wake, fut)
-                try:
-                    await fut
-                finally:
-                    loop.remove_reader(sock.fileno())
+                await _until_ready(sock)
                 continue
             fds = [
                 fd
@@ -533,13 +539,7 @@ class L1Server:
                 sock.sendmsg([data], anc)
                 return
             except BlockingIOError:
-                loop = asyncio.get_running_loop()
-                fut: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(sock.fileno(), _wake, fut)
-                try:
-                    await fut
-                finally:
-                    loop.remove_writer(sock.fileno())
+                await _until_ready(sock, write=True)
 
     def _unsent(self, conn: _Conn) -> None:
         """An ALLOC answer never reached the client: nobody can write those slots; free them now."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
+from tiercache.adapters._listeners import TierListeners
 from tiercache.server.segment import FREE, PUBLISHED, RESERVED, Segment, stride_of
 from tiercache.store.l1 import L1Listener
 from tiercache.store.policy import HitRateCeiling, TenantQuotas
@@ -134,7 +135,7 @@ class SlotTable:
         self.quota_evictions = 0
         self.ceiling = HitRateCeiling(sample_bits=4)
         """Keys of presence lookups (not reads): the hit rate an unbounded shared L1 would reach on them."""
-        self._listeners: list[L1Listener] = []
+        self._listeners = TierListeners("slot")
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -290,13 +291,6 @@ class SlotTable:
         """Whether ``s`` must stay: reserved, leased or pinned."""
         return s.state != PUBLISHED or bool(s.leases) or s.pinned
 
-    def _notify(self, kind: str, keys: list[str]) -> None:
-        for fn in self._listeners:
-            try:
-                fn(kind, keys)
-            except Exception:
-                _log.exception("slot listener %r failed on %s", fn, kind)
-
     def _free_slot(self, slot: int, kind: str = "deleted") -> None:
         """Free ``slot``; a published key's removal is announced to listeners as ``kind``."""
         s = self._slots.pop(slot)
@@ -337,7 +331,7 @@ class SlotTable:
         else:
             self._classes[ci].partial[region] = None
         if s.state == PUBLISHED and self._listeners:
-            self._notify(kind, [s.key])
+            self._listeners.notify(kind, [s.key])
 
     def _check(self, conn: int, slot: int, gen: int, state: int) -> bool:
         s = self._slots.get(slot)
@@ -445,7 +439,7 @@ class SlotTable:
                     self._tenant_lru.setdefault(self._slots[slot].tenant, OrderedDict())[slot] = None
             out.append(ok)
         if stored and self._listeners:
-            self._notify("stored", stored)
+            self._listeners.notify("stored", stored)
         return out
 
     def abort(self, conn: int, refs: list[tuple[int, int]]) -> list[bool]:
@@ -614,13 +608,7 @@ class SlotTable:
 
     def add_listener(self, fn: L1Listener) -> Callable[[], None]:
         """Call ``fn(kind, keys)`` on every publish and removal from now on; returns its remover."""
-        self._listeners.append(fn)
-
-        def remove() -> None:
-            if fn in self._listeners:
-                self._listeners.remove(fn)
-
-        return remove
+        return self._listeners.add_listener(fn)
 
     def reserved_by(self, conn: int) -> int:
         """How many slots ``conn`` holds RESERVED."""

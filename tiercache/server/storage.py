@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.keys import contiguous_prefix
 from tiercache.server.protocol import meta_spec, spec_meta
-from tiercache.server.segment import PUBLISHED, Segment, SlotObject
+from tiercache.server.segment import Segment, SlotObject
 from tiercache.server.slots import SlotTable
 from tiercache.store.hits import TierHit
 from tiercache.store.l1 import L1Stats, ObjectState
@@ -69,7 +69,7 @@ class ServerLease:
 
     def valid(self) -> bool:
         """Unreleased and the slot still PUBLISHED at our generation."""
-        return not self._released and self.obj.seg.slot_state(self.obj.slot) == (self.obj.gen, PUBLISHED)
+        return not self._released and self.obj.published()
 
     def release(self) -> None:
         """Drop the lease; idempotent."""

@@ -2,7 +2,9 @@
 
 ``StorageManager.open`` wraps a tier whose ``open`` failed with a transport error in ``ReopeningAdapter``.
 Until a background re-open succeeds every call raises ``AdapterUnavailable`` (the manager counts it as a
-tier error, a miss, and opens the tier's circuit); afterwards every call goes to the opened adapter.
+tier error, a miss, and opens the tier's circuit); afterwards every call goes to the opened adapter, and the
+listeners added meanwhile (``add_listener``, ``add_expiry_listener``) hear the opened adapter's evictions,
+deletes and expiries where it reports them.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tiercache.adapters import Adapter, Buffer
+from tiercache.adapters._listeners import TierListener, TierListeners
 from tiercache.errors import AdapterUnavailable, ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -37,7 +40,8 @@ class ReopeningAdapter(Adapter):
     """Stands in for a tier that is down: ``AdapterUnavailable`` until ``opener`` succeeds, then delegates.
 
     Re-open attempts run on the current event loop, first after ``first_delay_s``, doubling up to
-    ``max_delay_s``; ``reopened`` is set once the tier is back. ``aclose`` stops the attempts.
+    ``max_delay_s``; ``reopened`` is set once the tier is back, and ``capabilities`` are the opened
+    adapter's from then on. ``aclose`` stops the attempts.
     """
 
     scheme = "reopening"
@@ -58,6 +62,9 @@ class ReopeningAdapter(Adapter):
         self._inner: Adapter | None = None
         self._closed = False
         self._reason = f"{type(error).__name__}"
+        self._listeners = {"add_listener": TierListeners(), "add_expiry_listener": TierListeners()}
+        """Listeners added while down, by the adapter method that takes them (connected at re-open)."""
+        self._wanted: set[str] = set()
         self._task = asyncio.get_running_loop().create_task(self._reopen(first_delay_s, max_delay_s))
         log.warning(
             "tier %s is down at start (%s); running without it, re-opening in the background",
@@ -95,10 +102,36 @@ class ReopeningAdapter(Adapter):
             if self.closed:
                 await adapter.aclose()
                 return
+            self._connect_listeners(adapter)
+            vars(self)["capabilities"] = adapter.capabilities  # its limits (value size, delete) from now on
             self._inner = adapter
             self.reopened.set()
             log.warning("tier %s is back after %d attempt(s)", self.name, self.attempts)
             return
+
+    def add_listener(self, fn: TierListener) -> Callable[[], None]:
+        """Call ``fn(kind, keys)`` on every eviction and deletion the re-opened adapter reports (see
+        :data:`~tiercache.adapters._listeners.TierListener`); returns its remover."""
+        return self._listen("add_listener", fn)
+
+    def add_expiry_listener(self, fn: TierListener) -> Callable[[], None]:
+        """Call ``fn("expired", keys)`` on every expiry the re-opened adapter announces; its remover."""
+        return self._listen("add_expiry_listener", fn)
+
+    def _listen(self, method: str, fn: TierListener) -> Callable[[], None]:
+        """Add ``fn`` through the opened adapter's ``method`` now, or once it is re-opened."""
+        if self._inner is not None:
+            add = getattr(self._inner, method, None)
+            return add(fn) if callable(add) else _nothing
+        self._wanted.add(method)
+        return self._listeners[method].add_listener(fn)
+
+    def _connect_listeners(self, adapter: Adapter) -> None:
+        """Have the re-opened ``adapter`` tell the listeners added while it was down."""
+        for method in self._wanted:
+            add = getattr(adapter, method, None)
+            if callable(add):
+                add(self._listeners[method].notify)
 
     def _adapter(self) -> Adapter:
         if self._inner is None:
@@ -117,6 +150,9 @@ class ReopeningAdapter(Adapter):
     async def batched_delete(self, keys: Sequence[str]) -> list[bool]:
         return await self._adapter().batched_delete(keys)
 
+    def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        return self._adapter().iter_keys(prefix)
+
     async def aclose(self) -> None:
         self._closed = True
         self._task.cancel()
@@ -124,3 +160,7 @@ class ReopeningAdapter(Adapter):
             await self._task
         if self._inner is not None:
             await self._inner.aclose()
+
+
+def _nothing() -> None:
+    """The remover of a listener the adapter never took."""

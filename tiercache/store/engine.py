@@ -69,7 +69,7 @@ class PendingLookup:
     engine: CacheEngine
     num_tokens: int
     keys: list[str]
-    specs: list[KVSpec]
+    specs: Sequence[KVSpec]
 
     async def complete(self, prefetch: bool = True) -> LookupResult:
         """The lookup's answer across L1 and L2 (and a prefetch of its L2 part when ``prefetch``)."""
@@ -124,6 +124,7 @@ class CacheEngine:
             if layout.dtype not in ("bfloat16", "float16", "float32"):
                 raise ValueError(f"an fp8 L1 quantizes bfloat16, float16 or float32 KV, not {layout.dtype}")
         self._specs: dict[tuple[int, int | None], KVSpec] = {}
+        self._chunk_spec_lists: dict[tuple[int, int], tuple[KVSpec, ...]] = {}
         self._plans: dict[tuple[int, int], tuple[ReadPlan, tuple[int, ...]]] = {}
         self._plan_block = layout.block_size if layout.block_aligned else None
         self.events: EventSink | None = None
@@ -229,14 +230,21 @@ class CacheEngine:
             self._specs[cache_key] = spec
         return spec
 
-    def _chunk_specs(self, num_chunks: int, num_tokens: int) -> list[KVSpec]:
-        """Specs of the first ``num_chunks`` chunks of a ``num_tokens`` prompt (whole objects)."""
+    def _chunk_specs(self, num_chunks: int, num_tokens: int) -> tuple[KVSpec, ...]:
+        """Specs of the first ``num_chunks`` chunks of a ``num_tokens`` prompt (whole objects; kept, at most
+        ``_PLANS`` shapes: they depend on these two numbers only)."""
+        found = self._chunk_spec_lists.get((num_chunks, num_tokens))
+        if found is not None:
+            return found
         if not num_chunks:
-            return []
+            return ()
         chunk = self.chunk_size
         full = self._spec_of(chunk)
         last = self._spec_of(min(num_chunks * chunk, num_tokens) - (num_chunks - 1) * chunk)
-        return [full] * (num_chunks - 1) + [last]
+        if len(self._chunk_spec_lists) >= _PLANS:
+            self._chunk_spec_lists.clear()
+        found = self._chunk_spec_lists[num_chunks, num_tokens] = (full,) * (num_chunks - 1) + (last,)
+        return found
 
     def _chunk_keys(
         self,
@@ -261,7 +269,7 @@ class CacheEngine:
 
     def _prompt_objects(
         self, tokens: object, *, identity: RequestIdentity | None, block_hashes: BlockHashes | None
-    ) -> tuple[list[str], list[KVSpec]]:
+    ) -> tuple[list[str], Sequence[KVSpec]]:
         """Storage keys and specs of every object of every keyed chunk of ``tokens`` (chunk-major, then
         layer in layerwise mode)."""
         if not self.layerwise:
@@ -443,7 +451,7 @@ class CacheEngine:
         return self.layout.num_layers if self.layerwise else 1
 
     def _lookup_result(
-        self, num_tokens: int, keys: list[str], specs: list[KVSpec], hit: PrefixHit
+        self, num_tokens: int, keys: list[str], specs: Sequence[KVSpec], hit: PrefixHit
     ) -> LookupResult:
         end = min(hit.chunks * self.chunk_size, num_tokens)
         return LookupResult(end, hit.chunks, hit.tiers, num_tokens, tuple(keys), tuple(specs), hit.hits)
@@ -504,11 +512,12 @@ class CacheEngine:
                 f"the lookup was of {lookup.num_tokens} tokens, this retrieve has {num_tokens} (a shorter "
                 f"retrieve must end at a chunk boundary, a multiple of {chunk})"
             )
+        specs: Sequence[KVSpec]
         if lookup is not None:
             n = (
                 -(-num_tokens // chunk) * layers
             )  # the keys of the retrieve's chunks: a prefix of the lookup's
-            keys, specs, hits = list(lookup.keys[:n]), list(lookup.specs[:n]), list(lookup.hits[:n])
+            keys, specs, hits = list(lookup.keys[:n]), lookup.specs[:n], list(lookup.hits[:n])
         else:
             keys, specs = self._prompt_objects(tokens, identity=identity, block_hashes=block_hashes)
             hits = None

@@ -56,6 +56,8 @@ T = TypeVar("T")
 _L1_HIT = TierHit(L1_TIER, 0)
 _L1_TIERS = (L1_TIER,)
 """Every L1 hit (one immutable instance, not one per key and call)."""
+_L1_SHAPES = 4096
+"""Shapes (chunks found, keys asked) whose L1-only answer a manager keeps."""
 
 L2Tier = TierClient
 """The former name of :class:`~tiercache.store.tier.TierClient` (``StorageManager.tiers`` holds them)."""
@@ -106,6 +108,11 @@ class StorageManager:
         for name in [L1_TIER, *(tier.name for tier in self.tiers)]:
             self._levels.append((name, self.metrics.misses.labels(name)))
         self._level_of = {name: level for level, (name, _) in enumerate(self._levels)}
+        self._served_by: dict[str, tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
+        """Per tier: its hit counter, the miss counters of the levels above it and of the rest (a prefix
+        one tier serves, the usual case, counts through these without a pass over the levels)."""
+        self._l1_hits: dict[tuple[int, int], PrefixHit] = {}
+        """:meth:`local_prefix`'s answers by (chunks, keys): immutable, so one per shape."""
         ctx = L2Context(l1, self.tiers, self.policy, self.metrics, self._run)
         self.store = StoreController(ctx, store_batch=store_batch)
         self.prefetch = PrefetchController(ctx, read_timer=read_timer)
@@ -264,16 +271,25 @@ class StorageManager:
             self._saw(keys)
             return self._prefix_hit([_L1_HIT if p else None for p in present], group)
         chunks = contiguous_prefix(present)
-        if self.tiers and chunks < len(present):
+        total = len(present)
+        if self.tiers and chunks < total:
             return None
         self._saw(keys)
-        self._count_lookup(_L1_TIERS * chunks, len(present) - chunks)
-        return PrefixHit(chunks, _L1_TIERS * chunks, (_L1_HIT,) * chunks + (None,) * (len(present) - chunks))
+        found = self._l1_hits.get((chunks, total))
+        if found is None:
+            found = PrefixHit(chunks, _L1_TIERS * chunks, (_L1_HIT,) * chunks + (None,) * (total - chunks))
+            if len(self._l1_hits) < _L1_SHAPES:
+                self._l1_hits[chunks, total] = found
+        self._count_lookup(found.tiers, total - chunks)
+        return found
 
-    async def lookup_prefixes(self, key_lists: Sequence[Sequence[str]], *, group: int = 1) -> list[PrefixHit]:
+    async def lookup_prefixes(
+        self, key_lists: Sequence[Sequence[str]], *, group: int = 1, count: bool = True
+    ) -> list[PrefixHit]:
         """:meth:`lookup_prefix` of several key lists (one request's each) in one batched query, without
         prefetch. In server mode that is one LOOKUP per 128 keys of all the lists together (the protocol's
-        limit per message, ``LOOKUP_BATCH``), not one per list."""
+        limit per message, ``LOOKUP_BATCH``), not one per list. ``count=False``: the caller decides which
+        chunks serve the request and counts them (:meth:`count_lookup`)."""
         if group < 1 or any(len(keys) % group for keys in key_lists):
             raise ValueError(f"a key list does not split into groups of {group}")
         for keys in key_lists:
@@ -282,7 +298,7 @@ class StorageManager:
         out: list[PrefixHit] = []
         start = 0
         for keys in key_lists:
-            out.append(self._prefix_hit(hits[start : start + len(keys)], group))
+            out.append(self._prefix_hit(hits[start : start + len(keys)], group, count=count))
             start += len(keys)
         return out
 
@@ -293,9 +309,9 @@ class StorageManager:
         if self.store.admit_after:
             self.store.admission.seen(keys)
 
-    def _prefix_hit(self, hits: list[TierHit | None], group: int) -> PrefixHit:
+    def _prefix_hit(self, hits: list[TierHit | None], group: int, *, count: bool = True) -> PrefixHit:
         """The contiguous prefix of whole groups in ``hits`` (a chunk's tier: the slowest of its group's);
-        counts its hits and a miss in the metrics."""
+        counts its hits and a miss in the metrics (unless not ``count``)."""
         per_chunk: list[TierHit | None] = hits if group == 1 else []
         for start in range(0, len(hits), group) if group > 1 else ():
             members = hits[start : start + group]
@@ -305,33 +321,57 @@ class StorageManager:
         tiers = tuple(h.tier for h in per_chunk[:chunks] if h is not None)
         if self.remote:
             self._learn_levels(per_chunk[:chunks])
-        self._count_lookup(tiers, len(per_chunk) - chunks)
+        if count:
+            self._count_lookup(tiers, len(per_chunk) - chunks)
         return PrefixHit(chunks, tiers, tuple(hits))
+
+    def count_lookup(self, tiers: Sequence[str], unserved: int) -> None:
+        """Count a lookup whose served chunks the caller chose (``lookup_prefixes(count=False)``): the tier
+        serving each served chunk, and the chunks after them that no tier serves."""
+        self._count_lookup(tuple(tiers), unserved)
 
     def _count_lookup(self, tiers: tuple[str, ...], unserved: int) -> None:
         """Count a lookup per chunk: a chunk served by tier T is a hit at T and a miss at each level above
         T; each of the ``unserved`` chunks after the prefix is a miss at every level."""
-        levels = self._levels
         if tiers:
             first = tiers[0]
-            if tiers.count(first) == len(tiers):  # the usual case: one tier serves the whole prefix
-                self._hit_counter(first).inc(len(tiers))
-                served = {first: len(tiers)}
-            else:
-                served = Counter(tiers)
-                for tier_name, count in served.items():
-                    self._hit_counter(tier_name).inc(count)
+            served = len(tiers)
+            if tiers.count(first) == served:  # the usual case: one tier serves the whole prefix
+                counters = self._served_by.get(first) or self._serving(first)
+                counters[0].inc(served)
+                for missed in counters[1]:
+                    missed.inc(served + unserved)
+                if unserved:
+                    for missed in counters[2]:
+                        missed.inc(unserved)
+                return
+            by_tier = Counter(tiers)
+            for tier_name, count in by_tier.items():
+                self._hit_counter(tier_name).inc(count)
             level_of = self._level_of
-            for level, (_, missed) in enumerate(levels):
+            for level, (_, missed) in enumerate(self._levels):
                 if missed is None:  # a server level not seen yet
                     continue
-                below = sum(n for name, n in served.items() if level_of.get(name, 0) > level)
+                below = sum(n for name, n in by_tier.items() if level_of.get(name, 0) > level)
                 if below or unserved:
                     missed.inc(below + unserved)
         elif unserved:
-            for _, missed in levels:
+            for _, missed in self._levels:
                 if missed is not None:
                     missed.inc(unserved)
+
+    def _serving(self, tier: str) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+        """``_served_by[tier]``, built (and kept while the levels are all known)."""
+        level = self._level_of.get(tier, 0)
+        levels = [missed for _, missed in self._levels]
+        counters = (
+            self._hit_counter(tier),
+            tuple(m for m in levels[:level] if m is not None),
+            tuple(m for m in levels[level:] if m is not None),
+        )
+        if None not in levels:  # server mode: a level learnt later changes the sets
+            self._served_by[tier] = counters
+        return counters
 
     def _learn_levels(self, hits: Sequence[TierHit | None]) -> None:
         """Server mode: record the level of each tier the server reported a hit from (for the misses)."""
@@ -341,6 +381,7 @@ class StorageManager:
                     self._levels.append(("", None))
                 self._levels[hit.level] = (hit.tier, self.metrics.misses.labels(hit.tier))
                 self._level_of[hit.tier] = hit.level
+                self._served_by.clear()
                 self.metrics.add_tier(hit.tier, l2=False)
 
     def _hit_counter(self, tier: str) -> Any:
@@ -422,8 +463,12 @@ class StorageManager:
         chunk_specs = None if specs is None else list(specs[first_missing : first_missing + n])
         task = self.start_prefetch(rest[:n], [h.tier for h in found[:n] if h is not None], chunk_specs)
         read_s = self.policy.l2_read_deadline_s(self.prefetch.read_bytes(n, chunk_specs))
+        budget_s = max(deadline_s, read_s)
+        started = time.monotonic()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), max(deadline_s, read_s))
+            await asyncio.wait_for(asyncio.shield(task), budget_s)
+        # keys another read started loading while this one asked the tiers: the task skipped them
+        await self.prefetch.wait(rest[:n], max(0.0, budget_s - (time.monotonic() - started)))
 
     # ----- lifecycle ----------------------------------------------------------------------------------------
     async def aclose(self) -> None:

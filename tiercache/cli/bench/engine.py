@@ -23,7 +23,7 @@ import torch
 
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.cli.bench.measure import Row, atimes, best_median, gbps, percentiles, spread
-from tiercache.config import ManagerConfig
+from tiercache.config import ManagerConfig, config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
@@ -63,15 +63,8 @@ def make_layout(
 
 
 def bench_keyspace(layout: PagedLayout) -> KeySpace:
-    return KeySpace(
-        model="bench/llama-8b-shape",
-        kv_dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        kv_format=layout.object_format,
-        layout_tag=layout.fingerprint if layout.block_aligned else "",
-    )
+    """The keyspace ``CacheEngine.open`` would give an engine of ``layout`` (no salt)."""
+    return CacheEngine.keyspace_for(config_from_dict({}), layout, model="bench/llama-8b-shape")
 
 
 def paged_kv(

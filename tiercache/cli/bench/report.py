@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,12 +11,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["summary_table", "write_json", "write_png"]
+__all__ = ["print_json", "summary_table", "write_json", "write_png"]
 
 
 def write_json(doc: dict[str, Any], path: Path) -> None:
     """``doc`` as indented JSON at ``path``."""
     path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def print_json(doc: dict[str, Any], out: str | os.PathLike[str] | None = None) -> None:
+    """Print ``doc`` as indented JSON; with ``out`` (a script's ``--out``), write it there too (its folder
+    made)."""
+    print(json.dumps(doc, indent=2))
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(doc, path)
 
 
 def _size_label(n: float, unit: str) -> str:

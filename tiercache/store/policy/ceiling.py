@@ -75,15 +75,19 @@ class HitRateCeiling:
     def observe(self, keys: Sequence[str]) -> None:
         """Each key was looked up once."""
         mask = self._sample_mask
+        # the sample: by the raw hash's low bits, independent of the mixed one (chosen before the lock: most
+        # lookups have no sampled key and take no lock)
+        sampled: list[int] = []
+        for key in keys:
+            if not (raw := hash(key)) & mask:
+                sampled.append(raw)
+        if not sampled:
+            return
         with self._lock:
             add = self._hll.add_hash
-            n = 0
-            for key in keys:
-                raw = hash(key)
-                if not raw & mask:  # the sample: by the raw hash's low bits, independent of the mixed one
-                    add(_mix(raw))
-                    n += 1
-            self.lookups += n
+            for raw in sampled:
+                add(_mix(raw))
+            self.lookups += len(sampled)
 
     def distinct(self) -> float:
         """Estimated distinct keys looked up (never more than the lookups)."""
