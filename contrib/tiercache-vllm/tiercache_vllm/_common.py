@@ -15,13 +15,14 @@ import threading
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from tiercache.sizes import in_range
 from tiercache_vllm import _loop
 from tiercache_vllm._groups import slot_mapping
 from tiercache_vllm._identity import KEY_SOURCES, KeyArgs, vllm_key_source
@@ -67,7 +68,17 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "l1_codec": (str,),
     "server": (str,),
     "keyspace_file": (str,),
+    "window_checkpoint_tokens": (int,),
 }
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "lookup_timeout_s": (0.001, 3600.0),
+    "load_timeout_s": (0.001, 3600.0),
+    "save_timeout_s": (0.001, 3600.0),
+    "open_timeout_s": (0.001, 3600.0),
+    "window_checkpoint_tokens": (0, 1 << 31),
+}
+"""Inclusive bounds of every numeric setting (seconds, tokens), checked when the settings are read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +118,15 @@ class ConnectorSettings:
     keyspace_file: str | None = None
     """Where the scheduler writes this instance's keyspace description at start (JSON, see
     ``tiercache.prompt_keys``): cache control computes a prompt's keys from it. None: not written."""
+    window_checkpoint_tokens: int = 0
+    """Windowed KV cache groups store only the chunks a load of a hit boundary reads: every multiple of this
+    (a multiple of ``chunk_size``), and the prompt's last chunk boundary. 0: every chunk boundary."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        """Validate ``kv_connector_extra_config``; ``ValueError`` naming a wrong or unknown key. A relative
-        ``config`` path is made absolute against the current working directory (vLLM's)."""
+        """Validate ``kv_connector_extra_config``; ``ValueError`` naming a wrong or unknown key, or a number
+        outside its range (``_RANGES``). A relative ``config`` path is made absolute against the current
+        working directory (vLLM's)."""
         values: dict[str, Any] = {}
         for key, value in (extra or {}).items():
             kinds = _EXTRA_KEYS.get(key)
@@ -121,7 +136,9 @@ class ConnectorSettings:
                 )
             if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be {kinds[0].__name__}: {value!r}")
-            values[key] = float(value) if float in kinds else value  # type: ignore[arg-type]
+            if key in _RANGES and isinstance(value, int | float):
+                in_range(value, *_RANGES[key], f"kv_connector_extra_config[{key!r}]")
+            values[key] = float(value) if float in kinds else value
         if values.get("config"):
             values["config"] = os.path.abspath(values["config"])
         if values.get("keyspace_file"):
@@ -199,6 +216,8 @@ class SaveOp:
     epoch: int = 0
     more_block_ids: list[list[int]] = field(default_factory=list)
     """The block ids of KV cache groups 1.. (see ``LoadOp.more_block_ids``)."""
+    prompt_len: int = 0
+    """The request's prompt length: its last hit boundary (window checkpoints)."""
 
     def group_blocks(self, group: int) -> list[int]:
         """The request's block ids in KV cache group ``group``."""
@@ -212,17 +231,26 @@ class TierCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    reset_epoch: int = 0
+    """Cache resets asked for so far: a worker that has done fewer clears its keyspace first (before any
+    load of the step)."""
 
 
 @dataclass
 class WorkerState(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, each step: ``disabled`` when a worker has no engine (its loads are misses)."""
+    """Worker -> scheduler, each step: ``disabled`` when a worker has no engine (its loads are misses);
+    ``reset_epoch``: the cache resets it has done (``TierCacheMetadata.reset_epoch``)."""
 
     disabled: bool = False
+    reset_epoch: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerState:
-        """Disabled when any worker is (one rank without KV makes every load of the step a miss)."""
-        return WorkerState(self.disabled or bool(getattr(other, "disabled", False)))
+        """Disabled when any worker is (one rank without KV makes every load of the step a miss); the resets
+        every worker has done."""
+        return WorkerState(
+            self.disabled or bool(getattr(other, "disabled", False)),
+            min(self.reset_epoch, int(getattr(other, "reset_epoch", 0))),
+        )
 
 
 def check_failure_policy(vllm_config: VllmConfig, can_load: bool) -> None:
@@ -247,8 +275,9 @@ def layout_from_vllm(
     """The paged layout vLLM will hand the worker for KV cache group ``group``, from its configs alone (the
     scheduler has no tensors); ``NotImplementedError`` naming what cannot be cached (``_groups``).
 
-    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, otherwise ``VLLM_FLASH``. Every
-    group must share one page format (heads, head size, dtype, vLLM's block size).
+    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, otherwise ``VLLM_FLASH``; a
+    recurrent state group -> its state pages (``_state.state_layout``). Every attention group must share one
+    page format (heads, head size, dtype, vLLM's block size).
     """
     from vllm.platforms import current_platform
 
@@ -258,7 +287,12 @@ def layout_from_vllm(
     groups = kv_groups(vllm_config, kv_cache_config)
     assert kv_cache_config is not None  # kv_groups checked it
     specs: list[Any] = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    formats = {(int(s.num_kv_heads), int(s.head_size), str(s.dtype), int(s.block_size)) for s in specs}
+    if groups[group].kind == "recurrent":
+        from tiercache_vllm._state import state_layout
+
+        return state_layout(specs[group], len(groups[group].layer_names))
+    kv_specs = [s for s, g in zip(specs, groups, strict=True) if g.kind != "recurrent"]
+    formats = {(int(s.num_kv_heads), int(s.head_size), str(s.dtype), int(s.block_size)) for s in kv_specs}
     block_size = int(vllm_config.cache_config.block_size)
     if len(formats) != 1 or next(iter(formats))[3] != block_size:
         raise NotImplementedError(
@@ -373,6 +407,26 @@ class EngineIdentity:
     group: str = ""
     """The KV cache group's tag (``GroupSpec.tag``, ``KeySpace.kv_group``); empty for plain full attention."""
 
+    def keyspace_args(self) -> KeyspaceArgs:
+        """The keyword arguments that key this identity in ``CacheEngine.open`` and ``keyspace_for``."""
+        return KeyspaceArgs(
+            model=self.model,
+            revision=self.revision,
+            world_size=self.world_size,
+            rank=self.rank,
+            key_source=self.key_source,
+        )
+
+
+class KeyspaceArgs(TypedDict):
+    """An identity's keyspace fields, named as ``CacheEngine.open`` and ``keyspace_for`` take them."""
+
+    model: str
+    revision: str
+    world_size: int
+    rank: int | str
+    key_source: str
+
 
 def identity(
     vllm_config: VllmConfig,
@@ -473,16 +527,7 @@ def open_engine(
         config = dataclasses.replace(config, l1=L1Config(capacity=2 * slot + 64, pinned=False, codec=codec))
 
     async def opener(cfg: Config) -> CacheEngine:
-        engine = await CacheEngine.open(
-            cfg,
-            ident.layout,
-            model=ident.model,
-            revision=ident.revision,
-            world_size=ident.world_size,
-            rank=ident.rank,
-            layerwise=ident.layerwise,
-            key_source=ident.key_source,
-        )
+        engine = await CacheEngine.open(cfg, ident.layout, layerwise=ident.layerwise, **ident.keyspace_args())
         if not ident.group:
             return engine
         return engine_like(engine, ident.layout, keyspace_of(cfg, ident))
@@ -507,15 +552,7 @@ def keyspace_of(config: Config, ident: EngineIdentity) -> KeySpace:
     """The keyspace the engine of ``ident`` keys its chunks in under ``config``."""
     from tiercache.store.engine import CacheEngine
 
-    keyspace = CacheEngine.keyspace_for(
-        config,
-        ident.layout,
-        model=ident.model,
-        revision=ident.revision,
-        world_size=ident.world_size,
-        rank=ident.rank,
-        key_source=ident.key_source,
-    )
+    keyspace = CacheEngine.keyspace_for(config, ident.layout, **ident.keyspace_args())
     return dataclasses.replace(keyspace, kv_group=ident.group) if ident.group else keyspace
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "attach_sink",
     "hit_source",
     "reset_cache",
+    "reset_worker",
     "to_vllm",
     "worker_events",
 ]
@@ -176,10 +177,18 @@ def worker_events(worker: WorkerSide | None) -> TierCacheKVEvents | None:
 
 
 class EventRelay:
-    """Scheduler side: the workers' events (``update_connector_output``) until ``take_events``."""
+    """Scheduler side: the workers' events (``update_connector_output``) until ``take_events``.
 
-    def __init__(self) -> None:
+    With ``workers`` tensor-parallel workers an event goes out once every worker has sent it (they store
+    and drop the same blocks, each its own rank's objects), in the step the last one did: a worker may
+    report it steps later (a backend's expiry of each rank's object comes when it comes). Events some
+    worker has not sent yet wait, the oldest forgotten past ``max_waiting``."""
+
+    def __init__(self, workers: int = 1, *, max_waiting: int = 1 << 16) -> None:
+        self.workers = max(1, workers)
+        self.max_waiting = max_waiting
         self._pending: TierCacheKVEvents | None = None
+        self._waiting: dict[Any, tuple[KVCacheEvent, int]] = {}  # identity -> (event, workers that sent it)
 
     def collect(self, output: KVConnectorOutput) -> None:
         """Keep the events a step's output carries."""
@@ -193,9 +202,28 @@ class EventRelay:
             self._pending.increment_workers(events.get_number_of_workers())
 
     def take(self) -> list[KVCacheEvent]:
-        """Every event collected since the last call (the ones all workers agree on)."""
+        """The events every worker has sent, as of the steps collected since the last call."""
         pending, self._pending = self._pending, None
-        return [] if pending is None else pending.aggregate().get_all_events()
+        if pending is None:
+            return []
+        events = pending.get_all_events()
+        if self.workers == 1:
+            return events
+        counts = Counter(_identity(e) for e in events)
+        out: list[KVCacheEvent] = []
+        for event in events:
+            ident = _identity(event)
+            sent = counts.pop(ident, 0)
+            if not sent:
+                continue  # a later copy of one counted already
+            sent += self._waiting.pop(ident, (event, 0))[1]
+            if sent >= self.workers:
+                out.append(event)
+            else:
+                self._waiting[ident] = (event, sent)
+        while len(self._waiting) > self.max_waiting:
+            del self._waiting[next(iter(self._waiting))]
+        return out
 
 
 class HitSources:
@@ -241,9 +269,10 @@ class HitSources:
 
 def reset_cache(side: SchedulerSide | None) -> bool:
     """Delete what this engine's keyspace holds in L1 and the L2 tiers (announced as events): in process,
-    what the worker's engine holds; in server mode, the keyspace on the node server (every instance of the
-    same model there). False where this process cannot reach the worker's L1 (workers in their own processes
-    and no server) or the server refused (cache control needs its uid or admin group)."""
+    what the worker's engine holds, now; with workers in their own processes, each worker's at its next step
+    (``reset_worker``; lookups miss until every worker has); in server mode, the keyspace on the node server
+    (every instance of the same model there). False where the connector is disabled, the in-process clear
+    failed, or the server refused (cache control needs its uid or admin group)."""
     if side is None:
         return False
     engines = side._get_engines()
@@ -252,11 +281,12 @@ def reset_cache(side: SchedulerSide | None) -> bool:
     prefixes = sorted({e.token_db.key_prefix for e in engines})
     if side.server.socket is not None:
         return _reset_on_server(side, side.server.socket, prefixes)
-    if not side.shares_worker_engine or engines[0].events is None:
-        logger.warning(
-            "tiercache: reset_cache needs the worker in the scheduler's process (the uniprocess "
-            "executor) or a node server; nothing was reset"
-        )
+    if not side.shares_worker_engine:
+        side.request_reset()
+        logger.info("tiercache: reset_cache: the workers clear their keyspace before their next step")
+        return True
+    if engines[0].events is None:
+        logger.warning("tiercache: reset_cache: the worker's engine follows no tier; nothing was reset")
         return False
     from tiercache.store.control import clear_keyspaces
 
@@ -270,6 +300,30 @@ def reset_cache(side: SchedulerSide | None) -> bool:
     side._lookups.clear()
     logger.info("tiercache: reset_cache deleted %d objects", deleted)
     return True
+
+
+def reset_worker(worker: WorkerSide, epoch: int) -> None:
+    """Worker side of a reset the scheduler asked for (``TierCacheMetadata.reset_epoch`` newer than the
+    worker's): finish the saves in flight, then delete what the worker's keyspace holds in its L1 and L2
+    tiers (announced as events). A failure is logged; the epoch counts as done either way (a worker that
+    could not delete must not keep every lookup a miss)."""
+    if epoch <= worker.reset_epoch:
+        return
+    worker.reset_epoch = epoch
+    engine = worker.engine
+    sink = None if engine is None else engine.events
+    if engine is None or sink is None or isinstance(sink, ForwardingSink):
+        return  # no engine (disabled), or a server's L1: the scheduler reset it there
+    from tiercache.store.control import clear_keyspaces
+
+    prefixes = sorted({e.token_db.key_prefix for e in worker._group_engines or [engine]})
+    try:
+        worker._wait_saves()
+        deleted = _loop.call(clear_keyspaces(engine.manager, sink, prefixes), worker.settings.save_timeout_s)
+    except Exception:
+        logger.exception("tiercache: reset_cache on a worker failed")
+        return
+    logger.info("tiercache: reset_cache deleted %d objects of this worker", deleted)
 
 
 def _reset_on_server(side: SchedulerSide, socket_path: str, prefixes: list[str]) -> bool:

@@ -153,7 +153,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker = WorkerSide(
                 vllm_config, kv_cache_config, self.settings, config, can_load=can_load, can_save=can_save
             )
-        self._relay = _events.EventRelay()
+        self._relay = _events.EventRelay(int(vllm_config.parallel_config.tensor_parallel_size))
         self._hit_sources = _events.HitSources(_events.tier_media(config), config.chunk_size)
         self._closed = False
         _LIVE.add(self)
@@ -200,6 +200,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_kv_connector_kv_cache_events(self) -> _events.TierCacheKVEvents | None:
         """The blocks this worker's tiers stored and dropped since the last step (vLLM's KV events)."""
         return _events.worker_events(self._worker)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata; a cache reset the scheduler asked for since the last step runs first."""
+        if isinstance(connector_metadata, TierCacheMetadata) and self._worker is not None:
+            _events.reset_worker(self._worker, connector_metadata.reset_epoch)
+        super().bind_connector_metadata(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, TierCacheMetadata):
@@ -269,7 +275,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def reset_cache(self) -> bool | None:
         """Delete what this engine's keyspace holds in L1 and the L2 tiers it stored to (announced as
-        events); False where the worker's L1 is out of reach (see ``docs/router-integration.md``)."""
+        events); workers in other processes clear theirs before their next step (see
+        ``docs/router-integration.md``)."""
         return _events.reset_cache(self._scheduler)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tiercache_vllm import _loop
 from tiercache_vllm._common import (
@@ -26,7 +26,7 @@ from tiercache_vllm._common import (
     shared_engine,
     worker_disabled,
 )
-from tiercache_vllm._groups import check_layerwise, kv_groups
+from tiercache_vllm._groups import checked_groups, window_boundary
 from tiercache_vllm._identity import KeyArgs, UnkeyableRequest, hash_block_size, key_args
 from tiercache_vllm._server import request_timeout_s, server_for
 
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.store.engine import CacheEngine, LookupResult
+    from tiercache.store.hits import TierHit
+    from tiercache.store.l1_surface import LocatesL2
+    from tiercache.store.manager import StorageManager
 
 __all__ = ["KEYSPACE_PARAM", "SchedulerSide"]
 
@@ -90,6 +93,8 @@ class _Stats:
     """Requests whose identity has no stable key (never looked up nor stored)."""
     keyspace_mismatches: int = 0
     """Requests whose producer keyed them under another keyspace or key source (they cannot hit)."""
+    prefetched_objects: int = 0
+    """Objects a lookup started loading from L2 into L1 (a windowed group: only those its load reads)."""
     short_loads: int = 0
     """Requests whose load a worker reported short (their saves are re-planned from the valid prefix)."""
     worker_disabled: bool = False
@@ -116,14 +121,15 @@ class SchedulerSide:
         self.chunk_size = config.chunk_size
         self.save_unfull_chunk = config.save_unfull_chunk
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.groups = kv_groups(vllm_config, kv_cache_config)
-        check_layerwise(self.groups, settings.layerwise)
+        self.groups = checked_groups(vllm_config, kv_cache_config, settings, self.chunk_size)
         layouts = [layout_from_vllm(vllm_config, kv_cache_config, g.index) for g in self.groups]
         self.layout = layouts[0]
         self._largest = max(range(len(layouts)), key=lambda i: layouts[i].num_layers)
         # MLA restores whole blocks only, as vLLM's prefix cache does: a restore leaving a one-token first
         # step runs MLA's absorbed decode path, whose tokens differ from a cold prefill even with exact KV.
-        self.whole_blocks = self.layout.object_format.name == "KV_MLA"
+        self._recurrent = any(g.kind == "recurrent" for g in self.groups)
+        """A group holds recurrent state: a hit ends at a chunk boundary before the prompt's end."""
+        self.whole_blocks = self.layout.object_format.name == "KV_MLA" or self._recurrent
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         ranks: list[int | str] = ["shared"] if self.layout.object_format.name == "KV_MLA" else list(range(tp))
         self._idents = [
@@ -133,6 +139,10 @@ class SchedulerSide:
         ]
         """One engine identity per TP rank and KV cache group (rank-major); a chunk is a hit only when every
         one of them holds its object."""
+        self._ident_groups = [g for _ in ranks for g in self.groups]
+        """The KV cache group of each identity."""
+        self._windowed = any(g.windowed for g in self.groups)
+        """A hit is chosen by ``window_boundary``: a windowed group needs only the chunks its window reads."""
         self.server = server_for(vllm_config, settings, config, layouts[self._largest])
         """The server this instance runs on (decided once; ``socket`` None = in-process)."""
         self._hash_block_size = hash_block_size(vllm_config, self._idents[0].key_source)
@@ -164,6 +174,10 @@ class SchedulerSide:
         only as a failed request (``failed_recving``), never as invalid blocks (ids repeat across groups)."""
         self._failed_loads: set[str] = set()
         """Requests whose load vLLM took as failed: recomputed, never offered a hit again."""
+        self.reset_epoch = 0
+        """Cache resets asked of the workers (``request_reset``)."""
+        self._resets_done = 0
+        """The resets every worker has reported done; while fewer than asked, every lookup is a miss."""
         self.stats = _Stats()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
@@ -215,6 +229,18 @@ class SchedulerSide:
         self._engines = None
         self.stats.worker_disabled = True
 
+    def request_reset(self) -> None:
+        """Have every worker clear this engine's keyspace at its next step (the workers' L1 and stores are in
+        other processes); until all of them report it done, lookups answer a miss, so nothing stored before
+        the reset is offered."""
+        self.reset_epoch += 1
+        self._lookups.clear()
+
+    @property
+    def resetting(self) -> bool:
+        """Whether a reset asked of the workers is not done by all of them yet."""
+        return self._resets_done < self.reset_epoch
+
     @property
     def shares_worker_engine(self) -> bool:
         """True when lookups go to the worker's engine in this process (they then see its L1)."""
@@ -225,7 +251,10 @@ class SchedulerSide:
         a chunk counting only when every rank's object of it is present. On the worker's own engine (one, in
         this process) the load reuses the lookup (no second hash or query)."""
         base = engines[0]
-        if len(engines) == 1 or base.layerwise or any(e.manager is not base.manager for e in engines):
+        same_manager = all(e.manager is base.manager for e in engines)
+        if self._windowed and same_manager and not base.layerwise:
+            return await self._lookup_windowed(engines, tokens, keys)
+        if len(engines) == 1 or base.layerwise or not same_manager:
             hits = [
                 await e.lookup_hit(
                     tokens, prefetch=self._shared, identity=keys.identity, block_hashes=keys.block_hashes
@@ -241,13 +270,62 @@ class SchedulerSide:
         hit = await base.manager.lookup_prefix(batch, prefetch=self._shared, group=len(engines))
         return _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), tiers=hit.tiers)
 
+    async def _lookup_windowed(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
+        """The longest prefix a load can restore in a model with a windowed group (every rank's keys in one
+        query); on the worker's engine, a prefetch of the L2 objects that load reads, and no others."""
+        batch = _rank_keys(engines, tokens, keys)
+        if not batch:
+            return _Lookup(0)
+        manager = engines[0].manager
+        hit = (await manager.lookup_prefixes([batch], group=len(engines), count=False))[0]
+        found, wanted = self._window_hit(hit.hits, len(tokens))
+        self._count_window_hit(manager, found, len(batch))
+        below = [(batch[i], h.tier) for i in wanted if (h := hit.hits[i]) is not None and h.level > 0]
+        if self._shared and below:
+            self.stats.prefetched_objects += len(below)
+            if manager.remote:  # the server loads them into its shared L1
+                cast("LocatesL2", manager.l1).batched_locate([key for key, _ in below], prefetch=True)
+            elif manager.tiers:
+                manager.start_prefetch([key for key, _ in below], [tier for _, tier in below])
+        return found
+
+    def _window_hit(self, hits: tuple[TierHit | None, ...], num_tokens: int) -> tuple[_Lookup, list[int]]:
+        """A lookup's answer (chunk-major keys of every identity) as the boundary a load can restore, and the
+        indices of the keys that load reads."""
+        n = len(self._ident_groups)
+        present = [[h is not None for h in hits[c : c + n]] for c in range(0, len(hits), n)]
+        if self._recurrent:  # a state snapshot ends a whole chunk; vLLM never restores the whole prompt
+            whole = max(0, num_tokens - 1) // self.chunk_size
+            present, num_tokens = present[:whole], whole * self.chunk_size
+        end = window_boundary(self._ident_groups, present, num_tokens, self.chunk_size, self.block_size)
+        chunks = -(-end // self.chunk_size)
+        wanted = [
+            c * n + i
+            for i, g in enumerate(self._ident_groups)
+            for c in range(g.read_from(end, self.block_size) // self.chunk_size, chunks)
+        ]
+        read: dict[int, list[TierHit]] = {}
+        for i in wanted:
+            found = hits[i]
+            if found is not None:
+                read.setdefault(i // n, []).append(found)
+        # each chunk the load reads: its slowest tier among the objects read
+        tiers = tuple(max(read[c], key=lambda h: h.level).tier for c in sorted(read))
+        return _Lookup(end, tiers=tiers), sorted(wanted)
+
+    def _count_window_hit(self, manager: StorageManager, found: _Lookup, num_keys: int) -> None:
+        """Count a windowed lookup in the metrics: a hit per chunk its load reads, a miss per chunk after
+        its boundary."""
+        chunks = num_keys // len(self._ident_groups)
+        manager.count_lookup(found.tiers, chunks - -(-found.hit // self.chunk_size))
+
     def _lookup_sync(self, engines: list[CacheEngine], tokens: list[int], keys: KeyArgs) -> _Lookup:
         """:meth:`_lookup` from vLLM's thread: one engine whose L1 alone decides it answers here (no hop to
         the loop thread); otherwise the loop thread finishes it (the prompt hashed once either way)."""
         from tiercache.store.engine import PendingLookup
 
         timeout = self.settings.lookup_timeout_s
-        if len(engines) != 1:
+        if len(engines) != 1 or self._windowed:
             return _loop.call(self._lookup(engines, tokens, keys), timeout)
         found = engines[0].lookup_hit_now(tokens, identity=keys.identity, block_hashes=keys.block_hashes)
         if isinstance(found, PendingLookup):
@@ -271,7 +349,15 @@ class SchedulerSide:
         """Each request's prefix held by every rank, all requests' keys in one ``lookup_prefixes`` call (one
         LOOKUP per 128 keys, the protocol's limit per message, instead of one per request)."""
         key_lists = [_rank_keys(engines, tokens, keys) for _, tokens, keys in requests]
-        hits = await engines[0].manager.lookup_prefixes(key_lists, group=len(engines))
+        manager = engines[0].manager
+        hits = await manager.lookup_prefixes(key_lists, group=len(engines), count=not self._windowed)
+        if self._windowed:
+            found = {}
+            for (req_id, tokens, _), keys, hit in zip(requests, key_lists, hits, strict=True):
+                one = found[req_id] = self._window_hit(hit.hits, len(tokens))[0]
+                one.step = self._step
+                self._count_window_hit(manager, one, len(keys))
+            return found
         return {
             req_id: _Lookup(min(hit.chunks * self.chunk_size, len(tokens)), step=self._step, tiers=hit.tiers)
             for (req_id, tokens, _), hit in zip(requests, hits, strict=True)
@@ -380,7 +466,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` (never the whole request; MLA: up to a block
         boundary), and whether async."""
-        if not self.can_load or self._disabled or request.request_id in self._failed_loads:
+        if not self.can_load or self._disabled or request.request_id in self._failed_loads or self.resetting:
             return 0, False
         hit = self._hit_tokens(request)
         end = min(hit, request.num_tokens - 1)
@@ -429,7 +515,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
         """This step's loads, the saves of chunks that this step completes, and the preempted requests."""
         self._step += 1  # the next lookups belong to the next step
-        meta = TierCacheMetadata(loads=list(self._pending_loads.values()))
+        meta = TierCacheMetadata(loads=list(self._pending_loads.values()), reset_epoch=self.reset_epoch)
         self._pending_loads.clear()
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -501,6 +587,7 @@ class SchedulerSide:
             key_args=keys.up_to(end),
             epoch=tracker.epoch,
             more_block_ids=[ids[:blocks] for ids in tracker.block_ids[1:]],
+            prompt_len=prompt_len,
         )
         tracker.saved = end
         self._save_issued.add(req_id)
@@ -511,8 +598,10 @@ class SchedulerSide:
         """Forget finished async loads; learn of short loads (re-plan saves) and of a disabled worker."""
         for req_id in connector_output.finished_recving or ():
             self._async_loading.discard(req_id)
-        if getattr(connector_output.kv_connector_worker_meta, "disabled", False):
+        state = connector_output.kv_connector_worker_meta
+        if getattr(state, "disabled", False):
             self._disable("a worker runs without an engine")
+        self._resets_done = max(self._resets_done, int(getattr(state, "reset_epoch", 0)))
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
             for req_id, blocks in list(self._load_blocks.items()):

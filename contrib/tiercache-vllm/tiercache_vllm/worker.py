@@ -40,9 +40,15 @@ from tiercache_vllm._common import (
     register_engine,
     slot_mapping,
 )
-from tiercache_vllm._groups import GroupSpec, check_layerwise, kv_groups, live_slots
+from tiercache_vllm._groups import (
+    GroupSpec,
+    checked_groups,
+    live_slots,
+    window_chunks,
+)
 from tiercache_vllm._layerwise import LayerProgress, load_layers
 from tiercache_vllm._server import request_timeout_s, server_for
+from tiercache_vllm._state import stored_state_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +59,7 @@ if TYPE_CHECKING:
     from tiercache.config import Config
     from tiercache.gpu.layouts import PagedLayout
     from tiercache.store.engine import CacheEngine, RetrieveResult
+    from tiercache_vllm._identity import KeyArgs
 
 __all__ = ["WorkerSide"]
 
@@ -121,8 +128,7 @@ class WorkerSide:
         self.engine: CacheEngine | None = None
         """The engine of the largest KV cache group; it owns the manager every group's engine shares."""
         self.layout: PagedLayout | None = None
-        self.groups: list[GroupSpec] = kv_groups(vllm_config, kv_cache_config)
-        check_layerwise(self.groups, settings.layerwise)
+        self.groups = checked_groups(vllm_config, kv_cache_config, settings, config.chunk_size)
         self._group_engines: list[CacheEngine] = []
         self._group_caches: list[dict[str, torch.Tensor]] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -139,6 +145,8 @@ class WorkerSide:
         self._layer_tokens: dict[str, int] = {}  # a layerwise save's tokens, counted once its store ends
         self._deferred_saves: list[SaveOp] = []
         self.disabled = False
+        self.reset_epoch = 0
+        """Cache resets done (``TierCacheMetadata.reset_epoch``, see ``_events.reset_worker``)."""
         self.clock: Callable[[], float] = time.monotonic
         """Clock for async load deadlines (tests inject one)."""
         self.stats = _WorkerStats()
@@ -154,7 +162,7 @@ class WorkerSide:
         if len(self.groups) == 1:
             self._group_caches = [self.kv_caches]
         else:
-            self._group_caches = [{n: self.kv_caches[n] for n in g.layer_names} for g in self.groups]
+            self._group_caches = [self._caches_of(g) for g in self.groups]
         layouts = [layout_from_vllm(self.vllm_config, self.kv_cache_config, g.index) for g in self.groups]
         expected = layouts[0]
         layout: PagedLayout | None = None
@@ -208,6 +216,14 @@ class WorkerSide:
         for i, (ident, engine) in enumerate(zip(idents, self._group_engines, strict=True)):
             if i != largest:
                 register_engine(ident, engine)
+
+    def _caches_of(self, group: GroupSpec) -> dict[str, torch.Tensor]:
+        """A group's layers as the engine moves them: a recurrent group's as whole state pages."""
+        if group.kind != "recurrent":
+            return {n: self.kv_caches[n] for n in group.layer_names}
+        from tiercache_vllm._state import state_pages
+
+        return {n: state_pages(self.kv_caches[n], self.block_size) for n in group.layer_names}
 
     @property
     def _plain(self) -> bool:
@@ -452,7 +468,7 @@ class WorkerSide:
             if self._plain:
                 store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
             else:
-                store = self._store_groups(op, mask)
+                store = self._store_groups(op)
             started.append(self._track(op.req_id, store, count_result=True))
             self.stats.saves += 1
         if any(g.windowed for g in self.groups):
@@ -462,20 +478,50 @@ class WorkerSide:
                 if not job.stopped.wait(self.settings.save_timeout_s) and not job.finished():
                     self._stop(job, "save", "a windowed request")
 
-    async def _store_groups(self, op: SaveOp, mask: Any) -> int:
+    async def _store_groups(self, op: SaveOp) -> int:
         """Store one object per KV cache group per chunk (a null block's page is gathered as is: no load
-        ever writes it back); the tokens newly stored in group 0."""
+        ever writes it back; with window checkpoints a windowed group stores only the chunks a load of a
+        hit boundary reads); the most tokens newly stored in one group."""
         from tiercache.gpu.layouts import object_spec
 
         stored = []
         n = len(op.token_ids)
         for group, engine, caches in zip(self.groups, self._group_engines, self._group_caches, strict=True):
             slots = live_slots(op.group_blocks(group.index), n, self.block_size, null_ok=True)
-            new = await engine.store(op.token_ids, caches, slots, mask, **_keying(op))
             chunk = engine.chunk_size
-            self.stats.kv_bytes_stored += -(-new // chunk) * object_spec(engine.layout, chunk).nbytes
+            new = 0
+            for start, end in self._save_runs(group, op, chunk):
+                run_mask = None if start == 0 else _mask_from(start, end)
+                keying = {} if op.key_args is None else _keying_args(op.key_args.up_to(end))
+                run = await engine.store(op.token_ids[:end], caches, slots[:end], run_mask, **keying)
+                self.stats.kv_bytes_stored += -(-run // chunk) * object_spec(engine.layout, chunk).nbytes
+                new += run
             stored.append(new)
-        return stored[0]
+        return max(stored)
+
+    def _save_runs(self, group: GroupSpec, op: SaveOp, chunk: int) -> list[tuple[int, int]]:
+        """The token ranges of ``op`` that ``group`` stores (runs of chunks after ``op.skip_tokens``)."""
+        n = len(op.token_ids)
+        first, last = op.skip_tokens // chunk, -(-n // chunk)
+        keep = window_chunks(
+            group,
+            op.prompt_len or n,
+            chunk,
+            self.settings.window_checkpoint_tokens,
+            unfull=self.config.save_unfull_chunk,
+            block_size=self.block_size,
+        )
+        wanted = [c for c in range(first, last) if keep is None or c in keep]
+        if group.kind == "recurrent":  # the chunks whose end state vLLM holds now (a step ended there)
+            held = set(stored_state_chunks(op.group_blocks(group.index), n, chunk, self.block_size))
+            wanted = [c for c in wanted if c in held]
+        runs: list[tuple[int, int]] = []
+        for c in wanted:
+            if runs and runs[-1][1] == c * chunk:
+                runs[-1] = (runs[-1][0], min(n, c * chunk + chunk))
+            else:
+                runs.append((max(c * chunk, op.skip_tokens), min(n, c * chunk + chunk)))
+        return runs
 
     def _track(
         self, req_id: str, save: Coroutine[Any, Any, Any], *, count_result: bool = False
@@ -567,8 +613,11 @@ class WorkerSide:
             return True, None
 
     def build_connector_worker_meta(self) -> WorkerState | None:
-        """Tell the scheduler that this worker has no engine (None while it has one)."""
-        return WorkerState(disabled=True) if self.disabled else None
+        """Tell the scheduler that this worker has no engine, and the cache resets it has done (None while
+        it has an engine and was never asked to reset)."""
+        if self.disabled or self.reset_epoch:
+            return WorkerState(disabled=self.disabled, reset_epoch=self.reset_epoch)
+        return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished`` plus the async loads of a multi-group model that fell short (failed requests:
@@ -642,5 +691,17 @@ def _tp_rank() -> int:
 
 def _keying(op: LoadOp | SaveOp) -> dict[str, Any]:
     """The engine keying arguments of a worker op: the identity and block hashes its lookup was keyed by."""
-    keys = op.key_args
-    return {} if keys is None else {"identity": keys.identity, "block_hashes": keys.block_hashes}
+    return {} if op.key_args is None else _keying_args(op.key_args)
+
+
+def _keying_args(keys: KeyArgs) -> dict[str, Any]:
+    return {"identity": keys.identity, "block_hashes": keys.block_hashes}
+
+
+def _mask_from(start: int, end: int) -> Any:
+    """A store mask of ``end`` tokens whose first ``start`` are already held (not stored)."""
+    import numpy as np
+
+    mask = np.ones(end, dtype=bool)
+    mask[:start] = False
+    return mask
