@@ -13,6 +13,10 @@ Optional class attributes: ``max_object_bytes`` (largest value tested, default 6
 ``supports_concurrent_overwrite`` (default True; False skips the overwrite-while-reading check). Tests use
 fresh random keys, so the location need not be empty. Works under pytest-asyncio strict and auto modes.
 
+An adapter that declares ``capabilities.list_keys`` is held to ``iter_keys`` (``test_iter_keys``): exactly the
+keys under a prefix, each once, none of a neighbouring prefix, a deleted key no more, and (persistent ones)
+what an earlier opening stored; one that does not must raise ``Unsupported``.
+
 Cancellation is a normal path (the manager's deadlines, callers giving up), so the kit cancels puts and gets
 at random points (``test_cancelled_calls_leave_the_adapter_consistent``): afterwards every key must hold its
 old value, the new value or nothing; the adapter must stay within its capacity (``used_bytes`` against
@@ -36,7 +40,7 @@ import pytest_asyncio
 from tiercache.adapters._base import Adapter, Buffer, Capabilities
 from tiercache.errors import AdapterUnavailable, Unsupported
 
-__all__ = ["AdapterConformance", "AdapterFactory"]
+__all__ = ["AdapterConformance", "AdapterFactory", "unique_keys"]
 
 _T = TypeVar("_T")
 
@@ -47,7 +51,8 @@ _ROUND_TRIP_SIZES = [0, 1, 4095, 4096, (1 << 20) + 7, "max"]
 _TORN_READ_BYTES = 16 << 20
 
 
-def _keys(n: int, tag: str = "k") -> list[str]:
+def unique_keys(n: int, tag: str = "k") -> list[str]:
+    """``n`` keys no other call returns (``tag``, a random part, ``-i``): tests on one server never meet."""
     prefix = uuid.uuid4().hex[:16]
     return [f"{tag}{prefix}-{i}" for i in range(n)]
 
@@ -79,6 +84,21 @@ async def _cancel_randomly(call: Coroutine[Any, Any, _T], rng: random.Random) ->
         return await task
     except asyncio.CancelledError:
         return None
+
+
+async def _listed(adapter: Adapter, prefix: str) -> list[str]:
+    """Every key ``iter_keys(prefix)`` yields, in order, batches joined; each batch must be a list of str."""
+    out: list[str] = []
+    async for batch in adapter.iter_keys(prefix):
+        assert isinstance(batch, list), f"iter_keys yielded {type(batch).__name__}, not a list of keys"
+        assert all(isinstance(k, str) for k in batch), f"iter_keys yielded non-str keys: {batch[:3]!r}"
+        out += batch
+    return out
+
+
+def _key_prefix(keys: list[str]) -> str:
+    """The prefix ``_keys`` gave every key of one call (up to and including the ``-``)."""
+    return keys[0].rsplit("-", 1)[0] + "-"
 
 
 async def _put_patiently(adapter: Adapter, key: str, value: bytes) -> bool:
@@ -137,7 +157,7 @@ class AdapterConformance:
 
     async def test_contains_on_empty(self, adapter: Adapter) -> None:
         """Keys never written are absent, and an empty batch gives empty results."""
-        keys = _keys(5)
+        keys = unique_keys(5)
         assert await adapter.batched_contains(keys) == [False] * 5
         assert list(await adapter.batched_get(keys)) == [None] * 5
         assert await adapter.batched_contains([]) == []
@@ -148,7 +168,7 @@ class AdapterConformance:
     async def test_round_trip(self, adapter: Adapter, size: int | str) -> None:
         """put, contains, get return exactly the bytes written (random content)."""
         n = self.max_object_bytes if size == "max" else int(size)
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         value = _value(n, seed=n)
         assert await adapter.batched_put([key], [value]) == [True]
         assert await adapter.batched_contains([key]) == [True]
@@ -157,7 +177,7 @@ class AdapterConformance:
 
     async def test_put_accepts_buffer_types_and_copies(self, adapter: Adapter) -> None:
         """bytearray and memoryview values are stored by value: later changes to them are not seen."""
-        k1, k2 = _keys(2)
+        k1, k2 = unique_keys(2)
         a = bytearray(_value(1000, 1))
         b = bytearray(_value(1000, 2))
         expected_a, expected_b = bytes(a), bytes(b)
@@ -170,7 +190,7 @@ class AdapterConformance:
 
     async def test_batch_positional_order(self, adapter: Adapter) -> None:
         """Results follow the order of the keys asked for, not the order of writing."""
-        keys = _keys(20)
+        keys = unique_keys(20)
         values = [_value(100 + 37 * i, seed=i) for i in range(20)]
         assert await adapter.batched_put(keys, values) == [True] * 20
         order = list(range(20))
@@ -182,7 +202,7 @@ class AdapterConformance:
 
     async def test_length_mismatch(self, adapter: Adapter) -> None:
         """put with different numbers of keys and values raises ValueError and stores nothing."""
-        k1, k2 = _keys(2)
+        k1, k2 = unique_keys(2)
         with pytest.raises(ValueError, match=r"(?i)length|mismatch|values"):
             await adapter.batched_put([k1, k2], [b"x"])
         with pytest.raises(ValueError, match=r"(?i)length|mismatch|values"):
@@ -191,7 +211,7 @@ class AdapterConformance:
 
     async def test_mixed_hits_and_misses(self, adapter: Adapter) -> None:
         """Misses are None/False in place, never an exception, in a batch mixing hits and misses."""
-        keys = _keys(8)
+        keys = unique_keys(8)
         hits = keys[::2]
         values = {k: _value(64 + i, seed=i) for i, k in enumerate(hits)}
         assert await adapter.batched_put(hits, list(values.values())) == [True] * len(hits)
@@ -205,7 +225,7 @@ class AdapterConformance:
 
     async def test_overwrite(self, adapter: Adapter) -> None:
         """Each overwrite is seen by the next get and contains (no stale value, no stale size)."""
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         for i, size in enumerate([1000, 70_000, 10, 1 << 20, 0, 4096, 3]):
             value = _value(size, seed=100 + i)
             assert await adapter.batched_put([key], [value]) == [True]
@@ -215,14 +235,14 @@ class AdapterConformance:
 
     async def test_delete(self, adapter: Adapter) -> None:
         """Delete removes only the named keys and reports whether each existed (or raises Unsupported)."""
-        keys = _keys(3)
+        keys = unique_keys(3)
         values = [_value(500 + i, seed=i) for i in range(3)]
         assert await adapter.batched_put(keys, values) == [True] * 3
         if not adapter.capabilities.delete:
             with pytest.raises(Unsupported):
                 await adapter.batched_delete(keys[:1])
             return
-        (missing,) = _keys(1, tag="m")
+        (missing,) = unique_keys(1, tag="m")
         assert await adapter.batched_delete([keys[1], missing]) == [True, False]
         assert await adapter.batched_contains(keys) == [True, False, True]
         got = await adapter.batched_get(keys)
@@ -231,6 +251,30 @@ class AdapterConformance:
         assert _same(got[2], values[2]), _describe(got[2], values[2])
         assert await adapter.batched_delete([keys[1]]) == [False]
         assert await adapter.batched_delete([]) == []
+
+    async def test_iter_keys(self, adapter: Adapter) -> None:
+        """Where ``capabilities.list_keys``: ``iter_keys(prefix)`` yields exactly the stored keys under the
+        prefix, each once (a large value's key once too), none of a neighbouring prefix, and a deleted key no
+        more; elsewhere it raises Unsupported."""
+        if not adapter.capabilities.list_keys:
+            with pytest.raises(Unsupported):
+                await _listed(adapter, "k")
+            return
+        mine, other = unique_keys(5, tag="i"), unique_keys(3, tag="i")
+        prefix = _key_prefix(mine)
+        neighbour = [prefix[:-1] + "x" + k[len(prefix) - 1 :] for k in other]  # shares all but the "-"
+        values = [_value(100 + i, seed=i) for i in range(5)]
+        values[4] = _value(min(5 << 20, self.max_object_bytes), seed=4)  # large: split by some backends
+        assert await adapter.batched_put(mine, values) == [True] * 5
+        assert await adapter.batched_put(other + neighbour, [b"o"] * 6) == [True] * 6
+        listed = await _listed(adapter, prefix)
+        assert sorted(listed) == sorted(mine), f"iter_keys({prefix!r}) gave {sorted(listed)}"
+        assert sorted(await _listed(adapter, _key_prefix(other))) == sorted(other)
+        assert await _listed(adapter, prefix + "9-nothing") == []
+        assert set(mine) <= set(await _listed(adapter, prefix[:1])), "a shorter prefix must list them too"
+        if adapter.capabilities.delete:
+            assert await adapter.batched_delete(mine[:2]) == [True, True]
+            assert sorted(await _listed(adapter, prefix)) == sorted(mine[2:])
 
     async def test_invalid_keys(self, adapter: Adapter) -> None:
         """Unsafe keys (path traversal, empty, separators) raise ValueError in every operation."""
@@ -249,7 +293,7 @@ class AdapterConformance:
 
     async def test_concurrent_batches(self, adapter: Adapter) -> None:
         """Many puts, gets and contains in flight on one loop (distinct keys) all give the right results."""
-        batches = [_keys(4, tag=f"c{b}") for b in range(16)]
+        batches = [unique_keys(4, tag=f"c{b}") for b in range(16)]
         values = [[_value(1000 * (b + 1) + 7 * i, seed=b * 10 + i) for i in range(4)] for b in range(16)]
         first = await asyncio.gather(*(adapter.batched_put(batches[b], values[b]) for b in range(8)))
         assert first == [[True] * 4] * 8
@@ -268,7 +312,7 @@ class AdapterConformance:
 
     async def test_duplicate_keys_in_one_put(self, adapter: Adapter) -> None:
         """A batch naming one key twice stores one of the two values, whole."""
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         a, b = _value(3000, 1), _value(5000, 2)
         result = await adapter.batched_put([key, key], [a, b])
         assert len(result) == 2
@@ -331,7 +375,7 @@ class AdapterConformance:
     async def test_no_partial_object_visible(self, adapter: Adapter) -> None:
         """While a big put runs, readers see nothing, the old value or the new one, never a part or a mix."""
         size = min(self.max_object_bytes, _TORN_READ_BYTES)
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         a, b = _value(size, seed=11), _value(max(size - 4097, 1), seed=12)
         await self._race(adapter, key, (a,), a)  # the first put: None or all of a
         if not self.supports_concurrent_overwrite:
@@ -355,7 +399,7 @@ class AdapterConformance:
         nothing; the adapter within its capacity; no reservation leaked (later puts still succeed)."""
         rng = random.Random(20261201)
         rounds, size = self.cancel_rounds, self.cancel_value_bytes
-        keys = _keys(rounds, tag="x")
+        keys = unique_keys(rounds, tag="x")
         old = [_value(size, seed=1000 + i) for i in range(rounds)]
         new = [_value(size - 1 - i, seed=2000 + i) for i in range(rounds)]
         adapter = await bounded_adapter_factory()
@@ -379,7 +423,7 @@ class AdapterConformance:
             # No leaked reservation: fresh puts of twice the capacity (or of every cancelled value) succeed.
             capacity = getattr(adapter, "capacity", None)
             total = 2 * capacity if isinstance(capacity, int) and capacity <= (64 << 20) else rounds * size
-            fresh = _keys(max(1, total // size), tag="f")
+            fresh = unique_keys(max(1, total // size), tag="f")
             for n, key in enumerate(fresh):
                 stored = await _put_patiently(adapter, key, old[n % rounds])
                 assert stored, f"fresh put {n} of {len(fresh)} refused: a cancelled call leaked space"
@@ -421,7 +465,7 @@ class AdapterConformance:
     async def test_aclose_idempotent_and_final(self, adapter_factory: AdapterFactory) -> None:
         """aclose twice is fine; every later call raises AdapterUnavailable."""
         adapter = await adapter_factory()
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         assert await adapter.batched_put([key], [b"value"]) == [True]
         await adapter.aclose()
         await adapter.aclose()
@@ -434,6 +478,9 @@ class AdapterConformance:
         if adapter.capabilities.delete:
             with pytest.raises(AdapterUnavailable):
                 await adapter.batched_delete([key])
+        if adapter.capabilities.list_keys:
+            with pytest.raises(AdapterUnavailable):
+                await _listed(adapter, "")
 
     async def test_persistence_across_reopen(self, adapter_factory: AdapterFactory) -> None:
         """A persistent adapter's objects survive aclose and a reopen on the same location."""
@@ -441,7 +488,7 @@ class AdapterConformance:
         if not adapter.capabilities.persistent:
             await adapter.aclose()
             pytest.skip(f"{type(adapter).__name__} is not persistent (capabilities.persistent=False)")
-        keys = _keys(3)
+        keys = unique_keys(3)
         values = [_value(n, seed=n) for n in (0, 4096, (1 << 20) + 3)]
         try:
             assert await adapter.batched_put(keys, values) == [True] * 3
@@ -453,5 +500,7 @@ class AdapterConformance:
             got = await reopened.batched_get(keys)
             for g, v in zip(got, values, strict=True):
                 assert _same(g, v), _describe(g, v)
+            if reopened.capabilities.list_keys:  # what an earlier process stored can be listed
+                assert sorted(await _listed(reopened, _key_prefix(keys))) == sorted(keys)
         finally:
             await reopened.aclose()

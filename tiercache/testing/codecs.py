@@ -44,6 +44,7 @@ __all__ = [
     "golden_values",
     "kv_specs",
     "load_golden_cases",
+    "load_kv_sample",
     "random_array",
     "write_golden",
 ]
@@ -126,6 +127,21 @@ def golden_array(spec: KVSpec) -> torch.Tensor:
 
     values = torch.tensor(golden_values(math.prod(spec.shape)), dtype=torch.float32)
     return values.to(getattr(torch, spec.dtype)).reshape(spec.shape)
+
+
+def load_kv_sample(directory: Path) -> tuple[torch.Tensor, KVSpec]:
+    """The KV sample saved in ``directory`` (``kv.json``: its spec; ``kv.bin``: its bytes) as a tensor and
+    its spec; ValueError when the bytes are not the spec's size."""
+    import torch
+
+    s = json.loads((directory / "kv.json").read_text())["spec"]
+    spec = KVSpec(
+        s["num_layers"], s["num_kv_heads"], s["head_dim"], s["dtype"], KVFormat[s["format"]], s["tokens"]
+    )
+    data = bytearray((directory / "kv.bin").read_bytes())
+    if len(data) != spec.nbytes:
+        raise ValueError(f"{directory / 'kv.bin'} holds {len(data)} bytes, its spec {spec.nbytes}")
+    return torch.frombuffer(data, dtype=getattr(torch, spec.dtype)).reshape(spec.shape), spec
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:

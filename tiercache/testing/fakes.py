@@ -1,4 +1,5 @@
-"""Fault injection for tests without services: a wrapper that adds latency, errors, hangs and corrupt reads.
+"""Fault injection for tests without services: a wrapper that adds latency, errors, hangs and corrupt reads,
+and a clock the test moves by hand.
 
 The store underneath is a real adapter, usually ``MemoryAdapter`` (``memory://``): there is one in-memory
 adapter, and this module only injects faults around it. ``FaultInjectingAdapter``'s constructor is a stable
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from tiercache.adapters._base import Adapter, Buffer
@@ -22,13 +23,27 @@ if TYPE_CHECKING:
     from typing import Self
 
 
-__all__ = ["ALL_OPS", "FaultInjectingAdapter", "InMemoryAdapter"]
+__all__ = ["ALL_OPS", "FakeClock", "FaultInjectingAdapter", "InMemoryAdapter"]
 
 InMemoryAdapter = MemoryAdapter
 """The old kit name of ``tiercache.adapters.memory.MemoryAdapter`` (``memory://``; no ``fake-memory://``)."""
 
-ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete"})
+ALL_OPS: frozenset[str] = frozenset({"contains", "get", "put", "delete", "list"})
 """Operation names ``FaultInjectingAdapter`` can fail: one per batched method."""
+
+
+class FakeClock:
+    """A monotonic clock (seconds, called like ``time.monotonic``) that moves only when the test moves it:
+    ``advance`` or set ``now``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class FaultInjectingAdapter(Adapter):
@@ -38,7 +53,8 @@ class FaultInjectingAdapter(Adapter):
 
     - ``latency``: seconds slept before every call (all ops, whether or not in ``fail_ops``).
     - ``fail_rate``: probability in [0, 1] that a call of an op in ``fail_ops`` raises ``error``.
-    - ``fail_ops``: the ops that may fail or hang (names from ``ALL_OPS``: contains, get, put, delete);
+    - ``fail_ops``: the ops that may fail or hang (names from ``ALL_OPS``: contains, get, put, delete,
+      list);
       default all of them.
     - ``error``: exception class raised for an injected failure (default ``AdapterUnavailable``).
     - ``hang``: if true, calls of ops in ``fail_ops`` wait forever (until cancelled, e.g. by a deadline).
@@ -135,6 +151,12 @@ class FaultInjectingAdapter(Adapter):
         """Inject, then forward."""
         await self._inject("delete")
         return await self.wrapped.batched_delete(keys)
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        """Inject (op ``list``), then forward."""
+        await self._inject("list")
+        async for batch in self.wrapped.iter_keys(prefix):
+            yield batch
 
     async def aclose(self) -> None:
         """Close the wrapped adapter (never faulted)."""

@@ -1,5 +1,6 @@
-"""Mooncake on 127.0.0.1 for tests and benchmarks: a ``mooncake_master`` (with its HTTP metadata server) and
-a store client lending a segment, each started on free ports and stopped by PID.
+"""Storage servers on 127.0.0.1 for tests and benchmarks, started on free ports and stopped by PID: a
+redis-server (or valkey-server) without persistence, and Mooncake's ``mooncake_master`` (with its HTTP
+metadata server) and a store client lending a segment.
 
 The binaries come with the ``mooncake`` extra (the CPU wheel; Debian's libibverbs1 too). A missing binary
 raises ``MissingServer`` (test fixtures skip on it, or fail under CI).
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +23,41 @@ __all__ = [
     "MooncakeCluster",
     "mooncake_bin",
     "mooncake_env",
+    "redis_answers",
+    "redis_argv",
     "start_mooncake",
     "start_mooncake_master",
+    "start_redis_process",
 ]
 
 
 class MissingServer(RuntimeError):
     """A server binary is not installed here (the message says which, and how to install it)."""
+
+
+def redis_argv(binary: str, port: int, directory: Path, extra: Sequence[str] = ()) -> list[str]:
+    """The command line of ``binary`` (redis-server or valkey-server) on 127.0.0.1:``port``, saving nothing,
+    its working files in ``directory``; ``extra`` flags after ours."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(directory), "--protected-mode", "no", *extra]  # fmt: skip
+
+
+def redis_answers(port: int) -> bool:
+    """Whether the server on 127.0.0.1:``port`` answers PING (or asks for a password first)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+def start_redis_process(
+    binary: str, port: int, directory: Path, extra: Sequence[str] = (), timeout: float = 30.0
+) -> ServerProcess:
+    """Start :func:`redis_argv` (``directory`` made) and wait until it answers PING."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return start_process(redis_argv(binary, port, directory, extra), lambda: redis_answers(port), timeout)
 
 
 def mooncake_bin(name: str) -> str | None:

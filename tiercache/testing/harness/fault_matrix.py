@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import random
 import shutil
 import subprocess
@@ -45,14 +44,21 @@ import traceback
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from tiercache.testing.harness.backends import mooncake_bin, mooncake_env, start_mooncake_master
+from tiercache.testing.harness.backends import mooncake_bin, mooncake_env, redis_argv, start_mooncake_master
 from tiercache.testing.harness.fault_proxy import FaultProxy, ProcessFaultProxy
-from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.processes import (
+    ConfigServer,
+    ServerProcess,
+    free_port,
+    port_open,
+    start_process,
+)
 from tiercache.testing.harness.s3 import TEST_ENV as S3_TEST_ENV
 from tiercache.testing.harness.s3 import MotoServer
-from tiercache.testing.harness.vllm import REPLY
+from tiercache.testing.harness.scripts import load_by_path
+from tiercache.testing.harness.vllm import ServeProcess
 
 __all__ = ["ACTIONS", "BACKENDS", "FAULTS", "main", "markdown_table"]
 
@@ -210,19 +216,32 @@ class SmallFs:
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, check=False)
 
 
-class Posix(Backend):
+class OnSmallFs(Backend):
+    """A file backend on its own :class:`SmallFs` (``workdir/folder`` of ``size``): ``fill`` fills that."""
+
+    def __init__(self, workdir: Path, folder: str, size: str) -> None:
+        super().__init__(workdir)
+        self.fs = SmallFs(workdir / folder, size)
+
+    def stop(self) -> None:
+        self.fs.unmount()
+
+    def fill(self) -> None:
+        self.fs.fill()
+
+    def unfill(self) -> None:
+        self.fs.unfill()
+
+
+class Posix(OnSmallFs):
     name = "posix"
 
     def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir)
-        self.fs = SmallFs(workdir / "l2", "8m")
+        super().__init__(workdir, "l2", "8m")
         self.dir = self.fs.path
 
     def tier(self) -> dict[str, Any]:
         return {"name": "posix", "url": f"file://{self.dir}"}
-
-    def stop(self) -> None:
-        self.fs.unmount()
 
     def corrupt(self, truncate: bool) -> int:
         files = [
@@ -232,22 +251,15 @@ class Posix(Backend):
         ]
         return _flip_files(files, random.Random(0), truncate)
 
-    def fill(self) -> None:
-        self.fs.fill()
 
-    def unfill(self) -> None:
-        self.fs.unfill()
-
-
-class Slab(Backend):
+class Slab(OnSmallFs):
     """A sparse slab file (``preallocate=false``) on a small tmpfs, so a ballast file can make writes fail."""
 
     name = "nvme_slab"
     shared = True
 
     def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir)
-        self.fs = SmallFs(workdir / "slabfs", "24m")
+        super().__init__(workdir, "slabfs", "24m")
         self.path = self.fs.path / "slab.bin"
 
     def tier(self) -> dict[str, Any]:
@@ -262,9 +274,6 @@ class Slab(Backend):
                 "preallocate": "false",
             },
         }
-
-    def stop(self) -> None:
-        self.fs.unmount()
 
     def corrupt(self, truncate: bool) -> int:
         size = self.path.stat().st_size
@@ -288,12 +297,6 @@ class Slab(Backend):
             os.close(fd)
         return flipped
 
-    def fill(self) -> None:
-        self.fs.fill()
-
-    def unfill(self) -> None:
-        self.fs.unfill()
-
 
 class Redis(Backend):
     name = "redis"
@@ -305,21 +308,7 @@ class Redis(Backend):
             raise NotHere("redis-server not installed")
         self.port = free_port()
         (workdir / "data").mkdir(parents=True, exist_ok=True)
-        self.argv = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir / "data"),
-            "--protected-mode",
-            "no",
-        ]
+        self.argv = redis_argv(self.binary, self.port, workdir / "data")
         self.proc: ServerProcess | None = None
 
     def tier(self) -> dict[str, Any]:
@@ -677,54 +666,41 @@ class Mooncake(Backend):
 
 
 class Serve:
-    """One ``tiercache serve --config FILE --socket PATH`` child owning the row's L2 tier (``+server`` rows):
-    its ``/metrics`` carries the tier's ``tiercache_*`` metrics; ``kill`` is a SIGKILL (a crash: the socket
-    file stays behind), ``restart`` a new server on the same socket. Counters continue across a restart
-    (``base``: the last scrape before the kill), so before/after deltas stay meaningful."""
+    """One ``tiercache serve --config FILE --socket PATH`` child owning the row's L2 tier (``+server`` rows;
+    a :class:`ConfigServer`, logging beside the config): its ``/metrics`` carries the tier's ``tiercache_*``
+    metrics; ``kill`` is a SIGKILL (a crash: the socket file stays behind), ``restart`` a new server on the
+    same socket. Counters continue across a restart (``base``: the last scrape before the kill), so
+    before/after deltas stay meaningful."""
 
-    def __init__(self, config: Path, socket_path: Path, metrics_port: int, tier: str, log: Path) -> None:
-        self.argv = [str(Path(sys.executable).with_name("tiercache")), "serve"]
-        self.argv += ["--config", str(config), "--socket", str(socket_path)]
+    def __init__(self, config: Path, socket_path: Path, metrics_port: int, tier: str) -> None:
+        self.config = config
         self.socket = str(socket_path)
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.tier = tier
-        self.log = log
         self.base: dict[str, float] = {}
-        self.proc: subprocess.Popen[str] | None = None
+        self.server: ConfigServer | None = None
         self.restart()
 
     def restart(self) -> None:
         """Start the server if it is not running; returns once it listens (idempotent)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.server is not None and self.server.proc.poll() is None:
             return
-        with self.log.open("a") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True)
-        assert self.proc.stdout is not None
-        printed = ""
-        while not printed.endswith("\n") or "tiercache server listening" not in printed:
-            line = self.proc.stdout.readline()  # the metrics line, then the listening line
-            if not line:
-                self.proc.kill()
-                self.proc.wait(30)
-                raise RuntimeError(
-                    f"tiercache serve did not start: {printed!r} {self.log.read_text()[-2000:]}"
-                )
-            printed += line
+        self.server = ConfigServer(self.config, self.socket)
 
     def kill(self) -> None:
         self.base = self.metrics()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(60)
+        if self.server is not None and self.server.proc.poll() is None:
+            self.server.proc.kill()
+            self.server.wait(60)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        if self.server is None:
+            return
+        try:
+            self.server.stop(60)
+        except subprocess.TimeoutExpired:
+            self.server.proc.kill()
+            self.server.wait(30)
 
     def metrics(self) -> dict[str, float]:
         """The tier's ``tiercache_*`` samples on the server's ``/metrics`` (counters summed over labels and
@@ -898,13 +874,12 @@ for _name in ("redis", "valkey", "s3"):  # the same tier behind one tiercache se
 
 
 # ----- the vLLM processes --------------------------------------------------------------------------------
-class VllmProcess:
+class VllmProcess(ServeProcess):
     """One vLLM in its own OS process: the e2e ``run_vllm.py`` in ``serve`` mode, driven by JSON lines."""
 
     def __init__(
         self, name: str, model: str, config: Path, role: str, workdir: Path, server: str | None = None
     ) -> None:
-        self.name = name
         extra: dict[str, Any] = {"server": server} if server else {}
         spec = {
             "model": model,
@@ -922,61 +897,10 @@ class VllmProcess:
                 },
             },
         }
-        spec_path = workdir / f"{name}.spec.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log_path = workdir / f"{name}.log"
-        self._log: IO[str] = self.log_path.open("w")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, _e2e_script("run_vllm.py"), str(spec_path), str(workdir / f"{name}.out.json")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(_e2e_script("run_vllm.py"), spec, workdir, name, env={"PYTHONHASHSEED": "0"})
 
-    def _read(self) -> None:
-        """Answers to the queue, everything else vLLM prints to the log; None once stdout closes."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self._replies.put(json.loads(line[len(REPLY) :]))
-            else:
-                self._log.write(line)
-        self._replies.put(None)
-
-    def send(self, op: str, **args: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout_s: float = 600) -> dict[str, Any]:
-        reply = self._replies.get(timeout=timeout_s)
-        if reply is None:
-            self._log.flush()
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM {self.name} exited ({self.proc.poll()}): {tail}")
-        return reply
-
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
-        self.send(op, **args)
-        return self.answer()
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-        self._log.close()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        super().stop(timeout_s)
 
 
 Tokens = list[list[int]]
@@ -1249,7 +1173,7 @@ def worker(backend_name: str, faults: list[str], model: str, out_path: Path) -> 
         if "down_at_start" not in faults or isinstance(ACTIONS[backend_name]["down_at_start"], str):
             backend.start()
         if on_server:  # the server opens the tier (kept as a down tier when it is not up yet)
-            backend.server = Serve(config, sock, metrics_port, tier["name"], workdir / "serve.log")
+            backend.server = Serve(config, sock, metrics_port, tier["name"])
         started = time.perf_counter()
         driver = Driver(model, config, tier["name"], workdir, backend.shared, backend.server)
         result["vllm_start_s"] = round(time.perf_counter() - started, 1)
@@ -1337,15 +1261,9 @@ def markdown_table(results: list[dict[str, Any]], faults: list[str]) -> str:
 
 
 def build_model(directory: Path) -> Path:
-    model = directory / "model"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    subprocess.run(
-        [sys.executable, _e2e_script("make_tiny.py"), str(model)],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    """The tiny test model in ``directory/model``, built by the e2e ``make_tiny.py`` (in a child process)."""
+    make_tiny = load_by_path(_e2e_script("make_tiny.py"), "tiercache_e2e_make_tiny")
+    model: Path = make_tiny.make_model("llama", directory / "model")
     return model
 
 

@@ -67,6 +67,7 @@ from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecPipeline, build_pipeline, read_header
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.spec import KVFormat, KVSpec
+from tiercache.testing.harness.processes import NodeServer
 
 __all__ = ["TARGETS", "ConfigFuzz", "ConnectorFuzz", "FrameFuzz", "run_target"]
 
@@ -1069,41 +1070,35 @@ def run_live(
     nbytes = LIVE_SPEC.with_tokens(tokens).nbytes
     tmp = Path(tempfile.mkdtemp(prefix="tc-fz-", dir="/tmp" if os.path.isdir("/tmp") else None))
     path = str(tmp / "s.sock")
-    log_path = tmp / "server.log"
-    argv = [sys.executable, "-m", "tiercache.server", "--socket", path, "--capacity", str(capacity)]
-    argv += [
-        "--slot-bytes",
-        str(nbytes),
+    flags = [
+        "--capacity",
+        str(capacity),
         "--max-share",
         str(max_share),
         "--orphan-grace-s",
         str(orphan_grace_s),
     ]
     if region_bytes is not None:
-        argv += ["--region-bytes", str(region_bytes)]
+        flags += ["--region-bytes", str(region_bytes)]
     cfg: dict[str, Any] = {"socket": path, "tokens": tokens, "batch": batch, "timeout_s": 5.0, "seed": seed}
-    with open(log_path, "w") as log_file:
-        server = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+    server = NodeServer(path, *flags, slot_bytes=nbytes, slots=None)
     fuzzer: subprocess.Popen[str] | None = None
     result: dict[str, Any] = {"max_share": max_share, "seconds": seconds}
     try:
-        deadline = time.monotonic() + 60
-        while "listening" not in log_path.read_text():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
+        if not server.ready:
+            raise RuntimeError(f"the server did not start: {server.log()[-2000:]}")
         started = _server_stats(path)
         result["server"] = {
-            "argv": argv[1:],
+            "argv": ["-m", "tiercache.server", "--socket", path, "--slot-bytes", str(nbytes), *flags],
             "max_object": None if started is None else started["max_object"],
         }
         base = _clients(cfg, "alone", clients, seconds)
-        before = {**_process(server.pid), "stats": _server_stats(path)}
+        before = {**_process(server.proc.pid), "stats": _server_stats(path)}
         fz_cfg = {**cfg, "seconds": 1e6, "legit_nbytes": nbytes, "held": held, "idle": idle}
         fuzzer = _child("fuzzer", fz_cfg)
         time.sleep(warmup_s)
         fuzzed = _clients(cfg, "fuzzed", clients, seconds)
-        during = {**_process(server.pid), "stats": _server_stats(path)}
+        during = {**_process(server.proc.pid), "stats": _server_stats(path)}
         fuzzer.send_signal(signal.SIGTERM)
         fuzz_report = _report(fuzzer, 60)
         fuzzer = None
@@ -1116,20 +1111,18 @@ def run_live(
         ):
             time.sleep(0.1)
             after_stats = _server_stats(path)
-        after = {**_process(server.pid), "stats": after_stats}
-        alive = server.poll() is None and after_stats is not None
+        after = {**_process(server.proc.pid), "stats": after_stats}
+        alive = server.proc.poll() is None and after_stats is not None
     finally:
         if fuzzer is not None:
             fuzzer.kill()
             fuzzer.wait()
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
         try:
-            returncode = server.wait(timeout=60)
+            returncode = server.stop(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-            returncode = server.wait()
-    log_text = log_path.read_text(errors="replace")
+            returncode = server.proc.returncode
+    log_text = server.log()
     shutil.rmtree(tmp, ignore_errors=True)
     per_client = []
     for alone, fz in zip(base, fuzzed, strict=True):

@@ -83,7 +83,7 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
 
 
 def poisoned(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", pin: bool = False
 ) -> torch.Tensor:
     """A tensor whose every bit is set (a write that misses an element leaves it so)."""
     t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)

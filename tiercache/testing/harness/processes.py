@@ -22,16 +22,20 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 __all__ = [
     "ConfigServer",
     "NodeServer",
+    "ServeFailed",
     "ServerProcess",
     "exits_within",
     "free_port",
     "port_open",
+    "run_as",
     "start_process",
     "wait_for",
+    "wait_until",
 ]
 
 
@@ -149,12 +153,37 @@ def start_process(
         time.sleep(0.02)
 
 
+_LISTENING = "tiercache server listening on "
+_METRICS = "tiercache server metrics on "
+
+
+def _read_ready_line(stdout: IO[str]) -> tuple[str, str]:
+    """A starting server's ready line (``""``: it exited first) and its ``/metrics`` URL (``""`` unless the
+    metrics line came first)."""
+    line = stdout.readline()
+    if not line.startswith(_METRICS):
+        return line, ""
+    return stdout.readline(), line.split()[-1]
+
+
+def _listening(line: str) -> tuple[str, int] | None:
+    """(socket path, epoch) of a ``tiercache server listening on PATH epoch N`` line, else None."""
+    if not line.startswith(_LISTENING):
+        return None
+    address, _, epoch = line[len(_LISTENING) :].rpartition(" epoch ")
+    return address, int(epoch)
+
+
 class NodeServer:
     """A ``python -m tiercache.server`` child on the Unix socket ``path`` (for server-mode tests).
 
-    ``extra``: more flags; ``prefix``: a command to run it under (e.g. ``unshare``); ``preexec``: run in the
-    child before exec. ``ready`` and ``epoch`` come from its ready line (stdout); ``pid`` is the server's own
-    pid, also under ``unshare --fork``. :meth:`stop` sends SIGCONT then SIGTERM and returns the exit code.
+    ``slots``: exactly that many slots of ``slot_bytes`` (None: a segment of the ``--capacity`` in
+    ``extra``, else 1 GiB); ``extra``: more flags; ``prefix``: a command to run it under (e.g.
+    ``unshare``); ``preexec``: run in the child before exec. Its stderr goes to ``path + ".log"``
+    (:meth:`log`). ``ready`` and ``epoch`` come from its ready line (stdout), read at once unless
+    ``read_ready=False`` (then call :meth:`read_ready`: two servers started before either is awaited);
+    ``pid`` is the server's own pid, also under ``unshare --fork``. :meth:`stop` sends SIGCONT then SIGTERM
+    and returns the exit code.
     """
 
     def __init__(
@@ -162,25 +191,40 @@ class NodeServer:
         path: str,
         *extra: str,
         slot_bytes: int = 4096,
-        slots: int = 4,
+        slots: int | None = 4,
         prefix: Sequence[str] = (),
         preexec: Callable[[], None] | None = None,
+        read_ready: bool = True,
     ) -> None:
         self.path = path
+        self.log_path = Path(path + ".log")
         cmd = [*prefix, sys.executable, "-m", "tiercache.server", "--socket", path]
-        cmd += ["--slot-bytes", str(slot_bytes), "--slots", str(slots), *extra]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=os.path.dirname(path),
-            preexec_fn=preexec,
-        )
+        cmd += ["--slot-bytes", str(slot_bytes), *([] if slots is None else ["--slots", str(slots)]), *extra]
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=os.path.dirname(path),
+                preexec_fn=preexec,
+            )
+        self.ready = False
+        self.epoch = -1
+        if read_ready:
+            self.read_ready()
+
+    def read_ready(self) -> bool:
+        """Read the ready line (``""`` when it exited first); whether it is the listening line."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, or "" when it exited
-        self.ready = line.startswith("tiercache server listening")
-        self.epoch = int(line.split()[-1]) if self.ready else -1
+        listening = _listening(_read_ready_line(self.proc.stdout)[0])
+        self.ready = listening is not None
+        self.epoch = -1 if listening is None else listening[1]
+        return self.ready
+
+    def log(self) -> str:
+        """What the server wrote on stderr so far (every server started on this path appends to it)."""
+        return self.log_path.read_text(errors="replace")
 
     @property
     def pid(self) -> int:
@@ -196,23 +240,47 @@ class NodeServer:
         """SIGKILL and wait."""
         self.proc.kill()
         self.proc.wait(timeout=60)
-        self._close_pipes()
+        self._close_stdout()
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM the server itself (a stopped one is continued first) and wait; its exit code."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGCONT)
                 os.kill(self.pid, signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=60)
+            return self.proc.wait(timeout=timeout)
         finally:
-            self._close_pipes()
+            self._close_stdout()
 
-    def _close_pipes(self) -> None:
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+    def _close_stdout(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def run_as(uid: int, fn: Callable[[], str]) -> str:
+    """``fn()`` in a forked child that took ``uid`` as its user and group (no supplementary groups): the
+    string it returned, or ``error <exception>`` when it raised. Needs root."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to uid, run, report, leave without running the parent's clean-ups
+        os.close(r)
+        try:
+            os.setgid(uid)
+            os.setgroups([])
+            os.setuid(uid)
+            outcome = fn()
+        except BaseException as exc:
+            outcome = f"error {exc!r}"
+        try:
+            os.write(w, outcome.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        outcome = f.read().decode()
+    os.waitpid(pid, 0)
+    return outcome
 
 
 def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
@@ -224,14 +292,42 @@ def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
     return cond()
 
 
+def wait_until(cond: Callable[[], bool], timeout_s: float = 30.0, every_s: float = 0.1) -> None:
+    """Poll ``cond`` every ``every_s`` seconds until it holds; AssertionError once ``timeout_s`` have passed
+    (a bound for a broken run, never reached when all is well)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(every_s)
+
+
+class ServeFailed(AssertionError):
+    """``tiercache serve`` exited (or printed something other than its ready line) instead of starting;
+    ``returncode`` (negative: killed by that signal) and ``log`` (its stderr) tell why."""
+
+    def __init__(self, returncode: int, line: str, log: str) -> None:
+        super().__init__(f"tiercache serve did not start (exit {returncode}): {line!r}\n{log}")
+        self.returncode = returncode
+        self.log = log
+
+
 class ConfigServer:
     """``tiercache serve --config CONFIG`` (as ``python -m tiercache``), run in the config's folder (not a
     checkout's root, whose ``tiercache/`` would shadow the installed package), logging to ``serve.log``
-    beside it. ``socket``: a ``--socket`` flag (else the config's). Started ready: the listening line was
-    read, else AssertionError with its log. :meth:`stop` (or leaving the ``with`` block) sends SIGTERM and
-    waits."""
+    beside it. ``socket``: a ``--socket`` flag (else the config's); ``extra``: more flags; ``preexec``: run
+    in the child before exec. Started ready: the listening line was read (``address`` and ``epoch`` from
+    it, ``metrics_url`` from the metrics line before it when ``server.metrics_port`` is set), else
+    :class:`ServeFailed`. ``proc.stdout`` holds the lines after it. :meth:`stop` (or leaving the ``with``
+    block) sends SIGTERM and waits."""
 
-    def __init__(self, config: Path, socket_path: str | None = None, *extra: str) -> None:
+    def __init__(
+        self,
+        config: Path,
+        socket_path: str | None = None,
+        *extra: str,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
         argv = [sys.executable, "-m", "tiercache", "serve", "--config", str(config)]
         if socket_path is not None:
             argv += ["--socket", socket_path]
@@ -239,22 +335,45 @@ class ConfigServer:
         self.log_path = config.parent / "serve.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [*argv, *extra], stdout=subprocess.PIPE, stderr=log, text=True, cwd=config.parent
+                [*argv, *extra],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=config.parent,
+                preexec_fn=preexec,
             )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("tiercache server listening"):
-            self.proc.kill()
-            self.proc.wait(60)
-            raise AssertionError(f"tiercache serve did not start: {line!r}\n{self.log_path.read_text()}")
+        line, self.metrics_url = _read_ready_line(self.proc.stdout)
+        listening = _listening(line)
+        if listening is None:
+            if line:  # something else: not a server we know how to use
+                self.proc.kill()
+            code = self.proc.wait(60)
+            self.proc.stdout.close()
+            raise ServeFailed(code, line, self.log())
+        self.address, self.epoch = listening  # the socket it listens on, its epoch
 
-    def stop(self) -> None:
-        """SIGTERM and wait (idempotent)."""
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        """What the server wrote on stderr so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """Wait for the exit (a stop already begun); the exit code."""
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM (unless it exited) and wait; the exit code (idempotent)."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(60)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        return self.wait(timeout)
 
     def __enter__(self) -> ConfigServer:
         return self

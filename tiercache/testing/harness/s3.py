@@ -11,11 +11,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from tiercache.testing.harness.processes import free_port
 
-__all__ = ["TEST_ENV", "MotoServer", "moto_argv"]
+__all__ = ["TEST_ENV", "MotoServer", "aws_test_env", "moto_argv", "moto_with_bucket"]
 
 TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -26,6 +27,27 @@ TEST_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
 }
 """Environment for clients of the test server: dummy credentials, no profile files, no instance metadata."""
+
+_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+"""Variables that would point a client elsewhere than the test server: removed by ``aws_test_env``."""
+
+
+@contextlib.contextmanager
+def aws_test_env() -> Iterator[None]:
+    """``TEST_ENV`` in ``os.environ`` and no AWS profile, session token or endpoint override; the environment
+    as it was on leaving."""
+    saved = {k: os.environ.get(k) for k in (*TEST_ENV, *_UNSET)}
+    os.environ.update(TEST_ENV)
+    for k in _UNSET:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def moto_argv(port: int) -> list[str]:
@@ -120,3 +142,15 @@ class MotoServer:
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
         )
+
+
+@contextlib.contextmanager
+def moto_with_bucket(bucket: str, log: Path | None = None) -> Iterator[MotoServer]:
+    """A started moto server holding the empty ``bucket``; stopped by PID on leaving (its clients want
+    ``aws_test_env``)."""
+    server = MotoServer(log=log).start()
+    try:
+        server.boto3_client().create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+        yield server
+    finally:
+        server.stop()

@@ -44,7 +44,8 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
-from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.backends import start_redis_process
+from tiercache.testing.harness.processes import ServerProcess, free_port
 
 __all__ = ["SoakConfig", "main", "run_soak", "verdict"]
 
@@ -105,15 +106,13 @@ class Redis:
     """A redis-server this script starts, kills, restarts (same port) and pauses, by PID."""
 
     def __init__(self, binary: str, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        self.binary, self.directory = binary, directory
         self.port = free_port()
-        self.argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(directory), "--protected-mode", "no",
-                     "--maxmemory", "48mb", "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
         self.proc: ServerProcess = self._start()
 
     def _start(self) -> ServerProcess:
-        return start_process(self.argv, ready=lambda: port_open("127.0.0.1", self.port), timeout=30)
+        lru = ["--maxmemory", "48mb", "--maxmemory-policy", "allkeys-lru"]
+        return start_redis_process(self.binary, self.port, self.directory, lru)
 
     def restart(self) -> None:
         self.proc.stop()
