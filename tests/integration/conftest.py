@@ -25,8 +25,9 @@ from tiercache.testing.harness.backends import (
     MooncakeCluster,
     start_mooncake,
     start_mooncake_master,
+    start_redis_process,
 )
-from tiercache.testing.harness.processes import ServerProcess, free_port, start_process
+from tiercache.testing.harness.processes import ServerProcess, free_port, wait_until
 
 
 def missing_server(reason: str) -> None:
@@ -73,11 +74,6 @@ def redis_command(port: int, *args: str, timeout: float = 1.0) -> bytes:
         return data
 
 
-def _answers(port: int) -> bool:
-    reply = redis_command(port, "PING", timeout=0.3)
-    return reply.startswith((b"+PONG", b"-NOAUTH"))
-
-
 @dataclass
 class RedisServer:
     """One started redis-server/valkey-server."""
@@ -95,27 +91,13 @@ class RedisServer:
     def restart(self) -> None:
         """Start the same server again on the same port (after ``kill``/``stop``)."""
         self.proc.stop()
-        self.proc = _spawn(self.binary, self.port, self.directory, self.extra)
-
-
-def _spawn(binary: str, port: int, directory: Path, extra: Sequence[str]) -> ServerProcess:
-    argv = [
-        binary,
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(directory),
-        "--protected-mode", "no",
-        *extra,
-    ]  # fmt: skip
-    return start_process(argv, ready=lambda: _answers(port), timeout=15)
+        self.proc = start_redis_process(self.binary, self.port, self.directory, self.extra, timeout=15)
 
 
 def start_redis(binary: str, directory: Path, extra: Sequence[str] = ()) -> RedisServer:
-    directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    return RedisServer(binary, port, directory, list(extra), _spawn(binary, port, directory, extra))
+    proc = start_redis_process(binary, port, directory, extra, timeout=15)
+    return RedisServer(binary, port, directory, list(extra), proc)
 
 
 @dataclass
@@ -196,25 +178,17 @@ def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -
             capture_output=True,
             timeout=30,
         )
-        _wait(
+        wait_until(
             lambda: all(
                 b"cluster_state:ok" in redis_command(n.port, "CLUSTER", "INFO") for n in cluster.nodes
-            )
+            ),
+            timeout_s=15.0,
+            every_s=0.05,
         )
         yield cluster
     finally:
         for node in cluster.nodes:
             node.proc.stop()
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError("condition not met in time")
-        time.sleep(0.05)
 
 
 @pytest.fixture

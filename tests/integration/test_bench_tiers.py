@@ -13,7 +13,7 @@ pytest.importorskip("moto")
 
 from tiercache.cli.bench.runner import SuiteContext, run_suite
 from tiercache.config import config_from_dict
-from tiercache.testing.harness.s3 import TEST_ENV, MotoServer
+from tiercache.testing.harness.s3 import aws_test_env, moto_with_bucket
 
 BUCKET = "tc-bench-suite"
 
@@ -21,15 +21,8 @@ BUCKET = "tc-bench-suite"
 @pytest.fixture
 def moto_endpoint(tmp_path: Path) -> Iterator[str]:
     """A private moto server with the bench bucket; dummy credentials in the environment."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in TEST_ENV.items():
-            mp.setenv(key, value)
-        server = MotoServer(log=tmp_path / "moto.log").start()
-        try:
-            server.boto3_client().create_bucket(Bucket=BUCKET)
-            yield server.endpoint
-        finally:
-            server.stop()
+    with aws_test_env(), moto_with_bucket(BUCKET, tmp_path / "moto.log") as server:
+        yield server.endpoint
 
 
 @pytest.mark.asyncio

@@ -17,7 +17,8 @@ from tiercache.gpu.reference import gather, scatter
 from tiercache.store._reopen import ReopeningAdapter
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
-from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.backends import start_redis_process
+from tiercache.testing.harness.processes import ServerProcess, free_port
 
 LAYOUT = PagedLayout(
     LayoutKind.VLLM_FLASH, num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"
@@ -46,13 +47,6 @@ def _paged(seed: int, tokens: int) -> tuple[list[torch.Tensor], torch.Tensor, to
     return cache, slots, kv
 
 
-def _start_redis(binary: str, port: int, directory: Path) -> ServerProcess:
-    directory.mkdir(parents=True, exist_ok=True)
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(directory), "--protected-mode", "no"]  # fmt: skip
-    return start_process(argv, ready=lambda: port_open("127.0.0.1", port), timeout=15)
-
-
 @pytest.mark.asyncio
 async def test_redis_down_at_open_then_up_is_used(redis_binary: str, tmp_path: Path) -> None:
     port = free_port()
@@ -77,7 +71,7 @@ async def test_redis_down_at_open_then_up_is_used(redis_binary: str, tmp_path: P
         assert await decode.lookup(tokens_a) == 0
         assert decode.manager.metrics.value("tiercache_tier_errors_total", tier="redis", op="contains") >= 1
 
-        server = _start_redis(redis_binary, port, tmp_path / "redis")
+        server = start_redis_process(redis_binary, port, tmp_path / "redis", timeout=15)
         for engine in (prefill, decode):
             tier_adapter = engine.manager.tiers[0].adapter
             assert isinstance(tier_adapter, ReopeningAdapter)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
 from tiercache.store.engine import CacheEngine
-from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.backends import start_redis_process
+from tiercache.testing.harness.processes import ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,24 +37,12 @@ def _cli(port: int, *args: str) -> str:
     return out.stdout.decode(errors="replace")
 
 
-def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll ``cond`` (a cluster state) until true; RuntimeError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError("cluster condition not met in time")
-        time.sleep(0.1)
-
-
 class Node:
     def __init__(self, binary: str, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(directory), "--protected-mode", "no", "--cluster-enabled", "yes",
-                "--cluster-config-file", str(directory / "nodes.conf"), "--cluster-node-timeout", "1000",
-                "--cluster-port", str(free_port())]  # fmt: skip
-        self.proc: ServerProcess = start_process(argv, ready=lambda: port_open("127.0.0.1", self.port))
+        cluster = ["--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
+                   "--cluster-node-timeout", "1000", "--cluster-port", str(free_port())]  # fmt: skip
+        self.proc: ServerProcess = start_redis_process(binary, self.port, directory, cluster, timeout=15)
 
     def role(self) -> str:
         info = _cli(self.port, "INFO", "replication")
@@ -74,8 +62,8 @@ def cluster(redis_binary: str, tmp_path: Path) -> Iterator[list[Node]]:
         assert cli is not None
         subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)  # fmt: skip
-        _until(lambda: all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in nodes))
-        _until(lambda: sorted(n.role() for n in nodes) == ["master"] * 3 + ["slave"] * 3)
+        wait_until(lambda: all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in nodes))
+        wait_until(lambda: sorted(n.role() for n in nodes) == ["master"] * 3 + ["slave"] * 3)
         yield nodes
     finally:
         for node in nodes:
@@ -130,7 +118,7 @@ async def test_master_killed_mid_run_misses_then_hits_nothing_wrong(cluster: lis
     finally:
         await prefill.aclose()
     # every replica has caught up with its master before the kill
-    _until(lambda: sum(int(_cli(n.port, "DBSIZE").strip() or 0) for n in cluster) == 2 * PROMPTS * 4)
+    wait_until(lambda: sum(int(_cli(n.port, "DBSIZE").strip() or 0) for n in cluster) == 2 * PROMPTS * 4)
 
     decode = await CacheEngine.open(config, LAYOUT, model="t/failover")
     metrics = decode.manager.metrics
@@ -147,8 +135,8 @@ async def test_master_killed_mid_run_misses_then_hits_nothing_wrong(cluster: lis
         assert min(during) < TOKENS
         # A replica takes over the dead master's slots.
         alive = [n for n in cluster if n is not victim]
-        _until(lambda: all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in alive))
-        _until(lambda: sum(n.role() == "master" for n in alive) == 3)
+        wait_until(lambda: all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in alive))
+        wait_until(lambda: sum(n.role() == "master" for n in alive) == 3)
         missing_chunks = sum((TOKENS - d) // 256 for d in during)
         loaded_before = metrics.value("tiercache_prefetched_total", tier="cluster")
         # After: every prompt is restored whole again (from L1 or the promoted replica), bit-exact.

@@ -6,22 +6,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-POLL_ROUNDS = 2000
-"""Bound of the polling loops below (x 5 ms); only reached when the proxy is broken."""
-
-
-def _until(condition: Callable[[], bool]) -> None:
-    for _ in range(POLL_ROUNDS):
-        if condition():
-            return
-        time.sleep(0.005)
-    raise AssertionError("condition never became true")
+from tiercache.testing.harness.processes import wait_until
 
 
 @pytest.mark.parametrize(("direction", "delays"), [("down", 1), ("up", 1), ("both", 2), (None, 0)])
@@ -45,7 +34,7 @@ def test_slow_mode_delays_each_chunk_in_its_direction(
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client:
         client.sendall(b"PING\r\n")
         if delays:
-            _until(lambda: len(calls) == 1)
+            wait_until(lambda: len(calls) == 1, timeout_s=10.0, every_s=0.005)
             client.setblocking(False)
             with pytest.raises(BlockingIOError):
                 client.recv(16)  # the answer is held while the proxy sleeps

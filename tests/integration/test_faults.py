@@ -5,9 +5,10 @@ bytes, and every call ends within the adapter's own timeouts, with or without th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,15 +30,9 @@ BUCKET = "tc-faults"
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("aioboto3")
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_servers.TEST_ENV.items():
-            mp.setenv(k, v)
-        server = s3_servers.MotoServer(log=tmp_path_factory.mktemp("moto") / "moto.log").start()
-        try:
-            server.boto3_client().create_bucket(Bucket=BUCKET)
-            yield server
-        finally:
-            server.stop()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with s3_servers.aws_test_env(), s3_servers.moto_with_bucket(BUCKET, log) as server:
+        yield server
 
 
 async def _outcome(call: Awaitable[Any]) -> Any:
@@ -46,6 +41,17 @@ async def _outcome(call: Awaitable[Any]) -> Any:
         return await asyncio.wait_for(call, SAFETY_NET_S)
     except AdapterError as exc:
         return exc
+
+
+@contextlib.asynccontextmanager
+async def behind(proxy: Any, opening: Awaitable[Adapter]) -> AsyncIterator[Adapter]:
+    """The adapter ``opening`` opens through ``proxy``; at the end the proxy passes again and it is closed."""
+    adapter = await opening
+    try:
+        yield adapter
+    finally:
+        proxy.mode = "pass"
+        await adapter.aclose()
 
 
 Op = Callable[[Adapter], Awaitable[Any]]
@@ -79,8 +85,7 @@ async def test_s3_stalled_or_reset_server(
 ) -> None:
     """Every S3 call, PUT included, ends with AdapterTimeout/AdapterUnavailable."""
     proxy = fault_proxy(moto.port)
-    adapter = await _s3(moto, proxy, multipart_threshold="5MiB", part_size="5MiB")
-    try:
+    async with behind(proxy, _s3(moto, proxy, multipart_threshold="5MiB", part_size="5MiB")) as adapter:
         assert await adapter.batched_put(["a"], [SMALL]) == [True]
         proxy.mode = mode
         call = (
@@ -90,17 +95,13 @@ async def test_s3_stalled_or_reset_server(
         assert isinstance(result, error), f"{op} under {mode}: {result!r}"
         proxy.mode = "pass"
         assert await adapter.batched_get(["a"]) == [SMALL]
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 async def test_s3_truncated_body_without_length_is_a_miss(moto: Any, fault_proxy: Any) -> None:
     """Half a body, no Content-Length, connection closed (valid HTTP/1.1): a miss, counted."""
     proxy = fault_proxy(moto.port)
-    adapter = await _s3(moto, proxy)
     value = os.urandom(100_000)
-    try:
+    async with behind(proxy, _s3(moto, proxy)) as adapter:
         assert await adapter.batched_put(["a"], [value]) == [True]
         proxy.mode, proxy.strip_content_length, proxy.truncate_after = "truncate", True, 50_000
         result = await _outcome(adapter.batched_get(["a"]))
@@ -108,25 +109,18 @@ async def test_s3_truncated_body_without_length_is_a_miss(moto: Any, fault_proxy
         assert adapter.stats["short_bodies"] == 1
         proxy.mode = "pass"
         assert await adapter.batched_get(["a"]) == [value]
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
 async def test_s3_truncated_answers(moto: Any, fault_proxy: Any, op: str) -> None:
     """Answers cut off after their first bytes: a miss or AdapterUnavailable, never wrong bytes."""
     proxy = fault_proxy(moto.port)
-    adapter = await _s3(moto, proxy)
-    try:
+    async with behind(proxy, _s3(moto, proxy)) as adapter:
         assert await adapter.batched_put(["a"], [SMALL]) == [True]
         proxy.mode, proxy.truncate_after = "truncate", 40
         result = await _outcome(OPS[op](adapter))
         ok = isinstance(result, AdapterUnavailable | AdapterTimeout) or result in ([None], [False, False])
         assert ok, f"{op} with a truncated answer: {result!r}"
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -134,8 +128,7 @@ async def test_s3_slow_down_is_a_miss_or_refused_store(moto: Any, fault_proxy: A
     """Every request answered ``503 SlowDown`` (S3 out of capacity): an AdapterError, a miss or a refused
     put; nothing reaches the server; once it answers again the stored object is intact."""
     proxy = fault_proxy(moto.port)
-    adapter = await _s3(moto, proxy)
-    try:
+    async with behind(proxy, _s3(moto, proxy)) as adapter:
         assert await adapter.batched_put(["a"], [SMALL]) == [True]
         proxy.mode = "http_503"
         result = await _outcome(OPS[op](adapter))
@@ -143,9 +136,6 @@ async def test_s3_slow_down_is_a_miss_or_refused_store(moto: Any, fault_proxy: A
         assert ok, f"{op} under 503 SlowDown: {result!r}"
         proxy.mode = "pass"
         assert await adapter.batched_get(["a", "c", "d"]) == [SMALL, None, None]
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 # -- Redis ------------------------------------------------------------------------------------------------
@@ -172,25 +162,20 @@ async def test_redis_stalled_or_reset_server(
     redis_server: Any, fault_proxy: Any, mode: str, error: type[AdapterError], op: str
 ) -> None:
     proxy = fault_proxy(redis_server.port)
-    adapter = await _redis(proxy)
-    try:
+    async with behind(proxy, _redis(proxy)) as adapter:
         assert await adapter.batched_put(["a"], [BIG]) == [True]
         proxy.mode = mode
         result = await _outcome(OPS[op](adapter))
         assert isinstance(result, error), f"{op} under {mode}: {result!r}"
         proxy.mode = "pass"
         assert await adapter.batched_get(["a"]) == [BIG]
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
 async def test_redis_truncating_server(redis_server: Any, fault_proxy: Any, op: str) -> None:
     """Replies cut after 1000 bytes: the right answer (short replies fit) or an AdapterError, never a part."""
     proxy = fault_proxy(redis_server.port)
-    adapter = await _redis(proxy)
-    try:
+    async with behind(proxy, _redis(proxy)) as adapter:
         assert await adapter.batched_put(["a"], [BIG]) == [True]
         proxy.mode, proxy.truncate_after = "truncate", 1000
         result = await _outcome(OPS[op](adapter))
@@ -201,9 +186,6 @@ async def test_redis_truncating_server(redis_server: Any, fault_proxy: Any, op: 
             assert isinstance(result, AdapterError), "3 MiB cannot arrive in 1000 bytes"
         proxy.mode = "pass"
         assert await adapter.batched_get(["a"]) == [BIG]
-    finally:
-        proxy.mode = "pass"
-        await adapter.aclose()
 
 
 # -- Mooncake (master RPC through a proxy in its own process) ---------------------------------------------

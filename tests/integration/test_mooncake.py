@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import tiercache
+from tests.integration._manager_helpers import FAIL_FAST, SPEC, store_chunks
 from tiercache.adapters.mooncake import MooncakeAdapter
-from tiercache.config import ManagerConfig
 from tiercache.errors import AdapterError, AdapterUnavailable, ConfigError
 from tiercache.serde import build_pipeline
-from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
-from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+from tiercache.testing.adapters import AdapterConformance, AdapterFactory, unique_keys
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,11 +28,6 @@ MiB = 1 << 20
 SAFETY_NET_S = 60
 """Only there so that a hung call fails the test instead of hanging it; never reached when correct."""
 KIT_BUFFER = "72MiB"  # the kit's largest object is 64 MiB (+1 trailer byte)
-
-
-def _keys(n: int) -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"m{tag}-{i}" for i in range(n)]
 
 
 # -- conformance ---------------------------------------------------------------------------------------
@@ -58,7 +51,7 @@ async def test_raw_api_behaviours(mooncake_cluster: Any) -> None:
     meta = f"http://127.0.0.1:{c.http_port}/metadata"
     assert store.setup("127.0.0.1", meta, 0, 8 * MiB, "tcp", "", f"127.0.0.1:{c.rpc_port}") == 0
     try:
-        a, b, big, missing = _keys(4)
+        a, b, big, missing = unique_keys(4)
         assert store.put(a, b"old") == 0
         assert store.put(a, b"new!") == 0  # "succeeds" ...
         assert store.get(a) == b"old"  # ... but keeps the old value
@@ -104,7 +97,7 @@ async def test_registry_url_and_options(mooncake_cluster: Any) -> None:
 
 async def test_too_large_put_fails_cleanly(mooncake_cluster: Any) -> None:
     async with await MooncakeAdapter.open(mooncake_cluster.url, buffer_size="4MiB") as adapter:
-        keys = _keys(3)
+        keys = unique_keys(3)
         limit = adapter.max_value_bytes
         values = [b"a" * 100, b"b" * (limit + 1), b"c" * limit]
         assert await adapter.batched_put(keys, values) == [True, False, True]
@@ -117,7 +110,7 @@ async def test_too_large_put_fails_cleanly(mooncake_cluster: Any) -> None:
 
 async def test_overwrite_and_delete_under_read_lease(mooncake_cluster: Any) -> None:
     async with await MooncakeAdapter.open(mooncake_cluster.url, buffer_size="8MiB") as adapter:
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         assert await adapter.batched_put([key], [b"one"]) == [True]
         assert await adapter.batched_get([key]) == [b"one"]  # takes a 10 s read lease
         assert await adapter.batched_put([key], [b"two"]) == [True]  # upsert: replaces
@@ -127,7 +120,7 @@ async def test_overwrite_and_delete_under_read_lease(mooncake_cluster: Any) -> N
 
 
 async def test_shared_and_kept_after_reopen(mooncake_cluster: Any) -> None:
-    keys = _keys(3)
+    keys = unique_keys(3)
     values = [b"", b"v" * 4096, os.urandom(2 * MiB + 3)]
     a = await MooncakeAdapter.open(mooncake_cluster.url, buffer_size="8MiB")
     b = await MooncakeAdapter.open(mooncake_cluster.url, buffer_size="8MiB")
@@ -144,7 +137,7 @@ async def test_shared_and_kept_after_reopen(mooncake_cluster: Any) -> None:
 async def test_foreign_object_is_a_miss(mooncake_cluster: Any) -> None:
     from mooncake.store import MooncakeDistributedStore
 
-    (key,) = _keys(1)
+    (key,) = unique_keys(1)
     async with await MooncakeAdapter.open(mooncake_cluster.url, buffer_size="8MiB") as adapter:
         store = MooncakeDistributedStore()
         c = mooncake_cluster
@@ -184,7 +177,7 @@ async def test_killed_master_is_unavailable_then_recovers(mooncake_factory: Call
     timeout = 1.0
     adapter = await MooncakeAdapter.open(cluster.url, buffer_size="8MiB", timeout=timeout, workers=8)
     try:
-        keys = _keys(4)
+        keys = unique_keys(4)
         assert await adapter.batched_put(keys, [b"v" * 1000] * 4) == [True] * 4
         cluster.master.kill()
         for call in (
@@ -216,26 +209,15 @@ async def test_killed_master_is_unavailable_then_recovers(mooncake_factory: Call
         await asyncio.wait_for(adapter.aclose(), SAFETY_NET_S)
 
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens=8)
-POLICY = ManagerConfig(
-    l2_deadline_s=0.5, lookup_deadline_s=0.3, store_queue_size=64, circuit_failures=2, circuit_cooldown_s=5
-)
-
-
 async def test_manager_turns_a_killed_master_into_misses(mooncake_factory: Callable[..., Any]) -> None:
     cluster = mooncake_factory()
     raw = build_pipeline(["raw"])
-    keys = _keys(4)
+    keys = unique_keys(4)
     writer = await MooncakeAdapter.open(cluster.url, buffer_size="8MiB")
-    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("mc", writer, raw)], POLICY) as m:
-        objects = await m.batched_allocate(keys, [SPEC] * 4)
-        for obj in objects:
-            assert obj is not None
-            obj.buffer()[:] = b"\x07" * SPEC.nbytes
-        await m.batched_put([o for o in objects if o is not None])
-        await m.drain()
+    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("mc", writer, raw)], FAIL_FAST) as m:
+        await store_chunks(m, keys)
     reader = await MooncakeAdapter.open(cluster.url, buffer_size="8MiB", timeout=1, workers=8)
-    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("mc", reader, raw)], POLICY) as m:
+    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("mc", reader, raw)], FAIL_FAST) as m:
         assert (await m.lookup_prefix(keys, [SPEC] * 4, prefetch=False)).chunks == 4
         cluster.master.kill()
         hit = await asyncio.wait_for(m.lookup_prefix(keys, [SPEC] * 4), SAFETY_NET_S)

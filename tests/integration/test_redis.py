@@ -14,14 +14,14 @@ import pytest
 import redis.asyncio as aredis
 
 import tiercache
+from tests.integration._manager_helpers import FAIL_FAST, SPEC, store_chunks
 from tiercache.adapters.redis import RedisAdapter, RedisClusterAdapter
-from tiercache.config import ManagerConfig, TierConfig
+from tiercache.config import TierConfig
 from tiercache.errors import AdapterTimeout, AdapterUnavailable, ConfigError
 from tiercache.serde import build_pipeline
-from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
-from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+from tiercache.testing.adapters import AdapterConformance, AdapterFactory, unique_keys
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,11 +30,6 @@ MiB = 1 << 20
 
 def _prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}:"
-
-
-def _keys(n: int) -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"k{tag}-{i}" for i in range(n)]
 
 
 # -- conformance ---------------------------------------------------------------------------------------
@@ -109,7 +104,7 @@ async def test_ttl_expires_objects(redis_server: Any) -> None:
     prefix = _prefix()
     raw = aredis.Redis(host="127.0.0.1", port=redis_server.port)
     async with await RedisAdapter.open(redis_server.url, prefix=prefix, ttl=3600) as adapter:
-        keys = _keys(3)
+        keys = unique_keys(3)
         assert await adapter.batched_put(keys, [b"a", b"b" * 300_000, b"c"]) == [True] * 3
         assert await adapter.batched_contains(keys) == [True] * 3
         for key in keys:  # set with SET PX 3600000: left between an hour and a few minutes less
@@ -129,7 +124,7 @@ async def test_prefix_isolation(redis_server: Any) -> None:
     a = await RedisAdapter.open(redis_server.url, prefix=_prefix())
     b = await RedisAdapter.open(redis_server.url, prefix=_prefix())
     try:
-        keys = _keys(4)
+        keys = unique_keys(4)
         assert await a.batched_put(keys, [b"from-a"] * 4) == [True] * 4
         assert await b.batched_contains(keys) == [False] * 4
         assert await b.batched_get(keys) == [None] * 4
@@ -145,14 +140,14 @@ async def test_prefix_isolation(redis_server: Any) -> None:
 async def test_maxmemory_eviction_gives_misses(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory("--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru")
     async with await RedisAdapter.open(server.url) as adapter:
-        keys = _keys(40)
+        keys = unique_keys(40)
         values = [bytes([i]) * MiB for i in range(40)]
         for i in range(0, 40, 4):
             assert await adapter.batched_put(keys[i : i + 4], values[i : i + 4]) == [True] * 4
         present = await adapter.batched_contains(keys)
         got = await adapter.batched_get(keys)
         assert not all(present), "40 MiB cannot fit in 8 MB"
-        assert present[-1]
+        assert any(present[-4:]), "the last batch written is kept (sampled LRU may still take one of it)"
         # Over maxmemory Redis evicts while serving any command, reads included, so a key that EXISTS reported
         # may be gone by its GET: what must hold is that a read is the stored value or a miss, never an error
         # or another value, and that nothing evicted comes back.
@@ -168,7 +163,7 @@ async def test_small_values_read_in_order_across_mget_groups(redis_server: Any) 
     failed the whole batch)."""
     prefix = _prefix()
     async with await RedisAdapter.open(redis_server.url, prefix=prefix) as adapter:
-        keys = _keys(12)
+        keys = unique_keys(12)
         values = [bytes([i]) * (200_000 + i) for i in range(12)]
         for _ in range(10):  # the running mean of sizes near 200 KB: ~5 values per MGET, three groups
             assert await adapter.batched_put(keys, values) == [True] * 12
@@ -216,7 +211,7 @@ async def test_a_key_of_another_type_is_a_counted_miss(
         adapter._resp.close()
         adapter._resp = None
     try:
-        good = _keys(7)
+        good = unique_keys(7)
         values = [bytes([i + 1]) * size for i in range(7)]
         assert await adapter.batched_put(good, values) == [True] * 7
         foreign = await _add_foreign(server.port, prefix)
@@ -252,17 +247,12 @@ async def test_a_key_of_another_type_never_takes_the_tier_offline(
     server = request.getfixturevalue(f"{kind}_server")
     prefix = _prefix()
     raw_pipeline = build_pipeline(["raw"])
-    good = _keys(7)
+    good = unique_keys(7)
     writer = await RedisAdapter.open(server.url, prefix=prefix, socket_timeout=5)
     async with StorageManager(
-        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", writer, raw_pipeline)], POLICY
+        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", writer, raw_pipeline)], FAIL_FAST
     ) as m:
-        objects = await m.batched_allocate(good, [SPEC] * 7)
-        for i, obj in enumerate(objects):
-            assert obj is not None
-            obj.buffer()[:] = bytes([i + 1]) * SPEC.nbytes
-        await m.batched_put([o for o in objects if o is not None])
-        await m.drain()
+        await store_chunks(m, good)
     foreign = await _add_foreign(server.port, prefix)
     raw = aredis.Redis(host="127.0.0.1", port=server.port)
     try:
@@ -271,7 +261,7 @@ async def test_a_key_of_another_type_never_takes_the_tier_offline(
         await raw.aclose()
     reader = await RedisAdapter.open(server.url, prefix=prefix, socket_timeout=5)
     async with StorageManager(
-        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", reader, raw_pipeline)], POLICY
+        L1Cache(SPEC.nbytes * 16, SPEC.nbytes), [("redis", reader, raw_pipeline)], FAIL_FAST
     ) as m:
         for name in foreign:  # 3 rounds, each a failed call before (2 open the circuit)
             hits = await m.batched_contains([*good, name])
@@ -326,11 +316,11 @@ async def test_a_string_over_the_value_limit_is_a_miss_refused_unread(
 async def test_noeviction_refusal_is_a_failed_put(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
     async with await RedisAdapter.open(server.url) as adapter:
-        keys = _keys(12)
+        keys = unique_keys(12)
         results = []
         for k in keys:  # one by one: large values are sent as single SETs
             results += await adapter.batched_put([k], [b"x" * MiB])
-        small = await adapter.batched_put(_keys(3), [b"y"] * 3)  # pipelined path
+        small = await adapter.batched_put(unique_keys(3), [b"y"] * 3)  # pipelined path
         assert results[0] is True
         assert False in results
         assert all(isinstance(r, bool) for r in results + small)
@@ -361,7 +351,7 @@ async def test_killed_server_is_unavailable_then_recovers(redis_factory: Callabl
     # A dead server is reported as unavailable at once (connection refused/reset), never by waiting out the
     # socket timeout: that would be AdapterTimeout, after 30 s.
     async with await RedisAdapter.open(server.url, socket_timeout=30, pool_size=4) as adapter:
-        keys = _keys(4)
+        keys = unique_keys(4)
         assert await adapter.batched_put(keys, [b"v" * 1000] * 4) == [True] * 4
         server.proc.kill()
         for call in (
@@ -383,7 +373,7 @@ async def test_hung_server_times_out_at_socket_timeout(redis_factory: Callable[.
     server = redis_factory()
     timeout = 0.5
     async with await RedisAdapter.open(server.url, socket_timeout=timeout) as adapter:
-        keys = _keys(2)
+        keys = unique_keys(2)
         assert await adapter.batched_put(keys, [b"v", b"w"]) == [True, True]
         server.proc.pause()
         try:
@@ -411,7 +401,7 @@ async def test_large_values_go_to_the_selected_database(redis_server: Any) -> No
         await RedisAdapter.open(url3, prefix=prefix) as db3,
         await RedisAdapter.open(redis_server.url, prefix=prefix) as db0,
     ):
-        keys = _keys(3)
+        keys = unique_keys(3)
         values = [bytes([i]) * (2 * MiB + i) for i in range(3)]
         assert await db3.batched_put(keys, values) == [True] * 3
         assert await db3.batched_get(keys) == values
@@ -422,7 +412,7 @@ async def test_large_values_go_to_the_selected_database(redis_server: Any) -> No
 
 async def test_pool_exhaustion_completes(redis_server: Any) -> None:
     async with await RedisAdapter.open(redis_server.url, prefix=_prefix(), pool_size=2) as adapter:
-        batches = [_keys(3) for _ in range(20)]
+        batches = [unique_keys(3) for _ in range(20)]
         values = [[bytes([b]) * (300_000 + 1000 * i) for i in range(3)] for b in range(20)]
 
         async def one(b: int) -> None:
@@ -438,7 +428,7 @@ async def test_cluster_spreads_keys_over_masters(redis_cluster: Any) -> None:
 
     prefix = _prefix()
     async with await RedisClusterAdapter.open(redis_cluster.url, prefix=prefix) as adapter:
-        keys = _keys(60)
+        keys = unique_keys(60)
         assert await adapter.batched_put(keys, [k.encode() for k in keys]) == [True] * 60
         assert await adapter.batched_get(keys) == [k.encode() for k in keys]
         counts = []
@@ -453,26 +443,20 @@ async def test_cluster_spreads_keys_over_masters(redis_cluster: Any) -> None:
 
 # -- through the storage manager ----------------------------------------------------------------------
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens=8)
-POLICY = ManagerConfig(
-    l2_deadline_s=0.5, lookup_deadline_s=0.3, store_queue_size=64, circuit_failures=2, circuit_cooldown_s=5
-)
-
 
 async def test_manager_turns_a_killed_server_into_misses(redis_factory: Callable[..., Any]) -> None:
     server = redis_factory()
     raw = build_pipeline(["raw"])
-    keys = _keys(4)
+    keys = unique_keys(4)
     writer = await RedisAdapter.open(server.url, socket_timeout=1)
-    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", writer, raw)], POLICY) as m:
-        objects = await m.batched_allocate(keys, [SPEC] * 4)
-        for obj in objects:
-            assert obj is not None
-            obj.buffer()[:] = b"\x07" * SPEC.nbytes
-        await m.batched_put([o for o in objects if o is not None])
-        await m.drain()
+    async with StorageManager(
+        L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", writer, raw)], FAIL_FAST
+    ) as m:
+        await store_chunks(m, keys)
     reader = await RedisAdapter.open(server.url, socket_timeout=1)
-    async with StorageManager(L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", reader, raw)], POLICY) as m:
+    async with StorageManager(
+        L1Cache(SPEC.nbytes * 8, SPEC.nbytes), [("redis", reader, raw)], FAIL_FAST
+    ) as m:
         assert (await m.lookup_prefix(keys, [SPEC] * 4, prefetch=False)).chunks == 4
         server.proc.kill()
         hit = await m.lookup_prefix(keys, [SPEC] * 4)
@@ -503,7 +487,7 @@ async def test_cluster_never_retries_a_timeout(redis_cluster: Any, monkeypatch: 
     prefix = _prefix()
     adapter = await RedisClusterAdapter.open(redis_cluster.url, prefix=prefix, socket_timeout=1.5)
     try:
-        (key,) = _keys(1)
+        (key,) = unique_keys(1)
         assert await adapter.batched_put([key], [b"v"]) == [True]
         client = adapter._client
         node = client.nodes_manager.get_node_from_slot(client.keyslot(prefix + key))

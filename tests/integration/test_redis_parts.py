@@ -8,9 +8,10 @@ always uses redis-py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -226,12 +227,22 @@ async def test_overwrite_with_a_plain_value_drops_every_part(redis_server: Any, 
 # -- broken objects are misses, counted --------------------------------------------------------------
 
 
-async def _parted(redis_server: Any, via: str) -> tuple[RedisAdapter, aredis.Redis, str, bytes]:
+@contextlib.asynccontextmanager
+async def _parted(
+    redis_server: Any, via: str
+) -> AsyncIterator[tuple[RedisAdapter, aredis.Redis, str, bytes]]:
+    """An adapter holding "obj" in five parts, a plain client of its server, the prefix and the value; both
+    closed at the end."""
     prefix = _prefix()
     adapter = await _open(redis_server.url, via, prefix=prefix, part_size=PART)
-    value = _value(4 * PART + 5, 5)
-    assert await adapter.batched_put(["obj"], [value]) == [True]
-    return adapter, aredis.Redis(host="127.0.0.1", port=redis_server.port), prefix, value
+    raw = aredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        value = _value(4 * PART + 5, 5)
+        assert await adapter.batched_put(["obj"], [value]) == [True]
+        yield adapter, raw, prefix, value
+    finally:
+        await adapter.aclose()
+        await raw.aclose()
 
 
 @pytest.mark.asyncio
@@ -242,8 +253,7 @@ async def test_missing_part_is_a_counted_miss_and_the_object_goes(
 ) -> None:
     """One part gone (as an eviction or expiry would leave it): a miss, ``parts_missing`` counted, and
     the head and the other parts removed so the object is not half there any more."""
-    adapter, raw, prefix, _ = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, _):
         assert await raw.delete(f"{prefix}obj#2") == 1
         if op == "get":
             assert await adapter.batched_get(["obj"]) == [None]
@@ -253,9 +263,6 @@ async def test_missing_part_is_a_counted_miss_and_the_object_goes(
         assert await _stored_keys(redis_server.port, prefix) == []
         assert await adapter.batched_get(["obj"]) == [None]
         assert adapter.stats["parts_missing"] == 1  # nothing left to count
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio
@@ -263,16 +270,12 @@ async def test_missing_part_is_a_counted_miss_and_the_object_goes(
 async def test_part_of_another_length_is_a_stale_miss(redis_server: Any, via: str) -> None:
     """A part of another length (a rewrite with another size in progress) is a miss counted in
     ``parts_stale``; the keys stay for the rewrite's head, which comes next."""
-    adapter, raw, prefix, _ = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, _):
         part = await raw.get(f"{prefix}obj#1")
         await raw.set(f"{prefix}obj#1", part[1:])
         assert await adapter.batched_get(["obj"]) == [None]
         assert adapter.stats == {"parts_missing": 0, "parts_stale": 1, "bad_manifests": 0, "foreign_keys": 0}
         assert len(await _stored_keys(redis_server.port, prefix)) == 6
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio
@@ -281,8 +284,7 @@ async def test_part_of_another_type_is_a_stale_miss(redis_server: Any, via: str)
     """A part key that holds a list (another program's key under the prefix) is a miss wherever it is met:
     counted in ``parts_stale`` and ``foreign_keys``, never an error (its WRONGTYPE failed the whole read or
     lookup); the keys stay, and a put of the object writes it whole again."""
-    adapter, raw, prefix, value = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, value):
         await raw.delete(f"{prefix}obj#2")
         await raw.rpush(f"{prefix}obj#2", "x")
         assert await adapter.batched_get(["obj"]) == [None]
@@ -291,9 +293,6 @@ async def test_part_of_another_type_is_a_stale_miss(redis_server: Any, via: str)
         assert len(await _stored_keys(redis_server.port, prefix)) == 6
         assert await adapter.batched_put(["obj"], [value]) == [True]
         await _reads_back(adapter, "obj", value)
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio
@@ -301,8 +300,7 @@ async def test_part_of_another_type_is_a_stale_miss(redis_server: Any, via: str)
 async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any, via: str) -> None:
     """A part already rewritten by a newer put (same length, another nonce) is a miss counted in
     ``parts_stale``; nothing is deleted (the newer write's head is on its way), and that write reads back."""
-    adapter, raw, prefix, value = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, value):
         part = await raw.get(f"{prefix}obj#3")
         await raw.set(f"{prefix}obj#3", part[:-NONCE_BYTES] + b"n" * NONCE_BYTES)
         assert await adapter.batched_get(["obj"]) == [None]
@@ -311,9 +309,6 @@ async def test_part_of_another_write_is_a_stale_miss_and_kept(redis_server: Any,
         newer = _value(len(value), 6)
         assert await adapter.batched_put(["obj"], [newer]) == [True]
         await _reads_back(adapter, "obj", newer)
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio
@@ -325,8 +320,7 @@ async def test_contains_is_false_for_a_part_of_another_write(
     """``contains`` checks each part's nonce and length as a read does: a part of another write (a rewrite
     in progress, or one that died between its parts and its head) is not contained (it was: every part
     existed), counted in ``parts_stale``, and kept; the read agrees."""
-    adapter, raw, prefix, _ = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, _):
         part = await raw.get(f"{prefix}obj#3")
         if change == "nonce":
             await raw.set(f"{prefix}obj#3", part[:-NONCE_BYTES] + b"n" * NONCE_BYTES)
@@ -337,25 +331,18 @@ async def test_contains_is_false_for_a_part_of_another_write(
         assert len(await _stored_keys(redis_server.port, prefix)) == 6  # head + 5 parts, kept
         assert await adapter.batched_get(["obj"]) == [None]
         assert adapter.stats["parts_stale"] == 2
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio
 @VIAS
 async def test_corrupt_manifest_is_a_counted_miss(redis_server: Any, via: str) -> None:
-    adapter, raw, prefix, _ = await _parted(redis_server, via)
-    try:
+    async with _parted(redis_server, via) as (adapter, raw, prefix, _):
         head = await raw.get(f"{prefix}obj")
         assert len(head) == MANIFEST_BYTES
         await raw.set(f"{prefix}obj", head[: -NONCE_BYTES - 4] + b"\xff\xff\xff\xff" + head[-NONCE_BYTES:])
         assert await adapter.batched_get(["obj"]) == [None]
         assert await adapter.batched_contains(["obj"]) == [False]
         assert adapter.stats["bad_manifests"] == 2
-    finally:
-        await adapter.aclose()
-        await raw.aclose()
 
 
 @pytest.mark.asyncio

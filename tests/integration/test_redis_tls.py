@@ -18,6 +18,7 @@ import pytest
 from tiercache.adapters.redis import RedisAdapter
 from tiercache.errors import AdapterUnavailable
 from tiercache.testing.adapters import AdapterConformance, AdapterFactory
+from tiercache.testing.harness.backends import redis_argv
 from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
 
 pytestmark = pytest.mark.asyncio
@@ -99,11 +100,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def _start_tls(redis_binary: str, directory: Path, pki: Pki, auth_clients: str) -> tuple[ServerProcess, str]:
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [
-        redis_binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-        "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key), "--tls-ca-cert-file", str(pki.ca),
-        "--tls-auth-clients", auth_clients, "--save", "", "--appendonly", "no", "--dir", str(directory),
-    ]  # fmt: skip
+    tls = ["--tls-port", str(port), "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key),
+           "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", auth_clients]  # fmt: skip
+    argv = redis_argv(redis_binary, 0, directory, tls)  # TLS only: no plain port
     proc = start_process(argv, ready=lambda: port_open("127.0.0.1", port), timeout=15)
     return proc, f"rediss://127.0.0.1:{port}/0"
 

@@ -38,34 +38,22 @@ SAFETY_NET_S = 60
 @pytest.fixture(scope="module")
 def aws_env() -> Iterator[None]:
     """Dummy credentials in the environment (the adapter reads them through the standard AWS chain)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in servers.TEST_ENV.items():
-            mp.setenv(k, v)
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(k, raising=False)
+    with servers.aws_test_env():
         yield
 
 
 @pytest.fixture(scope="module")
 def moto(aws_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One moto server for the module, with the test bucket; stopped by PID at the end."""
-    server = servers.MotoServer(log=tmp_path_factory.mktemp("moto") / "moto.log").start()
-    try:
-        server.boto3_client().create_bucket(Bucket=BUCKET)
+    """One moto server for the module."""
+    with servers.moto_with_bucket(BUCKET, tmp_path_factory.mktemp("moto") / "moto.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def private_moto(aws_env: None, tmp_path: Path) -> Iterator[Any]:
     """A moto server of this test alone (for killing, restarting and pausing it)."""
-    server = servers.MotoServer(log=tmp_path / "moto.log").start()
-    try:
-        server.boto3_client().create_bucket(Bucket=BUCKET)
+    with servers.moto_with_bucket(BUCKET, tmp_path / "moto.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

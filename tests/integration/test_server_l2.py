@@ -9,8 +9,6 @@ L1. SIGTERM drains the write-behind before the process exits.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import uuid
 from pathlib import Path
@@ -25,50 +23,15 @@ from tiercache.server.client import SharedL1
 from tiercache.server.segment import stride_of
 from tiercache.store.engine import CacheEngine
 from tiercache.store.manager import StorageManager
+from tiercache.testing.harness.processes import ConfigServer
 
 pytestmark = pytest.mark.asyncio
 
-TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
 LAYOUT = layout_of()
 SLOT_BYTES = CacheEngine.slot_bytes(LAYOUT, CHUNK)
 SLOTS = 16
 TOKENS = list(range(4000, 4600))  # 3 chunks (256 + 256 + 88 tokens)
 LONG = list(range(10_000, 13_000))  # 12 chunks
-
-
-class Serve:
-    """``tiercache serve --config FILE --socket PATH`` as a child process; ``epoch`` from its ready line."""
-
-    def __init__(self, config: Path, socket_path: str) -> None:
-        self.path = socket_path
-        self.proc = subprocess.Popen(
-            [TIERCACHE, "serve", "--config", str(config), "--socket", socket_path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=config.parent,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.metrics_url = ""
-        if line.startswith("tiercache server metrics on "):
-            self.metrics_url = line.split()[-1]
-            line = self.proc.stdout.readline()
-        assert line.startswith("tiercache server listening"), (
-            self.proc.stderr.read() if self.proc.stderr else ""
-        )
-        self.epoch = int(line.split()[-1])
-
-    def terminate(self) -> tuple[int, str]:
-        """SIGTERM and wait for the exit: (return code, stderr)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.wait()
-
-    def wait(self) -> tuple[int, str]:
-        """Wait for the exit: (return code, stderr)."""
-        _, err = self.proc.communicate(timeout=120)
-        return self.proc.returncode, err
 
 
 def write_config(
@@ -81,7 +44,7 @@ def write_config(
         f"[l1]\ncapacity = {stride * SLOTS}\n"
         f"[server]\nslot_bytes = {SLOT_BYTES}\ndrain_s = {drain_s}\n"
         + ("metrics_port = 0\n" if metrics else "")
-        + "[manager]\nl2_deadline_s = 60.0\n"
+        + "[manager]\nl2_deadline_s = 60.0\nlookup_deadline_s = 3.0\n"  # within a client request's 5 s
         f'[[tiers]]\nname = "redis"\nurl = "redis://127.0.0.1:{port}/0"\ncodecs = ["raw", "zstd"]\n'
         f'[tiers.options]\nprefix = "{prefix}"\n'
     )
@@ -97,8 +60,7 @@ def engine_on(path: str) -> CacheEngine:
 
 async def store_prompt(path: str, tokens: list[int] = TOKENS) -> list[str]:
     """Client A stores ``tokens`` through the shared L1; returns the chunk keys."""
-    src = Engine(LAYOUT, num_blocks=256, seed=1)
-    src.write(expected_kv(LAYOUT, len(tokens)), 0, len(tokens))
+    src = Engine.holding(LAYOUT, len(tokens), seed=1, num_blocks=256)
     engine = engine_on(path)
     try:
         assert await engine.store(tokens, src.kv, src.slots(len(tokens))) == len(tokens)
@@ -153,7 +115,7 @@ async def test_write_behind_then_prefetch_after_a_restart(
     redis_server: Any, tmp_path: Path, sock: str, prefix: str
 ) -> None:
     cfg = write_config(tmp_path, redis_server.port, prefix)
-    first = Serve(cfg, sock)
+    first = ConfigServer(cfg, sock)
     try:
         keys = await store_prompt(sock)
         admin = SharedL1(sock, role="admin")
@@ -161,9 +123,9 @@ async def test_write_behind_then_prefetch_after_a_restart(
         assert await in_redis(redis_server.port, prefix, keys) == [True] * 3  # written by the server
         admin.close()
     finally:
-        code, err = first.terminate()
-    assert code == 0, err[-2000:]
-    second = Serve(cfg, sock)  # a new epoch with an empty L1
+        code = first.stop()
+    assert code == 0, first.log()[-2000:]
+    second = ConfigServer(cfg, sock)  # a new epoch with an empty L1
     try:
         assert second.epoch != first.epoch
         stats = SharedL1(sock).server_stats()
@@ -173,14 +135,14 @@ async def test_write_behind_then_prefetch_after_a_restart(
         assert tiers_then == ("redis",) * 3  # found in L2, prefetched by the server
         assert tiers_now == ("L1",) * 3  # now in the shared L1
     finally:
-        code, err = second.terminate()
-    assert code == 0, err[-2000:]
+        code = second.stop()
+    assert code == 0, second.log()[-2000:]
 
 
 async def test_clear_then_a_lookup_prefetches_from_redis(
     redis_server: Any, tmp_path: Path, sock: str, prefix: str
 ) -> None:
-    server = Serve(write_config(tmp_path, redis_server.port, prefix, metrics=True), sock)
+    server = ConfigServer(write_config(tmp_path, redis_server.port, prefix, metrics=True), sock)
     try:
         await store_prompt(sock)
         admin = SharedL1(sock, role="admin")
@@ -196,27 +158,27 @@ async def test_clear_then_a_lookup_prefetches_from_redis(
         assert tiers_now == ("L1",) * 3
         assert 'tiercache_prefetched_total{tier="redis"} 3.0' in scrape(server.metrics_url)
     finally:
-        code, err = server.terminate()
-    assert code == 0, err[-2000:]
+        code = server.stop()
+    assert code == 0, server.log()[-2000:]
 
 
 async def test_the_client_never_writes_to_l2_itself(sock: str, tmp_path: Path, redis_server: Any) -> None:
-    server = Serve(write_config(tmp_path, redis_server.port, "x:"), sock)
+    server = ConfigServer(write_config(tmp_path, redis_server.port, "x:"), sock)
     adapter = await RedisAdapter.open(redis_server.url)
     try:
         with pytest.raises(ValueError, match="server owns the L2 tiers"):
             StorageManager(SharedL1(sock), [("redis", adapter, build_pipeline(["raw"]))], POLICY)
     finally:
         await adapter.aclose()
-        server.terminate()
+        server.stop()
 
 
 def serve_behind_a_gate(
     proxy: Any, tmp_path: Path, sock: str, prefix: str, drain_s: float
-) -> tuple[Serve, threading.Event]:
+) -> tuple[ConfigServer, threading.Event]:
     """A server whose Redis is behind ``proxy``; once started every request to Redis is held until the
     returned event is set (the proxy's 'slow' wait, no timing)."""
-    server = Serve(write_config(tmp_path, proxy.port, prefix, drain_s=drain_s), sock)
+    server = ConfigServer(write_config(tmp_path, proxy.port, prefix, drain_s=drain_s), sock)
     released = threading.Event()
 
     async def wait(_delay: float) -> None:
@@ -247,11 +209,11 @@ async def test_sigterm_drains_the_write_behind_into_redis(
         assert int(line.split()[4]) >= 1
         assert server.proc.poll() is None  # stopping, but draining the queued stores
         released.set()
-        code, err = server.wait()
+        code = server.wait()
     finally:
         released.set()
-        server.terminate()
-    assert code == 0, err[-2000:]
+        server.stop()
+    assert code == 0, server.log()[-2000:]
     assert await in_redis(redis_server.port, prefix, keys) == [True] * 12  # all stored before the exit
 
 
@@ -261,10 +223,10 @@ async def test_sigterm_with_a_short_drain_deadline_exits_and_reports_the_drop(
     server, released = serve_behind_a_gate(fault_proxy(redis_server.port), tmp_path, sock, prefix, 0.0)
     try:
         keys = await store_prompt(sock)
-        code, err = server.terminate()  # the gate stays shut: the stores cannot finish
+        code = server.stop()  # the gate stays shut: the stores cannot finish
         assert await in_redis(redis_server.port, prefix, keys) == [False] * 3  # it exited without them
     finally:
         released.set()
-        server.terminate()
-    assert code == 0, err[-2000:]
-    assert "L2 stores still pending after 0.0 s; dropped" in err
+        server.stop()
+    assert code == 0, server.log()[-2000:]
+    assert "L2 stores still pending after 0.0 s; dropped" in server.log()

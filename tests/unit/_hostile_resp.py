@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 __all__ = ["HostileServer", "Respond", "Session", "bulk", "normal"]
@@ -181,6 +182,14 @@ class HostileServer:
     def commands(self, name: bytes) -> list[tuple[int, bytes]]:
         """(connection number, first argument) of each ``name`` command received."""
         return [(conn, first) for conn, cmd, first in self.log if cmd == name]
+
+    async def received(self, name: bytes, count: int = 1, timeout_s: float = 30.0) -> None:
+        """Wait until ``count`` ``name`` commands arrived (a loaded machine sends them later); AssertionError
+        after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.commands(name)) < count:
+            assert time.monotonic() < deadline, f"{count} {name!r} never reached the server"
+            await asyncio.sleep(0.01)
 
 
 async def _read_command(reader: asyncio.StreamReader) -> list[bytes] | None:

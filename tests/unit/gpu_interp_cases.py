@@ -31,6 +31,7 @@ from tiercache.testing.harness.moves import (
     bits,
     k_gather,
     k_scatter,
+    poisoned,
     random_tensor,
     ref_gather,
     ref_scatter,
@@ -45,10 +46,6 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return cases.poisoned(shape, dtype, CPU)
 
 
 make_kv = functools.partial(

@@ -8,7 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 import xxhash
@@ -24,36 +24,35 @@ if TYPE_CHECKING:
     from tiercache.testing.adapters import AdapterFactory
 
 
-class TestPosixConformance(AdapterConformance):
+class PosixKit(AdapterConformance):
+    """The kit against temp directories: ``store`` opened with the ``query`` options; the bounded test's
+    ``bounded`` directory with a capacity of 2 MiB and ``bounded_options``, its bytes on disk counted."""
+
+    query: ClassVar[str] = ""
+    bounded_options: ClassVar[dict[str, str]] = {}
+
+    @pytest.fixture
+    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        return lambda: PosixAdapter.open(f"file://{tmp_path}/store{self.query}")
+
+    @pytest.fixture
+    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
+        self.root = tmp_path / "bounded"
+        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB", **self.bounded_options)
+
+    async def stored_bytes(self, adapter: Adapter) -> int | None:
+        return _bytes_on_disk(self.root)
+
+
+class TestPosixConformance(PosixKit):
     """The kit against a temp directory (reopened on the same directory for the persistence test)."""
 
-    @pytest.fixture
-    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        return lambda: PosixAdapter.open(f"file://{tmp_path}/store")
 
-    @pytest.fixture
-    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        self.root = tmp_path / "bounded"
-        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB")
-
-    async def stored_bytes(self, adapter: Adapter) -> int | None:
-        return _bytes_on_disk(self.root)
-
-
-class TestPosixConformanceS3FIFO(AdapterConformance):
+class TestPosixConformanceS3FIFO(PosixKit):
     """The kit with S3-FIFO eviction (query option) under a capacity."""
 
-    @pytest.fixture
-    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        return lambda: PosixAdapter.open(f"file://{tmp_path}/store?eviction=s3fifo&capacity=64MiB")
-
-    @pytest.fixture
-    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        self.root = tmp_path / "bounded"
-        return lambda: PosixAdapter.open(f"file://{self.root}", capacity="2MiB", eviction="s3fifo")
-
-    async def stored_bytes(self, adapter: Adapter) -> int | None:
-        return _bytes_on_disk(self.root)
+    query = "?eviction=s3fifo&capacity=64MiB"
+    bounded_options: ClassVar[dict[str, str]] = {"eviction": "s3fifo"}
 
 
 class TestPosixConformanceFsyncFlat(AdapterConformance):

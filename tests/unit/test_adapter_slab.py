@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 
@@ -24,45 +24,49 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 
 
-class TestSlabConformance(AdapterConformance):
-    """The kit on a sparse slab file, O_DIRECT where the filesystem allows it (reopened for persistence)."""
+BOUNDED = "capacity=6MiB&max_object=1MiB&extent_size=2MiB"
+
+
+class SlabKit(AdapterConformance):
+    """The kit on sparse slab files under ``tmp_path``: kit.slab opened with ``kit_options``, the bounded
+    test's bounded.slab with ``bounded_options`` (None: the bounded test runs on kit.slab)."""
+
+    kit_options: ClassVar[str]
+    bounded_options: ClassVar[str | None] = BOUNDED
 
     @pytest.fixture
     def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        url = f"nvme+slab://{tmp_path}/kit.slab?capacity=640MiB&max_object=64MiB&extent_size=64MiB"
+        url = f"nvme+slab://{tmp_path}/kit.slab?{self.kit_options}"
         return lambda: SlabAdapter.open(url, preallocate=False)
 
     @pytest.fixture
-    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        url = f"nvme+slab://{tmp_path}/bounded.slab?capacity=6MiB&max_object=1MiB&extent_size=2MiB"
+    def bounded_adapter_factory(self, tmp_path: Path, adapter_factory: AdapterFactory) -> AdapterFactory:
+        if self.bounded_options is None:
+            return adapter_factory
+        url = f"nvme+slab://{tmp_path}/bounded.slab?{self.bounded_options}"
         return lambda: SlabAdapter.open(url, preallocate=False)
 
 
-class TestSlabConformanceS3FIFO(AdapterConformance):
+class TestSlabConformance(SlabKit):
+    """The kit on a sparse slab file, O_DIRECT where the filesystem allows it (reopened for persistence)."""
+
+    kit_options = "capacity=640MiB&max_object=64MiB&extent_size=64MiB"
+
+
+class TestSlabConformanceS3FIFO(SlabKit):
     """The kit with S3-FIFO eviction within classes (reopened for persistence: replay rebuilds the order)."""
 
     max_object_bytes = 4 * MiB
-
-    @pytest.fixture
-    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        url = f"nvme+slab://{tmp_path}/kit.slab?capacity=256MiB&max_object=8MiB&eviction=s3fifo"
-        return lambda: SlabAdapter.open(url, preallocate=False)
-
-    @pytest.fixture
-    def bounded_adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        url = f"nvme+slab://{tmp_path}/bounded.slab?capacity=6MiB&max_object=1MiB&extent_size=2MiB"
-        return lambda: SlabAdapter.open(url + "&eviction=s3fifo", preallocate=False)
+    kit_options = "capacity=256MiB&max_object=8MiB&eviction=s3fifo"
+    bounded_options = BOUNDED + "&eviction=s3fifo"
 
 
-class TestSlabConformanceBuffered(AdapterConformance):
+class TestSlabConformanceBuffered(SlabKit):
     """The kit with buffered I/O and fsync on (smaller objects to stay fast)."""
 
     max_object_bytes = 4 * MiB
-
-    @pytest.fixture
-    def adapter_factory(self, tmp_path: Path) -> AdapterFactory:
-        url = f"nvme+slab://{tmp_path}/kit.slab?capacity=256MiB&max_object=8MiB&direct=false&fsync=true"
-        return lambda: SlabAdapter.open(url, preallocate=False)
+    kit_options = "capacity=256MiB&max_object=8MiB&direct=false&fsync=true"
+    bounded_options = None
 
 
 async def _open(tmp_path: Path, **options: object) -> SlabAdapter:

@@ -20,6 +20,7 @@ CUDA_ONLY = {"fp8_l1_bench.py", "gpu_ab.py", "gpu_bench.py", "server_gpu_bench.p
 _CHILD = """
 import ast, contextlib, importlib, importlib.util, io, json, sys
 from pathlib import Path
+from tiercache.testing.harness.scripts import load_by_path
 bench, cuda_only = Path(sys.argv[1]), set(sys.argv[2].split(","))
 sys.path.insert(0, str(bench))
 out = {}
@@ -27,10 +28,7 @@ for f in sorted(bench.glob("*.py")):
     if f.name.startswith("_"):
         continue
     try:
-        spec = importlib.util.spec_from_file_location(f"bench_{f.stem}", f)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
+        mod = load_by_path(f, f"bench_{f.stem}")
     except BaseException as exc:
         out[f.name] = f"import: {type(exc).__name__}: {exc}"
         continue

@@ -15,20 +15,13 @@ from tiercache.spec import KVSpec
 from tiercache.store.circuit import CircuitBreaker
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
+from tiercache.testing.fakes import FakeClock
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, dtype="bfloat16", tokens=4)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_admits_one_probe_until_it_resolves() -> None:
-    clock = Clock()
+    clock = FakeClock()
     breaker = CircuitBreaker(failures=2, cooldown_s=5, clock=clock)
     assert breaker.record_failure() is False
     assert breaker.record_failure() is True  # the second consecutive failure opens it
@@ -73,7 +66,7 @@ async def test_only_one_call_reaches_a_half_open_tier() -> None:
     raw = build_pipeline(["raw"])
     tier = GatedContains()
     await tier.batched_put(["k"], [raw.encode(bytes(SPEC.nbytes), SPEC, "k")])
-    clock = Clock()
+    clock = FakeClock()
     policy = ManagerConfig(
         l2_deadline_s=60, lookup_deadline_s=60, store_queue_size=8, circuit_failures=1, circuit_cooldown_s=5
     )

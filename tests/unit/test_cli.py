@@ -13,14 +13,18 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -m tiercache *args`` (``env`` added to this environment), its output captured as text."""
     return subprocess.run(
         [sys.executable, "-P", "-m", "tiercache", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
-        timeout=120,
+        timeout=timeout,
         check=False,
+        cwd=cwd,
     )
 
 
@@ -147,25 +151,11 @@ def test_errors_are_one_line(args: list[str]) -> None:
 
 
 def test_conformance_runs_the_kit_against_a_url(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-P", "-m", "tiercache", "conformance", f"file://{tmp_path}/kit", "-x"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
+    proc = run("conformance", f"file://{tmp_path}/kit", "-x", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
     assert "failed" not in proc.stdout
-    bad = subprocess.run(
-        [sys.executable, "-P", "-m", "tiercache", "conformance", "gopher://nowhere"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
+    bad = run("conformance", "gopher://nowhere", cwd=tmp_path, timeout=300)
     assert bad.returncode != 0
 
 
@@ -188,14 +178,7 @@ def test_conformance_never_reformats_a_live_slab(tmp_path: Path) -> None:
 
     assert asyncio.run(put_then_read(True)) == [True]
     for value in ("true", "1", "yes"):
-        proc = subprocess.run(
-            [sys.executable, "-P", "-m", "tiercache", "conformance", f"{url}&format={value}", "-x"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-            cwd=tmp_path,
-        )
+        proc = run("conformance", f"{url}&format={value}", "-x", cwd=tmp_path, timeout=300)
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "never reformats" in proc.stderr
     assert asyncio.run(put_then_read(False)) == [True]

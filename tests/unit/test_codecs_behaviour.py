@@ -25,10 +25,10 @@ from tiercache.serde.frame import pack_static_header, payload_checksum, seal_hea
 from tiercache.serde.lz4 import Lz4Codec, decompress_into
 from tiercache.serde.shuffle import ShuffleCodec
 from tiercache.serde.zstd import ZstdCodec
-from tiercache.spec import KVFormat, KVSpec
+from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import StorageManager
-from tiercache.testing.codecs import golden_array, random_array
+from tiercache.testing.codecs import golden_array, load_kv_sample, random_array
 
 SAMPLE = Path(__file__).resolve().parent.parent / "fixtures" / "kv_sample"
 KEY1 = bytes(range(32))
@@ -39,14 +39,10 @@ SPEC = KVSpec(2, 2, 8, "bfloat16", tokens=4)
 
 
 def load_sample() -> tuple[torch.Tensor, KVSpec]:
-    meta = json.loads((SAMPLE / "kv.json").read_text())
-    s = meta["spec"]
-    spec = KVSpec(
-        s["num_layers"], s["num_kv_heads"], s["head_dim"], s["dtype"], KVFormat[s["format"]], s["tokens"]
-    )
-    data = bytearray((SAMPLE / "kv.bin").read_bytes())
-    assert len(data) == spec.nbytes <= 2 * 1024 * 1024
-    return torch.frombuffer(data, dtype=torch.bfloat16).reshape(spec.shape), spec
+    x, spec = load_kv_sample(SAMPLE)
+    assert spec.dtype == "bfloat16"
+    assert spec.nbytes <= 2 * 1024 * 1024
+    return x, spec
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

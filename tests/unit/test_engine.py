@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercache.adapters.posix import PosixAdapter
-from tiercache.config import Config, L1Config, ManagerConfig
+from tiercache.config import Config, L1Config, ManagerConfig, config_from_dict
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
@@ -31,15 +31,7 @@ def layout_of(kind: LayoutKind = LayoutKind.VLLM_FLASH, block: int = 16) -> Page
 
 
 def keyspace_of(layout: PagedLayout) -> KeySpace:
-    return KeySpace(
-        model="test/model",
-        kv_dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        kv_format=layout.object_format,
-        layout_tag=layout.fingerprint if layout.block_aligned else "",
-    )
+    return CacheEngine.keyspace_for(config_from_dict({}), layout, model="test/model")
 
 
 class Engine:
@@ -51,6 +43,13 @@ class Engine:
         shape = layout.layer_shape(num_blocks)
         self.kv = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(layout.num_layers)]
         self.blocks = torch.randperm(num_blocks, generator=gen)
+
+    @classmethod
+    def holding(cls, layout: PagedLayout, num_tokens: int, seed: int, num_blocks: int = 64) -> Engine:
+        """An engine whose first ``num_tokens`` tokens hold ``expected_kv`` (a prefill that computed them)."""
+        engine = cls(layout, num_blocks, seed)
+        engine.write(expected_kv(layout, num_tokens), 0, num_tokens)
+        return engine
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         bs = self.layout.block_size
@@ -90,16 +89,26 @@ async def prefill_seed_example(
 ) -> tuple[list[int], torch.Tensor]:
     """Seed §5's prefill: 600 tokens (chunks 0, 1 and a tail of 88) whose first 512 are stored to L2."""
     tokens = list(range(1000, 1600))
+    _, kv, stored = await prefill_to_disk(layout, l2_dir, tokens, 512, seed=1, layerwise=layerwise)
+    assert stored == 512
+    return tokens, kv
+
+
+async def prefill_to_disk(
+    layout: PagedLayout, l2_dir: Path, tokens: list[int], stored: int, *, seed: int, layerwise: bool = False
+) -> tuple[Engine, torch.Tensor, int]:
+    """A prefill engine (``seed``) holding ``tokens``' expected KV stores the first ``stored`` tokens to the
+    file tier at ``l2_dir`` through an engine it then closes: the prefill, the KV and what store returned."""
     kv = expected_kv(layout, len(tokens))
-    prefill = Engine(layout, num_blocks=64, seed=1)
+    prefill = Engine(layout, num_blocks=64, seed=seed)
     prefill.write(kv, 0, len(tokens))
     engine = await open_engine(layout, l2_dir, layerwise=layerwise)
     try:
-        assert await engine.store(tokens[:512], prefill.kv, prefill.slots(512)) == 512
+        count = await engine.store(tokens[:stored], prefill.kv, prefill.slots(stored))
         await engine.drain()
     finally:
         await engine.aclose()
-    return tokens, kv
+    return prefill, kv, count
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -137,13 +146,7 @@ async def test_round_trip_legacy_layout_to_flash_layout_through_posix(tmp_path: 
     legacy, flash = layout_of(LayoutKind.VLLM_LEGACY), layout_of(LayoutKind.VLLM_FLASH)
     assert keyspace_of(legacy).digest == keyspace_of(flash).digest  # same objects, so the same keys
     tokens = list(range(700))
-    kv = expected_kv(legacy, 700)
-    src = Engine(legacy, 64, seed=3)
-    src.write(kv, 0, 700)
-    engine = await open_engine(legacy, tmp_path)
-    await engine.store(tokens, src.kv, src.slots(700))
-    await engine.drain()
-    await engine.aclose()
+    _, kv, _ = await prefill_to_disk(legacy, tmp_path, tokens, 700, seed=3)
 
     dst = Engine(flash, 64, seed=4)
     engine = await open_engine(flash, tmp_path)
@@ -159,13 +162,7 @@ async def test_cpu_blocks_layout_has_its_own_keyspace_and_round_trips(tmp_path: 
     cpu = layout_of(LayoutKind.CPU_BLOCKS, block=32)
     assert keyspace_of(cpu).digest != keyspace_of(layout_of(block=32)).digest
     tokens = list(range(5, 517))
-    kv = expected_kv(cpu, 512)
-    src = Engine(cpu, 64, seed=5)
-    src.write(kv, 0, 512)
-    engine = await open_engine(cpu, tmp_path)
-    await engine.store(tokens, src.kv, src.slots(512))
-    await engine.drain()
-    await engine.aclose()
+    src, _, _ = await prefill_to_disk(cpu, tmp_path, tokens, 512, seed=5)
     dst = Engine(cpu, 64, seed=6)
     dst.write(src.read(0, 64), 0, 64)  # the local hit: the same two pages the prefill computed
     engine = await open_engine(cpu, tmp_path)
@@ -182,8 +179,7 @@ async def test_cpu_blocks_layout_has_its_own_keyspace_and_round_trips(tmp_path: 
 async def test_layerwise_chunk_counts_only_when_every_layer_is_present(tmp_path: Path) -> None:
     layout = layout_of()
     tokens = list(range(768))
-    src = Engine(layout, 64, seed=8)
-    src.write(expected_kv(layout, 768), 0, 768)
+    src = Engine.holding(layout, 768, seed=8)
     engine = await open_engine(layout, None, layerwise=True)
     try:
         await engine.store(tokens, src.kv, src.slots(768))
@@ -220,8 +216,7 @@ async def test_layerwise_generators_store_one_layer_per_step() -> None:
 async def test_store_skips_cached_chunks_and_respects_the_mask() -> None:
     layout = layout_of()
     tokens = list(range(800))
-    src = Engine(layout, 64, seed=11)
-    src.write(expected_kv(layout, 800), 0, 800)
+    src = Engine.holding(layout, 800, seed=11)
     engine = await open_engine(layout, None)
     try:
         mask = torch.tensor([False] * 256 + [True] * 544)
@@ -268,8 +263,7 @@ async def test_expired_lease_during_retrieve_is_not_served(tmp_path: Path) -> No
     """If a lease lapses (slot possibly reused) the tokens it covered are reported as not retrieved."""
     layout = layout_of()
     tokens = list(range(512))
-    src = Engine(layout, 64, seed=14)
-    src.write(expected_kv(layout, 512), 0, 512)
+    src = Engine.holding(layout, 512, seed=14)
     engine = await open_engine(layout, None)
     try:
         await engine.store(tokens, src.kv, src.slots(512))

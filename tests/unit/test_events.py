@@ -4,6 +4,7 @@ wire format decoded by vLLM's own msgspec decoder."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -300,7 +301,7 @@ def test_describe_announces_keys_tiers_already_hold() -> None:
 async def test_lookup_announces_what_its_prefetch_brings_into_l1(tmp_path: Path) -> None:
     """A consumer that never stored a prompt looks it up (vLLM block hashes given): the chunks its prefetch
     loads from the shared file tier into its L1 are announced as CPU blocks."""
-    from tests.unit.test_engine import CHUNK, Engine, expected_kv, keyspace_of, layout_of
+    from tests.unit.test_engine import CHUNK, Engine, keyspace_of, layout_of
     from tiercache.keys import BlockHashes
     from tiercache.store.engine import CacheEngine
 
@@ -321,8 +322,7 @@ async def test_lookup_announces_what_its_prefetch_brings_into_l1(tmp_path: Path)
 
     producer, consumer = await engine_on_tier(), await engine_on_tier()
     try:
-        src = Engine(layout, num_blocks=64, seed=1)
-        src.write(expected_kv(layout, len(tokens)), 0, len(tokens))
+        src = Engine.holding(layout, len(tokens), seed=1)
         assert await producer.store(tokens, src.kv, src.slots(len(tokens)), block_hashes=blocks) == len(
             tokens
         )
@@ -342,6 +342,22 @@ async def test_lookup_announces_what_its_prefetch_brings_into_l1(tmp_path: Path)
         await consumer.aclose()
 
 
+async def check_two_object_disk_evicts_first(manager: StorageManager, sink: EventSink) -> None:
+    """Store ks.a, ks.b, ks.c through a manager whose "disk" tier holds two objects: the sink announces ks.a's
+    DISK removal, all three stay announced as CPU, and the disk holds ks.b and ks.c."""
+    events: list[Event] = []
+    for i, key in enumerate(["ks.a", "ks.b", "ks.c"]):
+        await _put(manager, sink, [key], [2 * i])
+        await manager.drain()
+        events += sink.take()
+    assert Removed(info(0, 2).block_hashes, MEDIUM_DISK) in events  # ks.a left the full file tier
+    assert replay(events) == {
+        MEDIUM_CPU: set(info(0, 6).block_hashes),
+        MEDIUM_DISK: set(info(2, 4).block_hashes),
+    }
+    assert sink.held("disk") == ["ks.b", "ks.c"]
+
+
 @pytest.mark.asyncio
 async def test_file_tier_evictions_are_announced(tmp_path: Path) -> None:
     """A file tier with a capacity of two objects evicts for room: the sink hears it from the adapter and
@@ -355,17 +371,66 @@ async def test_file_tier_evictions_are_announced(tmp_path: Path) -> None:
     sink = EventSink({"disk": MEDIUM_DISK})
     detach = sink.attach(manager)
     try:
-        events: list[Event] = []
-        for i, key in enumerate(["ks.a", "ks.b", "ks.c"]):
-            await _put(manager, sink, [key], [2 * i])
-            await manager.drain()
-            events += sink.take()
-        assert Removed(info(0, 2).block_hashes, MEDIUM_DISK) in events  # ks.a left the full file tier
-        assert replay(events) == {
-            MEDIUM_CPU: set(info(0, 6).block_hashes),
-            MEDIUM_DISK: set(info(2, 4).block_hashes),
-        }
-        assert sink.held("disk") == ["ks.b", "ks.c"]
+        await check_two_object_disk_evicts_first(manager, sink)
     finally:
         detach()
         await manager.aclose()
+
+
+def _chunk_infos_reference(
+    tokens: Sequence[int], hashes: Sequence[bytes], block: int, spans: list[tuple[int, int]], as_int: bool
+) -> list[ChunkInfo | None]:
+    """chunk_infos by its definition, block by block."""
+    out: list[ChunkInfo | None] = []
+    for start, end in spans:
+        first, last = start // block, min(end // block, len(hashes))
+        if start % block or last <= first:
+            out.append(None)
+            continue
+        out.append(
+            ChunkInfo(
+                tuple(external_hash(h, as_int) for h in hashes[first:last]),
+                external_hash(hashes[first - 1], as_int) if first else None,
+                tuple(int(t) for t in tokens[first * block : last * block]),
+                block,
+            )
+        )
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(0, 12),
+    block=st.sampled_from([1, 2, 4]),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+    as_int=st.booleans(),
+    as_array=st.booleans(),
+)
+def test_chunk_infos_match_their_definition(
+    blocks: int, block: int, cuts: list[int], as_int: bool, as_array: bool
+) -> None:
+    """Any spans (aligned or not, past the hashes, empty), tokens as a list or a numpy array, hashes as ints
+    or bytes: the blocks, parents and token ids the definition gives (tokens as Python ints)."""
+    import numpy as np
+
+    tokens: Sequence[int] = TOKENS[: blocks * block + 3]
+    if as_array:
+        tokens = np.asarray(tokens, dtype=np.int64)  # type: ignore[assignment]
+    bounds = sorted(cuts)
+    spans = list(itertools.pairwise(bounds))
+    got = chunk_infos(tokens, HASHES[:blocks], block, spans, int_hashes=as_int)
+    assert got == _chunk_infos_reference(tokens, HASHES[:blocks], block, spans, as_int)
+    assert all(type(t) is int for info in got if info is not None for t in info.token_ids)
+
+
+def test_a_described_key_keeps_its_blocks() -> None:
+    """Describing a key again (a later lookup or store of the same prompt) changes nothing it announces."""
+    sink = EventSink()
+    sink.describe_request(["k"], TOKENS, HASHES, BLOCK, [(0, 2 * BLOCK)])
+    sink.describe_request(["k"], TOKENS, HASHES, BLOCK, [(0, 2 * BLOCK)])
+    sink.on_tier("L1", "stored", ["k"])
+    sink.on_tier("L1", "evicted", ["k"])
+    assert sink.take() == [
+        Stored(info(0, 2).block_hashes, None, info(0, 2).token_ids, BLOCK, MEDIUM_CPU),
+        Removed(info(0, 2).block_hashes, MEDIUM_CPU),
+    ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_engine import CHUNK, POLICY, Engine, expected_kv, keyspace_of, layout_of
+from tests.unit.test_engine import CHUNK, POLICY, Engine, keyspace_of, layout_of
 from tiercache.events import ForwardingSink
 from tiercache.keys import BlockHashes
 from tiercache.server.client import SharedL1
@@ -73,9 +73,7 @@ def test_two_engines_one_stream_each_block_once(server: ConfigServer, endpoint: 
     sub = subscribe(endpoint)
     tokens = list(range(3000, 3000 + 3 * CHUNK))
     blocks = block_hashes(tokens)
-    kv = expected_kv(LAYOUT, len(tokens))
-    src = Engine(LAYOUT, num_blocks=128, seed=1)
-    src.write(kv, 0, len(tokens))
+    src = Engine.holding(LAYOUT, len(tokens), seed=1, num_blocks=128)
 
     async def store_twice() -> list[int]:
         stored = []

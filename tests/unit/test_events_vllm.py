@@ -39,7 +39,7 @@ def test_relay_keeps_events_every_worker_sent() -> None:
     is dropped (vLLM's aggregation rule)."""
     both = to_vllm([Stored((1,), None, (3,), 1, MEDIUM_CPU), Cleared()])
     only_one = to_vllm([Removed((9,), MEDIUM_CPU)])
-    relay = EventRelay()
+    relay = EventRelay(2)
     first = TierCacheKVEvents(both + only_one)
     # what vLLM's output aggregator does with the second worker's output
     first.add_events(
@@ -54,6 +54,27 @@ def test_relay_keeps_events_every_worker_sent() -> None:
     assert relay.take() == []
     relay.collect(SimpleNamespace(kv_cache_events=None))  # type: ignore[arg-type]
     assert relay.take() == []
+
+
+def test_relay_waits_for_every_worker_across_steps() -> None:
+    """Two workers whose backends expire their own rank's object of the same blocks in different steps (the
+    other worker has no events then, so vLLM's aggregate counts one worker): the removal goes out once, in
+    the step the second worker sent it."""
+    gone = to_vllm([Removed((7, 8), MEDIUM_REMOTE)])
+    relay = EventRelay(2)
+    relay.collect(SimpleNamespace(kv_cache_events=TierCacheKVEvents(gone)))  # type: ignore[arg-type]
+    assert relay.take() == []
+    relay.collect(
+        SimpleNamespace(kv_cache_events=TierCacheKVEvents(to_vllm([Stored((1,), None, (3,), 1, MEDIUM_CPU)])))
+    )  # type: ignore[arg-type]
+    assert relay.take() == []  # one worker's store waits too
+    relay.collect(SimpleNamespace(kv_cache_events=TierCacheKVEvents(list(gone))))  # type: ignore[arg-type]
+    assert relay.take() == gone
+    assert relay.take() == []
+    # one worker (the uniprocess executor): everything goes out as it comes
+    single = EventRelay(1)
+    single.collect(SimpleNamespace(kv_cache_events=TierCacheKVEvents(gone)))  # type: ignore[arg-type]
+    assert single.take() == gone
 
 
 def test_hit_source_per_medium() -> None:

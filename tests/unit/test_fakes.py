@@ -76,6 +76,10 @@ async def test_fail_ops_and_error_type() -> None:
         FaultInjectingAdapter(fail_ops=frozenset({"gett"}))
 
 
+async def _listed(adapter: FaultInjectingAdapter) -> list[list[str]]:
+    return [batch async for batch in adapter.iter_keys("")]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("op", sorted(ALL_OPS))
 async def test_each_op_name_fails_exactly_its_own_method(op: str) -> None:
@@ -86,6 +90,7 @@ async def test_each_op_name_fails_exactly_its_own_method(op: str) -> None:
         "get": lambda: fake.batched_get(["k"]),
         "put": lambda: fake.batched_put(["k"], [b"v"]),
         "delete": lambda: fake.batched_delete(["k"]),
+        "list": lambda: _listed(fake),
     }
     assert set(calls) == ALL_OPS
     for name, call in calls.items():

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import array
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from tiercache.server.protocol import Op, decode, encode
 from tiercache.server.segment import MIN_SLOT, Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
 from tiercache.testing.harness import fuzz
+from tiercache.testing.harness.processes import NodeServer
 
 
 def _open_fds(pid: int) -> int:
@@ -36,14 +34,12 @@ def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> No
     """A HELLO may carry descriptors besides the client's pidfd (or none that is one): the server keeps at
     most that pidfd and closes the rest, so a client passing junk cannot run the server out of descriptors."""
     path = str(sock_dir / "s.sock")
-    cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", "4096", "--slots", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = NodeServer(path)
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("tiercache server listening")
+        assert server.ready
         probe = ServerConnection(path, role="probe", timeout_s=60)
         probe.request(Op.STATS, {})
-        before = _open_fds(proc.pid)
+        before = _open_fds(server.pid)
         for i in range(20):
             r, w = os.pipe()
             junk = [r, w] + ([os.pidfd_open(os.getpid())] if i % 2 else [])
@@ -58,11 +54,10 @@ def test_fds_passed_beside_the_pidfd_of_a_hello_are_closed(sock_dir: Path) -> No
                 os.close(fd)
             sock.close()
         assert probe.request(Op.STATS, {})["clients"] == 1  # every HELLO connection was closed
-        assert _fds_settle_at(proc.pid, before) == before
+        assert _fds_settle_at(server.pid, before) == before
         probe.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
+        server.stop()
 
 
 def test_legitimate_clients_store_beside_a_fuzzer() -> None:

@@ -13,11 +13,9 @@ import os
 import select
 import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -25,24 +23,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.test_gpu_reference import L, make_engine
 from tiercache.gpu import LayoutKind, Move, PagedLayout, cpu_rows, dispatch, object_spec
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gpu_reference import DTYPES, L, bits, make_engine, poisoned, random_tensor
+from tiercache.testing.harness.moves import DTYPES, bits, poisoned, random_tensor
 
 # The moves of these cases, spelled as the cases read (one layer: ``layers=range(layer, layer + 1)``).
 
 
+def _layers(layer: int | None) -> range | None:
+    return None if layer is None else range(layer, layer + 1)
+
+
 def gather(
-    kv: object, layout: PagedLayout, slots: torch.Tensor, spans: object, out: list[torch.Tensor]
+    kv: object,
+    layout: PagedLayout,
+    slots: torch.Tensor,
+    spans: object,
+    out: list[torch.Tensor],
+    layer: int | None = None,
 ) -> None:
-    dispatch.gather(kv, Move.gather(layout, slots, spans, out))  # type: ignore[arg-type]
-
-
-def gather_layer(
-    layer: int, kv: object, layout: PagedLayout, slots: torch.Tensor, spans: object, out: list[torch.Tensor]
-) -> None:
-    move = Move.gather(layout, slots, spans, out, layers=range(layer, layer + 1))  # type: ignore[arg-type]
+    move = Move.gather(layout, slots, spans, out, layers=_layers(layer))  # type: ignore[arg-type]
     dispatch.gather(kv, move)  # type: ignore[arg-type]
 
 
@@ -53,20 +53,9 @@ def scatter(
     slots: torch.Tensor,
     spans: object,
     skip_prefix: object = 0,
+    layer: int | None = None,
 ) -> int:
-    return dispatch.scatter(kv, Move.scatter(layout, slots, spans, objs, skip_prefix))  # type: ignore[arg-type]
-
-
-def scatter_layer(
-    layer: int,
-    objs: list[torch.Tensor],
-    kv: object,
-    layout: PagedLayout,
-    slots: torch.Tensor,
-    spans: object,
-    skip_prefix: object = 0,
-) -> int:
-    move = Move.scatter(layout, slots, spans, objs, skip_prefix, layers=range(layer, layer + 1))  # type: ignore[arg-type]
+    move = Move.scatter(layout, slots, spans, objs, skip_prefix, layers=_layers(layer))  # type: ignore[arg-type]
     return dispatch.scatter(kv, move)  # type: ignore[arg-type]
 
 
@@ -178,10 +167,7 @@ def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
         return [poisoned(s.with_layers(layer, layer + 1).shape, dtype) for s in shapes]
 
     def run_gather(out: list[torch.Tensor]) -> None:
-        if layer is None:
-            gather(src_kv, layout, slots, spans, out)
-        else:
-            gather_layer(layer, src_kv, layout, slots, spans, out)
+        gather(src_kv, layout, slots, spans, out, layer=layer)
 
     fast, slow = objects(), objects()
     with kernel_calls() as spy:
@@ -192,7 +178,7 @@ def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(bits(a), bits(b))
 
-    # scatter: full objects (their layer view for scatter_layer, as the engine passes it) into a fresh KV
+    # scatter: full objects (their layer view for one layer, as the engine passes it) into a fresh KV
     full = [poisoned(object_spec(layout, b - a).shape, dtype) for a, b in spans]
     gather(src_kv, layout, slots, spans, full)
     if layer is None:
@@ -207,9 +193,7 @@ def test_token_layouts_kernel_equals_torch_path(case: TokenCase) -> None:
     _, dst_slow, _ = _engine_kv(variant, dtype, nblocks, bs, n, seed + 1)
 
     def run_scatter(kv: list[torch.Tensor]) -> int:
-        if layer is None:
-            return scatter(sources, kv, layout, sslots, spans, skip_prefix=skips)
-        return scatter_layer(layer, sources, kv, layout, sslots, spans, skip_prefix=skips)
+        return scatter(sources, kv, layout, sslots, spans, skip_prefix=skips, layer=layer)
 
     with kernel_calls() as spy:
         written_fast = run_scatter(dst_fast)
@@ -363,8 +347,10 @@ def test_threads_split_spans_and_layers(monkeypatch: pytest.MonkeyPatch, threads
 
 
 def test_thread_count_follows_torch_and_size() -> None:
-    """Small copies stay on the caller's thread; large ones use up to torch's intra-op thread count."""
+    """Small copies, a one-chunk Llama-8B copy (32 MiB) included, stay on the caller's thread; large ones use
+    up to torch's intra-op thread count."""
     assert cpu_rows.threads(1 << 20) == 1
+    assert cpu_rows.threads(32 << 20) == 1
     assert cpu_rows.threads(1 << 40) == torch.get_num_threads()
 
 
@@ -552,3 +538,71 @@ def test_long_pages_copy_exactly_in_interleaved_parts(
     slots = table[pos // bs] * bs + pos % bs
     spans = [(0, (blocks // 2) * bs), ((blocks // 2) * bs, n)] if blocks > 1 else [(0, n)]
     _kernel_round_trip_equals_torch_path(layout, kv, slots, spans, stores, obj_offset, kv_offset)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.sampled_from([LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA]),
+    # (heads, head dim, dtype): tokens of 32 B (prefetched 256 tokens ahead) to 32 KiB (not prefetched),
+    # 16 KiB (the largest prefetched) and Llama-8B's 4 KiB between
+    st.sampled_from(
+        [
+            (1, 8, torch.bfloat16),
+            (2, 40, torch.float32),
+            (3, 24, torch.bfloat16),
+            (8, 128, torch.bfloat16),
+            (4, 1024, torch.bfloat16),
+            (8, 512, torch.float32),
+        ]
+    ),
+    st.sampled_from([1, 3, 16]),
+    st.integers(1, 300),
+    st.lists(st.integers(1, 299), max_size=4),
+    st.sampled_from([0, 8, 48]),
+    st.integers(0, 2**16),
+)
+def test_gather_prefetch_ahead_equals_torch_path(
+    kind: LayoutKind,
+    shape: tuple[int, int, torch.dtype],
+    bs: int,
+    n: int,
+    cuts: list[int],
+    obj_offset: int,
+    seed: int,
+) -> None:
+    """Gathers prefetch the paged rows of a token ahead of the one they copy: any token size (prefetched
+    many tokens ahead, one ahead, or not at all), a shuffled block table entered mid-block (odd run
+    lengths), spans shorter and longer than the distance, objects off 16 / 64-byte alignment: gather and
+    scatter write exactly the torch path's bytes."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    h, d, dtype = shape
+    if kind is LayoutKind.VLLM_MLA:
+        h = 1
+    gen = torch.Generator().manual_seed(seed)
+    layout = PagedLayout(kind, L, h, d, bs, str(dtype).removeprefix("torch."))
+    first = seed % bs  # the first token's offset in its block
+    nblocks = -(-(n + first) // bs) + 2
+    kv_shape = layout.layer_shape(nblocks)
+    kv = [random_tensor(kv_shape, dtype, gen) for _ in range(L)]
+    table = torch.randperm(nblocks, generator=gen)
+    pos = torch.arange(n) + first
+    slots = table[pos // bs] * bs + pos % bs
+    bounds = [0, *sorted({c for c in cuts if c < n}), n]
+    spans = list(itertools.pairwise(bounds))
+    _kernel_round_trip_equals_torch_path(layout, kv, slots, spans, cpu_rows.STORES, obj_offset, 0)
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH, LayoutKind.VLLM_LEGACY])
+def test_whole_block_then_a_run_across_a_block_boundary(kind: LayoutKind) -> None:
+    """Slots 12, 13 (block 6, whole) then 41, 42 (consecutive, but across blocks 20 and 21, block size 2):
+    the torch path moves 41 and 42 row by row (it once took them for block 20 and wrote slots 40 and 41),
+    and writes the kernel's bytes, gather and scatter."""
+    if cpu_rows.native() is None:
+        pytest.skip("no native kernel built")
+    gen = torch.Generator().manual_seed(5)
+    layout = PagedLayout(kind, L, 2, 16, 2, "bfloat16")
+    shape = layout.layer_shape(26)
+    kv = [random_tensor(shape, torch.bfloat16, gen) for _ in range(L)]
+    slots = torch.tensor([12, 13, 41, 42])
+    _kernel_round_trip_equals_torch_path(layout, kv, slots, [(0, 4)], cpu_rows.STORES, 0, 0)

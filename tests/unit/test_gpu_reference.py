@@ -4,71 +4,24 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.gpu import LayoutKind, Move, PagedLayout, object_spec, plan_read, reference
+from tiercache.gpu import LayoutKind, Move, PagedLayout, object_spec, plan_read
+from tiercache.testing.harness.moves import (
+    DTYPES,
+    bits,
+    poisoned,
+    random_tensor,
+    ref_gather,
+    ref_scatter,
+    sentinel_left,
+)
 
 L, H, D = 3, 2, 8
-
-
-# the reference's entry points, called through a Move built from the arguments of each case
-def gather(kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any) -> None:
-    reference.gather(kv, Move.gather(layout, slots, spans, out))
-
-
-def gather_layer(layer: int, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, out: Any) -> None:
-    reference.gather(kv, Move.gather(layout, slots, spans, out, layers=range(layer, layer + 1)))
-
-
-def scatter(
-    objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip_prefix: Any = 0
-) -> int:
-    return reference.scatter(kv, Move.scatter(layout, slots, spans, objs, skip_prefix))
-
-
-def scatter_layer(
-    layer: int, objs: Any, kv: Any, layout: PagedLayout, slots: torch.Tensor, spans: Any, skip_prefix: Any = 0
-) -> int:
-    return reference.scatter(
-        kv, Move.scatter(layout, slots, spans, objs, skip_prefix, layers=range(layer, layer + 1))
-    )
-
-
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Same memory as a same-width integer tensor (bit-exact compares, NaN-safe)."""
-    return t.view(BITS[t.element_size()])
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns (never zeros) of ``dtype``; fp8 made through a uint8 view."""
-    if dtype == torch.float32:
-        return torch.randn(shape, generator=gen) + 3.0
-    ib = BITS[torch.empty((), dtype=dtype).element_size()]
-    info = torch.iinfo(ib)
-    raw = torch.randint(1, info.max, shape, generator=gen, dtype=torch.int64).to(ib)
-    return raw.view(dtype)
-
-
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An output buffer filled with an all-ones bit sentinel (NaN for floats)."""
-    t = torch.empty(shape, dtype=dtype)
-    bits(t).fill_(-1 if t.element_size() > 1 else 255)
-    return t
-
-
-def sentinel_left(t: torch.Tensor) -> bool:
-    """True if any element still holds the poison pattern."""
-    b = bits(t)
-    return bool((b == (-1 if t.element_size() > 1 else 255)).any())
 
 
 @dataclass
@@ -158,7 +111,7 @@ def test_round_trip_between_engines(kind: LayoutKind, strided: bool, dtype: torc
     assert not torch.equal(pre.block_table[: len(dec.block_table)], dec.block_table)
     spans = chunk_spans(n, chunk)
     objs = alloc(pre.layout, spans, dtype)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
     for obj in objs:
         assert not sentinel_left(obj)
     # token by token against a plain per-layout read
@@ -175,9 +128,9 @@ def test_round_trip_between_engines(kind: LayoutKind, strided: bool, dtype: torc
 
     before = dec.snapshot()
     dec_slots = dec.slots(n)
-    assert scatter(objs, dec.kv, dec.layout, dec_slots, spans) == n
+    assert ref_scatter(objs, dec.kv, dec.layout, dec_slots, spans) == n
     again = alloc(dec.layout, spans, dtype)
-    gather(dec.kv, dec.layout, dec_slots, spans, again)
+    ref_gather(dec.kv, dec.layout, dec_slots, spans, again)
     for a, b in zip(objs, again, strict=True):
         assert torch.equal(bits(a), bits(b))
     # nothing outside the request's slots moved
@@ -202,10 +155,10 @@ def test_round_trip_padded_heads_to_contiguous(dtype: torch.dtype) -> None:
     dec2 = make_engine(LayoutKind.VLLM_FLASH, dtype, 12, 16, n, seed=32, padded=True)
     spans = chunk_spans(n, 32)
     objs = alloc(pre.layout, spans, dtype)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
     assert not any(sentinel_left(o) for o in objs)
-    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
-    assert scatter(objs, dec2.kv, dec2.layout, dec2.slots(n), spans) == n
+    assert ref_scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    assert ref_scatter(objs, dec2.kv, dec2.layout, dec2.slots(n), spans) == n
     ps, ds, d2s = pre.slots(n).tolist(), dec.slots(n).tolist(), dec2.slots(n).tolist()
     for layer in range(L):
         for t in range(n):
@@ -225,10 +178,10 @@ def test_round_trip_head_dim_not_innermost() -> None:
     assert dec.kv[0].stride(-1) != 1
     spans = chunk_spans(n, 16)
     objs = alloc(pre.layout, spans, torch.float16)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
-    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    assert ref_scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
     back = alloc(dec.layout, spans, torch.float16)
-    gather(dec.kv, dec.layout, dec.slots(n), spans, back)
+    ref_gather(dec.kv, dec.layout, dec.slots(n), spans, back)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(objs, back, strict=True))
     ps, ds = pre.slots(n).tolist(), dec.slots(n).tolist()
     for t in range(n):
@@ -243,19 +196,20 @@ def test_layerwise_matches_full(kind: LayoutKind, strided: bool) -> None:
     dec = make_engine(kind, torch.bfloat16, 20, 16, n, seed=4, strided=strided)
     spans = [(0, 32), (32, 70)]
     full = alloc(pre.layout, spans, torch.bfloat16)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, full)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, full)
     for layer in range(L):
         per = [
             poisoned(object_spec(pre.layout, e - s).with_layers(layer, layer + 1).shape, torch.bfloat16)
             for s, e in spans
         ]
-        gather_layer(layer, pre.kv, pre.layout, pre.slots(n), spans, per)
+        one = range(layer, layer + 1)
+        ref_gather(pre.kv, pre.layout, pre.slots(n), spans, per, layers=one)
         for f, p in zip(full, per, strict=True):
             want = f[layer : layer + 1] if kind is LayoutKind.VLLM_MLA else f[:, layer : layer + 1]
             assert torch.equal(bits(p), bits(want))
-        assert scatter_layer(layer, per, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=[0, 5]) == n - 5
+        assert ref_scatter(per, dec.kv, dec.layout, dec.slots(n), spans, skip=[0, 5], layers=one) == n - 5
     back = alloc(dec.layout, spans, torch.bfloat16)
-    gather(dec.kv, dec.layout, dec.slots(n), spans, back)
+    ref_gather(dec.kv, dec.layout, dec.slots(n), spans, back)
     assert torch.equal(bits(back[0]), bits(full[0]))
     tail = (
         (slice(None), slice(5, None))
@@ -264,7 +218,7 @@ def test_layerwise_matches_full(kind: LayoutKind, strided: bool) -> None:
     )
     assert torch.equal(bits(back[1][tail]), bits(full[1][tail]))
     with pytest.raises(ValueError, match="out of range"):
-        gather_layer(L, pre.kv, pre.layout, pre.slots(n), spans, full)
+        ref_gather(pre.kv, pre.layout, pre.slots(n), spans, full, layers=range(L, L + 1))
 
 
 def test_design_example_288_local_hit_512_chunk_256() -> None:
@@ -273,7 +227,7 @@ def test_design_example_288_local_hit_512_chunk_256() -> None:
     dec = make_engine(LayoutKind.VLLM_FLASH, torch.bfloat16, 80, 16, hit, seed=6)
     spans = chunk_spans(hit, chunk)
     objs = alloc(pre.layout, spans, torch.bfloat16)
-    gather(pre.kv, pre.layout, pre.slots(hit), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(hit), spans, objs)
 
     plan = plan_read(local, hit, chunk)
     assert plan.spans == ((256, 512),)
@@ -281,7 +235,7 @@ def test_design_example_288_local_hit_512_chunk_256() -> None:
     by_start = dict(zip([s for s, _ in spans], objs, strict=True))
     read = [by_start[s] for s, _ in plan.spans]
     before = dec.snapshot()
-    written = scatter(read, dec.kv, dec.layout, dec.slots(hit), plan.spans, plan.skip_prefix)
+    written = ref_scatter(read, dec.kv, dec.layout, dec.slots(hit), plan.spans, plan.skip_prefix)
     assert written == plan.tokens_to_write == 224
 
     dec_slots, pre_slots = dec.slots(hit).tolist(), pre.slots(hit).tolist()
@@ -300,11 +254,11 @@ def test_skip_prefix_and_negative_slots_untouched() -> None:
     dec = make_engine(LayoutKind.VLLM_FLASH, torch.float16, 20, 16, n, seed=8)
     spans = [(0, 48), (48, 96)]
     objs = alloc(pre.layout, spans, torch.float16)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
     slots = dec.slots(n).clone()
     slots[60:70] = -1  # e.g. tokens the decode engine does not want written
     before = dec.snapshot()
-    written = scatter(objs, dec.kv, dec.layout, slots, spans, skip_prefix=[20, 4])
+    written = ref_scatter(objs, dec.kv, dec.layout, slots, spans, skip=[20, 4])
     assert written == (48 - 20) + (48 - 4 - 10)
     orig = dec.slots(n).tolist()
     old = Engine(dec.layout, [b.view(torch.float16) for b in before], dec.block_table)
@@ -317,9 +271,9 @@ def test_skip_prefix_and_negative_slots_untouched() -> None:
             for g, w in zip(got, want, strict=True):
                 assert torch.equal(bits(g), bits(w)), t
     # a whole span skipped, and a span of only negative slots: nothing written
-    assert scatter(objs[:1], dec.kv, dec.layout, slots, spans[:1], skip_prefix=48) == 0
+    assert ref_scatter(objs[:1], dec.kv, dec.layout, slots, spans[:1], skip=48) == 0
     neg = torch.full((n,), -1)
-    assert scatter(objs, dec.kv, dec.layout, neg, spans) == 0
+    assert ref_scatter(objs, dec.kv, dec.layout, neg, spans) == 0
 
 
 def test_gather_rejects_negative_slots() -> None:
@@ -327,7 +281,7 @@ def test_gather_rejects_negative_slots() -> None:
     slots = pre.slots(32).clone()
     slots[3] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        gather(pre.kv, pre.layout, slots, [(0, 32)], alloc(pre.layout, [(0, 32)], torch.bfloat16))
+        ref_gather(pre.kv, pre.layout, slots, [(0, 32)], alloc(pre.layout, [(0, 32)], torch.bfloat16))
 
 
 def test_layout_conversion_legacy_to_flash() -> None:
@@ -337,8 +291,8 @@ def test_layout_conversion_legacy_to_flash() -> None:
     assert legacy.layout.fingerprint == flash.layout.fingerprint
     spans = chunk_spans(n, 32)
     objs = alloc(legacy.layout, spans, torch.bfloat16)
-    gather(legacy.kv, legacy.layout, legacy.slots(n), spans, objs)
-    assert scatter(objs, flash.kv, flash.layout, flash.slots(n), spans) == n
+    ref_gather(legacy.kv, legacy.layout, legacy.slots(n), spans, objs)
+    assert ref_scatter(objs, flash.kv, flash.layout, flash.slots(n), spans) == n
     ls, fs = legacy.slots(n).tolist(), flash.slots(n).tolist()
     for layer in range(L):
         for t in range(n):
@@ -354,10 +308,10 @@ def test_non_contiguous_out_and_int32_slots() -> None:
     big = poisoned((2, L, 2 * n, H * D), torch.bfloat16)
     out = big[:, :, 10 : 10 + n]  # a view, not contiguous
     assert not out.is_contiguous()
-    gather(pre.kv, pre.layout, pre.slots(n).to(torch.int32), [(0, n)], [out])
+    ref_gather(pre.kv, pre.layout, pre.slots(n).to(torch.int32), [(0, n)], [out])
     assert not sentinel_left(out)
     ref = alloc(pre.layout, [(0, n)], torch.bfloat16)
-    gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], ref)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], ref)
     assert torch.equal(bits(out), bits(ref[0]))
     assert sentinel_left(big[:, :, :10])
 
@@ -368,21 +322,21 @@ def test_argument_errors() -> None:
     objs = alloc(pre.layout, [(0, n)], torch.bfloat16)
     slots = pre.slots(n)
     with pytest.raises(ValueError, match="shape"):
-        gather(pre.kv, pre.layout, slots, [(0, n - 1)], objs)
+        ref_gather(pre.kv, pre.layout, slots, [(0, n - 1)], objs)
     with pytest.raises(ValueError, match="dtype"):
-        gather(pre.kv, pre.layout, slots, [(0, n)], [objs[0].half()])
+        ref_gather(pre.kv, pre.layout, slots, [(0, n)], [objs[0].half()])
     with pytest.raises(ValueError, match="outside the slot mapping"):
-        gather(pre.kv, pre.layout, slots, [(0, n + 1)], objs)
+        ref_gather(pre.kv, pre.layout, slots, [(0, n + 1)], objs)
     with pytest.raises(ValueError, match="spans for"):
-        gather(pre.kv, pre.layout, slots, [(0, 16), (16, 32)], objs)
+        ref_gather(pre.kv, pre.layout, slots, [(0, 16), (16, 32)], objs)
     with pytest.raises(ValueError, match="outside the paged KV"):
-        gather(pre.kv, pre.layout, slots + 10 * 16, [(0, n)], objs)
+        ref_gather(pre.kv, pre.layout, slots + 10 * 16, [(0, n)], objs)
     with pytest.raises(ValueError, match="KV cache tensors"):
-        gather(pre.kv[:2], pre.layout, slots, [(0, n)], objs)
+        ref_gather(pre.kv[:2], pre.layout, slots, [(0, n)], objs)
     with pytest.raises(ValueError, match="skip_prefix"):
-        scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip_prefix=n + 1)
+        ref_scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip=n + 1)
     with pytest.raises(ValueError, match="skip counts"):
-        scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip_prefix=[0, 0])
+        ref_scatter(objs, pre.kv, pre.layout, slots, [(0, n)], skip=[0, 0])
 
 
 # ----------------------------------------------------------------------------------------------- CPU_BLOCKS
@@ -437,14 +391,14 @@ def test_cpu_blocks_whole_page_round_trip() -> None:
     spans = [(0, 64), (64, 100)]
     objs = [poisoned(object_spec(pre.layout, e - s).shape, torch.float32) for s, e in spans]
     assert objs[1].shape[2] == 64  # 36 tokens -> 2 whole pages
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
     for obj in objs:
         assert not sentinel_left(obj)
     # the object holds the raw pages in order: layer-major, then block
     pages = objs[0].view(L, 2, H, bs, 2 * D)
     for layer in range(L):
         assert torch.equal(pages[layer], pre.kv[layer][pre.block_table[:2]])
-    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
+    assert ref_scatter(objs, dec.kv, dec.layout, dec.slots(n), spans) == n
     dec_logical = logical_from_pages(dec)
     ps, ds = pre.slots(n), dec.slots(n)
     assert torch.equal(dec_logical[:, ds], pre_logical[:, ps])  # token by token, K and V
@@ -460,9 +414,9 @@ def test_cpu_blocks_skip_is_whole_pages() -> None:
     dec, _ = cpu_engine(8, bs, n, seed=23)
     spans = [(0, 128)]
     objs = [poisoned(object_spec(pre.layout, 128).shape, torch.float32)]
-    gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, objs)
     before = dec.snapshot()
-    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=64) == 64
+    assert ref_scatter(objs, dec.kv, dec.layout, dec.slots(n), spans, skip=64) == 64
     for layer in range(L):
         for i, blk in enumerate(dec.block_table.tolist()):
             src = pre.kv[layer][pre.block_table[i]] if i >= 2 else before[layer][blk].view(torch.float32)
@@ -470,7 +424,7 @@ def test_cpu_blocks_skip_is_whole_pages() -> None:
     # pages whose slots are < 0 are skipped whole
     slots = dec.slots(n).clone()
     slots[96:128] = -1
-    assert scatter(objs, dec.kv, dec.layout, slots, spans) == 96
+    assert ref_scatter(objs, dec.kv, dec.layout, slots, spans) == 96
 
 
 def test_cpu_blocks_strided_layer_and_contiguous_objects() -> None:
@@ -484,17 +438,17 @@ def test_cpu_blocks_strided_layer_and_contiguous_objects() -> None:
         pre.block_table.flip(0),
     )
     objs = [poisoned(object_spec(pre.layout, n).shape, torch.float32)]
-    gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], objs)
-    assert scatter(objs, dec.kv, dec.layout, dec.slots(n), [(0, n)]) == n
+    ref_gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], objs)
+    assert ref_scatter(objs, dec.kv, dec.layout, dec.slots(n), [(0, n)]) == n
     for layer in range(L):
         for i in range(2):
             assert torch.equal(dec.kv[layer][dec.block_table[i]], pre.kv[layer][pre.block_table[i]])
     back = [poisoned(object_spec(pre.layout, n).shape, torch.float32)]
-    gather(dec.kv, dec.layout, dec.slots(n), [(0, n)], back)
+    ref_gather(dec.kv, dec.layout, dec.slots(n), [(0, n)], back)
     assert torch.equal(back[0], objs[0])
     big = torch.empty(2, L, 2 * n, H * D)
     with pytest.raises(ValueError, match="contiguous"):
-        gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], [big[:, :, :n]])
+        ref_gather(pre.kv, pre.layout, pre.slots(n), [(0, n)], [big[:, :, :n]])
 
 
 def test_cpu_blocks_alignment_errors() -> None:
@@ -503,26 +457,26 @@ def test_cpu_blocks_alignment_errors() -> None:
     slots = pre.slots(n)
     lay = pre.layout
     with pytest.raises(ValueError, match="not block-aligned"):
-        gather(pre.kv, lay, slots, [(0, 48)], [torch.empty(object_spec(lay, 48).shape)])
+        ref_gather(pre.kv, lay, slots, [(0, 48)], [torch.empty(object_spec(lay, 48).shape)])
     with pytest.raises(ValueError, match="not block-aligned"):
-        gather(pre.kv, lay, slots, [(16, 64)], [torch.empty(object_spec(lay, 48).shape)])
+        ref_gather(pre.kv, lay, slots, [(16, 64)], [torch.empty(object_spec(lay, 48).shape)])
     objs = [torch.randn(object_spec(lay, 128).shape)]
     with pytest.raises(ValueError, match="multiple of block_size"):
-        scatter(objs, pre.kv, lay, slots, [(0, 128)], skip_prefix=16)
+        ref_scatter(objs, pre.kv, lay, slots, [(0, 128)], skip=16)
     bad = slots.clone()
     bad[5] = bad[4]  # not a whole block in order
     with pytest.raises(ValueError, match="whole blocks"):
-        gather(pre.kv, lay, bad, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
+        ref_gather(pre.kv, lay, bad, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
     half = slots.clone()
     half[40:50] = -1  # a page partly without KV
     with pytest.raises(ValueError, match="whole blocks"):
-        scatter(objs, pre.kv, lay, half, [(0, 128)])
+        ref_scatter(objs, pre.kv, lay, half, [(0, 128)])
     neg = slots.clone()
     neg[32:64] = -1
     with pytest.raises(ValueError, match="slots < 0"):
-        gather(pre.kv, lay, neg, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
+        ref_gather(pre.kv, lay, neg, [(0, 128)], [torch.empty(object_spec(lay, 128).shape)])
     # the final partial block is allowed only at the end of the slot mapping
-    assert scatter(objs[:1], pre.kv, lay, slots[:100], [(0, 100)]) == 100
+    assert ref_scatter(objs[:1], pre.kv, lay, slots[:100], [(0, 100)]) == 100
 
 
 # -------------------------------------------------------------------------------------- a real model shape
@@ -543,7 +497,7 @@ def test_llama8b_shape_round_trip_through_a_shuffled_block_table() -> None:
     spans = chunk_spans(n, chunk)
     assert spans == [(0, 256), (256, 300)]
     objs = alloc(layout, spans, torch.bfloat16)
-    gather(kv, layout, slots, spans, objs)
+    ref_gather(kv, layout, slots, spans, objs)
     for (start, end), obj in zip(spans, objs, strict=True):
         for layer in (0, 17, 31):
             # per token and head the page holds K (head dim) then V (head dim)
@@ -551,7 +505,7 @@ def test_llama8b_shape_round_trip_through_a_shuffled_block_table() -> None:
             assert torch.equal(bits(obj[0, layer]), bits(page[:, :, :128].reshape(end - start, -1)))
             assert torch.equal(bits(obj[1, layer]), bits(page[:, :, 128:].reshape(end - start, -1)))
     fresh = [poisoned(t.shape, torch.bfloat16) for t in kv]
-    assert scatter(objs, fresh, layout, slots, spans) == n
+    assert ref_scatter(objs, fresh, layout, slots, spans) == n
     written = torch.zeros(nb * bs, dtype=torch.bool)
     written[slots] = True
     for src, dst in zip(kv, fresh, strict=True):
@@ -577,19 +531,19 @@ def test_cuda_round_trip_with_host_objects(kind: LayoutKind, strided: bool) -> N
     dtype = pre.kv[0].dtype
     spans = chunk_spans(n, 64)
     cpu_objs = alloc(pre.layout, spans, dtype)
-    gather(pre.kv, pre.layout, pre.slots(n), spans, cpu_objs)
+    ref_gather(pre.kv, pre.layout, pre.slots(n), spans, cpu_objs)
     gpu_kv = [t.cuda() for t in pre.kv]  # .cuda() keeps strides of dense views
     assert gpu_kv[0].is_contiguous() == pre.kv[0].is_contiguous()
     host = alloc(pre.layout, spans, dtype)
-    gather(gpu_kv, pre.layout, pre.slots(n), spans, host)  # slot_mapping on the host, KV on the GPU
+    ref_gather(gpu_kv, pre.layout, pre.slots(n), spans, host)  # slot_mapping on the host, KV on the GPU
     dev = [o.cuda() for o in alloc(pre.layout, spans, dtype)]
-    gather(gpu_kv, pre.layout, pre.slots(n).cuda(), spans, dev)
+    ref_gather(gpu_kv, pre.layout, pre.slots(n).cuda(), spans, dev)
     for a, b, c in zip(cpu_objs, host, dev, strict=True):
         assert torch.equal(bits(a), bits(b))
         assert torch.equal(bits(a), bits(c).cpu())
     dec_gpu = [t.cuda() for t in dec.kv]
-    assert scatter(host, dec_gpu, dec.layout, dec.slots(n).cuda(), spans, skip_prefix=32) == n - 32
-    assert scatter(cpu_objs, dec.kv, dec.layout, dec.slots(n), spans, skip_prefix=32) == n - 32
+    assert ref_scatter(host, dec_gpu, dec.layout, dec.slots(n).cuda(), spans, skip=32) == n - 32
+    assert ref_scatter(cpu_objs, dec.kv, dec.layout, dec.slots(n), spans, skip=32) == n - 32
     for g, c in zip(dec_gpu, dec.kv, strict=True):
         assert torch.equal(bits(g).cpu(), bits(c))
 
@@ -616,7 +570,7 @@ def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
     for (s, e), out in zip(spans, outs, strict=True):
         spec = object_spec(layout, e - s)
         obj = torch.empty(spec.shape, dtype=torch.bfloat16)
-        gather(kv, layout, slots, [(s, e)], [obj])
+        ref_gather(kv, layout, slots, [(s, e)], [obj])
         want = bytearray(codec.max_encoded_size(spec.nbytes, spec))
         src = memoryview(obj.view(torch.uint8).reshape(-1).numpy())
         n = codec.encode_into(src, memoryview(want), spec, None)  # type: ignore[arg-type]
@@ -630,16 +584,16 @@ def test_fp8_reference_round_trip_on_cpu(kind: LayoutKind) -> None:
     assert written == 70 - 3 - 1
     back = [poisoned(object_spec(layout, e - s).shape, torch.bfloat16) for s, e in spans]
     orig = [torch.empty_like(b) for b in back]
-    gather(kv, layout, slots, spans, orig)
+    ref_gather(kv, layout, slots, spans, orig)
     full = [poisoned(t.shape, torch.bfloat16) for t in kv]
     ref.scatter(full, Move.scatter_fp8(layout, slots, spans, outs))
-    gather(full, layout, slots, spans, back)
+    ref_gather(full, layout, slots, spans, back)
     for a, b in zip(back, orig, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03
     # the skipped tokens (3 of span 0) and the slot < 0 were not written
     skipped = torch.cat([slots[:3], slots[40:41]])
     one = [torch.empty(object_spec(layout, 4).shape, dtype=torch.bfloat16)]
-    gather(got, layout, skipped, [(0, 4)], one)
+    ref_gather(got, layout, skipped, [(0, 4)], one)
     assert not bool(torch.isfinite(one[0].float()).any())  # still the NaN poison
 
 
@@ -685,9 +639,9 @@ def test_scatter_any_spans_and_skips_matches_plain_loop(
     spans = list(itertools.pairwise(bounds))
     slots = src.slots(n)
     objs = alloc(src.layout, spans, dtype)
-    gather(src.kv, src.layout, slots, spans, objs)
+    ref_gather(src.kv, src.layout, slots, spans, objs)
     before = Engine(dst.layout, [t.clone() for t in dst.kv], dst.block_table)
-    written = scatter(objs, dst.kv, dst.layout, slots, spans, skip_prefix=skips)
+    written = ref_scatter(objs, dst.kv, dst.layout, slots, spans, skip=skips)
     assert written == sum(b - a - s for (a, b), s in zip(spans, skips, strict=True))
     skipped = {t for (a, _), s in zip(spans, skips, strict=True) for t in range(a, a + s)}
     for layer in range(L):

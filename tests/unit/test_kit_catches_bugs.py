@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import pytest
@@ -184,6 +184,50 @@ class HalfWriteOnCancel(MemoryAdapter):
 # -- running kit tests programmatically ---------------------------------------------------------------
 
 
+class ListsEveryKey(MemoryAdapter):
+    """iter_keys ignores the prefix."""
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        yield list(self._data)
+
+
+class ListsStoredNames(MemoryAdapter):
+    """iter_keys returns its own storage names (a prefix of its own left on), not the keys."""
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        yield [f"store:{k}" for k in self._data if k.startswith(prefix)]
+
+
+class ListsTwice(MemoryAdapter):
+    """iter_keys yields every key twice (two overlapping pages)."""
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        async for batch in super().iter_keys(prefix):
+            yield batch
+            yield batch
+
+
+class ListsDeletedKeys(MemoryAdapter):
+    """iter_keys lists from a record of puts that deletes never update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ever: dict[str, None] = {}
+
+    async def batched_put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        self.ever.update(dict.fromkeys(keys))
+        return await super().batched_put(keys, values)
+
+    async def iter_keys(self, prefix: str) -> AsyncIterator[list[str]]:
+        yield [k for k in self.ever if k.startswith(prefix)]
+
+
+class ListsButDoesNotSaySo(MemoryAdapter):
+    """Capabilities say list_keys=False but the inherited iter_keys works (kit expects Unsupported)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True)
+
+
 class _Kit(AdapterConformance):
     max_object_bytes = 2 << 20
 
@@ -245,6 +289,11 @@ async def test_reference_fake_passes_every_kit_test(test: str) -> None:
         (NotesDeleteButLacksIt, "test_delete", {}),
         (LeaksOnCancel, "test_cancelled_calls_leave_the_adapter_consistent", {}),
         (HalfWriteOnCancel, "test_cancelled_calls_leave_the_adapter_consistent", {}),
+        (ListsEveryKey, "test_iter_keys", {}),
+        (ListsStoredNames, "test_iter_keys", {}),
+        (ListsTwice, "test_iter_keys", {}),
+        (ListsDeletedKeys, "test_iter_keys", {}),
+        (ListsButDoesNotSaySo, "test_iter_keys", {}),
     ],
     ids=lambda v: v.__name__ if isinstance(v, type) else (str(v) if isinstance(v, str) else ""),
 )

@@ -16,24 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.unit._l1_helpers import SLOT, SPEC, pattern, put, read
 from tiercache.spec import KVFormat, KVSpec
 from tiercache.store.l1 import KVObject, L1Cache, L1Lease, L1Stats, ObjectState
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _l1_helpers import SLOT, SPEC, pattern, put, read
-
-
-class FakeClock:
-    """A settable clock for lease expiry."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, dt: float) -> None:
-        self.now += dt
+from tiercache.testing.fakes import FakeClock
 
 
 def make(slots: int = 4, slot_bytes: int = SLOT, **kw: object) -> L1Cache:
@@ -390,12 +376,19 @@ def test_everything_writing_or_leased_means_no_slot() -> None:
 # ---------------------------------------------------------------------------------------------- leases
 
 
-def test_leases_expire_then_object_is_evictable_and_lease_invalid() -> None:
+def leased_a(slots: int, lease_s: float | None = None, **kw: object) -> tuple[FakeClock, L1Cache, L1Lease]:
+    """A cache of ``slots`` slots on a fake clock holding "a", and a lease on "a" (``lease_s``; None: the
+    cache's default); ``kw`` goes to the cache."""
     clock = FakeClock()
-    c = make(slots=1, clock=clock, default_lease_s=30.0)
+    c = make(slots, SLOT, clock=clock, **kw)
     put(c, "a")
-    lease = c.acquire("a", lease_s=5.0)
+    lease = c.acquire("a") if lease_s is None else c.acquire("a", lease_s=lease_s)
     assert lease is not None
+    return clock, c, lease
+
+
+def test_leases_expire_then_object_is_evictable_and_lease_invalid() -> None:
+    clock, c, lease = leased_a(1, lease_s=5.0, default_lease_s=30.0)
     assert lease.expires_at == clock.now + 5.0
     assert lease.valid()
     clock.advance(4.9)
@@ -416,11 +409,7 @@ def test_leases_expire_then_object_is_evictable_and_lease_invalid() -> None:
 
 
 def test_default_lease_duration() -> None:
-    clock = FakeClock()
-    c = make(slots=1, clock=clock, default_lease_s=2.0)
-    put(c, "a")
-    lease = c.acquire("a")
-    assert lease is not None
+    clock, c, lease = leased_a(1, default_lease_s=2.0)
     assert lease.expires_at == clock.now + 2.0
     [blease] = c.batched_acquire(["a"])
     assert blease is not None
@@ -433,11 +422,7 @@ def test_default_lease_duration() -> None:
 
 def test_generation_check_catches_slot_reuse() -> None:
     """valid() must compare generations, not only the clock: rewind a fake clock after the slot is reused."""
-    clock = FakeClock()
-    c = make(slots=1, clock=clock)
-    put(c, "a")
-    lease = c.acquire("a", lease_s=5.0)
-    assert lease is not None
+    clock, c, lease = leased_a(1, lease_s=5.0)
     old_slot = lease.obj._slot
     clock.advance(10)
     put(c, "b")  # evicts a; the same slot now holds b
@@ -450,11 +435,7 @@ def test_generation_check_catches_slot_reuse() -> None:
 
 
 def test_deleted_object_lease_invalid_even_if_slot_unused() -> None:
-    clock = FakeClock()
-    c = make(slots=2, clock=clock)
-    put(c, "a")
-    lease = c.acquire("a", lease_s=1.0)
-    assert lease is not None
+    clock, c, lease = leased_a(2, lease_s=1.0)
     clock.advance(2)
     assert c.delete("a") is True  # expired lease no longer protects
     clock.now -= 2
@@ -502,11 +483,7 @@ def test_release_is_idempotent_and_per_lease() -> None:
 
 
 def test_release_never_raises_after_eviction() -> None:
-    clock = FakeClock()
-    c = make(slots=1, clock=clock)
-    put(c, "a")
-    lease = c.acquire("a", lease_s=1)
-    assert lease is not None
+    clock, c, lease = leased_a(1, lease_s=1)
     clock.advance(5)
     put(c, "b")
     lease.release()

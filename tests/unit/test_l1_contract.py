@@ -5,49 +5,42 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.unit._l1_helpers import SLOT, SPEC, pattern, put, read
 from tiercache.server.client import SharedL1
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache, ObjectState
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _l1_helpers import SLOT, SPEC, pattern, put, read
+from tiercache.testing.harness.processes import NodeServer
 
 Factory = Callable[[int], Any]
 
 
 @pytest.fixture(params=["in_process", "shared"])
 def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
-    procs: list[subprocess.Popen[str]] = []
+    servers: list[NodeServer] = []
     tmp = tempfile.mkdtemp(prefix="tc-l1c-")
 
     def in_process(slots: int) -> L1Cache:
         return L1Cache(slots * SLOT, SLOT, pinned=False)
 
     def shared(slots: int) -> SharedL1:
-        path = os.path.join(tmp, f"{len(procs)}.sock")
-        cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(SLOT)]
-        cmd += ["--slots", str(slots), "--max-share", "1"]  # one client may hold every slot here
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tmp)
-        procs.append(proc)
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("tiercache server listening")
+        path = os.path.join(tmp, f"{len(servers)}.sock")
+        # one client may hold every slot here
+        servers.append(NodeServer(path, "--max-share", "1", slot_bytes=SLOT, slots=slots))
+        assert servers[-1].ready, servers[-1].log()
         return SharedL1(path)
 
     yield in_process if request.param == "in_process" else shared
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=60)
-    os.rmdir(tmp)
+    for server in servers:
+        server.stop()
+        server.log_path.unlink()
+    os.rmdir(tmp)  # each server removed its socket and lock file
 
 
 def test_writing_is_invisible_until_finish(make: Factory) -> None:

@@ -16,7 +16,6 @@ from tiercache.errors import ConfigError
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, fp8_payload_nbytes, object_spec
 from tiercache.gpu.move import Move
 from tiercache.gpu.reference import gather, scatter
-from tiercache.keys import KeySpace
 from tiercache.serde import CodecContext, build_pipeline, read_header
 from tiercache.serde.fp8 import Fp8Codec
 from tiercache.spec import KVSpec
@@ -29,15 +28,7 @@ POLICY = ManagerConfig(l2_deadline_s=5.0, lookup_deadline_s=2.0)
 LAYOUT = PagedLayout(
     LayoutKind.VLLM_FLASH, num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16"
 )
-KEYSPACE = KeySpace(
-    model="test/fp8-l1",
-    kv_dtype=LAYOUT.dtype,
-    num_layers=LAYOUT.num_layers,
-    num_kv_heads=LAYOUT.num_kv_heads,
-    head_dim=LAYOUT.head_dim,
-    kv_format=LAYOUT.object_format,
-    layout_tag=LAYOUT.fingerprint,
-)
+KEYSPACE = CacheEngine.keyspace_for(config_from_dict({}), LAYOUT, model="test/fp8-l1")
 FP8_CHAINS = [["fp8"], ["fp8", "shuffle", "zstd"], [{"id": "fp8", "granularity": "channel"}, "lz4"]]
 
 

@@ -4,18 +4,13 @@ keeps its bytes; a tenant at its quota evicts its own objects, never another ten
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.unit._l1_helpers import SLOT, SPEC, pattern, read
 from tiercache.store.l1 import L1Cache, L1Lease
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _l1_helpers import SLOT, SPEC, pattern, read
 
 TENANTS = ["", "a", "b"]
 

@@ -19,7 +19,7 @@ from tiercache.serde import build_pipeline
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
 from tiercache.store.manager import L1_TIER, StorageManager
-from tiercache.testing.fakes import FaultInjectingAdapter
+from tiercache.testing.fakes import FakeClock, FaultInjectingAdapter
 
 pytestmark = pytest.mark.asyncio
 
@@ -50,6 +50,13 @@ async def put_all(manager: StorageManager, keys: Sequence[str]) -> None:
         obj.buffer()[:] = payload(key)
         ready.append(obj)
     await manager.batched_put(ready)
+
+
+async def put_frames(tier: Adapter, keys: Sequence[str]) -> None:
+    """Put each key's ``payload`` into ``tier`` as the raw pipeline's frame (stored by someone else)."""
+    raw = build_pipeline(["raw"])
+    frames = [raw.encode(payload(k), SPEC, k) for k in keys]
+    assert await tier.batched_put(list(keys), frames) == [True] * len(keys)
 
 
 def keys_of(n: int) -> list[str]:
@@ -102,7 +109,7 @@ async def test_lookup_prefixes_answers_each_list_as_lookup_prefix_would_in_one_q
     raw = build_pipeline(["raw"])
     a = FaultInjectingAdapter(MemoryAdapter())  # no faults: counts the calls
     keys = keys_of(8)
-    await a.batched_put(keys[4:6], [raw.encode(payload(k), SPEC, k) for k in keys[4:6]])
+    await put_frames(a, keys[4:6])
     async with StorageManager(make_l1(), [("a", a, raw)], POLICY) as manager:
         await put_all(manager, keys[:3])
         lists = [keys[:4], keys[4:8], [], keys[1:3], [keys[6], keys[4]]]
@@ -128,8 +135,8 @@ async def test_l1_first_then_l2_in_order() -> None:
     raw = build_pipeline(["raw"])
     a, b = MemoryAdapter(), MemoryAdapter()
     keys = keys_of(3)
-    await b.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
-    await a.batched_put(keys[1:2], [raw.encode(payload(keys[1]), SPEC, keys[1])])
+    await put_frames(b, keys)
+    await put_frames(a, keys[1:2])
     async with StorageManager(make_l1(), [("a", a, raw), ("b", b, raw)], POLICY) as manager:
         await put_all(manager, keys[:1])
         hit = await manager.lookup_prefix(keys, prefetch=False)
@@ -188,10 +195,8 @@ async def test_a_failed_store_leaves_no_visible_object() -> None:
 
 async def test_corrupt_frame_is_a_miss_and_ends_the_prefix() -> None:
     raw = build_pipeline(["raw"])
-    inner = MemoryAdapter()
     keys = keys_of(3)
-    await inner.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
-    corrupting = FaultInjectingAdapter(inner)
+    corrupting = FaultInjectingAdapter(await stored_in_memory(3))
     async with StorageManager(make_l1(), [("bad", corrupting, raw)], POLICY) as manager:
         assert (await manager.lookup_prefix(keys, prefetch=False)).chunks == 3
         corrupting.corrupt_rate = 1.0
@@ -277,22 +282,10 @@ def completes_without_suspending(coro: Coroutine[Any, Any, None]) -> None:
     pytest.fail("the coroutine suspended (it waited on something)")
 
 
-class FakeClock:
-    """A monotonic clock the test advances by hand (no sleeps)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_cancelled_half_open_probe_does_not_keep_the_circuit_open() -> None:
     """A probe cancelled by its caller is resolved; the circuit closes after a cool-down."""
     raw = build_pipeline(["raw"])
-    inner = MemoryAdapter()
-    await inner.batched_put(["k0000"], [raw.encode(payload("k0000"), SPEC, "k0000")])
-    tier = FaultInjectingAdapter(inner, fail_rate=1.0, fail_ops=frozenset({"contains"}))
+    tier = FaultInjectingAdapter(await stored_in_memory(1), fail_rate=1.0, fail_ops=frozenset({"contains"}))
     clock = FakeClock()
     policy = ManagerConfig(
         l2_deadline_s=60, lookup_deadline_s=60, store_queue_size=8, circuit_failures=1, circuit_cooldown_s=5
@@ -447,10 +440,8 @@ async def test_writing_session_publishes_on_exit_and_aborts_on_error() -> None:
 
 async def test_batched_get_reuses_the_lookup_hits_without_asking_l2_again() -> None:
     raw = build_pipeline(["raw"])
-    inner = MemoryAdapter()
     keys = keys_of(3)
-    await inner.batched_put(keys, [raw.encode(payload(k), SPEC, k) for k in keys])
-    tier = FaultInjectingAdapter(inner)
+    tier = FaultInjectingAdapter(await stored_in_memory(3))
     async with StorageManager(make_l1(), [("t", tier, raw)], POLICY) as manager:
         hit = await manager.lookup_prefix(keys, [SPEC] * 3, prefetch=False)
         assert hit.chunks == 3
@@ -590,14 +581,10 @@ STREAM_POLICY = ManagerConfig(
 
 
 async def stored_in_memory(n: int) -> MemoryAdapter:
-    writer_side, reader_side = MemoryAdapter(), MemoryAdapter()
-    async with StorageManager(make_l1(), [("mem", writer_side, build_pipeline(["raw"]))], POLICY) as writer:
-        await put_all(writer, keys_of(n))
-        await writer.drain()
-        frames = await writer_side.batched_get(keys_of(n))  # the writer's manager closes writer_side
-    assert all(frame is not None for frame in frames)
-    assert await reader_side.batched_put(keys_of(n), [f for f in frames if f is not None]) == [True] * n
-    return reader_side
+    """A memory tier holding the frames of ``keys_of(n)``."""
+    tier = MemoryAdapter()
+    await put_frames(tier, keys_of(n))
+    return tier
 
 
 async def test_streaming_read_keeps_the_prefix_that_landed_by_the_deadline() -> None:

@@ -4,15 +4,11 @@ deleted or cleared, pins are bounded per tenant, and listeners hear every store 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
+from tests.unit._l1_helpers import SLOT, SPEC, pattern, read
 from tiercache.server.segment import MIN_SLOT, Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
 from tiercache.store.l1 import L1Cache
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _l1_helpers import SLOT, SPEC, pattern, read
 
 
 def _l1(slots: int = 4, **kw: float) -> L1Cache:

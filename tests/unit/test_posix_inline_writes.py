@@ -27,19 +27,10 @@ from tiercache.adapters._inline_writes import (
 )
 from tiercache.adapters._spare_files import SPARE_KEY, make_spares
 from tiercache.adapters.posix import PosixAdapter
+from tiercache.testing.fakes import FakeClock
 
 MiB = 1 << 20
 ROOMY = DirtyPages(dirty=0, freerun=1 << 40)  # the page cache far from throttling
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _all_files(root: Path, spares: bool = False) -> list[str]:
@@ -176,6 +167,12 @@ class WriteSpy:
         return self._write(directory, path, key, *args)  # type: ignore[arg-type]
 
 
+def skip_unless_local(directory: Path) -> None:
+    """Skip the test when ``directory`` is not on a local filesystem (no inline writes there)."""
+    if filesystem_type(str(directory)) not in _inline_writes.LOCAL_FILESYSTEMS:
+        pytest.skip("the temp directory is not on a local filesystem")
+
+
 async def _open(
     root: Path, probe: Callable[[], DirtyPages | None] = lambda: ROOMY, **options: object
 ) -> tuple[PosixAdapter, FakeClock]:
@@ -190,8 +187,7 @@ async def _open(
 async def test_small_puts_are_written_on_the_loop_thread_large_ones_on_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     spy = WriteSpy(monkeypatch)
     adapter, _ = await _open(tmp_path, inline_put_bytes="1MiB")
     try:
@@ -216,8 +212,7 @@ async def test_small_puts_are_written_on_the_loop_thread_large_ones_on_the_pool(
 async def test_puts_go_to_the_pool_while_the_page_cache_is_near_throttling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     spy = WriteSpy(monkeypatch)
     pressure = DirtyPages(dirty=80 * MiB, freerun=int(90 * MiB / HEADROOM))
     adapter, clock = await _open(tmp_path, probe=lambda: pressure)
@@ -236,8 +231,7 @@ async def test_puts_go_to_the_pool_while_the_page_cache_is_near_throttling(
 async def test_a_write_that_waited_on_the_disk_sends_puts_to_the_pool_for_a_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     spy = WriteSpy(monkeypatch)
     adapter, clock = await _open(tmp_path)
     switches = 0
@@ -290,8 +284,7 @@ async def test_no_inline_writes_with_fsync_or_on_a_network_filesystem(
 async def test_failed_inline_write_leaves_nothing_and_frees_its_capacity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     adapter, _ = await _open(tmp_path, capacity=10_000)
     try:
         assert await adapter.batched_put(["k"], [b"old"]) == [True]
@@ -348,8 +341,7 @@ _CRASHING_WRITER = textwrap.dedent(
 async def test_crash_during_an_inline_put_leaves_the_old_object_whole(tmp_path: Path, mode: str) -> None:
     """A process killed between the temp write and the rename (or in the middle of the write) leaves the
     old object readable, no part of the new one, and a temp file the next open removes."""
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     adapter = await PosixAdapter.open(f"file://{tmp_path}", temp_sweep_s=0)
     assert await adapter.batched_put(["obj"], [b"O" * 5000]) == [True]
     await adapter.aclose()
@@ -376,8 +368,7 @@ async def test_concurrent_inline_and_pooled_puts_of_one_key_keep_one_whole_value
     tmp_path: Path,
 ) -> None:
     """Puts of one key racing on both paths: the key ends with one of the values, whole, counted once."""
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     adapter, _ = await _open(tmp_path, inline_put_bytes=MiB)
     try:
         small, big = b"s" * 1000, b"B" * (2 * MiB)
@@ -414,8 +405,7 @@ async def test_inline_puts_write_into_spare_files_made_ahead_and_close_removes_t
 ) -> None:
     """After the first inline put asked for spares, a put's object is one of them (its inode: no create on
     the loop thread), renamed into the key's directory; values stay whole; aclose leaves no temp file."""
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     adapter, _ = await _open(tmp_path, temp_sweep_s=0)
     try:
         assert await adapter.batched_put(["first"], [b"1" * 1000]) == [True]
@@ -438,8 +428,7 @@ async def test_a_put_whose_spare_is_gone_creates_its_file_as_before(tmp_path: Pa
     way); a refill makes a missing directory again."""
     import shutil
 
-    if filesystem_type(str(tmp_path)) not in _inline_writes.LOCAL_FILESYSTEMS:
-        pytest.skip("the temp directory is not on a local filesystem")
+    skip_unless_local(tmp_path)
     adapter, _ = await _open(tmp_path, temp_sweep_s=0)
     try:
         assert await adapter.batched_put(["first"], [b"1"]) == [True]

@@ -22,19 +22,15 @@ operation. It asserts:
 from __future__ import annotations
 
 import asyncio
-import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _hostile_resp import HostileServer, Session, bulk, normal
-
+from tests.unit._hostile_resp import HostileServer, Session, bulk, normal
 from tiercache.adapters._parts import NONCE_BYTES, Manifest
 from tiercache.adapters.redis import MAX_VALUE_BYTES, RedisAdapter
 from tiercache.errors import AdapterTimeout, AdapterUnavailable

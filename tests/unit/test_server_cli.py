@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -14,8 +11,7 @@ import pytest
 from tiercache.config import ConfigError, ServerConfig, config_from_dict
 from tiercache.server.client import SharedL1
 from tiercache.spec import KVSpec
-
-TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
+from tiercache.testing.harness.processes import ConfigServer, ServeFailed
 
 
 def test_server_table_parses_and_validates() -> None:
@@ -51,84 +47,63 @@ def test_server_table_parses_and_validates() -> None:
             config_from_dict({"server": bad})
 
 
-def _serve(tmp_path: Path, server_table: str, *args: str) -> subprocess.Popen[str]:
+def _config(tmp_path: Path, server_table: str, capacity: str = "64KiB") -> Path:
     cfg = tmp_path / "serve.toml"
-    cfg.write_text(f'[l1]\ncapacity = "64KiB"\n[server]\n{server_table}\n')
-    return subprocess.Popen(
-        [TIERCACHE, "serve", "--config", str(cfg), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
+    cfg.write_text(f'[l1]\ncapacity = "{capacity}"\n[server]\n{server_table}\n')
+    return cfg
 
 
 def test_serve_from_config_with_metrics(tmp_path: Path, sock_dir: Path) -> None:
     sock = str(sock_dir / "ignored.sock")
     real = str(sock_dir / "cli.sock")
-    proc = _serve(tmp_path, f'socket = "{sock}"\nslot_bytes = 4096\nmetrics_port = 0', "--socket", real)
+    server = ConfigServer(_config(tmp_path, f'socket = "{sock}"\nslot_bytes = 4096\nmetrics_port = 0'), real)
     try:
-        assert proc.stdout is not None
-        metrics_line = proc.stdout.readline()
-        ready = proc.stdout.readline()
-        assert ready.startswith(f"tiercache server listening on {real} ")  # --socket wins
+        assert server.address == real  # --socket wins
         assert not os.path.exists(sock)
         assert os.stat(real).st_mode & 0o777 == 0o600
         l1 = SharedL1(real)
         stats = l1.server_stats()
         assert stats is not None
         assert stats["num_slots"] == 16  # 64 KiB / 4096
+        assert stats["epoch"] == server.epoch
         spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", tokens=16)
         obj = l1.reserve_write("k", spec)
         assert obj is not None
         l1.finish_write(obj)
-        url = metrics_line.split()[-1]
-        assert url.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(url, timeout=60) as resp:
+        assert server.metrics_url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(server.metrics_url, timeout=60) as resp:
             text = resp.read().decode()
         assert 'tiercache_server_slots{state="published"} 1.0' in text
         assert 'tiercache_server_slots{state="free"} 15.0' in text
         assert "tiercache_server_clients 1.0" in text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert server.stop() == 0
     assert not os.path.exists(real)
 
 
 def test_serve_config_errors_are_clear(tmp_path: Path, sock_dir: Path) -> None:
-    no_socket = _serve(tmp_path, "slot_bytes = 4096")
-    _, err = no_socket.communicate(timeout=60)
-    assert no_socket.returncode == 2
-    assert "pass --socket or set server.socket" in err
-    too_big = _serve(tmp_path, "slot_bytes = 65537", "--socket", str(sock_dir / "s.sock"))
-    _, err = too_big.communicate(timeout=60)
-    assert too_big.returncode == 2
-    assert "an object of 65537 bytes does not fit a region of 65536 bytes" in err
-    bad_group = _serve(tmp_path, 'admin_group = "no-such-group-here"', "--socket", str(sock_dir / "s.sock"))
-    _, err = bad_group.communicate(timeout=60)
-    assert bad_group.returncode == 2
-    assert "no group named 'no-such-group-here'" in err
+    sock = str(sock_dir / "s.sock")
+    for table, socket_path, message in [
+        ("slot_bytes = 4096", None, "pass --socket or set server.socket"),
+        ("slot_bytes = 65537", sock, "an object of 65537 bytes does not fit a region of 65536 bytes"),
+        ('admin_group = "no-such-group-here"', sock, "no group named 'no-such-group-here'"),
+    ]:
+        with pytest.raises(ServeFailed) as failed:
+            ConfigServer(_config(tmp_path, table), socket_path).stop()
+        assert failed.value.returncode == 2, failed.value.log
+        assert message in failed.value.log
 
 
 def test_serve_without_slot_bytes_serves_every_object_size(tmp_path: Path, sock_dir: Path) -> None:
     """No server.slot_bytes: size classes come from the clients, so two models (two object sizes) share
     one server, each object byte-exact in its own class."""
-    cfg = tmp_path / "serve.toml"
-    cfg.write_text('[l1]\ncapacity = "1MiB"\n[server]\nregion_bytes = "64KiB"\n')
-    proc = subprocess.Popen(
-        [TIERCACHE, "serve", "--config", str(cfg), "--socket", str(sock_dir / "s.sock")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
+    sock = str(sock_dir / "s.sock")
+    server = ConfigServer(_config(tmp_path, 'region_bytes = "64KiB"', capacity="1MiB"), sock)
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("tiercache server listening")
         small = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", tokens=16)  # 512 B
         large = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", tokens=16)  # 32 KiB
-        model_a = SharedL1(str(sock_dir / "s.sock"), slot_bytes=[small.nbytes])
-        model_b = SharedL1(str(sock_dir / "s.sock"), slot_bytes=[large.nbytes])
+        model_a = SharedL1(sock, slot_bytes=[small.nbytes])
+        model_b = SharedL1(sock, slot_bytes=[large.nbytes])
         for l1, spec, fill in ((model_a, small, 1), (model_b, large, 2), (model_a, small, 3)):
             for i in range(3):
                 obj = l1.reserve_write(f"{fill}-{i}", spec)
@@ -147,5 +122,4 @@ def test_serve_without_slot_bytes_serves_every_object_size(tmp_path: Path, sock_
         assert stats["classes"] == 2
         assert stats["max_object"] == 64 * 1024
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert server.stop() == 0

@@ -6,6 +6,7 @@ root), other uids and a tight open-file limit. Waits poll a condition in bounded
 from __future__ import annotations
 
 import array
+import contextlib
 import gc
 import json
 import mmap
@@ -26,7 +27,7 @@ from tiercache.server.client import ServerConnection, ServerRefused, SharedL1
 from tiercache.server.main import main as server_main
 from tiercache.server.protocol import Op, decode, encode
 from tiercache.spec import KVSpec
-from tiercache.testing.harness.processes import NodeServer, wait_for
+from tiercache.testing.harness.processes import NodeServer, run_as, wait_for
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 SLOTS = 8
@@ -84,6 +85,7 @@ def test_a_timed_out_request_is_cache_off_at_once_and_leaves_nothing_reserved(se
     trip while the server is stopped; once it resumes the client is back by itself, the late ALLOC's
     reservation is gone and the key can be stored and found."""
     l1 = SharedL1(server.path, timeout_s=0.5, backoff_s=0.01, max_backoff_s=0.05)
+    assert l1.wait_connected(60)  # a loaded machine may answer the first HELLO late: connected by a retry
     os.kill(server.pid, signal.SIGSTOP)
     try:
         assert l1.reserve_write("k", SPEC) is None  # one timeout
@@ -94,6 +96,7 @@ def test_a_timed_out_request_is_cache_off_at_once_and_leaves_nothing_reserved(se
             assert l1.reserve_write("k2", SPEC) is None
         assert dict(l1.requests) == asked
         assert l1.lost_connections == 1
+        l1.timeout_s = 60.0  # the connections after the stall: a loaded machine may answer slowly
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert l1.wait_connected(60)
@@ -108,11 +111,13 @@ def test_a_lost_session_is_fenced_once_its_writes_settle(server: Server) -> None
     """A connection lost while an object is being written: its key is free at once, its slot stays out of
     use while the write may still land, and the client's fence frees it once the write settled."""
     l1 = SharedL1(server.path, timeout_s=0.5, backoff_s=0.01, max_backoff_s=0.05)
+    assert l1.wait_connected(60)  # a loaded machine may answer the first HELLO late: connected by a retry
     obj = l1.reserve_write("w", SPEC)
     assert obj is not None
     os.kill(server.pid, signal.SIGSTOP)
     try:
         assert l1.contains("x") is False  # times out: the connection is lost with "w" being written
+        l1.timeout_s = 60.0  # the connections after the stall: a loaded machine may answer slowly
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert l1.wait_connected(60)
@@ -238,7 +243,6 @@ def test_a_client_in_a_sibling_pid_namespace_frees_its_reservations_on_exit(
         assert srv.proc.poll() is None
     finally:
         assert srv.stop() == 0
-    assert srv.proc.stderr is not None
 
 
 # --------------------------------------------------------------------------- no client can take it down
@@ -283,36 +287,22 @@ def test_admin_operations_need_the_servers_uid_or_its_admin_group(sock_dir: Path
         own = SharedL1(srv.path)
         store(own, "k")
 
-        def as_nobody(path: str) -> str:
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                outcome = "?"
-                try:
-                    os.setgid(nobody)
-                    os.setgroups([])
-                    os.setuid(nobody)
-                    try:
-                        ServerConnection(path, role="admin", timeout_s=30, server_uid=0)
-                        outcome = "admin"
-                    except ServerRefused as exc:
-                        outcome = f"admin {exc.code}"
-                    conn = ServerConnection(path, role="worker", timeout_s=30, server_uid=0)
-                    try:
-                        conn.request(Op.CLEAR, {})
-                        outcome += " clear ok"
-                    except ServerRefused as exc:
-                        outcome += f" clear {exc.code}"
-                except BaseException as exc:
-                    outcome = f"error {exc!r}"
-                os.write(w, outcome.encode())
-                os._exit(0)
-            os.close(w)
-            with os.fdopen(r, "rb") as f:
-                outcome = f.read().decode()
-            os.waitpid(pid, 0)
+        def as_admin_then_clear(path: str) -> str:
+            try:
+                ServerConnection(path, role="admin", timeout_s=30, server_uid=0)
+                outcome = "admin"
+            except ServerRefused as exc:
+                outcome = f"admin {exc.code}"
+            conn = ServerConnection(path, role="worker", timeout_s=30, server_uid=0)
+            try:
+                conn.request(Op.CLEAR, {})
+                outcome += " clear ok"
+            except ServerRefused as exc:
+                outcome += f" clear {exc.code}"
             return outcome
+
+        def as_nobody(path: str) -> str:
+            return run_as(nobody, lambda: as_admin_then_clear(path))
 
         assert as_nobody(srv.path) == "admin forbidden clear forbidden"
         assert own.contains("k")  # nothing was cleared
@@ -405,8 +395,8 @@ def _nofile(limit: int) -> Callable[[], None]:
 
 def test_running_out_of_file_descriptors_is_survived(sock_dir: Path) -> None:
     """With an open-file limit of 48 the server runs out of descriptors under 80 connections: it sheds the
-    clients it cannot take (they see EOF, not a hang), counts the accept errors, and serves new clients as
-    soon as descriptors are free again."""
+    clients it cannot take (they see EOF or a broken pipe, not a hang), counts the accept errors, and serves
+    new clients as soon as descriptors are free again."""
     srv = Server(str(sock_dir / "l1.sock"), "--max-share", "1", preexec=_nofile(48))
     assert srv.ready
     socks = []
@@ -415,8 +405,9 @@ def test_running_out_of_file_descriptors_is_survived(sock_dir: Path) -> None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.settimeout(60)
             s.connect(srv.path)
-            s.send(encode(Op.HELLO, 0, 0, {"role": "probe"}))
             socks.append(s)
+            with contextlib.suppress(BrokenPipeError):  # shed before its HELLO arrived
+                s.send(encode(Op.HELLO, 0, 0, {"role": "probe"}))
         answered = shed = 0
         for s in socks:
             try:
@@ -451,32 +442,14 @@ def test_two_servers_started_at_once_on_a_stale_path_never_both_run(sock_dir: Pa
         stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         stale.bind(path)
         stale.close()  # a dead server's socket file
-        cmd = [
-            sys.executable,
-            "-m",
-            "tiercache.server",
-            "--socket",
-            path,
-            "--slot-bytes",
-            "4096",
-            "--slots",
-            "2",
-        ]
-        procs = [
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
-        ]
-        lines = [p.stdout.readline() if p.stdout is not None else "" for p in procs]
-        ready = [line.startswith("tiercache server listening") for line in lines]
+        # both started before either's ready line is read
+        servers = [NodeServer(path, slots=2, read_ready=False) for _ in range(2)]
+        ready = [srv.read_ready() for srv in servers]
         assert sum(ready) == 1
-        loser = procs[ready.index(False)]
-        assert loser.wait(timeout=60) == 2
-        winner = procs[ready.index(True)]
-        winner.send_signal(signal.SIGTERM)
-        assert winner.wait(timeout=60) == 0
-        for p in procs:
-            for stream in (p.stdout, p.stderr):
-                if stream is not None:
-                    stream.close()
+        loser = servers[ready.index(False)]
+        assert loser.proc.wait(timeout=60) == 2
+        assert loser.stop() == 2
+        assert servers[ready.index(True)].stop() == 0
 
 
 def _segment_maps() -> int:

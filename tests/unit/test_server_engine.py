@@ -107,9 +107,7 @@ async def test_another_process_reads_the_shared_l1(
     server: Server, producer: CacheEngine, tmp_path: Path
 ) -> None:
     tokens = list(range(2000, 2600))
-    kv = expected_kv(LAYOUT, len(tokens))
-    src = Engine(LAYOUT, num_blocks=64, seed=1)
-    src.write(kv, 0, len(tokens))
+    src = Engine.holding(LAYOUT, len(tokens), seed=1)
     assert await producer.store(tokens, src.kv, src.slots(len(tokens))) == 600
     out = await asyncio.to_thread(_run_child, tmp_path, server.path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -118,9 +116,7 @@ async def test_another_process_reads_the_shared_l1(
 
 async def test_dead_server_means_cache_off(server: Server, producer: CacheEngine) -> None:
     tokens = list(range(3000, 3512))
-    kv = expected_kv(LAYOUT, len(tokens))
-    src = Engine(LAYOUT, num_blocks=64, seed=1)
-    src.write(kv, 0, len(tokens))
+    src = Engine.holding(LAYOUT, len(tokens), seed=1)
     assert await producer.store(tokens, src.kv, src.slots(512)) == 512
     server.kill()
     hit = await producer.lookup_hit(tokens)

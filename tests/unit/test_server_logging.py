@@ -8,17 +8,14 @@ import io
 import logging
 import re
 import resource
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tiercache.config import ConfigError, config_from_dict
 from tiercache.server.logsetup import setup_server_logging
+from tiercache.testing.harness.processes import ConfigServer
 
-TIERCACHE = str(Path(sys.executable).with_name("tiercache"))
 LINE = (
     r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (?P<level>[A-Z]+) tiercache\[(?P<pid>\d+)\] "
     r"(?P<name>tiercache(\.\w+)*): "
@@ -31,28 +28,14 @@ def _low_fd_limit() -> None:
 
 
 def _serve(tmp_path: Path, sock_dir: Path, table: str = "", *args: str) -> tuple[int, str]:
-    """Start ``tiercache serve``, wait for its ready line, stop it; (pid, stderr)."""
+    """Start ``tiercache serve`` (its ready line read), stop it; (pid, its stderr)."""
     cfg = tmp_path / "serve.toml"
     cfg.write_text(f'[l1]\ncapacity = "64KiB"\n[server]\nslot_bytes = 4096\n{table}\n')
-    proc = subprocess.Popen(
-        [TIERCACHE, "serve", "--config", str(cfg), "--socket", str(sock_dir / "log.sock"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_low_fd_limit,
-    )
-    try:
-        assert proc.stdout is not None
-        ready = proc.stdout.readline()
-        assert ready.startswith("tiercache server listening on "), ready
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    return proc.pid, err
+    server = ConfigServer(cfg, str(sock_dir / "log.sock"), *args, preexec=_low_fd_limit)
+    code = server.stop()
+    err = server.log()
+    assert code == 0, err
+    return server.pid, err
 
 
 def test_serve_logs_warnings_and_info_lines_formatted_on_stderr(tmp_path: Path, sock_dir: Path) -> None:

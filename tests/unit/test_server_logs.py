@@ -5,7 +5,6 @@ and a real server flooded with malformed messages.
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import subprocess
 import sys
@@ -18,16 +17,8 @@ import pytest
 from tiercache.server.client import ServerConnection
 from tiercache.server.logs import RateLimitedLog
 from tiercache.server.protocol import Op
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tiercache.testing.fakes import FakeClock
+from tiercache.testing.harness.processes import NodeServer
 
 
 class Lines(logging.Handler):
@@ -63,7 +54,7 @@ def lines(logger: logging.Logger) -> Lines:
 def test_one_line_per_key_per_interval_then_the_suppressed_count(
     logger: logging.Logger, lines: Lines
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=10.0, clock=clock)
     assert rl.warning("proto", "protocol error from pid %d: %s", 11, "bad op")
     for pid in range(12, 17):  # 5 more within the interval: held back
@@ -85,7 +76,7 @@ def test_one_line_per_key_per_interval_then_the_suppressed_count(
 
 
 def test_the_interval_runs_from_the_last_emitted_line(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=5.0, clock=clock)
     emitted = []
     for _ in range(40):  # a line every second for 40 s: one emitted every 5 s
@@ -98,7 +89,7 @@ def test_the_interval_runs_from_the_last_emitted_line(logger: logging.Logger, li
 
 
 def test_keys_are_independent(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=60.0, clock=clock)
     assert rl.warning("refused", "refused peer uid %d", 1000)
     assert rl.warning("proto", "protocol error")
@@ -116,7 +107,7 @@ def test_keys_are_independent(logger: logging.Logger, lines: Lines) -> None:
 
 
 def test_a_message_without_args_stays_literal(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=1.0, clock=clock)
     rl.warning("disk", "disk 100% full")
     rl.warning("disk", "disk 100% full")
@@ -126,7 +117,7 @@ def test_a_message_without_args_stays_literal(logger: logging.Logger, lines: Lin
 
 
 def test_a_disabled_level_counts_nothing(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     logger.setLevel(logging.WARNING)
     rl = RateLimitedLog(logger, interval_s=10.0, clock=clock)
     for _ in range(3):
@@ -137,7 +128,7 @@ def test_a_disabled_level_counts_nothing(logger: logging.Logger, lines: Lines) -
 
 
 def test_flush_reports_pending_counts_once(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=10.0, clock=clock)
     rl.warning("a", "line a")
     rl.warning("a", "line a")
@@ -154,7 +145,7 @@ def test_flush_reports_pending_counts_once(logger: logging.Logger, lines: Lines)
 
 
 def test_keys_are_bounded(logger: logging.Logger, lines: Lines) -> None:
-    clock = Clock()
+    clock = FakeClock()
     rl = RateLimitedLog(logger, interval_s=100.0, clock=clock, max_keys=3)
     assert rl.warning(0, "key %d", 0)
     clock.now += 50.0
@@ -203,12 +194,10 @@ def test_a_server_flooded_with_bad_messages_logs_a_few_lines(sock_dir: Path) -> 
     """A real server child: 300 connections each dropped for a malformed message are all counted (STATS), and
     the log gets one line per 10 s interval, not one per connection."""
     path = str(sock_dir / "flood.sock")
-    cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", "4096", "--slots", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = NodeServer(path)
     start = time.monotonic()
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("tiercache server listening")
+        assert server.ready
         for _ in range(300):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.settimeout(60)
@@ -221,9 +210,9 @@ def test_a_server_flooded_with_bad_messages_logs_a_few_lines(sock_dir: Path) -> 
         assert conn.request(Op.STATS, {})["protocol_errors"] == 300
         conn.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        server.stop()
     elapsed = time.monotonic() - start
+    err = server.log()
     lines = [line for line in err.splitlines() if "protocol error" in line]
     assert 1 <= len(lines) <= 1 + int(elapsed // 10)
     assert len(err.splitlines()) < 20

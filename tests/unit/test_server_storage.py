@@ -45,8 +45,16 @@ async def served(sock_dir: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]
         await tier.batched_contains(KEYS)
 
 
-def store(l1: SharedL1, keys: list[str]) -> None:
-    objects = l1.batched_reserve_write(keys, [SPEC] * len(keys))
+async def clients(server: L1Server) -> tuple[SharedL1, SharedL1]:
+    """A client of ``server`` and an admin client (connected in a thread: the server runs on this loop)."""
+    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
+    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    return l1, admin
+
+
+def store(l1: SharedL1, keys: list[str], tenant: str = "") -> None:
+    """Write and commit ``SPEC`` objects for ``keys`` (key i holds ``payload(i)``) as ``tenant``."""
+    objects = l1.batched_reserve_write(keys, [SPEC] * len(keys), tenant)
     for i, obj in enumerate(objects):
         assert obj is not None
         obj.buffer()[:] = payload(i)
@@ -57,8 +65,7 @@ async def test_commit_writes_behind_clear_then_read_prefetches(
     served: tuple[L1Server, MemoryAdapter],
 ) -> None:
     server, tier = served
-    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
-    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    l1, admin = await clients(server)
     await asyncio.to_thread(store, l1, KEYS)
     assert await asyncio.to_thread(admin.drain, 5.0)
     # written behind by the server, through its codec chain

@@ -14,18 +14,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.unit.test_server_storage import SPEC, clients, store
 from tiercache.adapters.memory import MemoryAdapter
 from tiercache.cli.main import main as cli
 from tiercache.config import TierConfig
 from tiercache.serde import build_pipeline
 from tiercache.server.client import SharedL1
 from tiercache.server.server import L1Server, ServerOptions
-from tiercache.spec import KVSpec
 from tiercache.store.policy import tenant_id
 
 pytestmark = pytest.mark.asyncio
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens=16)  # 2048 bytes
 TA, TB = tenant_id("salt-a"), tenant_id("salt-b")
 QUOTA = 5 * SPEC.nbytes // 2  # two frames of a (a frame: the chunk and a small header)
 
@@ -50,20 +49,11 @@ async def served(sock_dir: Path) -> AsyncIterator[tuple[L1Server, MemoryAdapter]
     await server.stop()
 
 
-def store(l1: SharedL1, keys: list[str], tenant: str) -> None:
-    objects = l1.batched_reserve_write(keys, [SPEC] * len(keys), tenant)
-    for i, obj in enumerate(objects):
-        assert obj is not None
-        obj.buffer()[:] = bytes([i + 1]) * SPEC.nbytes
-    l1.batched_finish_write([o for o in objects if o is not None])
-
-
 async def test_write_behind_counts_each_alloc_against_its_tenant(
     served: tuple[L1Server, MemoryAdapter],
 ) -> None:
     server, tier = served
-    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
-    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    l1, admin = await clients(server)
     keys_a = [f"a-{i}" for i in range(4)]
     keys_b = [f"b-{i}" for i in range(4)]
     for i in range(4):  # one commit (one write-behind batch) at a time: a's oldest go first
@@ -83,8 +73,7 @@ async def test_write_behind_counts_each_alloc_against_its_tenant(
 async def test_server_tier_admits_after_its_threshold(served: tuple[L1Server, MemoryAdapter]) -> None:
     server, tier = served
     gated: MemoryAdapter = server.gated  # type: ignore[attr-defined]
-    l1 = await asyncio.to_thread(SharedL1, server.options.socket_path)
-    admin = await asyncio.to_thread(SharedL1, server.options.socket_path, role="admin")
+    l1, admin = await clients(server)
     await asyncio.to_thread(l1.batched_locate, ["seen"], prefetch=False)  # a lookup sees it once...
     await asyncio.to_thread(l1.batched_locate, ["seen"], prefetch=False)  # ...and twice
     await asyncio.to_thread(store, l1, ["seen", "once"], TB)

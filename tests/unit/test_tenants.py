@@ -44,6 +44,13 @@ def _engine(l1: L1Cache, tiers: list[tuple[str, object, object]] | None = None) 
     return CacheEngine(manager, LAYOUT, keyspace_of(LAYOUT), chunk_size=CHUNK)
 
 
+async def _disk_engine(tmp_path: Path) -> tuple[CacheEngine, PosixAdapter]:
+    """An engine on an L1 of 16 slots (no quotas) and a file tier "disk" at ``tmp_path``; that tier."""
+    disk = await PosixAdapter.open(f"file://{tmp_path}")
+    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
+    return _engine(l1, [("disk", disk, build_pipeline(["raw"]))]), disk
+
+
 @pytest.mark.asyncio
 async def test_engine_stores_count_against_the_salts_quota() -> None:
     a, b = RequestIdentity(cache_salt="salt-a"), RequestIdentity(cache_salt="salt-b")
@@ -75,9 +82,7 @@ async def test_engine_stores_count_against_the_salts_quota() -> None:
 
 @pytest.mark.asyncio
 async def test_tier_admits_after_two_lookups(tmp_path: Path) -> None:
-    disk = await PosixAdapter.open(f"file://{tmp_path}")
-    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
-    engine = _engine(l1, [("disk", disk, build_pipeline(["raw"]))])
+    engine, disk = await _disk_engine(tmp_path)
     engine.manager.store.admit_after = {"disk": 2}
     gpu = Engine(LAYOUT, num_blocks=128, seed=4)
     one_off = list(range(100, 100 + 2 * CHUNK))
@@ -203,9 +208,7 @@ def test_slot_table_ceiling_counts_presence_lookups_not_reads() -> None:
 
 @pytest.mark.asyncio
 async def test_tier_quota_deletes_the_tenants_oldest_objects(tmp_path: Path) -> None:
-    disk = await PosixAdapter.open(f"file://{tmp_path}")
-    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
-    engine = _engine(l1, [("disk", disk, build_pipeline(["raw"]))])
+    engine, disk = await _disk_engine(tmp_path)
     ta = tenant_id("salt-a")
     ledger = TierLedger({ta: 5 * SLOT_BYTES // 2})  # room for two frames of a (a frame: a chunk + header)
     engine.manager.store.ledgers = {"disk": ledger}
@@ -240,9 +243,7 @@ async def test_tier_quota_deletes_the_tenants_oldest_objects(tmp_path: Path) -> 
 
 @pytest.mark.asyncio
 async def test_tier_quota_within_one_batch_sends_only_what_fits(tmp_path: Path) -> None:
-    disk = await PosixAdapter.open(f"file://{tmp_path}")
-    l1 = L1Cache(16 * SLOT_BYTES, SLOT_BYTES, pinned=False)
-    engine = _engine(l1, [("disk", disk, build_pipeline(["raw"]))])
+    engine, disk = await _disk_engine(tmp_path)
     ta = tenant_id("salt-a")
     engine.manager.store.ledgers = {"disk": TierLedger({ta: 5 * SLOT_BYTES // 2})}
     gpu = Engine(LAYOUT, num_blocks=128, seed=6)

@@ -3,27 +3,17 @@ budget in the quota runs, the scan refused by admission, the ceiling estimate ne
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from tiercache.testing.harness.scripts import load_by_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("trace_replay", ROOT / "benchmarks" / "trace_replay.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look themselves up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_small_trace(tmp_path: Path) -> None:
     small = ["--tenants", "2", "--conversations", "3", "--active", "3", "--turns", "4", "--slots", "60"]
-    result = _module().main([*small, "--scan-chunks", "16", "--out", str(tmp_path)])
+    trace_replay = load_by_path(ROOT / "benchmarks" / "trace_replay.py", "trace_replay")
+    result = trace_replay.main([*small, "--scan-chunks", "16", "--out", str(tmp_path)])
     assert (tmp_path / "trace_replay_cpu.json").is_file()
     assert result["wrong_bytes"] == 0
     assert result["tenants_over_budget"] == {}
