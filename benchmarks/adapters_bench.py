@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
-from _common import ServerProcess, free_port, port_open, start_process
+from _common import ServerProcess, free_port, port_open, print_json, start_process, start_redis_process
 
 __all__ = ["BACKENDS", "bench_mooncake", "bench_redis", "bench_s3", "bench_valkey"]
 
@@ -45,17 +45,10 @@ KiB, MiB = 1 << 10, 1 << 20
 GB = 1e9
 
 
-def _redis_answers(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
-        s.sendall(b"PING\r\n")
-        return s.recv(16).startswith(b"+PONG")
-
-
 def _start_redis(binary: str, directory: str) -> tuple[ServerProcess, int]:
     port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    argv += ["--dir", directory, "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
-    return start_process(argv, ready=lambda: _redis_answers(port)), port
+    lru = ["--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
+    return start_redis_process(binary, port, Path(directory), lru, timeout=15), port
 
 
 SIZES = [("1KiB", KiB, 64), ("64KiB", 64 * KiB, 64)] + [
@@ -97,6 +90,20 @@ async def _compare_modes(
     }
 
 
+async def _set_each(raw: Any, keys: list[str], values: list[bytes]) -> None:
+    """Raw SETs one after another, each awaited."""
+    for k, v in zip(keys, values, strict=True):
+        await raw.set(k, v)
+
+
+async def _set_pipelined(raw: Any, keys: list[str], values: list[bytes]) -> None:
+    """Raw SETs in one pipeline (no transaction)."""
+    async with raw.pipeline(transaction=False) as p:
+        for k, v in zip(keys, values, strict=True):
+            p.set(k, v)
+        await p.execute()
+
+
 async def _bench_size(raw: Any, adapter: Any, size: int, n: int, rounds: int) -> dict[str, Any]:
     """Adapter vs every raw mode for ``n`` frames of ``size`` bytes per batch."""
     values = [os.urandom(size) for _ in range(n)]
@@ -104,15 +111,8 @@ async def _bench_size(raw: Any, adapter: Any, size: int, n: int, rounds: int) ->
     # layout: a value over part_size is a manifest head plus parts)
     akeys = [f"o{size}-{i}" for i in range(n)]
 
-    async def seq_set() -> None:
-        for k, v in zip(keys, values, strict=True):
-            await raw.set(k, v)
-
-    async def pipe_set() -> None:
-        async with raw.pipeline(transaction=False) as p:
-            for k, v in zip(keys, values, strict=True):
-                p.set(k, v)
-            await p.execute()
+    seq_set = partial(_set_each, raw, keys, values)
+    pipe_set = partial(_set_pipelined, raw, keys, values)
 
     async def conc_set() -> None:
         await asyncio.gather(*(raw.set(k, v) for k, v in zip(keys, values, strict=True)))
@@ -140,13 +140,13 @@ async def _bench_size(raw: Any, adapter: Any, size: int, n: int, rounds: int) ->
         got = await adapter.batched_get(akeys)
         assert all(g is not None for g in got)
 
-    puts = {
+    puts: dict[str, Callable[[], Awaitable[Any]]] = {
         "raw_sequential": seq_set,
         "raw_pipeline": pipe_set,
         "raw_concurrent": conc_set,
         "adapter": a_put,
     }
-    gets = {
+    gets: dict[str, Callable[[], Awaitable[Any]]] = {
         "raw_sequential": seq_get,
         "raw_pipeline": pipe_get,
         "raw_concurrent": conc_get,
@@ -198,15 +198,8 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
         async def one_set() -> None:
             await raw.set("bench:big", big)
 
-        async def parts_seq_set() -> None:
-            for k, v in zip(pkeys, parts, strict=True):
-                await raw.set(k, v)
-
-        async def parts_pipe_set() -> None:
-            async with raw.pipeline(transaction=False) as p:
-                for k, v in zip(pkeys, parts, strict=True):
-                    p.set(k, v)
-                await p.execute()
+        parts_seq_set = partial(_set_each, raw, pkeys, parts)
+        parts_pipe_set = partial(_set_pipelined, raw, pkeys, parts)
 
         async def one_get() -> None:
             assert len(await raw.get("bench:big")) == len(big)
@@ -246,7 +239,7 @@ async def _redis_section(binary: str, rounds: int) -> dict[str, Any]:
             got = await adapter.batched_get(partkeys)
             assert sum(len(g) for g in got if g is not None) == len(big)
 
-        split_fns = {
+        split_fns: dict[str, Callable[[], Awaitable[Any]]] = {
             "adapter_set_one_64MiB": a_one_set,
             "adapter_set_16x4MiB": a_parts_set,
             "adapter_get_one_64MiB": a_one_get,
@@ -500,11 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         if name not in BACKENDS:
             parser.error(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
         result[name] = asyncio.run(BACKENDS[name](args.rounds))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

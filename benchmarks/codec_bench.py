@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 from pathlib import Path
@@ -28,25 +27,16 @@ import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tiercache.cli.bench.codecs import as_bytes, chain_result, stage_vs_library
+from tiercache.cli.bench.report import print_json
 from tiercache.serde import build_pipeline
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.serde.lz4 import Lz4Codec
 from tiercache.serde.zstd import ZstdCodec
-from tiercache.spec import KVFormat, KVSpec
+from tiercache.testing.codecs import load_kv_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "tests" / "fixtures" / "kv_sample"
 KEY = bytes(range(32))
-
-
-def load_sample() -> tuple[torch.Tensor, KVSpec]:
-    meta = json.loads((SAMPLE / "kv.json").read_text())
-    s = meta["spec"]
-    spec = KVSpec(
-        s["num_layers"], s["num_kv_heads"], s["head_dim"], s["dtype"], KVFormat[s["format"]], s["tokens"]
-    )
-    data = bytearray((SAMPLE / "kv.bin").read_bytes())
-    return torch.frombuffer(data, dtype=torch.bfloat16).reshape(spec.shape).clone(), spec
 
 
 def main() -> None:
@@ -55,7 +45,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "codec_bench_cpu.json"))
     args = parser.parse_args()
     os.environ.setdefault("TIERCACHE_BENCH_KEY", KEY.hex())
-    real, spec = load_sample()
+    real, spec = load_kv_sample(SAMPLE)
+    real = real.clone()  # memory of its own (aligned), not the file's bytearray
     rng = np.random.default_rng(0)
     rand = torch.from_numpy(rng.standard_normal(spec.shape, dtype=np.float32)).to(torch.bfloat16)
     inputs = {"real_kv": real, "random_normal": rand}
@@ -115,10 +106,7 @@ def main() -> None:
             "stages_vs_library": stages,
             "chains": [chain_result(c, x, spec, args.repeat) for c in chains],
         }
-    text = json.dumps(results, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    print_json(results, args.out)
 
 
 if __name__ == "__main__":

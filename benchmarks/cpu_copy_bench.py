@@ -5,9 +5,12 @@ table; at each ``--tokens`` size: the kernel's gather (paged KV -> one object, a
 (object -> paged KV, as a retrieve copies), and three bare copies of the same bytes between two contiguous
 buffers: ``memcpy`` (libc, on one thread), torch ``copy_`` (torch's threads) and the kernel itself over a
 contiguous KV (the rows it would copy for LMCache's contiguous layout). Each on 1 thread and on 2
-(``torch.set_num_threads``; the kernel takes torch's count, at most one thread per 8 MiB). Rounds in a
-freshly shuffled order, ``--settle`` MiB of scratch memory read (untimed) before every timed copy, medians and
-spread; bit-exact checks.
+(``torch.set_num_threads``; the kernel takes torch's count, at most one thread per 64 MiB: a 256-token
+copy runs on one either way). Rounds in a freshly shuffled order, ``--settle`` MiB of scratch memory read
+(untimed) before every timed copy, medians and spread, each copy also against the same round's memcpy;
+bit-exact checks; the load average after each size.
+Then what a second thread costs a call before it copies anything (``team_start_us``: a 128 KiB gather on
+two threads less on one, with torch's workers spinning and parked).
 
 Usage: ``.venv/bin/python benchmarks/cpu_copy_bench.py > benchmarks/results/cpu_copy_bench_cpu.json``.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import contiguous_geometry, flash_kv
 
 from tiercache.gpu import Move, cpu_rows, reference
 from tiercache.gpu.layouts import LayoutKind, PagedLayout
@@ -54,14 +58,7 @@ def main() -> None:
     }
     for n in (int(x) for x in args.tokens.split(",")):
         torch.manual_seed(n)
-        nb = n // BS + 8
-        layout = PagedLayout(LayoutKind.VLLM_FLASH, L, H, D, BS, "bfloat16")
-        raw = [torch.randn(nb, BS, H, 2 * D).bfloat16() for _ in range(L)]
-        kv = [r.permute(0, 2, 1, 3) for r in raw]
-        kv_back = [torch.zeros_like(r).permute(0, 2, 1, 3) for r in raw]
-        table = torch.randperm(nb - 1)[: n // BS] + 1
-        pos = torch.arange(n)
-        slots = table[pos // BS] * BS + pos % BS
+        layout, kv, kv_back, slots = flash_kv(L, H, D, BS, n)
         obj = torch.empty(2, L, n, H * D, dtype=torch.bfloat16)
         want = torch.empty_like(obj)
         gather = Move.gather(layout, slots, [(0, n)], [obj])
@@ -80,18 +77,7 @@ def main() -> None:
         nbytes = obj.numel() * obj.element_size()
         src, dst = want.clone(), torch.empty_like(want)
         # the kernel over a contiguous [2, L, T, H*D] KV: one block of n tokens, as LMCache's KV would be
-        e = src.element_size()
-        geo = cpu_rows.Geometry(
-            layers=tuple(src[0, j].data_ptr() for j in range(L)),
-            block_size=n,
-            s_blk=n * src.stride(2) * e,
-            s_off=src.stride(2) * e,
-            s_head=D * e,
-            heads=H,
-            plane_offsets=(0, src.stride(0) * e),
-            row_bytes=D * e,
-            n_slots=n,
-        )
+        geo = contiguous_geometry(src, H, D)
         job = cpu_rows.token_job(geo, dst, 2, torch.arange(n, dtype=torch.int64), 0, n, 0)
         assert job is not None
 
@@ -123,6 +109,7 @@ def main() -> None:
         torch.set_num_threads(2)
         contiguous_ok = torch.equal(dst.view(torch.int16), src.view(torch.int16))
         row: dict[str, Any] = {
+            "load_after": os.getloadavg(),
             "bytes": nbytes,
             "bit_exact": {"gather": exact_gather, "scatter": exact_scatter, "contiguous": contiguous_ok},
         }
@@ -139,15 +126,54 @@ def main() -> None:
             for k in ("kernel_gather_paged", "kernel_scatter_paged", "kernel_contiguous"):
                 row[f"{k}@{t}"]["vs_memcpy_1_thread"] = row[f"{k}@{t}"]["GBps_median"] / mc
                 row[f"{k}@{t}"]["vs_torch_copy_same_threads"] = row[f"{k}@{t}"]["GBps_median"] / tc
+                # per round against that round's one-thread memcpy, then the median: a burst of other work
+                # on the box slows both of a round's copies, which the ratio of medians does not cancel
+                paired = [m / x for m, x in zip(times["memcpy@1"], times[f"{k}@{t}"], strict=True)]
+                row[f"{k}@{t}"]["vs_memcpy_1_thread_per_round"] = statistics.median(paired)
         res["sizes"][f"{n}_tokens"] = row
-        rates = [
+        shown = [
             f"{k} {v['GBps_median']:.2f}"
             for k, v in row.items()
             if isinstance(v, dict) and "GBps_median" in v
         ]
-        print(f"{n}: " + ", ".join(rates), file=sys.stderr)
+        print(f"{n}: " + ", ".join(shown), file=sys.stderr)
+    res["team_start_us"] = team_start(args.rounds * 4, scratch)
     res["load_after"] = os.getloadavg()
     print(json.dumps(res, indent=2))
+
+
+def team_start(rounds: int, scratch: torch.Tensor | None) -> dict[str, Any]:
+    """What a second thread costs a call before it copies anything: a gather of one 16-token block of every
+    layer (4 KiB a task, 128 KiB in all) on two threads less the same call on one, medians in microseconds;
+    ``spinning``: right after a torch op on both threads (torch's OpenMP workers still spin, as after the
+    settle read before every timed copy); ``parked``: after 20 ms idle (the workers sleep and must be woken,
+    as before a store that follows the engine's own work or a pause)."""
+    n = BS
+    layout = PagedLayout(LayoutKind.VLLM_FLASH, L, H, D, BS, "bfloat16")
+    kv = [torch.randn(4, BS, H, 2 * D).bfloat16().permute(0, 2, 1, 3) for _ in range(L)]
+    slots = torch.arange(n) + 2 * BS
+    move = Move.gather(layout, slots, [(0, n)], [torch.empty(2, L, n, H * D, dtype=torch.bfloat16)])
+    pick = cpu_rows.threads
+    warm = scratch if scratch is not None else torch.ones(1 << 20)
+    out: dict[str, Any] = {}
+    torch.set_num_threads(2)
+    try:
+        for state in ("spinning", "parked"):
+            ts: dict[int, list[float]] = {1: [], 2: []}
+            for r in range(rounds):
+                for k in (1, 2) if r % 2 == 0 else (2, 1):
+                    cpu_rows.threads = lambda nbytes, k=k: k  # type: ignore[misc]
+                    warm.max()
+                    if state == "parked":
+                        time.sleep(0.02)
+                    t0 = time.perf_counter()
+                    reference.gather(kv, move)
+                    ts[k].append(time.perf_counter() - t0)
+            one, two = (statistics.median(ts[k]) * 1e6 for k in (1, 2))
+            out[state] = {"one_thread_us": one, "two_threads_us": two, "second_thread_costs_us": two - one}
+    finally:
+        cpu_rows.threads = pick
+    return out
 
 
 if __name__ == "__main__":

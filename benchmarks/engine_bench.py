@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 from typing import Any
 
@@ -44,6 +43,7 @@ from tiercache.cli.bench.engine import (
     make_layout,
 )
 from tiercache.cli.bench.measure import host_info
+from tiercache.cli.bench.report import print_json
 
 __all__ = ["CHUNK", "bench_layout", "bench_lookup", "main", "make_layout", "run"]
 
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             lookup_repeats=args.lookup_repeats,
         )
     )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_e2e import E2E, ROOT, run
 
+from tiercache.cli.bench.report import print_json
+
 
 def agreement(got: list[int], want: list[int]) -> int:
     """Leading tokens of ``got`` equal to ``want`` (greedy: the first divergence decides the rest)."""
@@ -109,10 +111,7 @@ def main() -> None:
             "random-weight model's logits are close together, so this is a harsh test of fp8's 2.6 % KV error"
         ),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

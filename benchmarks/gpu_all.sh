@@ -3,7 +3,7 @@
 # the model's view while KV moves (gpu_overlap.py), tiercache beside LMCache's kernel (vs_lmcache.py gpu),
 # the whole calls against their floors (gpu_bench.py --only per_size), and several server-mode processes at
 # once (server_gpu_two.py). JSON to $OUT/<name>.json, everything printed to $OUT/gpu_all.log.
-# Usage: OUT=dir LMCACHE_SRC=<unpacked LMCache 0.5.6 source> benchmarks/gpu_all.sh [part ...]
+# Usage: OUT=dir LMCACHE_SRC=<unpacked LMCache 0.5.6 source> [OVERLAP_ARGS=...] benchmarks/gpu_all.sh [part ...]
 #   parts: tests overlap vs_lmcache per_size server_two (default: all, in that order)
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -28,7 +28,10 @@ for p in "${parts[@]}"; do
     case $p in
         tests) echo "=== tests ($(date -u +%T))" | tee -a "$LOG"
                timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$HERE/../tests/gpu" 2>&1 | tail -5 | tee -a "$LOG" ;;
-        overlap) step gpu_overlap 260 python3 "$HERE/gpu_overlap.py" --lmcache-src "$LMCACHE_SRC" ;;
+        overlap) echo "=== gpu_overlap ($(date -u +%T)): every size bounded by --size-budget" | tee -a "$LOG"
+                 timeout 600 python3 "$HERE/gpu_overlap.py" --lmcache-src "$LMCACHE_SRC" \
+                     --out "$OUT/gpu_overlap.json" ${OVERLAP_ARGS:-} 2>> "$LOG"
+                 echo "=== gpu_overlap rc=$? ($(date -u +%T))" | tee -a "$LOG" ;;
         vs_lmcache) step vs_lmcache_gpu 240 python3 "$HERE/vs_lmcache.py" gpu --lmcache-src "$LMCACHE_SRC" ;;
         per_size) step gpu_bench_per_size 200 python3 "$HERE/gpu_bench.py" --only per_size ;;
         server_two) step server_gpu_two 200 python3 "$HERE/server_gpu_two.py" ;;

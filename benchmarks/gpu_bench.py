@@ -200,15 +200,23 @@ def spans() -> list[tuple[int, int]]:
     return [(s, s + CHUNK) for s in range(0, T, CHUNK)]
 
 
+def _head_rows(
+    raw: list[torch.Tensor], slots: torch.Tensor, obj: torch.Tensor
+) -> tuple[torch.Tensor, int, list[torch.Tensor], torch.Tensor]:
+    """The head-row baselines' views (int64 words): the [T*H] row index of ``slots``, the words per plane
+    of a head row, each layer's NHD allocation as rows, the object [2, L, T*H, words]."""
+    idx = (slots[:, None] * H + torch.arange(H, device=DEV)).reshape(-1)
+    dw = D * 2 // 8
+    rows = [a.view(torch.int64).view(NB * BS * H, 2 * dw) for a in raw]
+    return idx, dw, rows, obj.view(torch.int64).view(2, L, T * H, dw)
+
+
 def index_select_baseline(
     raw: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
 ) -> Callable[[], None]:
     """The anchor's torch baseline: per layer and plane one ``index_select`` of [T*H] head rows (int64 words)
     from the NHD allocation straight into the object [2, L, T, H*D] (all 4096 tokens in one object)."""
-    idx = (slots[:, None] * H + torch.arange(H, device=DEV)).reshape(-1)
-    dw = D * 2 // 8
-    rows = [a.view(torch.int64).view(NB * BS * H, 2 * dw) for a in raw]
-    dst = out.view(torch.int64).view(2, L, T * H, dw)
+    idx, dw, rows, dst = _head_rows(raw, slots, out)
 
     def run() -> None:
         for layer in range(L):
@@ -221,10 +229,8 @@ def index_select_baseline(
 def index_copy_baseline(
     raw: list[torch.Tensor], slots: torch.Tensor, src: torch.Tensor
 ) -> Callable[[], None]:
-    idx = (slots[:, None] * H + torch.arange(H, device=DEV)).reshape(-1)
-    dw = D * 2 // 8
-    rows = [a.view(torch.int64).view(NB * BS * H, 2 * dw) for a in raw]
-    s = src.view(torch.int64).view(2, L, T * H, dw)
+    """The scatter's counterpart: per layer and plane one ``index_copy_`` of [T*H] head rows."""
+    idx, dw, rows, s = _head_rows(raw, slots, src)
 
     def run() -> None:
         for layer in range(L):
@@ -276,6 +282,22 @@ def _host_profile(fn: Callable[[], object], calls: int = 300) -> list[str]:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
     return [line for line in buf.getvalue().splitlines() if line.strip()][-16:]
+
+
+def _vs_pinned_copy(
+    path: str, nbytes: int, copies: list[float], calls: list[float], synced: list[float]
+) -> dict[str, Any]:
+    """One direction's call to or from pinned memory (seconds per round: ``calls``, ``synced`` with a
+    synchronize after it) against one pinned copy of its ``nbytes`` (``copies``: device seconds)."""
+    ceiling = statistics.median(copies)
+    return {
+        "path": path,
+        "ceiling_GBps": nbytes / ceiling / GB,
+        "call_wall_GBps": nbytes / statistics.median(calls) / GB,
+        "vs_ceiling_median": ceiling / statistics.median(calls),
+        "vs_ceiling_worst_of_5": ceiling / max(calls),
+        "with_extra_sync_vs_ceiling_median": ceiling / statistics.median(synced),
+    }
 
 
 def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
@@ -374,24 +396,13 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
             h2d.append(cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=11))  # noqa: B023
             rt.append(returns_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
             rt_sync.append(wall_time(lambda: dispatch.scatter(kv2, load), reps=21))  # noqa: B023
-        c_d2h, c_h2d = statistics.median(d2h), statistics.median(h2d)
+        to_path = type(store.prepared[id(kv)][2]).__name__
+        from_path = type(load.prepared[id(kv2)][2]).__name__
         row["to_pinned"] = {
-            "path": type(store.prepared[id(kv)][2]).__name__,
-            "ceiling_GBps": nbytes / c_d2h / GB,
-            "call_wall_GBps": nbytes / statistics.median(st) / GB,
-            "vs_ceiling_median": c_d2h / statistics.median(st),
-            "vs_ceiling_worst_of_5": c_d2h / max(st),
-            "with_extra_sync_vs_ceiling_median": c_d2h / statistics.median(st_sync),
+            **_vs_pinned_copy(to_path, nbytes, d2h, st, st_sync),
             "bit_exact": all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(houts, want, strict=True)),
         }
-        row["from_pinned"] = {
-            "path": type(load.prepared[id(kv2)][2]).__name__,
-            "ceiling_GBps": nbytes / c_h2d / GB,
-            "call_wall_GBps": nbytes / statistics.median(rt) / GB,
-            "vs_ceiling_median": c_h2d / statistics.median(rt),
-            "vs_ceiling_worst_of_5": c_h2d / max(rt),
-            "with_extra_sync_vs_ceiling_median": c_h2d / statistics.median(rt_sync),
-        }
+        row["from_pinned"] = _vs_pinned_copy(from_path, nbytes, h2d, rt, rt_sync)
         out[f"{n}_tokens"] = row
         log(f"per_size {n}", json.dumps(row))
     sp = [(0, CHUNK)]
@@ -509,6 +520,33 @@ def host_time(fn: Callable[[], object], reps: int = 201) -> float:
     return statistics.median(times) / 1e9
 
 
+def _best(sweep: dict[str, dict[str, Any]], configs: list[Any]) -> tuple[str, Any]:
+    """The fastest entry of a kernel-config sweep (keyed in ``configs`` order): its name and config."""
+    name = max(sweep, key=lambda k: sweep[k]["GBps"])
+    return name, configs[list(sweep).index(name)]
+
+
+def _kernel_row(
+    payload: int, times: dict[str, float], sweep: dict[str, dict[str, Any]], best: str, ceiling_GBps: float
+) -> dict[str, Any]:
+    """One direction's kernel against its torch baselines. ``times`` (seconds per ``payload``): the
+    whole-tensor torch baseline first (named by its op), then ``per_layer``, ``reference`` and ``call`` (the
+    kernel through its checked entry point); ``sweep[best]``: the fastest kernel config."""
+    (base, t_base), *_ = times.items()
+    kernel = sweep[best]["GBps"]
+    return {
+        f"torch_{base}_baseline_GBps": payload / t_base / GB,
+        "torch_per_layer_baseline_GBps": payload / times["per_layer"] / GB,
+        "torch_reference_GBps": payload / times["reference"] / GB,
+        "kernel_GBps": kernel,
+        "kernel_config": best,
+        "call_wall_with_checks_GBps": payload / times["call"] / GB,
+        "kernel_vs_ceiling": kernel / ceiling_GBps,
+        f"kernel_vs_{base}": kernel / (payload / t_base / GB),
+        "kernel_vs_torch_per_layer": kernel * times["per_layer"] / payload * GB,
+    }
+
+
 def main() -> None:
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
     res: dict[str, Any] = {
@@ -564,20 +602,12 @@ def main() -> None:
         ok = all(torch.equal(bits(x), bits(y)) for x, y in zip(objs, want, strict=True))
         tc = cuda_time(lambda cfg=cfg: plan.launch(cfg))
         sweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {"GBps": payload / tc / GB, "bit_exact": ok}
-    best_name, best = max(sweep.items(), key=lambda kv_: kv_[1]["GBps"])
-    best_cfg = configs[list(sweep).index(best_name)]
+    best_name, best_cfg = _best(sweep, configs)
     gmove = Move.gather(layout, slots, sp, objs)
     t_call = wall_time(lambda: tk.gather(kv, gmove, cfg=best_cfg), reps=20)
+    times = {"index_select": t_base, "per_layer": t_layer, "reference": t_ref, "call": t_call}
     res["gather"] = {
-        "torch_index_select_baseline_GBps": payload / t_base / GB,
-        "torch_per_layer_baseline_GBps": payload / t_layer / GB,
-        "torch_reference_GBps": payload / t_ref / GB,
-        "kernel_GBps": best["GBps"],
-        "kernel_config": best_name,
-        "call_wall_with_checks_GBps": payload / t_call / GB,
-        "kernel_vs_ceiling": best["GBps"] / res["device_copy_ceiling_GBps"],
-        "kernel_vs_index_select": best["GBps"] / (payload / t_base / GB),
-        "kernel_vs_torch_per_layer": best["GBps"] * t_layer / payload * GB,
+        **_kernel_row(payload, times, sweep, best_name, res["device_copy_ceiling_GBps"]),
         "bit_exact": all(v["bit_exact"] for v in sweep.values()),
         "sweep": sweep,
     }
@@ -594,22 +624,14 @@ def main() -> None:
         ssweep[f"tile{cfg.tile_bytes}_w{cfg.num_warps}"] = {
             "GBps": payload / cuda_time(lambda cfg=cfg: splan.launch(cfg)) / GB
         }
-    sbest_name, sbest = max(ssweep.items(), key=lambda kv_: kv_[1]["GBps"])
-    sbest_cfg = configs[list(ssweep).index(sbest_name)]
+    sbest_name, sbest_cfg = _best(ssweep, configs)
     smove = Move.scatter(layout, slots2, sp, objs)
     t_scall = wall_time(lambda: tk.scatter(kv2, smove, cfg=sbest_cfg), reps=20)
     back = [torch.empty_like(o) for o in objs]
     reference.gather(kv2, Move.gather(layout, slots2, sp, back))
+    stimes = {"index_copy": t_base_s, "per_layer": t_layer_s, "reference": t_ref_s, "call": t_scall}
     res["scatter"] = {
-        "torch_index_copy_baseline_GBps": payload / t_base_s / GB,
-        "torch_per_layer_baseline_GBps": payload / t_layer_s / GB,
-        "torch_reference_GBps": payload / t_ref_s / GB,
-        "kernel_GBps": sbest["GBps"],
-        "kernel_config": sbest_name,
-        "call_wall_with_checks_GBps": payload / t_scall / GB,
-        "kernel_vs_ceiling": sbest["GBps"] / res["device_copy_ceiling_GBps"],
-        "kernel_vs_index_copy": sbest["GBps"] / (payload / t_base_s / GB),
-        "kernel_vs_torch_per_layer": sbest["GBps"] * t_layer_s / payload * GB,
+        **_kernel_row(payload, stimes, ssweep, sbest_name, res["device_copy_ceiling_GBps"]),
         "round_trip_bit_exact": all(torch.equal(bits(x), bits(y)) for x, y in zip(back, want, strict=True)),
         "sweep": ssweep,
     }

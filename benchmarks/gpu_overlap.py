@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-call"
 """The model's view on a CUDA machine: what KV moving to and from pinned host memory costs a forward pass
 running at the same time, per transfer path, and how fast the KV moves meanwhile.
 
@@ -5,27 +6,45 @@ Model: the bf16 matrix products of one Llama-8B decoder layer (hidden 4096, q/k/
 ``--model-tokens`` tokens, ``--layers`` of them per forward, captured once as a CUDA graph and replayed on
 its own stream (so the host's work for the transfers cannot starve its launches). KV: Llama-8B shape (32
 layers, 8 KV heads, head_dim 128, bf16, block 16), vLLM's per-layer ``[2, NB, BS, H, D]`` layout
-(``VLLM_LEGACY``, LMCache's format 1), a shuffled block table and, for the copy-engine paths, a sequential
-one (long contiguous block runs); objects ``[2, L, T, H*D]`` in pinned host memory.
+(``VLLM_LEGACY``, LMCache's format 1) in one allocation per layer as vLLM makes them, a shuffled block table
+and, for some paths, a sequential one (long runs of blocks in order); objects ``[2, L, T, H*D]`` in pinned
+host memory (L1 objects for tiercache's paths).
 
 Transfer paths, each run back to back on another stream from a second thread (at most two moves queued):
-``tiercache`` (``dispatch.gather`` / ``scatter`` into L1 objects, the path dispatch picks for the size),
-its ``over_the_bus`` kernel (SMs read / write host memory in place) and ``object_pipeline`` (kernel into
-device staging, copy engine to host) forced; ``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a
-pinned object, SMs over the bus; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch``
-(one ``cudaMemcpyBatchAsync`` per move, one copy per contiguous block run, ``ce_batch.cu``) and
-``copy_engine_loop`` (one ``cudaMemcpyAsync`` per run); ``pinned_copy`` (one contiguous copy of the same
-bytes: the ceiling). Per path and direction: its rate alone, its rate while the model runs, the model's
-time with it against alone (rounds interleaved: alone, path, alone, ...; medians). Bit-exact checks: every
-path's stored object equals LMCache's, and a retrieve of it gives back the KV.
+``tiercache`` (``dispatch.gather`` / ``scatter`` with the slots on the host, as the vLLM connector passes
+them: the path dispatch picks), ``tiercache_device_slots`` (the same with the slot mapping on the device:
+layer pieces or the object pipeline), its ``over_the_bus`` kernel (SMs read / write host memory in place)
+and ``object_pipeline`` (kernel into device staging, copy engine to host) forced; ``copy_engine``
+(``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers as rows, on KV whose layers
+lie at one pitch), the same with runs of 8 and 4 blocks in order (``copy_engine_runs8`` / ``_runs4``) and a
+sequential table (``copy_engine_sequential``); its batched 1D copies instead (a copy per block run, plane
+and layer in one ``cuMemcpyBatchAsync``: ``copy_engine_batched``, ``_batched_runs8``,
+``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D copy per block run and layer, for layers
+anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through
+``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch (``tiercache_flash``);
+``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's
+stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync``
+per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one
+``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential; ``pinned_copy`` (one contiguous
+copy of the same bytes: the ceiling). Per path, direction and round: the path's rate alone, then the model's
+time for ``--forwards`` forwards back to back alone and with the path moving, and the path's rate meanwhile
+(rates from the moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the
+model several times, with the model in the first round only). Bit-exact checks: every path's stored object
+equals the reference gather, and a retrieve of it gives back the KV.
 
-Usage: ``python benchmarks/gpu_overlap.py --lmcache-src DIR > benchmarks/results/gpu_overlap_<device>.json``.
+Every size runs in a child process that reports each sample as it ends; a sample that outlasts
+``--sample-budget`` has every thread's stack dumped to stderr and ends the child, which is started again
+without that path while the size's ``--size-budget`` lasts. So the run always finishes, and the JSON (written
+to ``--out`` after each size, else printed at the end) holds what was measured and what hung.
+
+Usage: ``python benchmarks/gpu_overlap.py --lmcache-src DIR --out benchmarks/results/gpu_overlap_<dev>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
 import statistics
@@ -40,201 +59,662 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench as gb
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-from tiercache.gpu import LayoutKind, Move, dispatch, layer_pieces, object_spec, reference
-
-L, H, D, BS = gb.L, gb.H, gb.D, gb.BS
+L, H, D, BS, CHUNK = 32, 8, 128, 16, 256
 HD = H * D
 ELEM = 2  # bf16
 D2H, H2D = 1, 0  # LMCache's directions
+SLOW_PATHS = ("lmcache", "over_the_bus")  # SMs over the bus: the model runs several times slower beside them
 
 
 def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-class Model:
-    """One forward: ``layers`` x the four matrix products of a Llama-8B layer, as a CUDA graph."""
+# ------------------------------------------------------------------------------------------ the child
 
-    def __init__(self, tokens: int, layers: int) -> None:
-        g = torch.Generator(device=gb.DEV).manual_seed(3)
 
-        def rand(*shape: int) -> torch.Tensor:
-            return (torch.randn(shape, generator=g, device=gb.DEV) * 0.02).bfloat16()
+def child(args: argparse.Namespace) -> None:
+    """Measure one size (``args.size``), every path not in ``args.skip``; a JSON line per event on stdout."""
+    import gpu_bench as gb
+    import torch
 
-        self.x = rand(tokens, 4096)
-        self.w = [rand(4096, 6144), rand(4096, 4096), rand(4096, 28672), rand(14336, 4096)]
-        self.q = torch.empty(tokens, 6144, dtype=torch.bfloat16, device=gb.DEV)
-        self.o = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
-        self.gu = torch.empty(tokens, 28672, dtype=torch.bfloat16, device=gb.DEV)
-        self.h = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
-        self.flops = 2 * tokens * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) * layers
-        self.stream = torch.cuda.Stream()
-        with torch.cuda.stream(self.stream):
-            for _ in range(3):
+    from tiercache.gpu import LayoutKind, Move, copy_engine, dispatch, layer_pieces, object_spec, reference
+    from tiercache.store.l1 import L1Cache
+
+    def emit(**ev: Any) -> None:
+        sys.stdout.write(json.dumps(ev) + "\n")
+        sys.stdout.flush()
+
+    skip = set(filter(None, args.skip.split(",")))
+    n = args.size
+
+    class Model:
+        """One forward: ``layers`` x the four matrix products of a Llama-8B layer, as a CUDA graph."""
+
+        def __init__(self, tokens: int, layers: int) -> None:
+            g = torch.Generator(device=gb.DEV).manual_seed(3)
+
+            def rand(*shape: int) -> torch.Tensor:
+                return (torch.randn(shape, generator=g, device=gb.DEV) * 0.02).bfloat16()
+
+            self.x = rand(tokens, 4096)
+            self.w = [rand(4096, 6144), rand(4096, 4096), rand(4096, 28672), rand(14336, 4096)]
+            self.q = torch.empty(tokens, 6144, dtype=torch.bfloat16, device=gb.DEV)
+            self.o = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
+            self.gu = torch.empty(tokens, 28672, dtype=torch.bfloat16, device=gb.DEV)
+            self.h = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
+            self.flops = 2 * tokens * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) * layers
+            self.stream = torch.cuda.Stream()
+            with torch.cuda.stream(self.stream):
+                for _ in range(3):
+                    self._layers(layers)
+            self.stream.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=self.stream):
                 self._layers(layers)
-        self.stream.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            self._layers(layers)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
 
-    def _layers(self, n: int) -> None:
-        for _ in range(n):
-            torch.matmul(self.x, self.w[0], out=self.q)
-            torch.matmul(self.q[:, :4096], self.w[1], out=self.o)
-            torch.matmul(self.o, self.w[2], out=self.gu)
-            torch.matmul(self.gu[:, :14336], self.w[3], out=self.h)
+        def _layers(self, k: int) -> None:
+            for _ in range(k):
+                torch.matmul(self.x, self.w[0], out=self.q)
+                torch.matmul(self.q[:, :4096], self.w[1], out=self.o)
+                torch.matmul(self.o, self.w[2], out=self.gu)
+                torch.matmul(self.gu[:, :14336], self.w[3], out=self.h)
 
-    def forward_s(self, reps: int = 3) -> float:
-        """Device seconds of one forward (median of ``reps`` replays, each between events on its stream)."""
-        out = []
-        for _ in range(reps):
+        def forwards_s(self, k: int) -> float:
+            """Device seconds per forward of ``k`` replays back to back on the model's stream."""
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
                 a.record()
-                self.graph.replay()
+                for _ in range(k):
+                    self.graph.replay()
                 b.record()
             b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(out)
+            return float(a.elapsed_time(b)) / 1e3 / k
 
+    class Mover:
+        """Runs ``fn`` back to back on a side stream in a thread (two moves queued at most), counting."""
 
-class Mover:
-    """Runs ``fn`` back to back on a side stream in a thread (two moves queued at most), counting moves."""
+        def __init__(self, fn: Callable[[], object]) -> None:
+            self.fn, self.done, self.stop = fn, 0, threading.Event()
+            self.times: list[float] = []  # when each move was seen done
+            self.error: BaseException | None = None
+            self.stream = torch.cuda.Stream()
+            self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn, self.done, self.stop = fn, 0, threading.Event()
-        self.error: BaseException | None = None
-        self.stream = torch.cuda.Stream()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            queued: deque[torch.cuda.Event] = deque()
-            with torch.cuda.stream(self.stream):
-                while not self.stop.is_set():
-                    self.fn()
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    queued.append(ev)
-                    if len(queued) >= 2:
+        def _run(self) -> None:
+            try:
+                queued: deque[torch.cuda.Event] = deque()
+                with torch.cuda.stream(self.stream):
+                    while not self.stop.is_set():
+                        self.fn()
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        queued.append(ev)
+                        if len(queued) >= 2:
+                            queued.popleft().synchronize()
+                            self.times.append(time.perf_counter())
+                            self.done += 1
+                    while queued:
                         queued.popleft().synchronize()
-                        self.done += 1
-                while queued:
-                    queued.popleft().synchronize()
-        except BaseException as exc:  # reported by the caller
-            self.error = exc
+            except BaseException as exc:  # reported by the caller
+                self.error = exc
 
-    def __enter__(self) -> Mover:
-        self.thread.start()
-        time.sleep(0.05)  # running before the window opens
-        return self
+        def __enter__(self) -> Mover:
+            self.thread.start()
+            time.sleep(0.03)  # running before the window opens
+            return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        torch.cuda.synchronize()
-        if self.error is not None:
-            raise self.error
+        def __exit__(self, *exc: object) -> None:
+            self.stop.set()
+            self.thread.join()
+            torch.cuda.synchronize()
+            if self.error is not None:
+                raise self.error
+
+    def rate(m: Mover, t0: float, t1: float, nbytes: int) -> float:
+        """GB/s of the moves ``m`` finished between ``t0`` and ``t1``, from the first one seen done to the
+        last (whole moves: a window of a few large moves is not rounded to a move count), else 0."""
+        ts = [t for t in m.times if t0 <= t <= t1]
+        return (len(ts) - 1) * nbytes / (ts[-1] - ts[0]) / gb.GB if len(ts) > 2 else 0.0
+
+    def alone_rate(fn: Callable[[], object], nbytes: int, seconds: float) -> float:
+        with Mover(fn) as m:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds or (len(m.times) < 4 and m.thread.is_alive()):
+                time.sleep(0.005)
+            t1 = time.perf_counter()
+        return rate(m, t0, t1, nbytes)
+
+    def together(model: Model, fn: Callable[[], object], nbytes: int, k: int) -> tuple[float, float]:
+        with Mover(fn) as m:
+            t0 = time.perf_counter()
+            fwd = model.forwards_s(k)
+            t1 = time.perf_counter()
+        return fwd, rate(m, t0, t1, nbytes)
+
+    lmc = None
+    if args.lmcache_src and "lmcache" not in skip:
+        from vs_lmcache import build_lmcache_kernels
+
+        try:
+            lmc = build_lmcache_kernels(Path(args.lmcache_src))
+        except Exception as exc:  # recorded; the other paths still run
+            emit(event="error", key="lmcache_build", error=repr(exc))
+    ce = ctypes.CDLL(args.ce_lib)
+    ptr_t, size_t = ctypes.c_void_p, ctypes.c_size_t
+    ce.ce_batch.argtypes = [ptr_t, ptr_t, ptr_t, size_t, ctypes.c_int, ptr_t]
+    ce.ce_loop.argtypes = [ptr_t, ptr_t, ptr_t, size_t, ptr_t]
+
+    model = Model(args.model_tokens, args.layers)
+    fwd0 = model.forwards_s(args.forwards)
+    emit(event="model", forward_ms=fwd0 * 1e3, TFLOPs=model.flops / fwd0 / 1e12)
+
+    layout, kv, slots, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=21)  # one allocation a layer
+    _, kv_t, _, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=22)
+    nb = kv[0].shape[1]
+    n_slots = nb * BS
+
+    def one_buffer(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The same KV with every layer in one allocation, at one pitch."""
+        buf = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype, device=gb.DEV)
+        for i, t in enumerate(layers):
+            buf[i].copy_(t)
+        return list(buf.unbind(0))
+
+    kv1, kv1_t = one_buffer(kv), one_buffer(kv_t)
+    ptrs = torch.tensor([t.data_ptr() for t in kv], dtype=torch.int64, device=gb.DEV)
+    ptrs_t = torch.tensor([t.data_ptr() for t in kv_t], dtype=torch.int64, device=gb.DEV)
+
+    sp = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
+    sl = slots[:n].contiguous()
+    sl_host = sl.cpu()
+    seq_sl_host = torch.arange(n) + BS  # blocks 1, 2, 3 ... in order
+    nbytes = object_spec(layout, n).nbytes
+
+    def reference_object(s_: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device=gb.DEV)
+        reference.gather(kv, Move.gather(layout, s_.to(gb.DEV), [(0, n)], [out]))
+        return gb.bits(out.cpu())
+
+    want_h, want_seq_h = reference_object(sl), reference_object(seq_sl_host)
+
+    def runs_of(r: int) -> torch.Tensor:
+        """Slots through runs of ``r`` blocks in order, the runs shuffled (distinct, never block 0)."""
+        g = torch.Generator().manual_seed(r)
+        firsts = torch.randperm((nb - 1) // r, generator=g)[: -(-n // (BS * r))] * r + 1
+        blocks = (firsts[:, None] + torch.arange(r)).reshape(-1)
+        pos = torch.arange(n)
+        return blocks[pos // BS] * BS + pos % BS
+
+    runs_sl = {r: runs_of(r) for r in (4, 8)}
+    want_runs = {r: reference_object(x) for r, x in runs_sl.items()}
+
+    def retrieved(kvx: list[torch.Tensor], s_: torch.Tensor, lay: Any = layout) -> torch.Tensor:
+        back = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device=gb.DEV)
+        reference.gather(kvx, Move.gather(lay, s_.to(gb.DEV), [(0, n)], [back]))
+        return gb.bits(back.cpu())
+
+    chunk_spec = object_spec(layout, sp[0][1] - sp[0][0])
+    paths: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
+    keep: list[Any] = []  # the L1 caches whose objects the paths move
+    side = torch.cuda.Stream()
+    checks: dict[str, bool] = {}
+    meta: dict[str, Any] = {}
+
+    def l1_objects(name: str) -> list[torch.Tensor]:
+        l1 = L1Cache(len(sp) * chunk_spec.nbytes, chunk_spec.nbytes, pinned=True)
+        keep.append(l1)
+        reserved = [l1.reserve_write(f"{name}{i}", object_spec(layout, e - s)) for i, (s, e) in enumerate(sp)]
+        return [o.tensor() for o in reserved if o is not None]
+
+    def check(
+        name: str,
+        houts: list[torch.Tensor],
+        ref: torch.Tensor,
+        kvx_t: list[torch.Tensor],
+        s_: torch.Tensor,
+        store: Callable[[], object],
+        load: Callable[[], object],
+        lay: Any = layout,
+    ) -> bool:
+        """Run ``store`` then ``load`` once (a hang ends the child like a sample's); record whether both are
+        bit-exact; True if they ran."""
+        emit(event="start", key=f"{name}:setup")
+        faulthandler.dump_traceback_later(args.sample_budget, exit=True)
+        try:
+            for o in houts:
+                gb.bits(o).fill_(-1)
+            with torch.cuda.stream(side):  # as the mover runs them (batched copies refuse the legacy stream)
+                store()
+            torch.cuda.synchronize()
+            checks[f"{name}_store"] = torch.equal(gb.bits(torch.cat(houts, dim=2)), ref)
+            for t in kvx_t:
+                t.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                load()
+            torch.cuda.synchronize()
+            checks[f"{name}_retrieve"] = torch.equal(retrieved(kvx_t, s_, lay), ref)
+        except Exception as exc:  # recorded; the other paths still run
+            emit(event="error", key=f"{name}:setup", error=repr(exc))
+            return False
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        emit(event="ready", key=f"{name}:setup")
+        return True
+
+    # tiercache through dispatch: slots on the host (the connector's case) and on the device
+    def add_dispatch(
+        name: str,
+        kvx: list[torch.Tensor],
+        kvx_t: list[torch.Tensor],
+        s_: torch.Tensor,
+        setting: dict[str, Any] | None = None,
+    ) -> None:
+        if name in skip:
+            return
+        houts = l1_objects(name)
+        g, s = Move.gather(layout, s_, sp, houts), Move.scatter(layout, s_, sp, houts)
+        saved = {k: getattr(mod, k) for mod, k in (setting or {}).get("attrs", [])}
+        for (mod, k), v in zip(
+            (setting or {}).get("attrs", []), (setting or {}).get("values", []), strict=True
+        ):
+            setattr(mod, k, v)
+        try:
+            ok = check(
+                name,
+                houts,
+                want_h,
+                kvx_t,
+                sl,
+                lambda: dispatch.gather(kvx, g),
+                lambda: dispatch.scatter(kvx_t, s),
+            )
+        finally:
+            for mod, k in (setting or {}).get("attrs", []):
+                setattr(mod, k, saved[k])
+        if ok:  # prepared under those settings: later runs keep to them
+            picked = [type(p[2]).__name__ for p in g.prepared.values() if isinstance(p, tuple) and len(p) > 2]
+            meta.setdefault("dispatch_picked", {})[name] = picked or [
+                type(p).__name__ for p in g.prepared.values()
+            ]
+            paths[name] = (lambda: dispatch.gather(kvx, g), lambda: dispatch.scatter(kvx_t, s))
+
+    big = 1 << 62
+    zc_attrs = [
+        (dispatch, "PIECED_MIN_BYTES"),
+        (dispatch, "PIECED_MAX_BYTES"),
+        (layer_pieces, "PIECES"),
+        (dispatch, "ZERO_COPY_BYTES"),
+        (dispatch, "HOST_PATH"),
+    ]
+    add_dispatch("tiercache", kv, kv_t, sl_host)
+    probe = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device="meta")
+    geo = copy_engine.geometry(kv, Move.gather(layout, sl_host, [(0, n)], [probe]))
+    meta["vllm_like_allocations_layer_pitch"] = None if geo is None else geo.layer_pitch
+
+    # the copy-engine path of the library, forced
+    for name, kvx, kvx_t, s_, ref, rows, batched in (
+        ("copy_engine", kv1, kv1_t, sl_host, want_h, True, False),
+        ("copy_engine_per_layer", kv, kv_t, sl_host, want_h, False, False),
+        ("copy_engine_sequential", kv1, kv1_t, seq_sl_host, want_seq_h, True, False),
+        ("copy_engine_runs8", kv1, kv1_t, runs_sl[8], want_runs[8], True, False),
+        ("copy_engine_runs4", kv1, kv1_t, runs_sl[4], want_runs[4], True, False),
+        ("copy_engine_batched", kv1, kv1_t, sl_host, want_h, True, True),
+        ("copy_engine_batched_runs8", kv1, kv1_t, runs_sl[8], want_runs[8], True, True),
+        ("copy_engine_batched_sequential", kv1, kv1_t, seq_sl_host, want_seq_h, True, True),
+    ):
+        if name in skip:
+            continue
+        houts = l1_objects(name)
+        try:
+            kw: dict[str, Any] = {"layer_rows": rows, "batched": batched}
+            cg = copy_engine.prepare(kvx, Move.gather(layout, s_, sp, houts), **kw)
+            cs = copy_engine.prepare(kvx_t, Move.scatter(layout, s_, sp, houts), **kw)
+        except Exception as exc:
+            emit(event="error", key=f"{name}:setup", error=repr(exc))
+            continue
+        if cg is None or cs is None:
+            emit(event="error", key=f"{name}:setup", error="copy_engine.prepare: not applicable")
+            continue
+        meta.setdefault("copies_per_move", {})[name] = cg.issued
+        meta.setdefault("batched", {})[name] = cg.batched
+        meta.setdefault("mean_row_bytes", {})[name] = cg.mean_row_bytes
+        if check(name, houts, ref, kvx_t, s_, cg.run, cs.run):
+            paths[name] = (cg.run, cs.run)
+
+    # vLLM's own layout since its layout standardization: [NB, H, BS, K|V] views of NHD allocations
+    flay, kvf, _, rawf = gb.make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=23)
+    _, kvf_t, _, rawf_t = gb.make_engine(LayoutKind.VLLM_FLASH, L, H, D, seed=24)
+
+    def flash_one_buffer(raw: list[torch.Tensor]) -> list[torch.Tensor]:
+        buf = torch.empty((len(raw), *raw[0].shape), dtype=raw[0].dtype, device=gb.DEV)
+        for i, t in enumerate(raw):
+            buf[i].copy_(t)
+        return [b.permute(0, 2, 1, 3) for b in buf.unbind(0)]
+
+    kvf1, kvf1_t = flash_one_buffer(rawf), flash_one_buffer(rawf_t)
+    out_f = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device=gb.DEV)
+    reference.gather(kvf, Move.gather(flay, sl.to(gb.DEV), [(0, n)], [out_f]))
+    want_f = gb.bits(out_f.cpu())
+    del out_f
+    if "copy_engine_flash" not in skip:
+        houts = l1_objects("copy_engine_flash")
+        cg = copy_engine.prepare(kvf1, Move.gather(flay, sl_host, sp, houts))
+        cs = copy_engine.prepare(kvf1_t, Move.scatter(flay, sl_host, sp, houts))
+        if cg is None or cs is None:
+            emit(event="error", key="copy_engine_flash:setup", error="copy_engine.prepare: not applicable")
+        else:
+            meta.setdefault("copies_per_move", {})["copy_engine_flash"] = cg.issued
+            meta.setdefault("batched", {})["copy_engine_flash"] = cg.batched
+            meta.setdefault("mean_row_bytes", {})["copy_engine_flash"] = cg.mean_row_bytes
+            if check("copy_engine_flash", houts, want_f, kvf1_t, sl, cg.run, cs.run, flay):
+                paths["copy_engine_flash"] = (cg.run, cs.run)
+    if "tiercache_flash" not in skip:
+        houts = l1_objects("tiercache_flash")
+        gf, sf = Move.gather(flay, sl_host, sp, houts), Move.scatter(flay, sl_host, sp, houts)
+        if check(
+            "tiercache_flash",
+            houts,
+            want_f,
+            kvf_t,
+            sl,
+            lambda: dispatch.gather(kvf, gf),
+            lambda: dispatch.scatter(kvf_t, sf),
+            flay,
+        ):
+            meta.setdefault("dispatch_picked", {})["tiercache_flash"] = [
+                type(p[2]).__name__ for p in gf.prepared.values() if isinstance(p, tuple) and len(p) > 2
+            ]
+            paths["tiercache_flash"] = (lambda: dispatch.gather(kvf, gf), lambda: dispatch.scatter(kvf_t, sf))
+
+    if lmc is not None and "lmcache" not in skip:
+        lhost = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
+        sl_dev = sl.to(gb.DEV)
+
+        def lstore() -> None:
+            lmc.multi_layer_kv_transfer(lhost, ptrs, sl_dev, n_slots, D2H, 1, BS, D)
+
+        def lload() -> None:
+            lmc.multi_layer_kv_transfer(lhost, ptrs_t, sl_dev, n_slots, H2D, 1, BS, D)
+
+        if check("lmcache", [lhost], want_h, kv_t, sl, lstore, lload):
+            paths["lmcache"] = (lstore, lload)
+
+    # cudaMemcpyBatchAsync / cudaMemcpyAsync per contiguous block run and layer and plane
+    def block_runs(kvx: list[torch.Tensor], table: np.ndarray, obj: torch.Tensor) -> tuple[np.ndarray, ...]:
+        starts = [0] + [j for j in range(1, len(table)) if table[j] != table[j - 1] + 1]
+        ends = [*starts[1:], len(table)]
+        block = BS * HD * ELEM
+        kv_at, obj_at, size = [], [], []
+        base = obj.data_ptr()
+        for plane in range(2):
+            for layer in range(L):
+                lb = kvx[layer].data_ptr()
+                for s0, e0 in zip(starts, ends, strict=True):
+                    kv_at.append(lb + (plane * nb + int(table[s0])) * block)
+                    obj_at.append(base + ((plane * L + layer) * n + s0 * BS) * HD * ELEM)
+                    size.append((e0 - s0) * block)
+        return tuple(np.array(x, dtype=np.uint64) for x in (kv_at, obj_at, size))
+
+    def ce_call(batch: bool, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Callable[[], None]:
+        cnt = len(size)
+        dp, spp, zp = dst.ctypes.data, src.ctypes.data, size.ctypes.data
+        kept = (dst, src, size)
+
+        def run() -> None:
+            assert kept
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            rc = ce.ce_batch(dp, spp, zp, cnt, 1, stream) if batch else ce.ce_loop(dp, spp, zp, cnt, stream)
+            if rc:
+                raise RuntimeError(f"copy-engine move failed: cudaError {rc}")
+
+        return run
+
+    for tname, s_, ref in (("", sl_host, want_h), ("_sequential", seq_sl_host, want_seq_h)):
+        tab = (s_[::BS] // BS).numpy()
+        host = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
+        kv_at, obj_at, size = block_runs(kv, tab, host)
+        kvt_at, _, _ = block_runs(kv_t, tab, host)
+        for batch in (True, False):
+            name = ("copy_engine_batch" if batch else "copy_engine_loop") + tname
+            if name in skip or (not batch and n > 1024):
+                continue
+            meta.setdefault("copies_per_move", {})[name] = len(size)
+            st, ld = ce_call(batch, obj_at, kv_at, size), ce_call(batch, kvt_at, obj_at, size)
+            if check(name, [host], ref, kv_t, s_, st, ld):
+                paths[name] = (st, ld)
+
+    if "pinned_copy" not in skip:
+        hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
+        paths["pinned_copy"] = (
+            lambda: hbuf.copy_(dbuf, non_blocking=True),
+            lambda: dbuf.copy_(hbuf, non_blocking=True),
+        )
+
+    # the device-slot paths last (the object pipeline is where a 4096-token run stopped before)
+    add_dispatch("tiercache_device_slots", kv, kv_t, sl)
+    add_dispatch("over_the_bus", kv, kv_t, sl, {"attrs": zc_attrs, "values": [big, big, 2, big, "kernel"]})
+    add_dispatch("object_pipeline", kv, kv_t, sl, {"attrs": zc_attrs, "values": [big, big, 2, 0, "kernel"]})
+    paths = {k: v for k, v in paths.items() if k not in SLOW_PATHS} | {
+        k: v for k, v in paths.items() if k in SLOW_PATHS
+    }  # the slow ones last: a size's budget ends there if anywhere
+    emit(event="meta", bytes=nbytes, bit_exact=checks, **meta)
+
+    for r in range(args.rounds):
+        for name in paths:
+            for d, fn in zip(("store", "retrieve"), paths[name], strict=True):
+                key = f"{name}:{d}"
+                emit(event="start", key=key, round=r)
+                faulthandler.dump_traceback_later(args.sample_budget, exit=True)
+                try:
+                    alone = alone_rate(fn, nbytes, args.alone_seconds)
+                    emit(event="alone", key=key, round=r, alone_GBps=alone)
+                    if r and name in SLOW_PATHS:  # one round with the model: it starves the model for seconds
+                        emit(event="ready", key=key)
+                        continue
+                    base = model.forwards_s(args.forwards)
+                    fwd, with_rate = together(model, fn, nbytes, args.forwards)
+                except Exception as exc:  # recorded; the other paths still run
+                    emit(event="error", key=key, error=repr(exc))
+                    continue
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                emit(
+                    event="sample",
+                    key=key,
+                    round=r,
+                    forward_alone_s=base,
+                    forward_s=fwd,
+                    with_model_GBps=with_rate,
+                )
+                log(
+                    f"{n} {key} round {r}: model {100 * (fwd / base - 1):+.1f} %, alone {alone:.1f} GB/s, "
+                    f"with model {with_rate:.1f} GB/s"
+                )
+    emit(event="done")
 
 
-def alone_rate(fn: Callable[[], object], nbytes: int, seconds: float = 0.3) -> float:
-    """GB/s of ``fn`` run back to back by a ``Mover`` for about ``seconds``, nothing else on the device."""
-    with Mover(fn) as m:
-        d0, t0 = m.done, time.perf_counter()
-        time.sleep(seconds)
-        d1, t1 = m.done, time.perf_counter()
-    return (d1 - d0) * nbytes / (t1 - t0) / gb.GB
+# ------------------------------------------------------------------------------------------ the parent
 
 
-def together(model: Model, fn: Callable[[], object], nbytes: int, forwards: int) -> tuple[float, float]:
-    """(seconds per forward, GB/s of ``fn``) with ``fn`` moving back to back while the model runs."""
-    with Mover(fn) as m:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        d0, t0 = m.done, time.perf_counter()
-        with torch.cuda.stream(model.stream):
-            a.record()
-            for _ in range(forwards):
-                model.graph.replay()
-            b.record()
-        b.synchronize()
-        d1, t1 = m.done, time.perf_counter()
-    return a.elapsed_time(b) / 1e3 / forwards, (d1 - d0) * nbytes / (t1 - t0) / gb.GB
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One size's row from its children's events: medians per path and direction, ratios to the pinned
+    copy's rates and the model's time alone in the same rounds."""
+    row: dict[str, Any] = {}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    alones: dict[str, list[float]] = {}
+    for ev in events:
+        if ev["event"] == "meta":
+            for k, v in ev.items():
+                if k == "bit_exact":
+                    row.setdefault("bit_exact", {}).update(v)
+                elif k != "event":
+                    row[k] = v
+        elif ev["event"] == "sample":
+            samples.setdefault(ev["key"], []).append(ev)
+        elif ev["event"] == "alone":
+            alones.setdefault(ev["key"], []).append(ev["alone_GBps"])
+        elif ev["event"] == "error":
+            row.setdefault("errors", {})[ev["key"]] = ev["error"]
+        elif ev["event"] == "model":
+            row["model_forward_ms"] = ev["forward_ms"]
+            row["model_TFLOPs"] = ev["TFLOPs"]
+        elif ev["event"] == "hung":
+            row.setdefault("hung", []).append(ev["key"])
+    ceil = {}
+    for d in ("store", "retrieve"):
+        if alones.get(f"pinned_copy:{d}"):
+            ceil[d] = statistics.median(alones[f"pinned_copy:{d}"])
+    row["pinned_ceiling_GBps"] = ceil
+    for key in sorted(set(alones) | set(samples), key=lambda k: list(alones).index(k) if k in alones else 0):
+        name, d = key.split(":")
+        cell: dict[str, Any] = {}
+        if alones.get(key):
+            alone = statistics.median(alones[key])
+            cell["alone_GBps"] = round(alone, 2)
+            if d in ceil:
+                cell["alone_vs_pinned_ceiling"] = round(alone / ceil[d], 3)
+        smp = samples.get(key, [])
+        if smp:
+            with_m = statistics.median(s["with_model_GBps"] for s in smp)
+            slow = [s["forward_s"] / s["forward_alone_s"] - 1 for s in smp]
+            cell["with_model_GBps"] = round(with_m, 2)
+            if d in ceil:
+                cell["with_model_vs_pinned_ceiling"] = round(with_m / ceil[d], 3)
+            cell["model_slowdown_percent"] = round(100 * statistics.median(slow), 2)
+            cell["model_slowdown_rounds_percent"] = [round(100 * x, 2) for x in slow]
+        cell["rounds"] = {"alone": len(alones.get(key, [])), "with_model": len(smp)}
+        row.setdefault("paths", {}).setdefault(name, {})[d] = cell
+    return row
 
 
-def build_ce(work: Path) -> ctypes.CDLL:
-    """Compile ``ce_batch.cu`` with nvcc into a shared library and load it."""
-    so = work / "ce_batch.so"
-    src = Path(__file__).resolve().parent / "ce_batch.cu"
-    subprocess.run(["nvcc", "-O2", "-shared", "-Xcompiler", "-fPIC", "-o", str(so), str(src)], check=True)
-    lib = ctypes.CDLL(str(so))
-    ptr, size = ctypes.c_void_p, ctypes.c_size_t
-    lib.ce_batch.argtypes = [ptr, ptr, ptr, size, ctypes.c_int, ptr]
-    lib.ce_loop.argtypes = [ptr, ptr, ptr, size, ptr]
-    return lib
-
-
-def block_runs(
-    kv: list[torch.Tensor], table: np.ndarray, obj: torch.Tensor, nb: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(KV addresses, object addresses, sizes) of every contiguous block run of ``table`` (block ids of the
-    object's tokens in order), per K/V plane and layer: KV ``[2, NB, BS, H, D]`` per layer, object
-    ``[2, L, T, H*D]``."""
-    n = len(table) * BS
-    starts = [0] + [j for j in range(1, len(table)) if table[j] != table[j - 1] + 1]
-    ends = [*starts[1:], len(table)]
-    block = BS * HD * ELEM
-    kv_at, obj_at, size = [], [], []
-    base = obj.data_ptr()
-    for plane in range(2):
-        for layer in range(L):
-            lb = kv[layer].data_ptr()
-            for s, e in zip(starts, ends, strict=True):
-                kv_at.append(lb + (plane * nb + int(table[s])) * block)
-                obj_at.append(base + ((plane * L + layer) * n + s * BS) * HD * ELEM)
-                size.append((e - s) * block)
-    return (
-        np.array(kv_at, dtype=np.uint64),
-        np.array(obj_at, dtype=np.uint64),
-        np.array(size, dtype=np.uint64),
-    )
-
-
-def ce_call(
-    lib: ctypes.CDLL, batch: bool, dst: np.ndarray, src: np.ndarray, size: np.ndarray
-) -> Callable[[], None]:
-    """One copy-engine move: the runs' copies on the current stream (batched or one call each)."""
-    n = len(size)
-    dp, sp, zp = dst.ctypes.data, src.ctypes.data, size.ctypes.data
-    kept = (dst, src, size)  # the address arrays live as long as the call
-
-    def run() -> None:
-        assert kept
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        rc = lib.ce_batch(dp, sp, zp, n, 1, stream) if batch else lib.ce_loop(dp, sp, zp, n, stream)
-        if rc:
-            raise RuntimeError(f"copy-engine move failed: cudaError {rc}")
-
-    return run
+def run_size(args: argparse.Namespace, n: int, ce_lib: str) -> dict[str, Any]:
+    """Children for size ``n`` until one finishes or the size's budget is spent; each restart skips the
+    paths that hung and those already measured in every round."""
+    deadline = time.monotonic() + args.size_budget
+    events: list[dict[str, Any]] = []
+    skip: list[str] = [p for p in args.skip_paths.split(",") if p]
+    for attempt in range(4):
+        left = deadline - time.monotonic()
+        if left < 20:
+            break
+        counts: dict[str, int] = {}
+        for ev in events:
+            if ev["event"] == "alone":
+                counts[ev["key"]] = counts.get(ev["key"], 0) + 1
+        done_paths = {k.split(":")[0] for k in counts}
+        done_paths = {
+            p
+            for p in done_paths
+            if min(counts.get(f"{p}:{d}", 0) for d in ("store", "retrieve")) >= args.rounds
+        }
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--size",
+            str(n),
+            "--ce-lib",
+            ce_lib,
+            "--skip",
+            ",".join([*skip, *sorted(done_paths)]),
+            "--model-tokens",
+            str(args.model_tokens),
+            "--layers",
+            str(args.layers),
+            "--forwards",
+            str(args.forwards),
+            "--rounds",
+            str(args.rounds),
+            "--sample-budget",
+            str(args.sample_budget),
+            "--alone-seconds",
+            str(args.alone_seconds),
+        ]
+        if args.lmcache_src:
+            cmd += ["--lmcache-src", args.lmcache_src]
+        log(f"=== {n} tokens, attempt {attempt}, skipping {skip or 'nothing'}, {left:.0f} s left")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        started: str | None = None
+        done = False
+        timer = threading.Timer(left, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev["event"] == "start":
+                    started = ev["key"]
+                    continue
+                if ev["event"] in ("sample", "error", "ready") and ev.get("key") == started:
+                    started = None
+                if ev["event"] == "done":
+                    done = True
+                if attempt and ev["event"] in ("meta", "model"):
+                    continue  # the first child's
+                events.append(ev)
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        if done:
+            break
+        if started is None:
+            events.append({"event": "error", "key": f"child{attempt}", "error": f"exit status {rc}"})
+            break
+        path = started.split(":")[0]
+        events.append({"event": "hung", "key": started})
+        log(f"=== {n} tokens: {started} outlasted its budget or the size's (exit {rc}); skipping {path}")
+        skip.append(path)
+    return summarize(events)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--lmcache-src", default=None, help="unpacked LMCache 0.5.6 source (csrc/cuda); none: no peer"
-    )
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--lmcache-src", default=None, help="unpacked LMCache 0.5.6 source (csrc/cuda)")
     ap.add_argument("--sizes", default="256,4096", help="tokens per move")
     ap.add_argument("--model-tokens", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--forwards", type=int, default=8, help="forwards per timed window")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--alone-seconds", type=float, default=0.15, help="window of a path's rate alone")
+    ap.add_argument("--sample-budget", type=float, default=20.0, help="seconds one sample may take")
+    ap.add_argument(
+        "--size-budget", type=float, default=150.0, help="seconds for one size, restarts included"
+    )
+    ap.add_argument("--skip-paths", default="", help="paths not to measure (comma-separated)")
+    ap.add_argument("--out", default=None, help="write the JSON here after every size (else print it)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--skip", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--ce-lib", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        faulthandler.enable()
+        child(args)
+        return
+    import torch
+
     work = Path(tempfile.mkdtemp(prefix="gpu_overlap_"))
+    os.environ.setdefault("LMCACHE_BUILD_DIR", str(work / "lmc"))
+    so = work / "ce_batch.so"
+    subprocess.run(
+        ["nvcc", "-O2", "-shared", "-Xcompiler", "-fPIC", "-o", str(so), str(HERE / "ce_batch.cu")],
+        check=True,
+    )
+    if args.lmcache_src:  # built once here; every child loads the same build
+        from vs_lmcache import build_lmcache_kernels
+
+        build_lmcache_kernels(Path(args.lmcache_src))
     res: dict[str, Any] = {
         "benchmark": "gpu_overlap",
         "command": "python benchmarks/gpu_overlap.py " + " ".join(sys.argv[1:]),
@@ -245,192 +725,19 @@ def main() -> None:
             "tokens": args.model_tokens,
             "layers": args.layers,
             "shape": "Llama-8B decoder layer matmuls",
+            "forwards_per_window": args.forwards,
         },
         "sizes": {},
     }
-    lmc = None
-    if args.lmcache_src:
-        from vs_lmcache import build_lmcache_kernels
-
-        try:
-            lmc = build_lmcache_kernels(Path(args.lmcache_src))
-            log("LMCache mem_kernels built")
-        except Exception as exc:  # recorded; the other paths still run
-            res.setdefault("errors", {})["lmcache_build"] = repr(exc)
-            log(f"LMCache build: {exc!r}")
-    ce = build_ce(work)
-    log("ce_batch built")
-    model = Model(args.model_tokens, args.layers)
-    alone = model.forward_s()
-    res["model"]["forward_ms"] = alone * 1e3
-    res["model"]["TFLOPs"] = model.flops / alone / 1e12
-    log(f"model: {alone * 1e3:.2f} ms per forward, {model.flops / alone / 1e12:.0f} TFLOP/s")
-
-    layout, kv, slots, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=21)
-    _, kv_t, _, _ = gb.make_engine(LayoutKind.VLLM_LEGACY, L, H, D, seed=22)
-    nb = kv[0].shape[1]
-    n_slots = nb * BS
-    ptrs = torch.tensor([t.data_ptr() for t in kv], dtype=torch.int64, device=gb.DEV)
-    ptrs_t = torch.tensor([t.data_ptr() for t in kv_t], dtype=torch.int64, device=gb.DEV)
-    from tiercache.store.l1 import L1Cache
-
-    big = 1 << 62
-    forced = {"over_the_bus": (big, big, 2, big), "object_pipeline": (big, big, 2, 0)}
-    saved = (
-        dispatch.PIECED_MIN_BYTES,
-        dispatch.PIECED_MAX_BYTES,
-        layer_pieces.PIECES,
-        dispatch.ZERO_COPY_BYTES,
-    )
     for n in (int(x) for x in args.sizes.split(",")):
-        sp = [(s, s + gb.CHUNK) for s in range(0, n, gb.CHUNK)] if n >= gb.CHUNK else [(0, n)]
-        sl = slots[:n]
-        seq_sl = torch.arange(n, device=gb.DEV) + BS  # blocks 1, 2, 3 ... in order
-        nbytes = object_spec(layout, n).nbytes
-        want = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device=gb.DEV)
-        reference.gather(kv, Move.gather(layout, sl, [(0, n)], [want]))
-        want_seq = torch.empty_like(want)
-        reference.gather(kv, Move.gather(layout, seq_sl, [(0, n)], [want_seq]))
-        want_h, want_seq_h = gb.bits(want.cpu()), gb.bits(want_seq.cpu())
-        paths: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
-        checks: dict[str, bool] = {}
-        errors = res.setdefault("errors", {})
-        # tiercache into L1 objects, by the path dispatch picks and by the two forced paths
-        chunk_spec = object_spec(layout, sp[0][1] - sp[0][0])
-        for name in ("tiercache", *forced):
-            l1 = L1Cache(len(sp) * chunk_spec.nbytes, chunk_spec.nbytes, pinned=True)
-            reserved = [l1.reserve_write(f"{name}{i}", chunk_spec) for i in range(len(sp))]
-            houts = [o.tensor() for o in reserved if o is not None]
-            if name in forced:
-                lo, hi, pieces, zc = forced[name]
-                dispatch.PIECED_MIN_BYTES, dispatch.PIECED_MAX_BYTES = lo, hi
-                layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = pieces, zc
-            try:
-                g, s = Move.gather(layout, sl, sp, houts), Move.scatter(layout, sl, sp, houts)
-                dispatch.gather(kv, g)  # prepared under these settings; later calls keep to them
-                checks[f"{name}_store"] = torch.equal(gb.bits(torch.cat(houts, dim=2)), want_h)
-                dispatch.scatter(kv_t, s)
-                back = torch.empty_like(want)
-                reference.gather(kv_t, Move.gather(layout, sl, [(0, n)], [back]))
-                checks[f"{name}_retrieve"] = torch.equal(gb.bits(back.cpu()), want_h)
-            except Exception as exc:  # recorded; the other paths still run
-                errors[f"{n}:{name}"] = repr(exc)
-                log(f"{n} {name}: {exc!r}")
-                continue
-            finally:
-                dispatch.PIECED_MIN_BYTES, dispatch.PIECED_MAX_BYTES = saved[0], saved[1]
-                layer_pieces.PIECES, dispatch.ZERO_COPY_BYTES = saved[2], saved[3]
-            paths[name] = (
-                lambda g=g: dispatch.gather(kv, g),  # type: ignore[misc]
-                lambda s=s: dispatch.scatter(kv_t, s),  # type: ignore[misc]
-            )
-            paths[name][0]()
-            paths[name][1]()
-            torch.cuda.synchronize()
-        if lmc is not None:
-            lhost = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
-            lmc.multi_layer_kv_transfer(lhost, ptrs, sl, n_slots, D2H, 1, BS, D)
-            torch.cuda.synchronize()
-            checks["lmcache_store"] = torch.equal(gb.bits(lhost), want_h)
-            paths["lmcache"] = (
-                lambda lh=lhost, s_=sl: lmc.multi_layer_kv_transfer(lh, ptrs, s_, n_slots, D2H, 1, BS, D),  # type: ignore[misc]
-                lambda lh=lhost, s_=sl: lmc.multi_layer_kv_transfer(lh, ptrs_t, s_, n_slots, H2D, 1, BS, D),  # type: ignore[misc]
-            )
-        # the copy engines: a copy per contiguous block run, shuffled and sequential block tables
-        table = (sl[::BS] // BS).cpu().numpy()
-        seq_table = (seq_sl[::BS] // BS).cpu().numpy()
-        for tname, tab, ref_h, sls in (
-            ("", table, want_h, sl),
-            ("_sequential", seq_table, want_seq_h, seq_sl),
-        ):
-            host = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
-            kv_at, obj_at, size = block_runs(kv, tab, host, nb)
-            kvt_at, _, _ = block_runs(kv_t, tab, host, nb)
-            for batch in (True, False):
-                name = ("copy_engine_batch" if batch else "copy_engine_loop") + tname
-                store = ce_call(ce, batch, obj_at, kv_at, size)
-                load = ce_call(ce, batch, kvt_at, obj_at, size)
-                side = torch.cuda.Stream()
-                try:
-                    with torch.cuda.stream(side):
-                        host.zero_()
-                        store()
-                    side.synchronize()
-                    checks[f"{name}_store"] = torch.equal(gb.bits(host), ref_h)
-                    with torch.cuda.stream(side):
-                        load()
-                    side.synchronize()
-                    back = torch.empty_like(want)
-                    reference.gather(kv_t, Move.gather(layout, sls, [(0, n)], [back]))
-                    checks[f"{name}_retrieve"] = torch.equal(gb.bits(back.cpu()), ref_h)
-                except Exception as exc:  # recorded; the other paths still run
-                    errors[f"{n}:{name}"] = repr(exc)
-                    log(f"{n} {name}: {exc!r}")
-                    continue
-                paths[name] = (store, load)
-            res.setdefault("copies_per_move", {})[f"{n}{tname}"] = len(size)
-        hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
-        paths["pinned_copy"] = (
-            lambda h=hbuf, d=dbuf: h.copy_(d, non_blocking=True),  # type: ignore[misc]
-            lambda h=hbuf, d=dbuf: d.copy_(h, non_blocking=True),  # type: ignore[misc]
-        )
-        log(f"{n} tokens: checks {checks}")
-        row: dict[str, Any] = {"bytes": nbytes, "bit_exact": checks}
-        samples: dict[str, dict[str, list[float]]] = {}
-        base: list[float] = []
-        for r in range(args.rounds):
-            names = list(paths) if r % 2 == 0 else list(paths)[::-1]
-            for name in names:
-                for d, fn in zip(("store", "retrieve"), paths[name], strict=True):
-                    key = f"{name}:{d}"
-                    if f"{n}:{key}" in errors:
-                        continue
-                    try:
-                        base.append(model.forward_s())
-                        alone_gbps = alone_rate(fn, nbytes)
-                        fwd, rate = together(model, fn, nbytes, args.forwards)
-                    except Exception as exc:  # recorded; the other paths still run
-                        errors[f"{n}:{key}"] = repr(exc)
-                        log(f"{n} {key}: {exc!r}")
-                        continue
-                    smp = samples.setdefault(key, {"alone": [], "together": [], "forward": []})
-                    smp["alone"].append(alone_gbps)
-                    smp["forward"].append(fwd)
-                    smp["together"].append(rate)
-                    log(f"{n} {key} round {r}: alone {alone_gbps:.1f} GB/s, with model {rate:.1f} GB/s")
-        fwd_alone = statistics.median(base)
-        ceil = {
-            "store": statistics.median(samples["pinned_copy:store"]["alone"]),
-            "retrieve": statistics.median(samples["pinned_copy:retrieve"]["alone"]),
-        }
-        row["model_forward_alone_ms"] = fwd_alone * 1e3
-        row["pinned_ceiling_GBps"] = ceil
-        for key, smp in samples.items():
-            name, d = key.split(":")
-            alone_gbps = statistics.median(smp["alone"])
-            with_gbps = statistics.median(smp["together"])
-            fwd = statistics.median(smp["forward"])
-            row.setdefault(name, {})[d] = {
-                "alone_GBps": alone_gbps,
-                "alone_vs_pinned_ceiling": alone_gbps / ceil[d],
-                "with_model_GBps": with_gbps,
-                "with_model_vs_pinned_ceiling": with_gbps / ceil[d],
-                "model_slowdown": fwd / fwd_alone - 1,
-                "model_slowdown_rounds": [f / fwd_alone - 1 for f in smp["forward"]],
-            }
-            log(
-                f"{n} {key}: alone {alone_gbps:.1f} GB/s, with model {with_gbps:.1f} GB/s "
-                f"({with_gbps / ceil[d]:.2f} of ceiling), model slowdown {100 * (fwd / fwd_alone - 1):.1f} %"
-            )
-        res["sizes"][f"{n}_tokens"] = row
-        log(f"{n} tokens row: {json.dumps(row)}")  # each size's row as soon as it is done
-    print(json.dumps(res, indent=2))
+        t0 = time.monotonic()
+        res["sizes"][f"{n}_tokens"] = run_size(args, n, str(so))
+        res["sizes"][f"{n}_tokens"]["seconds"] = round(time.monotonic() - t0, 1)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    if not args.out:
+        print(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
-    import faulthandler
-
-    faulthandler.enable()
-    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
     main()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import platform
 import statistics
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.cli.bench.report import print_json
 from tiercache.config import ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.keys import KeySpace, RequestIdentity
@@ -187,10 +187,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     result = asyncio.run(run(args.tokens, args.repeats))
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lookup_bench_cpu.json").write_text(text + "\n")
+    print_json(result, args.out / "lookup_bench_cpu.json")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ value per run and its median over runs).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -37,6 +36,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from _common import load_fields, parse_sizes, sizes_parser
 
 __all__ = ["posix_vs_raw"]
 
@@ -288,27 +289,20 @@ def posix_vs_raw(
         "fsync": fsync,
         "shard_depth": shard_depth,
         "directory": directory or tempfile.gettempdir(),
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": load_before,
-        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        **load_fields(load_before),
         "sizes": per_size,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the JSON of ``posix_vs_raw``."""
-    from tiercache.adapters.options import parse_size
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--sizes", default="1MiB,4MiB,32MiB", help="comma-separated sizes (e.g. 1MiB,4MiB)")
-    parser.add_argument("--repeats", type=int, default=None, help="objects per size and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per size (totals reported)")
+    parser = sizes_parser(__doc__, rounds=5)
     parser.add_argument("--fsync", action="store_true", help="fsync every object (both sides)")
     parser.add_argument("--dir", default=None, help="parent directory for the temp files")
     parser.add_argument("--runs", type=int, default=1, help="whole runs; the ratios' medians over runs too")
     parser.add_argument("--shard-depth", type=int, default=None, help="the adapter's (default: its own)")
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    sizes = parse_sizes(args.sizes)
     runs = [
         posix_vs_raw(
             sizes,

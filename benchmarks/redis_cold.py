@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiercache.cli.bench.report import print_json
+from tiercache.testing.harness.backends import start_redis_process
+from tiercache.testing.harness.processes import free_port
+
 LAYERS, HEADS, HEAD_DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _request(tokens_n: int, seed: int) -> tuple[Any, Any, Any, list[int]]:
@@ -133,21 +130,11 @@ def main() -> None:
     server = shutil.which("redis-server")
     if server is None:
         raise SystemExit("redis-server not found")
-    port = _free_port()
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="tc-redis-cold-")
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--maxmemory", "2gb", "--proto-max-bulk-len", "1gb"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    big = ["--maxmemory", "2gb", "--proto-max-bulk-len", "1gb"]
+    proc = start_redis_process(server, port, Path(workdir), big, timeout=15)
     try:
-        for _ in range(500):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.1).close()
-                break
-            except OSError:
-                time.sleep(0.02)
         url = f"redis://127.0.0.1:{port}/0"
         stored = asyncio.run(_store(url, args.tokens))
         runs = []
@@ -161,8 +148,7 @@ def main() -> None:
             line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "{}"
             runs.append(json.loads(line) if line.startswith("{") else {"error": out.stderr[-2000:]})
     finally:
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     nbytes = args.tokens * LAYERS * 2 * HEADS * HEAD_DIM * 2
     complete = [r for r in runs if r.get("tokens") == args.tokens and r.get("bit_exact")]
@@ -180,10 +166,7 @@ def main() -> None:
         res["cold_retrieve_GBps"] = nbytes / med / 1e9
         res["raw_get_GBps"] = nbytes / raw / 1e9
         res["cold_retrieve_vs_raw_get"] = raw / med
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,22 @@ Run: ``python benchmarks/s3_bench.py [--sizes 1MiB,4MiB,32MiB] [--repeats N] [--
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling bench modules
-from _common import S3_TEST_ENV, MotoServer
+from _common import MotoServer, aws_test_env, load_fields, parse_sizes, sizes_parser
 
 __all__ = ["s3_vs_raw"]
 
 _BUCKET = "tc-bench"
-_ENV = S3_TEST_ENV
 
 
 @contextlib.contextmanager
@@ -42,11 +41,6 @@ def _moto() -> Iterator[str]:
         yield server.endpoint
     finally:
         server.stop()
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
 async def _measure(endpoint: str, sizes: Sequence[int], repeats: int | None, rounds: int) -> dict[str, Any]:
@@ -132,7 +126,7 @@ async def _measure(endpoint: str, sizes: Sequence[int], repeats: int | None, rou
             times["s3_batched"].append(t1 - t0)
             times["raw_sequential"].append(t2 - t1)
             times["raw_gather"].append(t3 - t2)
-        med = {k: size * n / _median(v) / 1e9 for k, v in times.items()}
+        med = {k: size * n / statistics.median(v) / 1e9 for k, v in times.items()}
         results["batched_get_16x4MiB"] = {
             "s3_batched_GBps": round(med["s3_batched"], 3),
             "raw_sequential_GBps": round(med["raw_sequential"], 3),
@@ -161,38 +155,21 @@ def s3_vs_raw(
     """
     import moto
 
-    saved = {k: os.environ.get(k) for k in _ENV}
-    os.environ.update(_ENV)
     load_before = round(os.getloadavg()[0], 2)
-    try:
-        with _moto() as endpoint:
-            per_size = asyncio.run(_measure(endpoint, sizes, repeats, rounds))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with aws_test_env(), _moto() as endpoint:
+        per_size = asyncio.run(_measure(endpoint, sizes, repeats, rounds))
     return {
         "benchmark": "s3_vs_raw",
         "server": f"moto {moto.__version__} (in-memory, same host)",
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": load_before,
-        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        **load_fields(load_before),
         "sizes": per_size,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the JSON of ``s3_vs_raw``."""
-    from tiercache.adapters.options import parse_size
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--sizes", default="1MiB,4MiB,32MiB", help="comma-separated sizes (e.g. 1MiB,4MiB)")
-    parser.add_argument("--repeats", type=int, default=None, help="objects per size and round")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per size (totals reported)")
-    args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    args = sizes_parser(__doc__, rounds=2).parse_args(argv)
+    sizes = parse_sizes(args.sizes)
     print(json.dumps(s3_vs_raw(sizes, args.repeats, rounds=args.rounds), indent=2))
 
 

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import host_info, percentiles
+from _common import NodeServer, host_info, percentiles
 
+from tiercache.cli.bench.report import print_json
 from tiercache.config import ManagerConfig
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
 from tiercache.keys import KeySpace
@@ -382,13 +383,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tc-bench-") as tmp:
         small, big = os.path.join(tmp, "small.sock"), os.path.join(tmp, "big.sock")
         two = os.path.join(tmp, "two.sock")
-        serve = [sys.executable, "-m", "tiercache.server", "--socket"]
         servers = [
-            _start([*serve, small, "--slot-bytes", "64", "--slots", "256"], tmp),
-            _start([*serve, big, "--slot-bytes", str(slot_bytes), "--slots", str(CHUNKS * 2)], tmp),
-            _start([*serve, two, "--slot-bytes", str(slot_bytes), "--slots", str(CHUNKS * 4)], tmp),
+            NodeServer(small, slot_bytes=64, slots=256),
+            NodeServer(big, slot_bytes=slot_bytes, slots=CHUNKS * 2),
+            NodeServer(two, slot_bytes=slot_bytes, slots=CHUNKS * 4),
         ]
         try:
+            for server in servers:
+                if not server.ready:
+                    raise RuntimeError(f"the server on {server.path} did not start: {server.log()}")
             result = {
                 "control_plane": control_plane(small, tmp, args.samples),
                 "data_path": asyncio.run(data_path(big, args.repeats)),
@@ -397,12 +400,8 @@ def main() -> None:
             }
         finally:
             for server in servers:
-                server.terminate()
-                server.wait(timeout=60)
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "server_bench_cpu.json").write_text(text + "\n")
+                server.stop()
+    print_json(result, args.out / "server_bench_cpu.json")
     plot(result, args.out / "server_bench_cpu.png")
 
 

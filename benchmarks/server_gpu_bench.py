@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,20 +41,21 @@ import gpu_bench as gb
 from tiercache.gpu import LayoutKind, Move, dispatch, object_spec
 from tiercache.server import cuda
 from tiercache.server.client import SharedL1
+from tiercache.testing.harness.processes import NodeServer
 
 CHUNKS = gb.T // gb.CHUNK
 GIB = 1 << 30
 
 
-def _serve(path: str, slot_bytes: int, slots: int, cwd: str, capacity: int = 0) -> subprocess.Popen[str]:
+def _serve(path: str, slot_bytes: int, slots: int, capacity: int = 0) -> NodeServer:
     """A server child on ``path``: ``slots`` slots of ``slot_bytes``, or a segment of ``capacity`` bytes."""
-    cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(slot_bytes)]
-    cmd += ["--capacity", str(capacity)] if capacity else ["--slots", str(slots)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=cwd)
-    assert proc.stdout is not None
-    if not proc.stdout.readline():
-        raise SystemExit("the server did not start")
-    return proc
+    if capacity:
+        server = NodeServer(path, "--capacity", str(capacity), slot_bytes=slot_bytes, slots=None)
+    else:
+        server = NodeServer(path, slot_bytes=slot_bytes, slots=slots)
+    if not server.ready:
+        raise SystemExit(f"the server did not start: {server.log()}")
+    return server
 
 
 def _register_anonymous(nbytes: int) -> float:
@@ -123,7 +123,7 @@ def _registration_run(size_gib: int, spec: Any, tmp: str, poll_s: float) -> dict
     """One fresh server segment of ``size_gib``: a worker client's background registration against its
     calls, then a second client's registration of the now resident pages."""
     path = os.path.join(tmp, f"reg{size_gib}.sock")
-    server = _serve(path, spec.nbytes, 0, tmp, capacity=size_gib * GIB)
+    server = _serve(path, spec.nbytes, 0, capacity=size_gib * GIB)
     try:
         made = time.perf_counter()
         l1 = SharedL1(path, slot_bytes=[spec.nbytes])
@@ -154,10 +154,7 @@ def _registration_run(size_gib: int, spec: Any, tmp: str, poll_s: float) -> dict
         gc.collect()  # the segments are unregistered and unmapped as they are collected
         teardown_s = time.perf_counter() - closed
     finally:
-        server.terminate()
-        server.wait(timeout=120)
-        if server.stdout is not None:
-            server.stdout.close()
+        server.stop(timeout=120)
     seg_gib = size_gib  # the server's --capacity; the segment is whole regions of it
     every = [t for v in took.values() for t in v]
     return {
@@ -211,7 +208,7 @@ def main() -> None:
     nbytes = spec.nbytes * CHUNKS
     with tempfile.TemporaryDirectory(prefix="tc-gpu-") as tmp:
         path = os.path.join(tmp, "l1.sock")
-        server = _serve(path, spec.nbytes, 2 * CHUNKS, tmp)
+        server = _serve(path, spec.nbytes, 2 * CHUNKS)
         try:
             l1 = SharedL1(path)
             assert l1.wait_connected(120), "the client did not connect"  # registered in the background
@@ -261,8 +258,7 @@ def main() -> None:
             l1.batched_abort_write([o for o in objs if o is not None])
             l1.close()
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
     seg_gib = segment.data_bytes / GIB
     sizes = [int(x) for x in args.sizes.split(",") if x]
     sweep, skipped = registration_sweep(sizes, spec, args.poll_ms / 1000, args.spare_gib)

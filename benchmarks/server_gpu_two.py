@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +107,7 @@ def main() -> None:
     import torch
 
     from tiercache.gpu import LayoutKind, object_spec
+    from tiercache.testing.harness.processes import NodeServer
 
     layout = gb.make_engine(LayoutKind.VLLM_FLASH, gb.L, gb.H, gb.D, seed=1)[0]
     spec = object_spec(layout, gb.CHUNK)
@@ -122,12 +122,9 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"one": [], "several": []}
     with tempfile.TemporaryDirectory(prefix="tc-two-") as tmp:
         path = os.path.join(tmp, "l1.sock")
-        cmd = [sys.executable, "-m", "tiercache.server", "--socket", path, "--slot-bytes", str(spec.nbytes)]
-        cmd += ["--slots", str(2 * args.procs * chunks)]
-        server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tmp)
-        assert server.stdout is not None
-        if not server.stdout.readline():
-            raise SystemExit("the server did not start")
+        server = NodeServer(path, slot_bytes=spec.nbytes, slots=2 * args.procs * chunks)
+        if not server.ready:
+            raise SystemExit(f"the server did not start: {server.log()}")
         try:
             for r in range(args.rounds):  # interleaved: several, one, several, one ...
                 for kind in ("several", "one") if r % 2 == 0 else ("one", "several"):
@@ -135,8 +132,7 @@ def main() -> None:
                     print(f"{kind}: {json.dumps(row)}", file=sys.stderr, flush=True)
                     runs[kind].append(row)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
     summary: dict[str, Any] = {}
     for name in ("store", "retrieve"):
         one = statistics.median(r[name]["aggregate_GBps"] for r in runs["one"])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import mmap
 import os
 import platform
@@ -30,6 +29,7 @@ from typing import Any
 from tiercache.adapters.nvme_slab import SlabAdapter
 from tiercache.adapters.posix import PosixAdapter
 from tiercache.cli.bench.measure import gbps
+from tiercache.cli.bench.report import print_json
 
 MiB = 1 << 20
 
@@ -185,11 +185,7 @@ def main() -> None:
             "small_puts_faster_than_posix": small["slab_put_speedup_vs_posix"] > 1.0,
         },
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print_json(out, args.json)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import random
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiercache.cli.bench.report import print_json
 from tiercache.keys import KeySpace, RequestIdentity, TokenDatabase
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache
@@ -289,11 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "traces": results,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "trace_replay_cpu.json").write_text(text + "\n")
+    print_json(result, None if args.out is None else args.out / "trace_replay_cpu.json")
     return result
 
 

@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tiercache.cli.bench.report import print_json
+
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e"
 
@@ -166,10 +168,7 @@ def main() -> None:
             "ttft_ratio_layerwise_over_cold": round(lw_ttft / cold_ttft, 4),
             "greedy_tokens_identical": all(r["layerwise_tokens_identical"] for r in reps),
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

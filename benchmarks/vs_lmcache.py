@@ -29,14 +29,20 @@ tiercache's L1 LMCache's capacity (default: one request and two chunks), ``--pee
 (default: cleared after each round). Before every timed op 600 MiB of scratch memory is read (untimed), so
 that every op starts from the same memory state (``--settle MiB`` to change it, 0 for none: then an op's
 time depends on the op before it, see the option's help); ``--own-source`` adds a bare copy from a source no
-other contender reads, as no other reads tiercache's paged KV.
+other contender reads, as no other reads tiercache's paged KV. ``--peer-kernel tiercache`` gives LMCache's
+stand-in connector tiercache's row kernel on the same paged KV, by the same slot mapping, in the same calls
+(``--peer-kv contiguous``: over a contiguous copy of the KV instead): equal copy work, and each op's time is
+split into the copy and the engine's own work (``split_ms``). Each result also carries every round's ratio,
+each op's minor page faults and where each engine's objects lie (``memory``: the mapping's size and huge-page
+MiB, the offset in a 2 MiB page); ``--l1-huge off`` puts L1's pool on a plain 4 KiB-page allocation (the A/B
+of its transparent huge pages).
 
 ``cpu --tiny``: each engine's own per-call host cost: store, lookup and retrieve of one 256-token chunk of
 tiny KV (``TINY_SHAPE``: 8 KiB a chunk, so the copies cost next to nothing), ``--calls`` calls of each op per
 round, contenders alternating; tiercache awaited in a running loop (as the vLLM connector's loop thread runs
 it) and as a sync caller pays it (``run_until_complete`` per store and retrieve, ``lookup_hit_now`` for a
 lookup), LMCache's sync engine called directly (its per-call INFO log
-off). ``PYTHONHASHSEED=0 /work/lmc/bin/python benchmarks/vs_lmcache.py cpu --tiny [--rounds 7] [--calls 300]
+off). ``PYTHONHASHSEED=0 python benchmarks/vs_lmcache.py cpu --tiny [--rounds 7] [--calls 300]
 > benchmarks/results/vs_lmcache_cpu_tiny.json`` (a venv holding LMCache 0.5.6 and tiercache; PYTHONPATH as
 above works too).
 """
@@ -46,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -55,6 +62,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from _common import contiguous_geometry, flash_kv
 
 _BINDING = r"""
 #include <torch/extension.h>
@@ -267,12 +276,15 @@ def _lmcache_engine(
     remote_url: str | None = None,
     shape: tuple[int, int, int] | None = None,
     kernel: str = "torch",
+    rows: Callable[[bool, list[Any], list[int]], None] | None = None,
 ) -> Any:
     """LMCache 0.5.6's engine without vLLM or a GPU: the standalone starter with a connector that copies
-    between the CPU KV ``[2, L, T, H*D]`` tensors and the memory objects (``kernel="torch"``: one torch copy
-    per chunk; ``"tiercache"``: tiercache's native row kernel, ``gpu/_rowcopy.c``, over the same rows;
-    LMCache has no paged CPU copy routine, so its side copies contiguous token ranges). ``shape``: (layers,
-    kv heads, head dim), the Llama-8B shape by default."""
+    between the CPU KV and the memory objects: ``rows(gather, objects, starts)`` when given
+    (``_paged_rows``: tiercache's row kernel on tiercache's own paged KV, by the same slot mapping); else
+    between contiguous ``[2, L, T, H*D]`` tensors ``src`` / ``dst`` and the objects (``kernel="torch"``: one
+    torch copy per chunk; ``"tiercache"``: tiercache's row kernel over the same rows, ``_row_kernel``).
+    LMCache has no paged CPU copy routine of its own. ``shape``: (layers, kv heads, head dim), the Llama-8B
+    shape by default."""
     layers, heads, head_dim = shape or (LAYERS, HEADS, HEAD_DIM)
     import torch
     from lmcache.v1.config import LMCacheEngineConfig
@@ -280,7 +292,8 @@ def _lmcache_engine(
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.standalone import __main__ as standalone
 
-    rows = _row_kernel(src, dst, heads, head_dim) if kernel == "tiercache" else None
+    if rows is None and kernel == "tiercache":
+        rows = _row_kernel(src, dst, heads, head_dim)
 
     class CopyConnector(MockGPUConnector):  # type: ignore[misc]
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
@@ -357,22 +370,8 @@ def _row_kernel(
 
     from tiercache.gpu import cpu_rows
 
-    e, tokens = src.element_size(), src.shape[2]
-
-    def geometry(kv: Any) -> Any:
-        return cpu_rows.Geometry(
-            layers=tuple(kv[0, j].data_ptr() for j in range(kv.shape[1])),
-            block_size=tokens,
-            s_blk=tokens * kv.stride(2) * e,
-            s_off=kv.stride(2) * e,
-            s_head=head_dim * e,
-            heads=heads,
-            plane_offsets=(0, kv.stride(0) * e),
-            row_bytes=head_dim * e,
-            n_slots=tokens,
-        )
-
-    geos = {True: geometry(src), False: geometry(dst)}
+    tokens = src.shape[2]
+    geos = {True: contiguous_geometry(src, heads, head_dim), False: contiguous_geometry(dst, heads, head_dim)}
     slots = torch.arange(tokens, dtype=torch.int64)
 
     def copy(gather: bool, objs: list[Any], starts: list[int]) -> None:
@@ -384,6 +383,48 @@ def _row_kernel(
         if not jobs or any(j is None for j in jobs):
             raise RuntimeError("an LMCache object the row kernel cannot address")
         if cpu_rows.copy(gather, geo, [j for j in jobs if j is not None], False) < 0:
+            raise RuntimeError("the row kernel refused LMCache's slots")
+
+    return copy
+
+
+def _paged_rows(
+    layout: Any, kv_from: Any, kv_to: Any, slots: Any
+) -> Callable[[bool, list[Any], list[int]], None]:
+    """LMCache's stand-in connector on tiercache's own paged KV: gathers from ``kv_from`` and scatters into
+    ``kv_to`` (same layout, same block table) by the slot mapping ``slots`` with tiercache's row kernel, the
+    calls tiercache's engine makes for the same chunks (token layouts: one row job per object from its
+    first token's slot; CPU_BLOCKS: the object holds its chunk's raw pages): both engines do the same copy
+    work."""
+    from tiercache.gpu import cpu_rows, reference
+
+    n_slots = layout.num_blocks_of(kv_from[0]) * layout.block_size
+    every = range(len(kv_from))
+    g_from = reference._native_geometry(kv_from, every, layout, n_slots)
+    g_to = reference._native_geometry(kv_to, every, layout, n_slots)
+    if g_from is None or g_to is None:
+        raise SystemExit("the row kernel cannot address this paged KV (not built, or rows not dense)")
+    geos = {True: g_from, False: g_to}
+    host = cpu_rows.host_slots(slots)
+    bs = layout.block_size
+    blocks = (host[::bs] // bs).contiguous()  # CPU_BLOCKS: chunk-aligned starts, one block per bs tokens
+
+    def copy(gather: bool, objs: list[Any], starts: list[int]) -> None:
+        geo = geos[gather]
+        jobs: list[Any] = []
+        for o, a in zip(objs, starts, strict=True):
+            if layout.block_aligned:
+                pages = o.shape[2] // bs
+                jobs.append(
+                    cpu_rows.RowJob(
+                        o.data_ptr(), 0, pages * geo.row_bytes, geo.row_bytes, blocks, int(a) // bs, pages, 0
+                    )
+                )
+            else:
+                jobs.append(cpu_rows.token_job(geo, o, layout.planes, host, int(a), o.shape[2], 0))
+        if not jobs or any(j is None for j in jobs):
+            raise RuntimeError("an LMCache object the row kernel cannot address")
+        if cpu_rows.copy(gather, geo, jobs, False) < 0:
             raise RuntimeError("the row kernel refused LMCache's slots")
 
     return copy
@@ -409,6 +450,38 @@ def _timed_kv_copies() -> None:
                 KV_COPY_S["tiercache"] += time.perf_counter() - t0
 
         setattr(dispatch, name, timed)
+
+
+def _sys_text(path: str) -> str | None:
+    """A sysfs file's text, stripped (None where it cannot be read)."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _mapping_of(ptr: int) -> dict[str, int] | None:
+    """The MiB and the transparent-huge-page MiB (``AnonHugePages``) of this process's mapping holding
+    ``ptr``, from ``/proc/self/smaps`` (None where there is none)."""
+    inside = False
+    size = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside, size = lo <= ptr < hi, hi - lo
+                elif inside and head == "AnonHugePages:":
+                    return {"MiB": size >> 20, "huge_MiB": int(line.split()[1]) >> 10}
+    except OSError:
+        return None
+    return None
+
+
+def _minflt() -> int:
+    """Minor page faults this process has taken so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -451,10 +524,25 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
     gib = 2 * nbytes / 2**30 + 1
-    lmc = _lmcache_engine(gib, src, dst, kernel=args.peer_kernel)
+    peer_kv = args.peer_kv or ("paged" if args.peer_kernel == "tiercache" else "contiguous")
+    if peer_kv == "paged" and args.peer_kernel != "tiercache":
+        raise SystemExit("--peer-kv paged copies with tiercache's row kernel: add --peer-kernel tiercache")
+    kv_back_l = [torch.empty_like(t) for t in kv_back]  # LMCache's retrieves, same block table
+    rows = _paged_rows(layout, kv, kv_back_l, slots) if peer_kv == "paged" else None
+    peer_objs: list[int] = []  # where LMCache's objects lie (its first object of the last copy)
+    seen = rows
+    if rows is not None:
+        paged = rows
+
+        def seen(gather: bool, objs: list[Any], starts: list[int]) -> None:
+            peer_objs[:] = [objs[0].data_ptr()] if objs else peer_objs
+            paged(gather, objs, starts)
+
+    lmc = _lmcache_engine(gib, src, dst, kernel=args.peer_kernel, rows=seen)
     _timed_kv_copies()
     rng = np.random.default_rng(1)
     copy_s: dict[str, list[float]] = {k: [] for k in ("tc_store", "tc_retrieve", "lmc_store", "lmc_retrieve")}
+    faults: dict[str, list[int]] = {k: [] for k in copy_s}  # minor page faults of each timed op
 
     def prompt() -> list[int]:
         return [int(x) for x in rng.integers(0, 128_000, tokens_n)]
@@ -463,6 +551,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     chunk_bytes = object_spec(layout, CHUNK).nbytes
     # one request and two chunks (each slot is written again a few rounds after it was read back), or
     # ``--l1 same``: LMCache's local CPU size (each store writes memory untouched for ~30 rounds)
+    if args.l1_huge == "off":  # the A/B of L1's transparent huge pages: a plain allocation (4 KiB pages)
+        import tiercache.store.l1 as l1_module
+
+        def plain_pool(nbytes: int, pinned: bool) -> Any:
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        l1_module._host_pool = plain_pool
     l1 = L1Cache(int(gib * 2**30) if args.l1 == "same" else nbytes + 2 * chunk_bytes, chunk_bytes)
     engine = CacheEngine(StorageManager(l1, [], ManagerConfig()), layout, keyspace, chunk_size=CHUNK)
     loop = asyncio.new_event_loop()
@@ -482,18 +577,24 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         toks = prompt()
         cpu_rows.STORES = stores
         KV_COPY_S["tiercache"] = 0.0
+        f0 = _minflt()
         t0 = time.perf_counter()
         loop.run_until_complete(engine.store(toks, kv, slots))
         dt = time.perf_counter() - t0
+        f1 = _minflt()
         stored_copy = KV_COPY_S["tiercache"]
         settle()
         KV_COPY_S["tiercache"] = 0.0
+        f2 = _minflt()
         t1 = time.perf_counter()
         loop.run_until_complete(engine.retrieve(toks, kv_back, slots))
         rets.append(time.perf_counter() - t1)
+        f3 = _minflt()
         if stores == default_stores:
             copy_s["tc_store"].append(stored_copy)
             copy_s["tc_retrieve"].append(KV_COPY_S["tiercache"])
+            faults["tc_store"].append(f1 - f0)
+            faults["tc_retrieve"].append(f3 - f2)
         cpu_rows.STORES = default_stores
         return dt  # the next round's prompt evicts this one (L1 holds one request)
 
@@ -505,16 +606,22 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     def l_store() -> float:
         toks = torch.tensor(prompt())
         KV_COPY_S["lmcache"] = 0.0
+        f0 = _minflt()
         t0 = time.perf_counter()
         lmc.store(toks)
         dt = time.perf_counter() - t0
+        f1 = _minflt()
         copy_s["lmc_store"].append(KV_COPY_S["lmcache"])
         settle()
         KV_COPY_S["lmcache"] = 0.0
+        f2 = _minflt()
         t1 = time.perf_counter()
         lmc.retrieve(toks)
         lmc_ret.append(time.perf_counter() - t1)
+        f3 = _minflt()
         copy_s["lmc_retrieve"].append(KV_COPY_S["lmcache"])
+        faults["lmc_store"].append(f1 - f0)
+        faults["lmc_retrieve"].append(f3 - f2)
         if args.peer == "clear":
             lmc.clear()  # the next round stores into the buffer just freed
         return dt
@@ -536,6 +643,8 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     lmc_ret.clear()
     for v in copy_s.values():
         v.clear()
+    for f in faults.values():
+        f.clear()
     for rets in kind_ret.values():
         rets.clear()
 
@@ -580,16 +689,23 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
             settle()
             times[str(c)].append(fns[str(c)]())
     load_after = os.getloadavg()
-    ok_lmc = torch.equal(dst.view(torch.int16), src.view(torch.int16))
-    if pages:
-        ok_tc = all(
-            torch.equal(b[table].view(torch.int16), a[table].view(torch.int16))
-            for a, b in zip(kv, kv_back, strict=True)
-        )
-    else:
+
+    def paged_exact(got: list[Any]) -> bool:  # ``got`` holds ``kv``'s bytes at every slot of the request
+        if pages:
+            return all(
+                torch.equal(b[table].view(torch.int16), a[table].view(torch.int16))
+                for a, b in zip(kv, got, strict=True)
+            )
         back = torch.empty_like(src)
-        reference.gather(kv_back, Move.gather(layout, slots, [(0, tokens_n)], [back]))
-        ok_tc = torch.equal(back.view(torch.int16), src.view(torch.int16))
+        reference.gather(got, Move.gather(layout, slots, [(0, tokens_n)], [back]))
+        return torch.equal(back.view(torch.int16), src.view(torch.int16))
+
+    ok_tc = paged_exact(kv_back)
+    ok_lmc = (
+        paged_exact(kv_back_l)
+        if peer_kv == "paged"
+        else torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    )
 
     def gbps(ts: list[float]) -> float:
         return nbytes / statistics.median(ts) / 1e9
@@ -618,8 +734,14 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
             "bit_exact": ok_lmc,
         },
         "lmcache_copy_kernel": args.peer_kernel,
+        "lmcache_kv": peer_kv,
         "note": f"tiercache gathers from / scatters to paged {kind.name} KV (a shuffled block table); "
-        "LMCache copies contiguous token ranges",
+        + (
+            "LMCache's stand-in connector gathers from / scatters to the same paged KV by the same slot "
+            "mapping with the same row kernel in the same calls: equal copy work"
+            if peer_kv == "paged"
+            else f"LMCache copies contiguous token ranges with {args.peer_kernel}: not the same copy work"
+        ),
     }
     # each op split into the copy between KV and objects and the rest (the engine's own work), medians in ms
     ops = {"tc_store": times["tiercache"], "tc_retrieve": t_ret, "lmc_store": times["lmcache"]}
@@ -631,6 +753,32 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
             "engine": statistics.median(w - c for w, c in zip(ops[k], copy_s[k], strict=True)) * 1e3,
         }
         for k in ops
+    }
+    res["minor_faults_per_op"] = {k: statistics.median(v) for k, v in faults.items()}
+    res["memory"] = {
+        "transparent_hugepage": _sys_text("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "l1_huge_pages": args.l1_huge,
+        "tiercache_l1_pool": _mapping_of(l1._pool.data_ptr()),
+        "lmcache_objects": _mapping_of(peer_objs[0]) if peer_objs else None,
+        "object_offset_in_2MiB_page": {
+            "tiercache": l1._pool.data_ptr() % (2 << 20),
+            "lmcache": peer_objs[0] % (2 << 20) if peer_objs else None,
+        },
+    }
+    # every round's LMCache time over tiercache's, whole op and copy: the spread behind the medians below
+    res["each_round_tiercache_vs_lmcache"] = {
+        f"{op}{part}": [round(lm / tc, 3) for lm, tc in zip(pair[f"lmc_{op}"], pair[f"tc_{op}"], strict=True)]
+        for part, pair in (("", ops), ("_copy", copy_s))
+        for op in ("store", "retrieve")
+    }
+    # each round's LMCache time over the same round's tiercache time, then the median: the contenders of a
+    # round run one after another, so a burst of other work on a shared box tends to slow both
+    res["per_round_tiercache_vs_lmcache"] = {
+        f"{op}{part}": statistics.median(
+            lm / tc for lm, tc in zip(pair[f"lmc_{op}"], pair[f"tc_{op}"], strict=True)
+        )
+        for part, pair in (("", ops), ("_copy", copy_s))
+        for op in ("store", "retrieve")
     }
     for op in ("store", "retrieve"):
         tc, lm = res["split_ms"][f"tc_{op}"], res["split_ms"][f"lmc_{op}"]
@@ -689,7 +837,7 @@ def cpu_tiny(args: argparse.Namespace) -> dict[str, Any]:
 
     from tiercache.config import ManagerConfig
     from tiercache.gpu import Move, reference
-    from tiercache.gpu.layouts import LayoutKind, PagedLayout, object_spec
+    from tiercache.gpu.layouts import object_spec
     from tiercache.keys import KeySpace
     from tiercache.store.engine import CacheEngine
     from tiercache.store.l1 import L1Cache
@@ -697,14 +845,7 @@ def cpu_tiny(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     layers, heads, head_dim = TINY_SHAPE
-    nb = CHUNK // BLOCK + 8
-    layout = PagedLayout(LayoutKind.VLLM_FLASH, layers, heads, head_dim, BLOCK, "bfloat16")
-    table = torch.randperm(nb - 1)[: CHUNK // BLOCK] + 1
-    pos = torch.arange(CHUNK)
-    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
-    raw = [torch.randn(nb, BLOCK, heads, 2 * head_dim).bfloat16() for _ in range(layers)]
-    kv = [r.permute(0, 2, 1, 3) for r in raw]
-    kv_back = [torch.zeros_like(r).permute(0, 2, 1, 3) for r in raw]
+    layout, kv, kv_back, slots = flash_kv(layers, heads, head_dim, BLOCK, CHUNK)
     src = torch.empty(2, layers, CHUNK, heads * head_dim, dtype=torch.bfloat16)
     reference.gather(kv, Move.gather(layout, slots, [(0, CHUNK)], [src]))
     dst = torch.zeros_like(src)
@@ -839,7 +980,9 @@ def cpu_tiny(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "workload": f"one {CHUNK}-token chunk per call, tiny KV {TINY_SHAPE} (layers, kv heads, head dim), "
         f"bf16, {chunk_bytes} bytes a chunk",
-        "what": "per-call host cost (us): median over rounds of each round's median call",
+        "what": "per-call host cost (us): median over rounds of each round's median call; spread_us: the "
+        "fastest and slowest round; *_rounds_at_or_below_lmcache: rounds where that contender's median call "
+        "took no longer than LMCache's of the same round",
         "calls_per_round": calls,
         "rounds": args.rounds,
         "capacity_chunks": args.tiny_chunks,
@@ -864,8 +1007,13 @@ def cpu_tiny(args: argparse.Namespace) -> dict[str, Any]:
     for op in ops:
         row: dict[str, Any] = {c: statistics.median(v) for c, v in per_round[op].items()}
         row["rounds_us"] = per_round[op]
-        row["tiercache_vs_lmcache_time"] = row["tiercache"] / row["lmcache"]
-        row["tiercache_sync_vs_lmcache_time"] = row["tiercache_sync"] / row["lmcache"]
+        row["spread_us"] = {c: [min(v), max(v)] for c, v in per_round[op].items()}
+        lm_rounds = per_round[op]["lmcache"]
+        for c in ("tiercache", "tiercache_sync"):
+            row[f"{c}_vs_lmcache_time"] = row[c] / row["lmcache"]
+            row[f"{c}_rounds_at_or_below_lmcache"] = sum(
+                t <= lm for t, lm in zip(per_round[op][c], lm_rounds, strict=True)
+            )
         res[op] = row
     return res
 
@@ -891,20 +1039,13 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
 
     from tiercache.config import config_from_dict
     from tiercache.gpu import Move, reference
-    from tiercache.gpu.layouts import LayoutKind, PagedLayout
     from tiercache.store.engine import CacheEngine
-    from tiercache.testing.harness.processes import free_port, port_open, start_process
+    from tiercache.testing.harness.backends import start_redis_process
+    from tiercache.testing.harness.processes import free_port
 
     torch.manual_seed(0)
     tokens_n = args.tokens
-    nb = tokens_n // BLOCK + 8
-    layout = PagedLayout(LayoutKind.VLLM_FLASH, LAYERS, HEADS, HEAD_DIM, BLOCK, "bfloat16")
-    raw = [torch.randn(nb, BLOCK, HEADS, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
-    kv = [r.permute(0, 2, 1, 3) for r in raw]
-    kv_back = [torch.empty_like(r).permute(0, 2, 1, 3) for r in raw]
-    table = torch.randperm(nb - 1)[: tokens_n // BLOCK] + 1
-    pos = torch.arange(tokens_n)
-    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    layout, kv, kv_back, slots = flash_kv(LAYERS, HEADS, HEAD_DIM, BLOCK, tokens_n)
     src = torch.empty(2, LAYERS, tokens_n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
     reference.gather(kv, Move.gather(layout, slots, [(0, tokens_n)], [src]))
     dst = torch.empty_like(src)
@@ -913,11 +1054,9 @@ def redis_part(args: argparse.Namespace) -> dict[str, Any]:
     chunks = tokens_n // CHUNK
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="vs-lmc-redis-")
-    server = start_process(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--maxmemory", "3gb", "--proto-max-bulk-len", "1gb"],
-        ready=lambda: port_open("127.0.0.1", port),
-    )  # fmt: skip
+    server = start_redis_process(
+        "redis-server", port, Path(workdir), ["--maxmemory", "3gb", "--proto-max-bulk-len", "1gb"]
+    )
     url = f"redis://127.0.0.1:{port}/0"
     probe = redis_sync.Redis(host="127.0.0.1", port=port)
     lmc = _lmcache_engine(2 * nbytes / 2**30 + 1, src, dst, remote_url=url)
@@ -1180,6 +1319,20 @@ def main() -> None:
         choices=["torch", "tiercache"],
         default="torch",
         help="LMCache's stand-in connector copies with torch copy_ or with tiercache's own row kernel",
+    )
+    c.add_argument(
+        "--peer-kv",
+        choices=["paged", "contiguous"],
+        default=None,
+        help="the KV LMCache's stand-in connector copies: tiercache's own paged KV by the same slot mapping "
+        "(equal copy work; the default with --peer-kernel tiercache) or a contiguous [2, L, T, H*D] tensor "
+        "(the default with torch)",
+    )
+    c.add_argument(
+        "--l1-huge",
+        choices=["on", "off"],
+        default="on",
+        help="off: L1's pool from a plain allocation (4 KiB pages), not its transparent-huge-page mapping",
     )
     c.add_argument("--calls", type=int, default=300, help="--tiny: calls of each op per round")
     c.add_argument("--tiny-chunks", type=int, default=1024, help="--tiny: each engine's capacity in chunks")
