@@ -61,8 +61,9 @@ typecheck: install
 # Two pytest workers (pytest-xdist), each test file on one worker (its module fixtures start their servers
 # and vLLM instances once): most tests wait on one child process at a time, so a 2-core box runs two files.
 # Files in collection order (tests/conftest.py puts those with a `slow` test first), not xdist's reorder.
+# The 25 slowest tests are listed at the end, to keep the whole run's time in view.
 PYTEST_WORKERS ?= 2
-PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 unit: install
 	$(PYTEST)
