@@ -15,7 +15,9 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
 ``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
 ``speculative`` (vLLM's ``speculative_config``, e.g. n-gram; its counters are returned under ``spec_decode``),
-``prefix_caching`` (vLLM's own prefix cache, default True),
+``prefix_caching`` (vLLM's own prefix cache, default True), ``one_by_one`` (generate each prompt alone, in
+order, instead of all at once: bf16 on AMX hosts is not batch-invariant, so a cold run compared token
+for token with a restoring run must batch the same way),
 ``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
 under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
 server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
@@ -140,7 +142,13 @@ def main() -> None:
         result["ttft"] = ttft
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     t2 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora_requests)  # type: ignore[arg-type]
+    if spec.get("one_by_one"):  # each prompt alone, in order: every step's batch is that prompt's own
+        outs = [
+            llm.generate([p], sp, use_tqdm=False, lora_request=None if lora_requests is None else [lora])[0]  # type: ignore[list-item]
+            for p, lora in zip(prompts, lora_requests or [None] * len(prompts), strict=True)
+        ]
+    else:
+        outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora_requests)  # type: ignore[arg-type]
     result["gen_s"] = time.perf_counter() - t2
     if spec.get("speculative"):
         result["spec_decode"] = {

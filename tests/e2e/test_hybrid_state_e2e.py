@@ -35,8 +35,11 @@ DECODE = ["C", "B", "A"]  # every prompt restores 2 chunks (1088 tokens): attent
 
 
 def spec(model: Path, names: list[str], connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-    # 1024 tokens a step: vLLM ends a step at each block boundary of the prompt, so states at 544 and 1088
+    # 1024 tokens a step: vLLM ends a step at each block boundary of the prompt, so states at 544 and 1088.
+    # One prompt at a time: every step computes one prompt's tokens, as in the cold run (bf16 results depend
+    # on the batch on AMX hosts, so prompts batched differently could give other tokens with exact KV)
     return {
+        "one_by_one": True,
         "model": str(model),
         "prompts": [PROMPTS[n] for n in names],
         "max_tokens": 12,
