@@ -37,10 +37,12 @@ How batches map to commands (the choices are measured by ``benchmarks/adapters_b
 * put: values up to 256 KiB go in pipelines (one round trip per ~1 MiB of small values; each ``SET`` after a
   ``GETRANGE`` of the key's first 52 bytes, to find a manifest it replaces); each larger value is its own
   ``SET`` after that ``GETRANGE``, in ``PUT_VALUES_IN_FLIGHT`` lanes: on the RESP client a lane is an even
-  share of the batch's large values on one connection, sent from a worker thread one value at a time (the
-  next once the last was answered: no loop wakeup per value, and the server reads each value straight into
-  its own string), and the batch's lanes are handed to the threads together (``RespPool.pipelines``: one
-  loop wakeup per batch, not per lane); through redis-py each value is a lane of its own.
+  share of the batch's large values (``PUT_PIPELINE_BYTES`` at most) on one connection, sent from a worker
+  thread one value at a time (the next once the last was answered: no loop wakeup per value, and the server
+  reads each value straight into its own string), and the batch's lanes are handed to the threads together
+  (``RespPool.pipelines``: one loop wakeup per batch, not per lane); a batch of more lanes than run at once
+  queues them one call each, a lane starting as soon as another ended; through redis-py each value is a
+  lane of its own.
 * On a plain-TCP standalone server reads, lookups and puts go through ``adapters/_resp.py``, a small RESP
   client that sends the caller's buffer with ``sendmsg`` and receives a reply in place (no copies of a value
   on the way out or in). It keeps ``pool_size``, ``socket_timeout`` (the deadline of each whole call:
@@ -766,19 +768,19 @@ class RedisAdapter(Adapter):
             async with self._put_lanes:
                 return await self._peek_set_drop(full, data, todo, pace=True)
 
-        async def all_lanes() -> list[list[bool]]:
-            oks: list[list[bool]] = []
-            step = self._put_lane_count
-            for at in range(0, len(lanes), step):
-                oks += await self._peek_set_lanes(full, data, lanes[at : at + step])
-            return oks
-
         if large or lanes:
-            threaded = self._lane_threads and len(lanes) > 1
+            # the lanes to the RESP client's threads together where they run at once; more lanes than that
+            # queue for ``_put_lanes`` one call each, a lane starting as soon as another ended (no group
+            # waiting for its slowest lane)
+            threaded = self._lane_threads and 1 < len(lanes) <= self._put_lane_count
             results = await self._all(
                 [
                     *(self._put_large(full[i], data[i]) for i in large),
-                    *([all_lanes()] if threaded else (lane(todo) for todo in lanes)),
+                    *(
+                        [self._peek_set_lanes(full, data, lanes)]
+                        if threaded
+                        else (lane(todo) for todo in lanes)
+                    ),
                 ]
             )
             lane_oks = results[len(large)] if threaded else results[len(large) :]

@@ -410,6 +410,50 @@ async def test_large_values_go_to_the_selected_database(redis_server: Any) -> No
         assert await db0.batched_get(keys) == [None] * 3
 
 
+async def test_put_lanes_beyond_those_in_flight_queue_one_call_each(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's large values in lanes of at most ``PUT_PIPELINE_BYTES``: as many lanes as run at once go to
+    the RESP client's threads together (one ``pipelines`` call); more queue for the lane slots one
+    ``pipeline`` call each, at most ``_put_lane_count`` at a time (a lane starts when another ends, no group
+    waits for its slowest lane), and every value is stored."""
+    import tiercache.adapters.redis as redis_adapter
+
+    monkeypatch.setattr(redis_adapter, "PUT_PIPELINE_BYTES", MiB)
+    async with await RedisAdapter.open(redis_server.url, prefix=_prefix()) as adapter:
+        adapter._put_lane_count, adapter._put_lanes = 2, asyncio.Semaphore(2)
+        resp = adapter._resp
+        assert resp is not None
+        calls = {"pipelines": 0, "pipeline": 0, "running": 0, "most": 0}
+        together, one = resp.pipelines, resp.pipeline
+
+        async def pipelines(*args: Any, **kwargs: Any) -> Any:
+            calls["pipelines"] += 1
+            return await together(*args, **kwargs)
+
+        async def pipeline(*args: Any, **kwargs: Any) -> Any:
+            calls["pipeline"] += 1
+            calls["running"] += 1
+            calls["most"] = max(calls["most"], calls["running"])
+            try:
+                return await one(*args, **kwargs)
+            finally:
+                calls["running"] -= 1
+
+        monkeypatch.setattr(resp, "pipelines", pipelines)
+        monkeypatch.setattr(resp, "pipeline", pipeline)
+        for count, lanes in ((4, 2), (8, 4)):  # 400 KiB values: two to a lane
+            calls.update(pipelines=0, pipeline=0, most=0)
+            keys = unique_keys(count)
+            values = [bytes([i + 1]) * (400 << 10) for i in range(count)]
+            assert await adapter.batched_put(keys, values) == [True] * count
+            if lanes <= 2:
+                assert (calls["pipelines"], calls["pipeline"]) == (1, 0), calls
+            else:
+                assert (calls["pipelines"], calls["pipeline"], calls["most"]) == (0, lanes, 2), calls
+            assert await adapter.batched_get(keys) == values
+
+
 async def test_pool_exhaustion_completes(redis_server: Any) -> None:
     async with await RedisAdapter.open(redis_server.url, prefix=_prefix(), pool_size=2) as adapter:
         batches = [unique_keys(3) for _ in range(20)]
