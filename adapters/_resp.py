@@ -60,12 +60,10 @@ DEFAULT_MAX_BULK = 512 << 20
 THREAD_BYTES = 256 << 10
 """Sends of at least this many bytes run as blocking socket calls in a worker thread (the event loop goes on
 meanwhile; the GIL is released in the kernel)."""
-RECV_LOWAT = 2 << 20
+RECV_LOWAT = 512 << 10
 """A large bulk reply is received a piece of up to this many bytes per loop wakeup (``SO_RCVLOWAT``), not
-whatever has arrived each time the socket turns readable. Larger pieces cost the server less CPU per GB
-(fewer, larger writes): 4 MiB GETs read faster with 2 MiB pieces than with 512 KiB ones (the variant
-``tc_get_512k_pieces`` of ``benchmarks/vs_lmcache_resp.py``). Linux caps it at half of ``tcp_rmem``'s
-maximum."""
+whatever has arrived each time the socket turns readable (Linux caps it at half of ``tcp_rmem``'s maximum).
+``benchmarks/vs_lmcache_resp.py`` times 2 MiB pieces beside it (``tc_get_2m_pieces``)."""
 _NUMBER = re.compile(rb"-?[0-9]{1,19}")
 """A RESP length or integer: strict decimal (``int()`` would take spaces, ``+``, ``_``)."""
 
