@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -33,9 +33,8 @@ from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
     import numpy.typing as npt
-    import torch
 
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+    from tiercache.gpu.layouts import KVCaches
 
 __all__ = [
     "Copy2D",

@@ -22,7 +22,7 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,9 +36,8 @@ if TYPE_CHECKING:
     from tiercache.gpu import transfer
     from tiercache.gpu.copy_engine import CopyMove
     from tiercache.gpu.layer_pieces import PiecedMove
+    from tiercache.gpu.layouts import KVCaches
     from tiercache.gpu.triton_kernels import BoundMove
-
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = ["gather", "host_path", "kernels_enabled", "scatter"]
 

@@ -19,7 +19,6 @@ synchronized), so L1 leases may be released at once. ``triton_kernels.Unsupporte
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +29,7 @@ from tiercache.gpu.layouts import layer_tensors
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+    from tiercache.gpu.layouts import KVCaches
 
 __all__ = ["FP8_COALESCE", "load_fp8_from_host", "store_fp8_to_host"]
 

@@ -24,7 +24,7 @@ caller takes another path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -35,9 +35,8 @@ from tiercache.gpu.move import Checks, Move
 from tiercache.gpu.transfer import STAGING_ALIGN
 
 if TYPE_CHECKING:
+    from tiercache.gpu.layouts import KVCaches
     from tiercache.gpu.transfer import Transfer
-
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 __all__ = ["LEAD_DIVISOR", "PIECES", "PieceCopy", "PiecedMove", "piece_copies", "piece_layers", "prepare"]
 

@@ -28,6 +28,8 @@ from tiercache.spec import KVFormat, KVSpec, dtype_name
 if TYPE_CHECKING:
     import torch
 
+    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]  # per-layer KV, as vLLM registers it
+
 __all__ = [
     "LayoutKind",
     "PagedLayout",
@@ -172,9 +174,7 @@ def fp8_payload_nbytes(layout: PagedLayout, tokens: int) -> int:
     return fp8_math.payload_nbytes(object_spec(layout, tokens)) if tokens else 0
 
 
-def layer_tensors(
-    kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-) -> list[torch.Tensor]:
+def layer_tensors(kv_caches: KVCaches) -> list[torch.Tensor]:
     """The per-layer tensors in layer order (a dict, as ``register_kv_caches`` gives, keeps its order)."""
     if isinstance(kv_caches, Mapping):
         return list(kv_caches.values())

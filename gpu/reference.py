@@ -28,7 +28,7 @@ from tiercache.gpu.move import Move
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+    from tiercache.gpu.layouts import KVCaches
 
 __all__ = ["gather", "scatter"]
 

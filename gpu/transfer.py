@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +36,7 @@ from tiercache.gpu.layouts import layer_tensors
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+    from tiercache.gpu.layouts import KVCaches
 
 __all__ = ["DEFAULT_STAGING_BYTES", "STAGING_ALIGN", "Stage", "Transfer", "load_from_host", "store_to_host"]
 

@@ -66,7 +66,7 @@ from tiercache.gpu.layouts import (
 from tiercache.gpu.move import Checks, Move
 
 if TYPE_CHECKING:
-    KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+    from tiercache.gpu.layouts import KVCaches
 
 __all__ = [
     "BoundMove",

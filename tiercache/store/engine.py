@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from tiercache.config import Config
     from tiercache.events import EventSink
-    from tiercache.gpu.reference import KVCaches
+    from tiercache.gpu.layouts import KVCaches
     from tiercache.metrics import Metrics
     from tiercache.spec import KVSpec
     from tiercache.store.l1 import L1Lease
