@@ -25,9 +25,12 @@ anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through
 ``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's
 stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync``
 per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one
-``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential; ``pinned_copy`` (one contiguous
-copy of the same bytes: the ceiling). Per path, direction and round: the path's rate alone, then the model's
-time for ``--forwards`` forwards back to back alone and with the path moving, and the path's rate meanwhile
+``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the batch cut into
+``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``); ``--green-paths`` with the
+mover's stream in a CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on
+those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and
+round: the path's rate alone, then the model's time for ``--forwards`` forwards back to back alone and with
+the path moving, and the path's rate meanwhile
 (rates from the moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the
 model several times, with the model in the first round only). Bit-exact checks: every path's stored object
 equals the reference gather, and a retrieve of it gives back the KV.
@@ -139,11 +142,11 @@ def child(args: argparse.Namespace) -> None:
     class Mover:
         """Runs ``fn`` back to back on a side stream in a thread (two moves queued at most), counting."""
 
-        def __init__(self, fn: Callable[[], object]) -> None:
+        def __init__(self, fn: Callable[[], object], stream: torch.cuda.Stream | None = None) -> None:
             self.fn, self.done, self.stop = fn, 0, threading.Event()
             self.times: list[float] = []  # when each move was seen done
             self.error: BaseException | None = None
-            self.stream = torch.cuda.Stream()
+            self.stream = stream if stream is not None else torch.cuda.Stream()
             self.thread = threading.Thread(target=self._run, daemon=True)
 
         def _run(self) -> None:
@@ -182,16 +185,20 @@ def child(args: argparse.Namespace) -> None:
         ts = [t for t in m.times if t0 <= t <= t1]
         return (len(ts) - 1) * nbytes / (ts[-1] - ts[0]) / gb.GB if len(ts) > 2 else 0.0
 
-    def alone_rate(fn: Callable[[], object], nbytes: int, seconds: float) -> float:
-        with Mover(fn) as m:
+    def alone_rate(
+        fn: Callable[[], object], nbytes: int, seconds: float, stream: torch.cuda.Stream | None = None
+    ) -> float:
+        with Mover(fn, stream) as m:
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds or (len(m.times) < 4 and m.thread.is_alive()):
                 time.sleep(0.005)
             t1 = time.perf_counter()
         return rate(m, t0, t1, nbytes)
 
-    def together(model: Model, fn: Callable[[], object], nbytes: int, k: int) -> tuple[float, float]:
-        with Mover(fn) as m:
+    def together(
+        model: Model, fn: Callable[[], object], nbytes: int, k: int, stream: torch.cuda.Stream | None = None
+    ) -> tuple[float, float]:
+        with Mover(fn, stream) as m:
             t0 = time.perf_counter()
             fwd = model.forwards_s(k)
             t1 = time.perf_counter()
@@ -476,6 +483,25 @@ def child(args: argparse.Namespace) -> None:
 
         return run
 
+    def ce_streams(k: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Callable[[], None]:
+        """The copies cut into ``k`` batches in a row, each on its own stream after the current one's work,
+        the current stream waiting for all of them."""
+        cuts = np.array_split(np.arange(len(size)), k)
+        parts = [(dst[c].copy(), src[c].copy(), size[c].copy()) for c in cuts if len(c)]
+        streams = [torch.cuda.Stream() for _ in parts]
+        calls = [ce_call(True, *p) for p in parts]
+
+        def run() -> None:
+            cur = torch.cuda.current_stream()
+            for st, call in zip(streams, calls, strict=True):
+                st.wait_stream(cur)
+                with torch.cuda.stream(st):
+                    call()
+            for st in streams:
+                cur.wait_stream(st)
+
+        return run
+
     for tname, s_, ref in (("", sl_host, want_h), ("_sequential", seq_sl_host, want_seq_h)):
         tab = (s_[::BS] // BS).numpy()
         host = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
@@ -487,6 +513,14 @@ def child(args: argparse.Namespace) -> None:
                 continue
             meta.setdefault("copies_per_move", {})[name] = len(size)
             st, ld = ce_call(batch, obj_at, kv_at, size), ce_call(batch, kvt_at, obj_at, size)
+            if check(name, [host], ref, kv_t, s_, st, ld):
+                paths[name] = (st, ld)
+        for k in (int(x) for x in args.ce_streams.split(",") if x):
+            name = f"copy_engine_batch{tname}_streams{k}"
+            if name in skip:
+                continue
+            meta.setdefault("copies_per_move", {})[name] = len(size)
+            st, ld = ce_streams(k, obj_at, kv_at, size), ce_streams(k, kvt_at, obj_at, size)
             if check(name, [host], ref, kv_t, s_, st, ld):
                 paths[name] = (st, ld)
 
@@ -502,6 +536,19 @@ def child(args: argparse.Namespace) -> None:
     add_dispatch("tiercache_device_slots", kv, kv_t, sl)
     add_dispatch("over_the_bus", kv, kv_t, sl, {"attrs": zc_attrs, "values": [big, big, 2, big, "kernel"]})
     add_dispatch("object_pipeline", kv, kv_t, sl, {"attrs": zc_attrs, "values": [big, big, 2, 0, "kernel"]})
+    # the same paths with the mover's stream in a green context of K SMs: their kernels run on those SMs only
+    mover_streams: dict[str, torch.cuda.Stream] = {}
+    for k in (int(x) for x in args.mover_sms.split(",") if x):
+        try:
+            green = green_stream(k)
+        except Exception as exc:  # recorded; the other paths still run
+            emit(event="error", key=f"sms{k}:setup", error=repr(exc))
+            continue
+        for base in filter(None, args.green_paths.split(",")):
+            name = f"{base}_sms{k}"
+            if base in paths and name not in skip:
+                paths[name] = paths[base]
+                mover_streams[name] = green
     paths = {k: v for k, v in paths.items() if k not in SLOW_PATHS} | {
         k: v for k, v in paths.items() if k in SLOW_PATHS
     }  # the slow ones last: a size's budget ends there if anywhere
@@ -514,13 +561,13 @@ def child(args: argparse.Namespace) -> None:
                 emit(event="start", key=key, round=r)
                 faulthandler.dump_traceback_later(args.sample_budget, exit=True)
                 try:
-                    alone = alone_rate(fn, nbytes, args.alone_seconds)
+                    alone = alone_rate(fn, nbytes, args.alone_seconds, mover_streams.get(name))
                     emit(event="alone", key=key, round=r, alone_GBps=alone)
                     if r and name in SLOW_PATHS:  # one round with the model: it starves the model for seconds
                         emit(event="ready", key=key)
                         continue
                     base = model.forwards_s(args.forwards)
-                    fwd, with_rate = together(model, fn, nbytes, args.forwards)
+                    fwd, with_rate = together(model, fn, nbytes, args.forwards, mover_streams.get(name))
                 except Exception as exc:  # recorded; the other paths still run
                     emit(event="error", key=key, error=repr(exc))
                     continue
@@ -539,6 +586,29 @@ def child(args: argparse.Namespace) -> None:
                     f"with model {with_rate:.1f} GB/s"
                 )
     emit(event="done")
+
+
+_GREEN: list[Any] = []  # the green contexts of the child's mover streams, alive as long as it runs
+
+
+def green_stream(sms: int) -> Any:
+    """A stream of a new CUDA green context of ``sms`` SMs: kernels issued on it run on those SMs only."""
+    import torch
+    from torch.cuda import green_contexts
+
+    api: Any = green_contexts  # its signature changed between torch releases
+    try:
+        ctx = api.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+    except TypeError:
+        ctx = api.GreenContext.create(sms, torch.cuda.current_device())
+    _GREEN.append(ctx)
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream()
+    ctx.set_context()
+    try:
+        return torch.cuda.current_stream()
+    finally:
+        ctx.pop_context()
 
 
 # ------------------------------------------------------------------------------------------ the parent
@@ -640,6 +710,14 @@ def run_size(args: argparse.Namespace, n: int, ce_lib: str) -> dict[str, Any]:
         ]
         if args.lmcache_src:
             cmd += ["--lmcache-src", args.lmcache_src]
+        cmd += [
+            "--mover-sms",
+            args.mover_sms,
+            "--green-paths",
+            args.green_paths,
+            "--ce-streams",
+            args.ce_streams,
+        ]
         log(f"=== {n} tokens, attempt {attempt}, skipping {skip or 'nothing'}, {left:.0f} s left")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         started: str | None = None
@@ -692,6 +770,13 @@ def main() -> None:
         "--size-budget", type=float, default=150.0, help="seconds for one size, restarts included"
     )
     ap.add_argument("--skip-paths", default="", help="paths not to measure (comma-separated)")
+    ap.add_argument(
+        "--mover-sms", default="", help="also run --green-paths on a green context of each of these SM counts"
+    )
+    ap.add_argument("--green-paths", default="tiercache,tiercache_device_slots,object_pipeline")
+    ap.add_argument(
+        "--ce-streams", default="2,4", help="copy_engine_batch cut into this many batches on as many streams"
+    )
     ap.add_argument("--out", default=None, help="write the JSON here after every size (else print it)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
