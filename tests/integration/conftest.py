@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,13 @@ import pytest
 from tiercache.testing.harness.backends import (
     MissingServer,
     MooncakeCluster,
+    cluster_node_args,
+    join_cluster,
     start_mooncake,
     start_mooncake_master,
     start_redis_process,
 )
-from tiercache.testing.harness.processes import ServerProcess, free_port, wait_until
+from tiercache.testing.harness.processes import ServerProcess, free_port
 
 
 def missing_server(reason: str) -> None:
@@ -148,43 +149,16 @@ def valkey_server(valkey_binary: str, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="session")
 def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """Three cluster-enabled Redis masters joined by ``redis-cli --cluster create``, state ok."""
-    cli = shutil.which("redis-cli")
-    if cli is None:
+    if shutil.which("redis-cli") is None:
         missing_server("redis-cli not installed (Debian: apt-get install -y redis-tools)")
     cluster = RedisCluster()
     try:
         for i in range(3):
             directory = tmp_path_factory.mktemp(f"redis-cluster-{i}")
             cluster.nodes.append(
-                start_redis(
-                    redis_binary,
-                    directory,
-                    [
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        str(directory / "nodes.conf"),
-                        "--cluster-node-timeout",
-                        "2000",
-                        "--cluster-port",
-                        str(free_port()),  # else port + 10000, which may be taken
-                    ],
-                )
+                start_redis(redis_binary, directory, cluster_node_args(directory, free_port()))
             )
-        addresses = [f"127.0.0.1:{n.port}" for n in cluster.nodes]
-        subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        wait_until(
-            lambda: all(
-                b"cluster_state:ok" in redis_command(n.port, "CLUSTER", "INFO") for n in cluster.nodes
-            ),
-            timeout_s=15.0,
-            every_s=0.05,
-        )
+        join_cluster([n.port for n in cluster.nodes], timeout_s=15.0)
         yield cluster
     finally:
         for node in cluster.nodes:

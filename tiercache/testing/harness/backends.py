@@ -1,5 +1,6 @@
 """Storage servers on 127.0.0.1 for tests and benchmarks, started on free ports and stopped by PID: a
-redis-server (or valkey-server) without persistence, and Mooncake's ``mooncake_master`` (with its HTTP
+redis-server (or valkey-server) without persistence, the flags and the joining of a Redis cluster's masters,
+and Mooncake's ``mooncake_master`` (with its HTTP
 metadata server) and a store client lending a segment.
 
 The binaries come with the ``mooncake`` extra (the CPU wheel; Debian's libibverbs1 too). A missing binary
@@ -11,7 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from tiercache.testing.harness.processes import ServerProcess, free_port, port_o
 __all__ = [
     "MissingServer",
     "MooncakeCluster",
+    "cluster_node_args",
+    "join_cluster",
     "mooncake_bin",
     "mooncake_env",
     "redis_answers",
@@ -58,6 +63,40 @@ def start_redis_process(
     """Start :func:`redis_argv` (``directory`` made) and wait until it answers PING."""
     directory.mkdir(parents=True, exist_ok=True)
     return start_process(redis_argv(binary, port, directory, extra), lambda: redis_answers(port), timeout)
+
+
+def cluster_node_args(directory: Path, bus_port: int) -> list[str]:
+    """The flags of a cluster-enabled master: its node file in ``directory``, its cluster bus on ``bus_port``
+    (else its port + 10000, which may be taken), a 2 s node timeout."""
+    return ["--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
+            "--cluster-node-timeout", "2000", "--cluster-port", str(bus_port)]  # fmt: skip
+
+
+def join_cluster(ports: Sequence[int], timeout_s: float = 30.0) -> None:
+    """Join the cluster-enabled masters on 127.0.0.1:``ports`` (``redis-cli --cluster create``, no replicas)
+    and wait until each reports ``cluster_state:ok``. ``MissingServer`` without redis-cli."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise MissingServer("redis-cli not installed (Debian: apt-get install -y redis-tools)")
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    subprocess.run(
+        [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not all(_cluster_ok(cli, p) for p in ports):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the cluster on ports {list(ports)} is not ok after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _cluster_ok(cli: str, port: int) -> bool:
+    out = subprocess.run(
+        [cli, "-p", str(port), "CLUSTER", "INFO"], capture_output=True, timeout=10, check=False
+    )
+    return b"cluster_state:ok" in out.stdout
 
 
 def mooncake_bin(name: str) -> str | None:

@@ -46,7 +46,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiercache.testing.harness.backends import mooncake_bin, mooncake_env, redis_argv, start_mooncake_master
+from tiercache.testing.harness.backends import (
+    MissingServer,
+    cluster_node_args,
+    join_cluster,
+    mooncake_bin,
+    mooncake_env,
+    redis_argv,
+    start_mooncake_master,
+)
 from tiercache.testing.harness.fault_proxy import FaultProxy, ProcessFaultProxy
 from tiercache.testing.harness.processes import (
     ConfigServer,
@@ -391,16 +399,7 @@ class RedisCluster(Backend):
         self.nodes = [Redis(workdir / f"node-{i}") for i in range(3)]
         for node in self.nodes:
             node.bus_port = free_port()  # type: ignore[attr-defined]
-            node.argv += [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                str(node.workdir / "data" / "nodes.conf"),
-                "--cluster-node-timeout",
-                "2000",
-                "--cluster-port",
-                str(node.bus_port),  # type: ignore[attr-defined]
-            ]
+            node.argv += cluster_node_args(node.workdir / "data", node.bus_port)  # type: ignore[attr-defined]
 
     def use_proxy(self) -> None:
         for node in self.nodes:
@@ -417,17 +416,10 @@ class RedisCluster(Backend):
     def start(self) -> None:
         for node in self.nodes:
             node.start()
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise NotHere("redis-cli not installed")
-        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        _until(lambda: all(_cluster_ok(cli, n.port) for n in self.nodes))
+        try:
+            join_cluster([n.port for n in self.nodes])
+        except MissingServer as exc:
+            raise NotHere(str(exc)) from exc
         if self.proxies:  # the slot map clients get must name the proxies, else they bypass them
             slots = self.nodes[0].client().execute_command("CLUSTER SLOTS")
             announced = {int(entry[2][1]) for entry in slots}
@@ -750,13 +742,6 @@ BACKEND_CLASSES: dict[str, Callable[[Path], Backend]] = {
     "s3": S3,
     "mooncake": Mooncake,
 }
-
-
-def _cluster_ok(cli: str, port: int) -> bool:
-    out = subprocess.run(
-        [cli, "-p", str(port), "CLUSTER", "INFO"], capture_output=True, timeout=10, check=False
-    )
-    return b"cluster_state:ok" in out.stdout
 
 
 def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
