@@ -26,7 +26,8 @@ anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through
 stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync``
 per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one
 ``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the batch cut into
-``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``); ``--green-paths`` with the
+``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``, and the library's batch so cut:
+``copy_engine_batched_streams<k>``); ``--green-paths`` with the
 mover's stream in a CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on
 those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and
 round: the path's rate alone, then the model's time for ``--forwards`` forwards back to back alone and with
@@ -366,7 +367,7 @@ def child(args: argparse.Namespace) -> None:
     meta["vllm_like_allocations_layer_pitch"] = None if geo is None else geo.layer_pitch
 
     # the copy-engine path of the library, forced
-    for name, kvx, kvx_t, s_, ref, rows, batched in (
+    ce_paths = [
         ("copy_engine", kv1, kv1_t, sl_host, want_h, True, False),
         ("copy_engine_per_layer", kv, kv_t, sl_host, want_h, False, False),
         ("copy_engine_sequential", kv1, kv1_t, seq_sl_host, want_seq_h, True, False),
@@ -375,12 +376,15 @@ def child(args: argparse.Namespace) -> None:
         ("copy_engine_batched", kv1, kv1_t, sl_host, want_h, True, True),
         ("copy_engine_batched_runs8", kv1, kv1_t, runs_sl[8], want_runs[8], True, True),
         ("copy_engine_batched_sequential", kv1, kv1_t, seq_sl_host, want_seq_h, True, True),
-    ):
+    ]
+    streams_of = {f"copy_engine_batched_streams{k}": int(k) for k in args.ce_streams.split(",") if k}
+    ce_paths += [(name, kv1, kv1_t, sl_host, want_h, True, True) for name in streams_of]
+    for name, kvx, kvx_t, s_, ref, rows, batched in ce_paths:
         if name in skip:
             continue
         houts = l1_objects(name)
         try:
-            kw: dict[str, Any] = {"layer_rows": rows, "batched": batched}
+            kw: dict[str, Any] = {"layer_rows": rows, "batched": batched, "streams": streams_of.get(name, 1)}
             cg = copy_engine.prepare(kvx, Move.gather(layout, s_, sp, houts), **kw)
             cs = copy_engine.prepare(kvx_t, Move.scatter(layout, s_, sp, houts), **kw)
         except Exception as exc:

@@ -12,7 +12,9 @@ needs the slots on the host (a CPU slot mapping or ``host_slots``: where the cop
 are issued), the launch extension (``gpu/_launch.c``) to issue them, and contiguous objects in pinned host
 memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D copy of a single batch
 (``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse): measured slower than
-the 2D copies beside a model on an H100 (``gpu_overlap_h100.json``), so not the default. ``prepare`` returns
+the 2D copies beside a model on an H100 (``gpu_overlap_h100.json``), so not the default; ``streams=k`` cuts
+the batch in ``k`` on as many streams (small copies: faster in some rounds, erratic in others,
+``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns
 None where the path does not apply. Slots are checked on the host before anything moves (``ValueError`` as
 the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves slots < 0 alone.
 ``run_on_host`` carries out a plan with ``memmove`` on CPU tensors: the CPU reference of the address
@@ -248,6 +250,7 @@ class CopyMove:
         layer_rows: bool,
         nat: Any,
         batched: bool,
+        streams: int = 1,
     ) -> None:
         self.kv_caches = kv_caches
         self.layers = tuple(layer_tensors(kv_caches))
@@ -257,9 +260,10 @@ class CopyMove:
         self.layer_rows = layer_rows
         self.nat = nat
         self.batched = batched
+        self.streams = max(1, streams)
         self.slots: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
         self.handles: list[Any] = []
-        self.batch: Any = None
+        self.batches: list[Any] = []
         self.copies: list[Copy2D] = []
         self.issued = 0
         self.count = 0
@@ -271,15 +275,17 @@ class CopyMove:
         assert slots is not None
         self.copies, self.count = plan(self.geo, self.move, slots, layer_rows=self.layer_rows)
         to_kv = self.move.is_scatter
-        self.handles, self.batch = [], None
+        self.handles, self.batches = [], []
         if self.batched:
             kv, obj, size = flat_copies(self.copies)
             order = np.argsort(obj, kind="stable")  # host memory in address order
             kv, obj, size = kv[order], obj[order], size[order]
             dst, src = (kv, obj) if to_kv else (obj, kv)
-            self.batch = (
-                self.nat.make_batch(dst.tobytes(), src.tobytes(), size.tobytes()) if len(size) else None
-            )
+            self.batches = [  # one batch per stream, each a run of the host addresses
+                self.nat.make_batch(dst[c].tobytes(), src[c].tobytes(), size[c].tobytes())
+                for c in np.array_split(np.arange(len(size)), min(self.streams, len(size)))
+                if len(c)
+            ]
             self.issued = len(size)
         else:
             self._make_handles()
@@ -318,6 +324,23 @@ class CopyMove:
             for a, b, base in zip(layers, self.layers, self.geo.bases, strict=True)
         )
 
+    def _run_batches(self) -> None:
+        """Issue each batch on a stream of its own, after the current stream's work; the current stream then
+        waits for all of them."""
+        import torch
+
+        from tiercache.gpu.launch import current_stream
+
+        sides = _SIDES.setdefault(self.index, [])
+        while len(sides) < len(self.batches):
+            sides.append(torch.cuda.Stream(self.index))
+        cur = current_stream(self.index)
+        for side, batch in zip(sides, self.batches, strict=False):
+            side.wait_stream(cur)
+            _check(self.nat.batch(batch, side.cuda_stream))
+        for side in sides[: len(self.batches)]:
+            cur.wait_stream(side)
+
     def run(self) -> int:
         """Issue the copies on the current stream and wait for them: the tokens written per layer (a gather's
         count is unused). ``ValueError`` for bad slots (nothing moved)."""
@@ -329,8 +352,11 @@ class CopyMove:
         nat = self.nat
         _check(nat.context(self.index))
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        if self.batch is not None and stream != 0:
-            _check(nat.batch(self.batch, stream))
+        if self.batches and stream != 0:
+            if len(self.batches) == 1:
+                _check(nat.batch(self.batches[0], stream))
+            else:
+                self._run_batches()
             _check(nat.sync(stream))
             return self.count
         if self.copies and not self.handles:  # batched, on the legacy default stream, which batches refuse
@@ -357,6 +383,7 @@ def batches_supported(nat: Any) -> bool:
 
 
 _BATCHES: bool | None = None
+_SIDES: dict[int, list[Any]] = {}  # per device: the streams that batches cut in several run on
 
 
 def prepare(
@@ -365,11 +392,13 @@ def prepare(
     *,
     layer_rows: bool = True,
     batched: bool = False,
+    streams: int = 1,
     checked_pinned: bool = False,
 ) -> CopyMove | None:
     """The ``CopyMove`` of ``move`` (CUDA KV, pinned host objects), or None where the copy engines cannot
     take it (see the module docstring). ``batched``: one batch of 1D copies instead of 2D copies (None where
-    the driver has no batched copies). ``ValueError`` for bad slots.
+    the driver has no batched copies), cut in ``streams`` batches on as many streams. ``ValueError`` for bad
+    slots.
     ``checked_pinned``: the caller knows the objects are pinned."""
     from tiercache.gpu import launch
     from tiercache.gpu import triton_kernels as tk
@@ -387,7 +416,7 @@ def prepare(
     if batched and not batches_supported(nat):
         return None
     index = layer_tensors(kv_caches)[0].device.index or 0
-    return CopyMove(kv_caches, move, geo, index, layer_rows, nat, batched)
+    return CopyMove(kv_caches, move, geo, index, layer_rows, nat, batched, streams)
 
 
 def _check(status: int) -> None:

@@ -64,22 +64,23 @@ SPANS = [(s, min(s + CHUNK, N)) for s in range(0, N, CHUNK)]
 
 
 @pytest.mark.parametrize(
-    ("layer_rows", "batched"),
-    [(True, False), (False, False), (True, True)],
-    ids=["2d-layer-rows", "2d-plane-rows", "batched"],
+    ("layer_rows", "batched", "streams"),
+    [(True, False, 1), (False, False, 1), (True, True, 1), (True, True, 3)],
+    ids=["2d-layer-rows", "2d-plane-rows", "batched", "batched-3-streams"],
 )
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["one-pitch", "apart"])
 @pytest.mark.parametrize("kind", [LayoutKind.VLLM_LEGACY, LayoutKind.VLLM_MLA, LayoutKind.VLLM_FLASH])
 def test_copy_engine_moves_match_the_reference(
-    kind: LayoutKind, one_buffer: bool, layer_rows: bool, batched: bool
+    kind: LayoutKind, one_buffer: bool, layer_rows: bool, batched: bool, streams: int
 ) -> None:
     layout, kv = make_kv(kind, one_buffer, 1)
     slots = slots_of(2)
     outs = pinned_objects(layout, SPANS)
     move = Move.gather(layout, slots, SPANS, outs)
-    ce = copy_engine.prepare(kv, move, layer_rows=layer_rows, batched=batched)
+    ce = copy_engine.prepare(kv, move, layer_rows=layer_rows, batched=batched, streams=streams)
     assert ce is not None
     assert ce.batched == batched
+    assert len(ce.batches) == (streams if batched else 0)
     assert (ce.geo.layer_pitch is not None) == one_buffer
     side = torch.cuda.Stream()  # batches refuse the legacy default stream: the runs there take 2D copies
     with torch.cuda.stream(side):
@@ -95,9 +96,14 @@ def test_copy_engine_moves_match_the_reference(
     holes = slots.clone()
     holes[200] = -1
     s_move = Move.scatter(layout, holes, SPANS, outs, 40)
-    sce = copy_engine.prepare(dst, s_move, layer_rows=layer_rows, batched=batched)
+    sce = copy_engine.prepare(dst, s_move, layer_rows=layer_rows, batched=batched, streams=streams)
     assert sce is not None
+    for t in dst_ref:
+        bits(t).bitwise_not_()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        for t in dst:
+            bits(t).bitwise_not_()  # queued before the scatter on its stream: every batch must come after it
         assert sce.run() == N - 41
     assert reference.scatter(dst_ref, Move.scatter(layout, holes.to(DEV), SPANS, outs, 40)) == N - 41
     for a, b in zip(dst_ref, dst, strict=True):
