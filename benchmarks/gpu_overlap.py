@@ -377,7 +377,8 @@ def child(args: argparse.Namespace) -> None:
         ("copy_engine_batched_runs8", kv1, kv1_t, runs_sl[8], want_runs[8], True, True),
         ("copy_engine_batched_sequential", kv1, kv1_t, seq_sl_host, want_seq_h, True, True),
     ]
-    streams_of = {f"copy_engine_batched_streams{k}": int(k) for k in args.ce_streams.split(",") if k}
+    ce_streams_ks = [int(x) for x in args.ce_streams.split(",") if x]
+    streams_of = {f"copy_engine_batched_streams{k}": k for k in ce_streams_ks}
     ce_paths += [(name, kv1, kv1_t, sl_host, want_h, True, True) for name in streams_of]
     for name, kvx, kvx_t, s_, ref, rows, batched in ce_paths:
         if name in skip:
@@ -519,7 +520,7 @@ def child(args: argparse.Namespace) -> None:
             st, ld = ce_call(batch, obj_at, kv_at, size), ce_call(batch, kvt_at, obj_at, size)
             if check(name, [host], ref, kv_t, s_, st, ld):
                 paths[name] = (st, ld)
-        for k in (int(x) for x in args.ce_streams.split(",") if x):
+        for k in ce_streams_ks:
             name = f"copy_engine_batch{tname}_streams{k}"
             if name in skip:
                 continue
@@ -779,7 +780,9 @@ def main() -> None:
     )
     ap.add_argument("--green-paths", default="tiercache,tiercache_device_slots,object_pipeline")
     ap.add_argument(
-        "--ce-streams", default="2,4", help="copy_engine_batch cut into this many batches on as many streams"
+        "--ce-streams",
+        default="",
+        help="copy_engine_batch cut into each of these batch counts, on as many streams",
     )
     ap.add_argument("--out", default=None, help="write the JSON here after every size (else print it)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -14,12 +14,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process
+from tiercache.testing.harness.processes import ServerProcess, free_port, port_open, start_process, wait_until
 
 __all__ = [
     "MissingServer",
@@ -85,11 +84,7 @@ def join_cluster(ports: Sequence[int], timeout_s: float = 30.0) -> None:
         capture_output=True,
         timeout=60,
     )
-    deadline = time.monotonic() + timeout_s
-    while not all(_cluster_ok(cli, p) for p in ports):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster on ports {list(ports)} is not ok after {timeout_s} s")
-        time.sleep(0.05)
+    wait_until(lambda: all(_cluster_ok(cli, p) for p in ports), timeout_s=timeout_s, every_s=0.05)
 
 
 def _cluster_ok(cli: str, port: int) -> bool:

@@ -744,17 +744,6 @@ BACKEND_CLASSES: dict[str, Callable[[Path], Backend]] = {
 }
 
 
-def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(Exception):
-            if cond():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError("condition not met in time")
-        time.sleep(0.1)
-
-
 # ----- (backend, fault) -> action ------------------------------------------------------------------------
 Recover = Callable[[], None]
 Action = Callable[[Backend], Recover]
