@@ -30,10 +30,12 @@ per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and ``co
 ``copy_engine_batched_streams<k>``); ``--green-paths`` with the
 mover's stream in a CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on
 those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and
-round: the path's rate alone, then the model's time for ``--forwards`` forwards back to back alone and with
-the path moving, and the path's rate meanwhile
+round: the path's rate alone, then the model's time for ``--forwards`` forwards back to back with the path
+moving against the mean of a window alone just before and one just after (so the device's drift cancels;
+how far those two differ is the round's noise, ``model_alone_spread_percent``), and the path's rate meanwhile
 (rates from the moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the
-model several times, with the model in the first round only). Bit-exact checks: every path's stored object
+model several times, with the model in the first round only). ``pinned_copy``'s own cost to the model is
+the least any path that moves the same bytes can cost it. Bit-exact checks: every path's stored object
 equals the reference gather, and a retrieve of it gives back the KV.
 
 Every size runs in a child process that reports each sample as it ends; a sample that outlasts
@@ -571,8 +573,10 @@ def child(args: argparse.Namespace) -> None:
                     if r and name in SLOW_PATHS:  # one round with the model: it starves the model for seconds
                         emit(event="ready", key=key)
                         continue
-                    base = model.forwards_s(args.forwards)
+                    before = model.forwards_s(args.forwards)
                     fwd, with_rate = together(model, fn, nbytes, args.forwards, mover_streams.get(name))
+                    after = model.forwards_s(args.forwards)  # drift between the windows cancels
+                    base = (before + after) / 2
                 except Exception as exc:  # recorded; the other paths still run
                     emit(event="error", key=key, error=repr(exc))
                     continue
@@ -583,6 +587,7 @@ def child(args: argparse.Namespace) -> None:
                     key=key,
                     round=r,
                     forward_alone_s=base,
+                    forward_alone_spread=abs(after - before) / base,
                     forward_s=fwd,
                     with_model_GBps=with_rate,
                 )
@@ -665,6 +670,9 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 cell["with_model_vs_pinned_ceiling"] = round(with_m / ceil[d], 3)
             cell["model_slowdown_percent"] = round(100 * statistics.median(slow), 2)
             cell["model_slowdown_rounds_percent"] = [round(100 * x, 2) for x in slow]
+            spread = [s["forward_alone_spread"] for s in smp if "forward_alone_spread" in s]
+            if spread:
+                cell["model_alone_spread_percent"] = round(100 * statistics.median(spread), 2)
         cell["rounds"] = {"alone": len(alones.get(key, [])), "with_model": len(smp)}
         row.setdefault("paths", {}).setdefault(name, {})[d] = cell
     return row
