@@ -11,11 +11,11 @@ and V of a head side by side): one copy per run, plane and layer, its rows the h
 needs the slots on the host (a CPU slot mapping or ``host_slots``: where the copies go is known before they
 are issued), the launch extension (``gpu/_launch.c``) to issue them, and contiguous objects in pinned host
 memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D copy of a single batch
-(``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse): measured slower than
-the 2D copies beside a model on an H100 (``gpu_overlap_h100.json``), so not the default; ``streams=k`` cuts
-the batch in ``k`` on as many streams (small copies: faster in some rounds, erratic in others,
-``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns
-None where the path does not apply. Slots are checked on the host before anything moves (``ValueError`` as
+(``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse): measured behind or
+level with the 2D copies beside a model on an H100 in 11 of 12 rows (``gpu_overlap_h100.json``), so not the
+default; ``streams=k`` cuts the batch in ``k`` on as many streams (small copies: faster in some rounds,
+erratic in others, ``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns None where the path does not
+apply. Slots are checked on the host before anything moves (``ValueError`` as
 the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves slots < 0 alone.
 ``run_on_host`` carries out a plan with ``memmove`` on CPU tensors: the CPU reference of the address
 arithmetic that tests hold against ``tiercache.gpu.reference``.

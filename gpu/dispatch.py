@@ -57,9 +57,9 @@ PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger tha
 # where it applies), "kernel" (the kernel paths above) or "auto": the copy engines where the slots are on the
 # host, a token's plane row is contiguous and the move's contiguous pieces average COPY_ENGINE_MIN_ROW_BYTES,
 # the kernel paths otherwise. On an H100 beside a model's matmuls (gpu_overlap_h100.json), 2D copies of 8 MiB
-# (block runs of 128 tokens at Llama-8B's shape) moved KV at 0.79-0.96 of the pinned ceiling with the model
-# 0.8-2.0 % slower, where the staged kernel paths cost it 1.7-4.3 %; copies of 1 MiB fell to 0.49-0.56, and
-# vLLM's [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.17-0.19 alone. Read from
+# (block runs of 128 tokens at Llama-8B's shape) moved KV at 0.81-0.96 of the pinned ceiling with the model
+# -0.1-1.2 % slower, where the staged kernel paths cost it 0.2-4.3 %; copies of 1 MiB fell to 0.50-0.57, and
+# vLLM's [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone. Read from
 # TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")
