@@ -670,9 +670,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 cell["with_model_vs_pinned_ceiling"] = round(with_m / ceil[d], 3)
             cell["model_slowdown_percent"] = round(100 * statistics.median(slow), 2)
             cell["model_slowdown_rounds_percent"] = [round(100 * x, 2) for x in slow]
-            spread = [s["forward_alone_spread"] for s in smp if "forward_alone_spread" in s]
-            if spread:
-                cell["model_alone_spread_percent"] = round(100 * statistics.median(spread), 2)
+            spread = statistics.median(s["forward_alone_spread"] for s in smp)
+            cell["model_alone_spread_percent"] = round(100 * spread, 2)
         cell["rounds"] = {"alone": len(alones.get(key, [])), "with_model": len(smp)}
         row.setdefault("paths", {}).setdefault(name, {})[d] = cell
     return row
