@@ -12,13 +12,14 @@ host memory (L1 objects for tiercache's paths).
 
 Transfer paths, each run back to back on another stream from a second thread (at most two moves queued):
 ``tiercache`` (``dispatch.gather`` / ``scatter`` with the slots on the host, as the vLLM connector passes
-them: the path dispatch picks), ``tiercache_device_slots`` (the same with the slot mapping on the device:
-layer pieces or the object pipeline), its ``over_the_bus`` kernel (SMs read / write host memory in place)
-and ``object_pipeline`` (kernel into device staging, copy engine to host) forced; ``copy_engine``
+them: the path dispatch picks; ``tiercache_kernels``: its kernel paths only), ``tiercache_device_slots``
+(the same with the slot mapping on the device: layer pieces or the object pipeline), its ``over_the_bus``
+kernel (SMs read / write host memory in place) and ``object_pipeline`` (kernel into device staging, copy
+engine to host) forced; ``copy_engine``
 (``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers as rows, on KV whose layers
 lie at one pitch), the same with runs of 8 and 4 blocks in order (``copy_engine_runs8`` / ``_runs4``) and a
 sequential table (``copy_engine_sequential``); its batched 1D copies instead (a copy per block run, plane
-and layer in one ``cuMemcpyBatchAsync``: ``copy_engine_batched``, ``_batched_runs8``,
+and layer, in sub-batches of ``cuMemcpyBatchAsync``: ``copy_engine_batched``, ``_batched_runs8``,
 ``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D copy per block run and layer, for layers
 anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through
 ``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch (``tiercache_flash``);
@@ -364,6 +365,9 @@ def child(args: argparse.Namespace) -> None:
         (dispatch, "HOST_PATH"),
     ]
     add_dispatch("tiercache", kv, kv_t, sl_host)
+    add_dispatch(
+        "tiercache_kernels", kv, kv_t, sl_host, {"attrs": [(dispatch, "HOST_PATH")], "values": ["kernel"]}
+    )
     probe = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device="meta")
     geo = copy_engine.geometry(kv, Move.gather(layout, sl_host, [(0, n)], [probe]))
     meta["vllm_like_allocations_layer_pitch"] = None if geo is None else geo.layer_pitch

@@ -10,12 +10,13 @@ tensors lie at one pitch in device memory (``layer_rows``), else one per run and
 and V of a head side by side): one copy per run, plane and layer, its rows the heads of the run's tokens. It
 needs the slots on the host (a CPU slot mapping or ``host_slots``: where the copies go is known before they
 are issued), the launch extension (``gpu/_launch.c``) to issue them, and contiguous objects in pinned host
-memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D copy of a single batch
-(``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse): measured behind or
-level with the 2D copies beside a model on an H100 in 11 of 12 rows (``gpu_overlap_h100.json``), so not the
-default; ``streams=k`` cuts the batch in ``k`` on as many streams (small copies: faster in some rounds,
-erratic in others, ``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns None where the path does not
-apply. Slots are checked on the host before anything moves (``ValueError`` as
+memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D copy of a batch
+(``cuMemcpyBatchAsync``; 2D copies on the legacy default stream, which batches refuse), in sub-batches of
+doubling size (``sub_batches``): the driver takes about as long to issue a 32 KiB copy as the bus takes to
+carry it, and a batch starts moving only once it is issued, so the copy engines carry one sub-batch while the
+next is issued. ``streams=k`` cuts the batch in ``k`` on as many streams (small copies: faster in some
+rounds, erratic in others, ``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns
+None where the path does not apply. Slots are checked on the host before anything moves (``ValueError`` as
 the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves slots < 0 alone.
 ``run_on_host`` carries out a plan with ``memmove`` on CPU tensors: the CPU reference of the address
 arithmetic that tests hold against ``tiercache.gpu.reference``.
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import KVCaches
 
 __all__ = [
+    "SUB_BATCH_FIRST",
+    "SUB_BATCH_MAX",
     "Copy2D",
     "CopyMove",
     "Geometry",
@@ -48,6 +51,7 @@ __all__ = [
     "plan",
     "prepare",
     "run_on_host",
+    "sub_batches",
 ]
 
 
@@ -238,8 +242,8 @@ def flat_copies(copies: Sequence[Copy2D]) -> tuple[npt.NDArray[np.uint64], ...]:
 class CopyMove:
     """A move prepared as copy-engine copies (``prepare``); ``run`` issues them on the current stream and
     returns once they are done. Planned again when the host slots changed since the last run. ``batched``:
-    every row of the plan as one copy of one batch (the driver's ``cuMemcpyBatchAsync``, copy engines
-    preferred) instead of one 2D copy each."""
+    every row of the plan as one 1D copy of a batch (the driver's ``cuMemcpyBatchAsync``, copy engines
+    preferred) instead of one 2D copy each; ``batches`` holds, per stream, its sub-batches in issue order."""
 
     def __init__(
         self,
@@ -263,7 +267,7 @@ class CopyMove:
         self.streams = max(1, streams)
         self.slots: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
         self.handles: list[Any] = []
-        self.batches: list[Any] = []
+        self.batches: list[list[Any]] = []
         self.copies: list[Copy2D] = []
         self.issued = 0
         self.count = 0
@@ -281,8 +285,12 @@ class CopyMove:
             order = np.argsort(obj, kind="stable")  # host memory in address order
             kv, obj, size = kv[order], obj[order], size[order]
             dst, src = (kv, obj) if to_kv else (obj, kv)
-            self.batches = [  # one batch per stream, each a run of the host addresses
-                self.nat.make_batch(dst[c].tobytes(), src[c].tobytes(), size[c].tobytes())
+            make = self.nat.make_batch
+            self.batches = [  # per stream a run of the host addresses, in sub-batches
+                [
+                    make(dst[a:z].tobytes(), src[a:z].tobytes(), size[a:z].tobytes())
+                    for a, z in sub_batches(int(c[0]), int(c[-1]) + 1)
+                ]
                 for c in np.array_split(np.arange(len(size)), min(self.streams, len(size)))
                 if len(c)
             ]
@@ -325,8 +333,8 @@ class CopyMove:
         )
 
     def _run_batches(self) -> None:
-        """Issue each batch on a stream of its own, after the current stream's work; the current stream then
-        waits for all of them."""
+        """Issue each stream's batch on a stream of its own, after the current stream's work, the streams'
+        sub-batches in turn; the current stream then waits for all of them."""
         import torch
 
         from tiercache.gpu.launch import current_stream
@@ -334,11 +342,16 @@ class CopyMove:
         sides = _SIDES.setdefault(self.index, [])
         while len(sides) < len(self.batches):
             sides.append(torch.cuda.Stream(self.index))
+        sides = sides[: len(self.batches)]
         cur = current_stream(self.index)
-        for side, batch in zip(sides, self.batches, strict=False):
+        for side in sides:
             side.wait_stream(cur)
-            _check(self.nat.batch(batch, side.cuda_stream))
-        for side in sides[: len(self.batches)]:
+        handles = [side.cuda_stream for side in sides]
+        for turn in itertools.zip_longest(*self.batches):
+            for handle, batch in zip(handles, turn, strict=True):
+                if batch is not None:
+                    _check(self.nat.batch(batch, handle))
+        for side in sides:
             cur.wait_stream(side)
 
     def run(self) -> int:
@@ -354,7 +367,8 @@ class CopyMove:
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         if self.batches and stream != 0:
             if len(self.batches) == 1:
-                _check(nat.batch(self.batches[0], stream))
+                for batch in self.batches[0]:
+                    _check(nat.batch(batch, stream))
             else:
                 self._run_batches()
             _check(nat.sync(stream))
@@ -368,6 +382,20 @@ class CopyMove:
                 _check(nat.copy(h, stream))
         _check(nat.sync(stream))
         return self.count
+
+
+SUB_BATCH_FIRST = 16  # copies in a batch's first sub-batch: the copy engines start after issuing these
+SUB_BATCH_MAX = 256  # copies in a sub-batch at most: the driver's cost per call stays a small share
+
+
+def sub_batches(start: int, stop: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut in sub-batches of ``SUB_BATCH_FIRST`` copies doubling up to ``SUB_BATCH_MAX``:
+    the first is short, so the copy engines start soon, and the later ones long, so the calls stay few."""
+    cuts, size = [], SUB_BATCH_FIRST
+    while start < stop:
+        cuts.append((start, min(start + size, stop)))
+        start, size = cuts[-1][1], min(2 * size, SUB_BATCH_MAX)
+    return cuts
 
 
 def batches_supported(nat: Any) -> bool:

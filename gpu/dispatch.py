@@ -4,8 +4,9 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 
 - KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
   one pre-bound launch plus, unless trusted, the wait for its slot flags.
-- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool), slots on the host: 2D copies on
-  the copy engines, no kernel (``tiercache.gpu.copy_engine``), as ``HOST_PATH`` picks.
+- KV on CUDA, objects in pinned host memory (L1 views of the pinned pool), slots on the host: the copy
+  engines, no kernel (``tiercache.gpu.copy_engine``: 2D copies of long block runs, sub-batches of 1D copies
+  of shuffled blocks), as ``HOST_PATH`` picks.
 - Otherwise, KV on CUDA, objects in pinned host memory: from ``PIECED_MIN_BYTES`` to
   ``PIECED_MAX_BYTES``, staged in layer pieces with every step issued to the driver
   (``tiercache.gpu.layer_pieces``); below that one launch that reads / writes them in place over the bus;
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import KVCaches
     from tiercache.gpu.triton_kernels import BoundMove
 
-__all__ = ["gather", "host_path", "kernels_enabled", "scatter"]
+__all__ = ["copy_engine_way", "gather", "host_path", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
 # Moves into / out of pinned host memory from PIECED_MIN_BYTES to PIECED_MAX_BYTES are staged in layer pieces
@@ -54,16 +55,19 @@ ZERO_COPY_BYTES = 64 << 20
 PIECED_MIN_BYTES = 16 << 20  # the H200: over the bus ahead below 16 MiB, pieces ahead from 32 MiB
 PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger than the pipeline's groups
 # Which path moves KV to and from pinned host objects: "copy_engine" (tiercache.gpu.copy_engine: DMA only,
-# where it applies), "kernel" (the kernel paths above) or "auto": the copy engines where the slots are on the
-# host, a token's plane row is contiguous and the move's contiguous pieces average COPY_ENGINE_MIN_ROW_BYTES,
-# the kernel paths otherwise. On an H100 beside a model's matmuls (gpu_overlap_h100.json), 2D copies of 8 MiB
-# (block runs of 128 tokens at Llama-8B's shape) moved KV at 0.81-0.96 of the pinned ceiling with the model
-# -0.1-1.2 % slower, where the staged kernel paths cost it 0.2-4.3 %; copies of 1 MiB fell to 0.50-0.57, and
-# vLLM's [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone. Read from
-# TIERCACHE_GPU_HOST_PATH at import.
+# where it applies), "kernel" (the kernel paths above) or "auto": where the slots are on the host and a
+# token's plane row is contiguous, 2D copies on the copy engines when the move's contiguous pieces average
+# COPY_ENGINE_MIN_ROW_BYTES, sub-batches of 1D copies when they average COPY_ENGINE_BATCH_MIN_ROW_BYTES and
+# the move is COPY_ENGINE_BATCH_MIN_BYTES or more (None: never), the kernel paths otherwise. On an H100
+# beside a model's matmuls (gpu_overlap_h100.json), 2D copies of 8 MiB (block runs of 128 tokens at
+# Llama-8B's shape) moved KV at 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, where the
+# staged kernel paths cost it 0.2-4.3 %; copies of 1 MiB fell to 0.50-0.57, and vLLM's [NB, H, BS, K|V]
+# layout (a 256-byte row per head) at 0.18-0.19 alone. Read from TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")
 COPY_ENGINE_MIN_ROW_BYTES = 256 << 10
+COPY_ENGINE_BATCH_MIN_ROW_BYTES = 32 << 10  # a 16-token block of a plane at Llama-8B's shape (8 x 128 bf16)
+COPY_ENGINE_BATCH_MIN_BYTES: int | None = 32 << 20  # 256 tokens at that shape
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
@@ -169,8 +173,18 @@ def _host_move(
     choice = host_path()
     if choice != "kernel":
         ce = copy_engine.prepare(kv_caches, move)
-        if ce is not None and (choice == "copy_engine" or _copy_engine_ahead(ce)):
-            return ce
+        if ce is not None:
+            way = (
+                "2d"
+                if choice == "copy_engine"
+                else copy_engine_way(ce.geo.contiguous, ce.mean_row_bytes, nbytes)
+            )
+            if way == "2d":
+                return ce
+            if way == "batched":
+                batched = copy_engine.prepare(kv_caches, move, batched=True, checked_pinned=True)
+                if batched is not None:
+                    return batched
     if PIECED_MIN_BYTES <= nbytes <= PIECED_MAX_BYTES:
         pieced = layer_pieces.prepare(kv_caches, move, xfer)
         if pieced is not None:
@@ -178,9 +192,19 @@ def _host_move(
     return tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
 
 
-def _copy_engine_ahead(ce: CopyMove) -> bool:
-    """``auto``'s pick: contiguous token rows, pieces of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average."""
-    return ce.geo.contiguous and ce.mean_row_bytes >= COPY_ENGINE_MIN_ROW_BYTES
+def copy_engine_way(contiguous: bool, mean_row_bytes: float, nbytes: int) -> str | None:
+    """``auto``'s pick for a move of ``nbytes`` that the copy engines can take: "2d" (2D copies) for pieces
+    of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average, "batched" (sub-batches of 1D copies) for pieces of
+    ``COPY_ENGINE_BATCH_MIN_ROW_BYTES`` or more in a move of ``COPY_ENGINE_BATCH_MIN_BYTES`` or more, None
+    (the kernel paths) otherwise or where a token's plane row is not contiguous."""
+    if not contiguous:
+        return None
+    if mean_row_bytes >= COPY_ENGINE_MIN_ROW_BYTES:
+        return "2d"
+    least = COPY_ENGINE_BATCH_MIN_BYTES
+    if least is not None and nbytes >= least and mean_row_bytes >= COPY_ENGINE_BATCH_MIN_ROW_BYTES:
+        return "batched"
+    return None
 
 
 def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:

@@ -150,6 +150,22 @@ def test_a_plan_as_one_batch_of_1d_copies_moves_the_same_bytes(kind: LayoutKind)
         assert torch.equal(w, g)
 
 
+@given(start=st.integers(0, 5000), count=st.integers(0, 5000))
+@example(start=0, count=1)
+@example(start=7, count=copy_engine.SUB_BATCH_FIRST)
+def test_sub_batches_cover_a_batch_in_order_short_first(start: int, count: int) -> None:
+    cuts = copy_engine.sub_batches(start, start + count)
+    assert [a for a, _ in cuts] == [start, *(z for _, z in cuts)][: len(cuts)]  # back to back, in order
+    assert (cuts[-1][1] if cuts else start) == start + count
+    sizes = [z - a for a, z in cuts]
+    assert all(0 < n <= copy_engine.SUB_BATCH_MAX for n in sizes)
+    assert not sizes or sizes[0] == min(count, copy_engine.SUB_BATCH_FIRST)
+    full = sizes[:-1]  # every one but the last as long as the doubling allows
+    assert full == [
+        min(copy_engine.SUB_BATCH_FIRST << i, copy_engine.SUB_BATCH_MAX) for i in range(len(full))
+    ]
+
+
 def test_bad_slots_fail_before_anything_moves() -> None:
     layout, kv = kv_caches(LayoutKind.VLLM_LEGACY, True, 1)
     slots = torch.arange(8, dtype=torch.int64)
@@ -212,3 +228,29 @@ def test_the_host_path_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(dispatch, "HOST_PATH", "dma")
     with pytest.raises(ValueError, match="TIERCACHE_GPU_HOST_PATH must be one of auto, copy_engine, kernel"):
         dispatch.host_path()
+
+
+@given(
+    contiguous=st.booleans(),
+    row=st.integers(1, 1 << 20),
+    nbytes=st.integers(1, 1 << 31),
+    least=st.none() | st.integers(1, 1 << 31),
+)
+def test_auto_takes_2d_copies_for_long_runs_and_batches_for_large_moves_of_blocks(
+    contiguous: bool, row: int, nbytes: int, least: int | None
+) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_BYTES", least)
+        way = dispatch.copy_engine_way(contiguous, float(row), nbytes)
+    long_runs = row >= dispatch.COPY_ENGINE_MIN_ROW_BYTES
+    blocks = row >= dispatch.COPY_ENGINE_BATCH_MIN_ROW_BYTES and least is not None and nbytes >= least
+    assert way == (None if not contiguous else "2d" if long_runs else "batched" if blocks else None)
+
+
+def test_auto_batches_shuffled_16_token_blocks_of_a_llama_8b_move_of_256_tokens() -> None:
+    block_plane = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 dims, bf16
+    move = 2 * 32 * 256 * 8 * 128 * 2  # K and V of 32 layers, 256 tokens
+    assert dispatch.copy_engine_way(True, block_plane, move) == "batched"
+    assert dispatch.copy_engine_way(True, block_plane, move // 2) is None  # the kernels below it
+    assert dispatch.copy_engine_way(True, block_plane / 2, move) is None  # smaller pieces: the kernels
+    assert dispatch.copy_engine_way(False, block_plane, move) is None  # a piece per head: the kernels
