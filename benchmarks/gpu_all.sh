@@ -6,17 +6,15 @@
 # Usage: OUT=dir LMCACHE_SRC=<unpacked LMCache 0.5.6 source> [OVERLAP_ARGS=...] benchmarks/gpu_all.sh [part ...]
 #   parts: tests overlap vs_lmcache per_size server_two (default: all, in that order, meant to fit one 600 s
 #   command). The overlap part measures, over 5 rounds, the paths dispatch picks for pinned L1 and those the
-#   docs read the goals from; OVERLAP_ARGS replaces that (every path: "--rounds 5 --size-budget 250
-#   --ce-streams 4", about 470 s on its own).
+#   docs read the goals from; OVERLAP_ARGS replaces its arguments (every path: "--every-path --rounds 5
+#   --size-budget 250 --ce-streams 4", about 470 s on its own).
 set -u
 OUT=${OUT:-benchmarks/results}
 LMCACHE_SRC=${LMCACHE_SRC:?the unpacked LMCache 0.5.6 source (it has csrc/cuda)}
 HERE=$(cd "$(dirname "$0")" && pwd)
 LOG="$OUT/gpu_all.log"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} LMCACHE_BUILD_DIR=${LMCACHE_BUILD_DIR:-/tmp/lmc_build}
-EXPLORATION_PATHS=copy_engine_per_layer,copy_engine_runs8,copy_engine_runs4,copy_engine_batched_runs8,\
-copy_engine_flash,tiercache_flash,copy_engine_loop,copy_engine_loop_sequential,over_the_bus
-OVERLAP_ARGS=${OVERLAP_ARGS:---rounds 5 --size-budget 150 --skip-paths $EXPLORATION_PATHS}
+OVERLAP_ARGS=${OVERLAP_ARGS---rounds 5 --size-budget 150}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests overlap vs_lmcache per_size server_two)
 step() {  # name seconds command...: run it bounded, its stdout JSON to $OUT/name.json
