@@ -59,15 +59,17 @@ PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger tha
 # token's plane row is contiguous, 2D copies on the copy engines when the move's contiguous pieces average
 # COPY_ENGINE_MIN_ROW_BYTES, sub-batches of 1D copies when they average COPY_ENGINE_BATCH_MIN_ROW_BYTES and
 # the move is COPY_ENGINE_BATCH_MIN_BYTES or more (None: never), the kernel paths otherwise. On an H100
-# beside a model's matmuls (gpu_overlap_h100.json), 2D copies of 8 MiB (block runs of 128 tokens at
-# Llama-8B's shape) moved KV at 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, where the
-# staged kernel paths cost it 0.2-4.3 %; copies of 1 MiB fell to 0.50-0.57, and vLLM's [NB, H, BS, K|V]
-# layout (a 256-byte row per head) at 0.18-0.19 alone. Read from TIERCACHE_GPU_HOST_PATH at import.
+# beside a model's matmuls, 2D copies of 8 MiB (block runs of 128 tokens at Llama-8B's shape) moved KV at
+# 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, copies of 1 MiB at 0.50-0.57, and vLLM's
+# [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone (gpu_overlap_every_path_h100.json).
+# On a shuffled table of 16-token blocks the sub-batches moved KV at 0.51-0.69 of the ceiling, where the
+# kernel paths moved it at 0.73-0.97 with the model 2.5-4.6 % slower (gpu_overlap_h100.json): behind at
+# 256 and 4096 tokens, so auto never takes them. Read from TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")
 COPY_ENGINE_MIN_ROW_BYTES = 256 << 10
 COPY_ENGINE_BATCH_MIN_ROW_BYTES = 32 << 10  # a 16-token block of a plane at Llama-8B's shape (8 x 128 bf16)
-COPY_ENGINE_BATCH_MIN_BYTES: int | None = 32 << 20  # 256 tokens at that shape
+COPY_ENGINE_BATCH_MIN_BYTES: int | None = None  # never: behind the kernel paths at 256 and 4096 tokens
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 

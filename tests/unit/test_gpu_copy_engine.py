@@ -247,9 +247,14 @@ def test_auto_takes_2d_copies_for_long_runs_and_batches_for_large_moves_of_block
     assert way == (None if not contiguous else "2d" if long_runs else "batched" if blocks else None)
 
 
-def test_auto_batches_shuffled_16_token_blocks_of_a_llama_8b_move_of_256_tokens() -> None:
+def test_auto_leaves_shuffled_16_token_blocks_to_the_kernels_unless_a_batch_size_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     block_plane = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 dims, bf16
     move = 2 * 32 * 256 * 8 * 128 * 2  # K and V of 32 layers, 256 tokens
+    assert dispatch.copy_engine_way(True, block_plane, move) is None  # measured behind the kernel paths
+    assert dispatch.copy_engine_way(True, dispatch.COPY_ENGINE_MIN_ROW_BYTES, move) == "2d"  # long runs
+    monkeypatch.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_BYTES", move)
     assert dispatch.copy_engine_way(True, block_plane, move) == "batched"
     assert dispatch.copy_engine_way(True, block_plane, move // 2) is None  # the kernels below it
     assert dispatch.copy_engine_way(True, block_plane / 2, move) is None  # smaller pieces: the kernels
