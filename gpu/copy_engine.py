@@ -291,8 +291,8 @@ class CopyMove:
                     make(dst[a:z].tobytes(), src[a:z].tobytes(), size[a:z].tobytes())
                     for a, z in sub_batches(int(c[0]), int(c[-1]) + 1)
                 ]
-                for c in np.array_split(np.arange(len(size)), min(self.streams, len(size)))
-                if len(c)
+                for c in np.array_split(np.arange(len(size)), max(1, min(self.streams, len(size))))
+                if len(c)  # a move with no copies (every slot < 0) has no batches
             ]
             self.issued = len(size)
         else:
@@ -347,12 +347,14 @@ class CopyMove:
         for side in sides:
             side.wait_stream(cur)
         handles = [side.cuda_stream for side in sides]
-        for turn in itertools.zip_longest(*self.batches):
-            for handle, batch in zip(handles, turn, strict=True):
-                if batch is not None:
-                    _check(self.nat.batch(batch, handle))
-        for side in sides:
-            cur.wait_stream(side)
+        try:
+            for turn in itertools.zip_longest(*self.batches):
+                for handle, batch in zip(handles, turn, strict=True):
+                    if batch is not None:
+                        _check(self.nat.batch(batch, handle))
+        finally:  # the current stream waits for what was issued, a failed issue too
+            for side in sides:
+                cur.wait_stream(side)
 
     def run(self) -> int:
         """Issue the copies on the current stream and wait for them: the tokens written per layer (a gather's
@@ -365,22 +367,24 @@ class CopyMove:
         nat = self.nat
         _check(nat.context(self.index))
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        if self.batches and stream != 0:
-            if len(self.batches) == 1:
-                for batch in self.batches[0]:
-                    _check(nat.batch(batch, stream))
+        try:
+            if self.batches and stream != 0:
+                if len(self.batches) == 1:
+                    for batch in self.batches[0]:
+                        _check(nat.batch(batch, stream))
+                else:
+                    self._run_batches()
             else:
-                self._run_batches()
-            _check(nat.sync(stream))
-            return self.count
-        if self.copies and not self.handles:  # batched, on the legacy default stream, which batches refuse
-            self._make_handles()
-        if getattr(nat, "copies", None) is not None:
-            _check(nat.copies(self.handles, stream))
-        else:  # an extension built before copies()
-            for h in self.handles:
-                _check(nat.copy(h, stream))
-        _check(nat.sync(stream))
+                if self.copies and not self.handles:  # batched, on the legacy default stream
+                    self._make_handles()
+                if getattr(nat, "copies", None) is not None:
+                    _check(nat.copies(self.handles, stream))
+                else:  # an extension built before copies()
+                    for h in self.handles:
+                        _check(nat.copy(h, stream))
+        finally:  # what was issued is done before the caller lets the objects go, after a failed issue too
+            status = nat.sync(stream)
+        _check(status)
         return self.count
 
 

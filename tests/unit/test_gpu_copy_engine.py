@@ -166,6 +166,44 @@ def test_sub_batches_cover_a_batch_in_order_short_first(start: int, count: int) 
     ]
 
 
+class _BatchAddresses:
+    """The launch extension's batch maker, on CPU: each sub-batch's destination, source and size arrays."""
+
+    def make_batch(self, dst: bytes, src: bytes, size: bytes) -> tuple[np.ndarray, ...]:
+        return tuple(np.frombuffer(b, dtype=np.uint64) for b in (dst, src, size))
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_batched_plan_cuts_its_copies_in_host_order_into_sub_batches_per_stream(streams: int) -> None:
+    layout, kv = kv_caches(LayoutKind.VLLM_LEGACY, True, 1)
+    slots = blocks_table(np.random.default_rng(5), 22, shuffled=True)
+    spans = [(0, 8), (8, 22)]
+    move = Move.gather(layout, slots, spans, objects(layout, spans, range(L)))
+    geo = copy_engine.geometry(kv, move)
+    assert geo is not None
+    prepared = copy_engine.CopyMove(kv, move, geo, 0, True, _BatchAddresses(), True, streams)
+    kv_at, obj_at, size = copy_engine.flat_copies(copy_engine.plan(geo, move, slots.numpy())[0])
+    assert len(size) > copy_engine.SUB_BATCH_FIRST  # more than one sub-batch
+    order = np.argsort(obj_at, kind="stable")
+    assert len(prepared.batches) == streams
+    issued = [np.concatenate([b[i] for per in prepared.batches for b in per]) for i in range(3)]
+    for got, want in zip(issued, (obj_at[order], kv_at[order], size[order]), strict=True):
+        assert np.array_equal(got, want)  # a gather: to the objects, from the KV, in host address order
+    for per in prepared.batches:
+        n = sum(len(b[2]) for b in per)
+        assert [len(b[2]) for b in per] == [z - a for a, z in copy_engine.sub_batches(0, n)]
+
+
+def test_a_batched_move_with_nothing_to_copy_has_no_batches() -> None:
+    layout, kv = kv_caches(LayoutKind.VLLM_LEGACY, True, 1)
+    slots = torch.full((8,), -1, dtype=torch.int64)  # a scatter leaves slots < 0 alone
+    move = Move.scatter(layout, slots, [(0, 8)], objects(layout, [(0, 8)], range(L)))
+    geo = copy_engine.geometry(kv, move)
+    assert geo is not None
+    prepared = copy_engine.CopyMove(kv, move, geo, 0, True, _BatchAddresses(), True, 2)
+    assert (prepared.batches, prepared.issued) == ([], 0)
+
+
 def test_bad_slots_fail_before_anything_moves() -> None:
     layout, kv = kv_caches(LayoutKind.VLLM_LEGACY, True, 1)
     slots = torch.arange(8, dtype=torch.int64)
