@@ -45,6 +45,8 @@ without that path while the size's ``--size-budget`` lasts. So the run always fi
 to ``--out`` after each size, else printed at the end) holds what was measured and what hung.
 
 Usage: ``python benchmarks/gpu_overlap.py --lmcache-src DIR --out benchmarks/results/gpu_overlap_<dev>.json``.
+The paths in ``EXPLORATION_PATHS`` (block runs of 4 / 8, per-layer copies, vLLM's layout, the loops, the
+kernel over the bus, dispatch's kernel paths forced) run only with ``--every-path``.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ memory. ``prepare(..., batched=True)`` issues every row of the plan as one 1D co
 doubling size (``sub_batches``): the driver takes about as long to issue a 32 KiB copy as the bus takes to
 carry it, and a batch starts moving only once it is issued, so the copy engines carry one sub-batch while the
 next is issued. ``streams=k`` cuts the batch in ``k`` on as many streams (small copies: faster in some
-rounds, erratic in others, ``gpu_overlap_copy_streams_h100.json``). ``prepare`` returns
-None where the path does not apply. Slots are checked on the host before anything moves (``ValueError`` as
-the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves slots < 0 alone.
+rounds, erratic in others, ``gpu_overlap_copy_streams_h100.json``, measured before the sub-batches).
+``prepare`` returns None where the path does not apply. Slots are checked on the host before anything
+moves (``ValueError`` as the reference: a gather's slot < 0, any slot past the paged KV); a scatter leaves
+slots < 0 alone.
 ``run_on_host`` carries out a plan with ``memmove`` on CPU tensors: the CPU reference of the address
 arithmetic that tests hold against ``tiercache.gpu.reference``.
 """

@@ -5,8 +5,8 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 - KV on CUDA, objects on the same device: one Triton launch (``triton_kernels``); a move run again costs
   one pre-bound launch plus, unless trusted, the wait for its slot flags.
 - KV on CUDA, objects in pinned host memory (L1 views of the pinned pool), slots on the host: the copy
-  engines, no kernel (``tiercache.gpu.copy_engine``: 2D copies of long block runs, sub-batches of 1D copies
-  of shuffled blocks), as ``HOST_PATH`` picks.
+  engines, no kernel (``tiercache.gpu.copy_engine``: 2D copies of long block runs), as ``HOST_PATH``
+  picks.
 - Otherwise, KV on CUDA, objects in pinned host memory: from ``PIECED_MIN_BYTES`` to
   ``PIECED_MAX_BYTES``, staged in layer pieces with every step issued to the driver
   (``tiercache.gpu.layer_pieces``); below that one launch that reads / writes them in place over the bus;
@@ -165,7 +165,7 @@ def _host_move(
     kv_caches: KVCaches, move: Move, xfer: transfer.Transfer, nbytes: int
 ) -> CopyMove | PiecedMove | BoundMove | None:
     """The prepared run of a move of ``nbytes`` to or from pinned objects: on the copy engines where they
-    take it (``host_path``; ``auto``: pieces of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average), else
+    take it (``host_path``; ``auto``: as ``copy_engine_way`` picks), else
     staged in layer pieces from ``PIECED_MIN_BYTES`` to ``PIECED_MAX_BYTES`` (where the launch extension can
     issue the copies), else up to ``ZERO_COPY_BYTES`` one kernel over the bus; None for the object-group
     pipeline."""
