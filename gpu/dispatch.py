@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import KVCaches
     from tiercache.gpu.triton_kernels import BoundMove
 
-__all__ = ["copy_engine_way", "gather", "host_path", "kernels_enabled", "scatter"]
+__all__ = ["copy_engine_ahead", "gather", "host_path", "kernels_enabled", "scatter"]
 
 _TRITON_OK: bool | None = None
 # Moves into / out of pinned host memory from PIECED_MIN_BYTES to PIECED_MAX_BYTES are staged in layer pieces
@@ -55,21 +55,19 @@ ZERO_COPY_BYTES = 64 << 20
 PIECED_MIN_BYTES = 16 << 20  # the H200: over the bus ahead below 16 MiB, pieces ahead from 32 MiB
 PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger than the pipeline's groups
 # Which path moves KV to and from pinned host objects: "copy_engine" (tiercache.gpu.copy_engine: DMA only,
-# where it applies), "kernel" (the kernel paths above) or "auto": where the slots are on the host and a
-# token's plane row is contiguous, 2D copies on the copy engines when the move's contiguous pieces average
-# COPY_ENGINE_MIN_ROW_BYTES, sub-batches of 1D copies when they average COPY_ENGINE_BATCH_MIN_ROW_BYTES and
-# the move is COPY_ENGINE_BATCH_MIN_BYTES or more (None: never), the kernel paths otherwise. On an H100
+# where it applies), "kernel" (the kernel paths above) or "auto": 2D copies on the copy engines where the
+# slots are on the host, a token's plane row is contiguous and the move's contiguous pieces average
+# COPY_ENGINE_MIN_ROW_BYTES, the kernel paths otherwise. On an H100
 # beside a model's matmuls, 2D copies of 8 MiB (block runs of 128 tokens at Llama-8B's shape) moved KV at
 # 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, copies of 1 MiB at 0.50-0.57, and vLLM's
 # [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone (gpu_overlap_every_path_h100.json).
-# On a shuffled table of 16-token blocks the sub-batches moved KV at 0.51-0.69 of the ceiling, where the
-# kernel paths moved it at 0.73-0.97 with the model 2.5-4.6 % slower (gpu_overlap_h100.json): behind at
-# 256 and 4096 tokens, so auto never takes them. Read from TIERCACHE_GPU_HOST_PATH at import.
+# On a shuffled table of 16-token blocks the copy engines' sub-batches of 1D copies moved KV at 0.51-0.69
+# of the ceiling, where the kernel paths moved it at 0.73-0.97 with the model 2.5-4.6 % slower
+# (gpu_overlap_h100.json): behind at 256 and 4096 tokens, so auto leaves such tables to the kernel paths.
+# Read from TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")
 COPY_ENGINE_MIN_ROW_BYTES = 256 << 10
-COPY_ENGINE_BATCH_MIN_ROW_BYTES = 32 << 10  # a 16-token block of a plane at Llama-8B's shape (8 x 128 bf16)
-COPY_ENGINE_BATCH_MIN_BYTES: int | None = None  # never: behind the kernel paths at 256 and 4096 tokens
 _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepared[id(kv_caches)])
 
 
@@ -165,7 +163,7 @@ def _host_move(
     kv_caches: KVCaches, move: Move, xfer: transfer.Transfer, nbytes: int
 ) -> CopyMove | PiecedMove | BoundMove | None:
     """The prepared run of a move of ``nbytes`` to or from pinned objects: on the copy engines where they
-    take it (``host_path``; ``auto``: as ``copy_engine_way`` picks), else
+    take it (``host_path``; ``auto``: where ``copy_engine_ahead``), else
     staged in layer pieces from ``PIECED_MIN_BYTES`` to ``PIECED_MAX_BYTES`` (where the launch extension can
     issue the copies), else up to ``ZERO_COPY_BYTES`` one kernel over the bus; None for the object-group
     pipeline."""
@@ -175,18 +173,10 @@ def _host_move(
     choice = host_path()
     if choice != "kernel":
         ce = copy_engine.prepare(kv_caches, move)
-        if ce is not None:
-            way = (
-                "2d"
-                if choice == "copy_engine"
-                else copy_engine_way(ce.geo.contiguous, ce.mean_row_bytes, nbytes)
-            )
-            if way == "2d":
-                return ce
-            if way == "batched":
-                batched = copy_engine.prepare(kv_caches, move, batched=True, checked_pinned=True)
-                if batched is not None:
-                    return batched
+        if ce is not None and (
+            choice == "copy_engine" or copy_engine_ahead(ce.geo.contiguous, ce.mean_row_bytes)
+        ):
+            return ce
     if PIECED_MIN_BYTES <= nbytes <= PIECED_MAX_BYTES:
         pieced = layer_pieces.prepare(kv_caches, move, xfer)
         if pieced is not None:
@@ -194,19 +184,10 @@ def _host_move(
     return tk.bind(kv_caches, move, host=True) if nbytes <= ZERO_COPY_BYTES else None
 
 
-def copy_engine_way(contiguous: bool, mean_row_bytes: float, nbytes: int) -> str | None:
-    """``auto``'s pick for a move of ``nbytes`` that the copy engines can take: "2d" (2D copies) for pieces
-    of ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average, "batched" (sub-batches of 1D copies) for pieces of
-    ``COPY_ENGINE_BATCH_MIN_ROW_BYTES`` or more in a move of ``COPY_ENGINE_BATCH_MIN_BYTES`` or more, None
-    (the kernel paths) otherwise or where a token's plane row is not contiguous."""
-    if not contiguous:
-        return None
-    if mean_row_bytes >= COPY_ENGINE_MIN_ROW_BYTES:
-        return "2d"
-    least = COPY_ENGINE_BATCH_MIN_BYTES
-    if least is not None and nbytes >= least and mean_row_bytes >= COPY_ENGINE_BATCH_MIN_ROW_BYTES:
-        return "batched"
-    return None
+def copy_engine_ahead(contiguous: bool, mean_row_bytes: float) -> bool:
+    """``auto``'s pick of the copy engines' 2D copies: contiguous token rows, pieces of
+    ``COPY_ENGINE_MIN_ROW_BYTES`` or more on average."""
+    return contiguous and mean_row_bytes >= COPY_ENGINE_MIN_ROW_BYTES
 
 
 def _fp8_run(kv_caches: KVCaches, move: Move) -> int | None:

@@ -137,34 +137,6 @@ def test_dispatch_takes_the_copy_engines_as_set(monkeypatch: pytest.MonkeyPatch)
     assert any(isinstance(p[2], copy_engine.CopyMove) for p in picked)
 
 
-def test_auto_batches_moves_of_short_pieces_from_the_set_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache.gpu import launch
-
-    nat = launch.native_copies()
-    assert nat is not None
-    if not copy_engine.batches_supported(nat):
-        pytest.skip("the driver has no batched copies")
-    layout, kv = make_kv(LayoutKind.VLLM_LEGACY, False, 1)  # vLLM's allocations: a tensor per layer
-    slots = slots_of(2)
-    want = [torch.empty(object_spec(layout, e - s).shape, dtype=torch.bfloat16) for s, e in SPANS]
-    reference.gather(kv, Move.gather(layout, slots, SPANS, want))
-    monkeypatch.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_ROW_BYTES", 1)
-    for least, taken in ((1 << 40, False), (1, True)):
-        monkeypatch.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_BYTES", least)
-        outs = pinned_objects(layout, SPANS)
-        move = Move.gather(layout, slots, SPANS, outs)
-        with torch.cuda.stream(torch.cuda.Stream()):  # batches refuse the legacy default stream
-            dispatch.gather(kv, move)
-            picked = [p[2] for p in move.prepared.values() if isinstance(p, tuple) and len(p) > 2]
-            assert any(isinstance(p, copy_engine.CopyMove) and p.batched for p in picked) == taken, least
-            assert all(torch.equal(bits(w), bits(o)) for w, o in zip(want, outs, strict=True))
-            _, dst = make_kv(LayoutKind.VLLM_LEGACY, False, 3)
-            assert dispatch.scatter(dst, Move.scatter(layout, slots, SPANS, outs)) == N
-            back = [torch.empty_like(w) for w in want]
-            reference.gather(dst, Move.gather(layout, slots.to(DEV), SPANS, back))
-            assert all(torch.equal(bits(w), bits(b.cpu())) for w, b in zip(want, back, strict=True))
-
-
 def test_2d_copies_by_default_batches_where_the_driver_has_them() -> None:
     from tiercache.gpu import launch
 

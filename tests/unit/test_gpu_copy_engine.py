@@ -268,32 +268,9 @@ def test_the_host_path_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
         dispatch.host_path()
 
 
-@given(
-    contiguous=st.booleans(),
-    row=st.integers(1, 1 << 20),
-    nbytes=st.integers(1, 1 << 31),
-    least=st.none() | st.integers(1, 1 << 31),
-)
-def test_auto_takes_2d_copies_for_long_runs_and_batches_for_large_moves_of_blocks(
-    contiguous: bool, row: int, nbytes: int, least: int | None
-) -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_BYTES", least)
-        way = dispatch.copy_engine_way(contiguous, float(row), nbytes)
-    long_runs = row >= dispatch.COPY_ENGINE_MIN_ROW_BYTES
-    blocks = row >= dispatch.COPY_ENGINE_BATCH_MIN_ROW_BYTES and least is not None and nbytes >= least
-    assert way == (None if not contiguous else "2d" if long_runs else "batched" if blocks else None)
-
-
-def test_auto_leaves_shuffled_16_token_blocks_to_the_kernels_unless_a_batch_size_is_set(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    block_plane = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 dims, bf16
-    move = 2 * 32 * 256 * 8 * 128 * 2  # K and V of 32 layers, 256 tokens
-    assert dispatch.copy_engine_way(True, block_plane, move) is None  # measured behind the kernel paths
-    assert dispatch.copy_engine_way(True, dispatch.COPY_ENGINE_MIN_ROW_BYTES, move) == "2d"  # long runs
-    monkeypatch.setattr(dispatch, "COPY_ENGINE_BATCH_MIN_BYTES", move)
-    assert dispatch.copy_engine_way(True, block_plane, move) == "batched"
-    assert dispatch.copy_engine_way(True, block_plane, move // 2) is None  # the kernels below it
-    assert dispatch.copy_engine_way(True, block_plane / 2, move) is None  # smaller pieces: the kernels
-    assert dispatch.copy_engine_way(False, block_plane, move) is None  # a piece per head: the kernels
+def test_auto_takes_the_copy_engines_for_long_block_runs_and_leaves_shuffled_blocks_to_the_kernels() -> None:
+    block_plane = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 dims, bf16: a shuffled table's piece
+    assert not dispatch.copy_engine_ahead(True, block_plane)  # measured behind the kernel paths
+    assert dispatch.copy_engine_ahead(True, dispatch.COPY_ENGINE_MIN_ROW_BYTES)  # runs of 128 such blocks
+    assert not dispatch.copy_engine_ahead(True, dispatch.COPY_ENGINE_MIN_ROW_BYTES - 1)
+    assert not dispatch.copy_engine_ahead(False, dispatch.COPY_ENGINE_MIN_ROW_BYTES)  # a piece per head
