@@ -68,11 +68,7 @@ PYTEST := $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadsc
 unit: install
 	$(PYTEST)
 
-test: system-deps install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
-	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
-	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+test: system-deps lint typecheck  # lint: ruff check, ruff format --check, import contracts
 	$(PYTEST)
 
 # Reliability campaign (docs/reliability.md): each writes its JSON (and the soak its plot) under benchmarks/results/.
