@@ -300,6 +300,22 @@ def _vs_pinned_copy(
     }
 
 
+def vs_floor(
+    fn: Callable[[], object], go: Callable[[], object], checked: bool, rounds: int = 7
+) -> dict[str, Any]:
+    """The floor's time over the call's, in interleaved rounds of 41 each (median and every round): the floor
+    is the call's bound launch alone, waited for as the call is (a checked call waits for its own kernel with
+    one driver call and is timed until it returns; a trusted one until a ``torch.cuda.synchronize()``)."""
+    ratios = []
+    for _ in range(rounds):
+        if checked:
+            floor, call = wall_time(go, reps=41, wait=stream_wait), returns_time(fn, reps=41)
+        else:
+            floor, call = wall_time(go, reps=41), wall_time(fn, reps=41)
+        ratios.append(floor / call)
+    return {"median": statistics.median(ratios), "rounds": ratios}
+
+
 def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
     """Whole public calls against the kernel's device time and the pinned ceiling, at each of ``SIZES``."""
     from tiercache.gpu import dispatch
@@ -324,7 +340,9 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         # floors, timed as the calls below: the bound launch alone (one driver call, nothing above it) and
         # torch's own device copy of the same bytes; what any call from Python pays from an idle device
         gbound = tk.bind(kv, Move.gather(layout, sl, sp, objs, trusted=True))
+        sbound = tk.bind(kv2, Move.scatter(layout, sl2, sp, objs, trusted=True))
         assert gbound is not None
+        assert sbound is not None
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
         flat_dst = torch.empty_like(flat_src)
         t_copy = cuda_time(lambda: flat_dst.copy_(flat_src), reps=50)  # noqa: B023
@@ -365,6 +383,9 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
                 "host_us": host_time(fn) * 1e6,
                 "back_to_back_vs_kernel": t_kernel / back_to_back_time(fn),
             }
+            row[name]["vs_floor_interleaved"] = vs_floor(
+                fn, sbound.go if "scatter" in name else gbound.go, checked
+            )
             if checked:
                 row[name]["call_with_extra_sync_vs_kernel"] = t_kernel / wall_time(fn, reps=201, warmup=5)
             else:  # the same call, waited for on its stream alone
@@ -419,6 +440,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         "time of the same launch; host_us: wall time until the call returns minus nothing (a checked call "
         "waits for its kernel); back_to_back: 32 calls with one wait at the end, per call, vs the kernel; "
         "floors: the bound launch alone and torch's device copy, each call's wall time vs device time; "
+        "vs_floor_interleaved: the call's own bound launch alone (waited for as the call is) over the call, "
+        "in interleaved rounds; "
         "pinned: wall time of the call vs device time of one pinned copy, interleaved"
     )
     return out
