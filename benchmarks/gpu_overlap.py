@@ -77,11 +77,14 @@ HD = H * D
 ELEM = 2  # bf16
 D2H, H2D = 1, 0  # LMCache's directions
 SLOW_PATHS = ("lmcache", "over_the_bus")  # SMs over the bus: the model runs several times slower beside them
-# left out unless --every-path: 2D runs of 4/8 blocks, per-layer and per-run copies, vLLM's [NB, H, BS, K|V]
-# layout, the forced kernel over the bus (none a path dispatch picks for pinned L1 or a goal is read from),
-# and dispatch's kernel paths forced (the same moves as tiercache wherever auto picks them, as for this table)
+# left out unless --every-path: 2D runs of 4/8 blocks, per-layer and per-run copies, the library's batched
+# 1D copies, vLLM's [NB, H, BS, K|V] layout, the forced kernel over the bus (none a path dispatch picks for
+# pinned L1 or a goal is read from), and dispatch's kernel paths forced (the same moves as tiercache wherever
+# auto picks them, as for this table)
 EXPLORATION_PATHS = (
     "tiercache_kernels",
+    "copy_engine_batched",
+    "copy_engine_batched_sequential",
     "copy_engine_per_layer",
     "copy_engine_runs8",
     "copy_engine_runs4",
