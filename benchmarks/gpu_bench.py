@@ -341,8 +341,13 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         # torch's own device copy of the same bytes; what any call from Python pays from an idle device
         gbound = tk.bind(kv, Move.gather(layout, sl, sp, objs, trusted=True))
         sbound = tk.bind(kv2, Move.scatter(layout, sl2, sp, objs, trusted=True))
+        # a checked call's floor is its own checked launch (the kernel checks the slots and sets the flags)
+        gchecked = tk.bind(kv, Move.gather(layout, sl, sp, objs))
+        schecked = tk.bind(kv2, Move.scatter(layout, sl2, sp, objs))
         assert gbound is not None
+        assert gchecked is not None
         assert sbound is not None
+        assert schecked is not None
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
         flat_dst = torch.empty_like(flat_src)
         t_copy = cuda_time(lambda: flat_dst.copy_(flat_src), reps=50)  # noqa: B023
@@ -383,9 +388,10 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
                 "host_us": host_time(fn) * 1e6,
                 "back_to_back_vs_kernel": t_kernel / back_to_back_time(fn),
             }
-            row[name]["vs_floor_interleaved"] = vs_floor(
-                fn, sbound.go if "scatter" in name else gbound.go, checked
+            own = (
+                (schecked if checked else sbound) if "scatter" in name else (gchecked if checked else gbound)
             )
+            row[name]["vs_floor_interleaved"] = vs_floor(fn, own.go, checked)
             if checked:
                 row[name]["call_with_extra_sync_vs_kernel"] = t_kernel / wall_time(fn, reps=201, warmup=5)
             else:  # the same call, waited for on its stream alone
@@ -440,7 +446,8 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         "time of the same launch; host_us: wall time until the call returns minus nothing (a checked call "
         "waits for its kernel); back_to_back: 32 calls with one wait at the end, per call, vs the kernel; "
         "floors: the bound launch alone and torch's device copy, each call's wall time vs device time; "
-        "vs_floor_interleaved: the call's own bound launch alone (waited for as the call is) over the call, "
+        "vs_floor_interleaved: the call's own bound launch alone (the checked launch for a checked call, "
+        "waited for as the call is) over the call, "
         "in interleaved rounds; "
         "pinned: wall time of the call vs device time of one pinned copy, interleaved"
     )
