@@ -61,10 +61,11 @@ PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger tha
 # beside a model's matmuls, 2D copies of 8 MiB (block runs of 128 tokens at Llama-8B's shape) moved KV at
 # 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, copies of 1 MiB at 0.50-0.57, and vLLM's
 # [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone (gpu_overlap_every_path_h100.json).
-# On a shuffled table of 16-token blocks the copy engines' sub-batches of 1D copies moved KV at 0.45-0.63
-# of the ceiling (gpu_overlap_every_path_h100.json), 2D copies of 1 MiB at 0.51-0.58, where the kernel paths
-# moved it at 0.77-0.97 with the model 1.3-5.9 % slower (gpu_overlap_h100.json): behind at 256 and 4096
-# tokens, so auto leaves such tables to the kernel paths.
+# On a shuffled table of 16-token blocks the copy engines' batches of 1D copies moved KV at 0.45-0.69 of the
+# ceiling (whole or in sub-batches, over two runs), 2D copies of 1 MiB at 0.50-0.58, where the kernel paths
+# moved it at 0.76-0.98 with the model 0.2-5.9 % slower (gpu_overlap_h100.json,
+# gpu_overlap_every_path_h100.json): behind at 256 and 4096 tokens, so auto leaves such tables to the kernel
+# paths.
 # Read from TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")
