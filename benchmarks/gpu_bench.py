@@ -348,6 +348,12 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
         assert gchecked is not None
         assert sbound is not None
         assert schecked is not None
+        floor_launch = {  # (direction, checked) -> the call's own bound launch
+            ("gather", False): gbound,
+            ("gather", True): gchecked,
+            ("scatter", False): sbound,
+            ("scatter", True): schecked,
+        }
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_(1, 255)
         flat_dst = torch.empty_like(flat_src)
         t_copy = cuda_time(lambda: flat_dst.copy_(flat_src), reps=50)  # noqa: B023
@@ -388,9 +394,7 @@ def per_size(layout: PagedLayout, kv: list[torch.Tensor], slots: torch.Tensor) -
                 "host_us": host_time(fn) * 1e6,
                 "back_to_back_vs_kernel": t_kernel / back_to_back_time(fn),
             }
-            own = (
-                (schecked if checked else sbound) if "scatter" in name else (gchecked if checked else gbound)
-            )
+            own = floor_launch[("scatter" if "scatter" in name else "gather", checked)]
             row[name]["vs_floor_interleaved"] = vs_floor(fn, own.go, checked)
             if checked:
                 row[name]["call_with_extra_sync_vs_kernel"] = t_kernel / wall_time(fn, reps=201, warmup=5)

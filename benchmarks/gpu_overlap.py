@@ -389,14 +389,19 @@ def child(args: argparse.Namespace) -> None:
         "tiercache_kernels", kv, kv_t, sl_host, {"attrs": [(dispatch, "HOST_PATH")], "values": ["kernel"]}
     )
     probe = torch.empty((2, L, n, HD), dtype=torch.bfloat16, device="meta")
-    geo = copy_engine.geometry(kv, Move.gather(layout, sl_host, [(0, n)], [probe]))
-    meta["vllm_like_allocations_layer_pitch"] = None if geo is None else geo.layer_pitch
+
+    def layer_pitch(layers: list[torch.Tensor]) -> int | None:
+        """The one pitch these layer tensors lie at, None where they lie apart."""
+        geo = copy_engine.geometry(layers, Move.gather(layout, sl_host, [(0, n)], [probe]))
+        return None if geo is None else geo.layer_pitch
+
+    meta["vllm_like_allocations_layer_pitch"] = layer_pitch(kv)
     # vLLM's own allocation, one int8 torch.zeros per layer back to back at start-up: at one pitch?
     zeros = [torch.zeros(kv[0].numel() * ELEM, dtype=torch.int8, device=gb.DEV) for _ in range(L)]
-    zkv = [z.view(torch.bfloat16).view(kv[0].shape) for z in zeros]
-    geo = copy_engine.geometry(zkv, Move.gather(layout, sl_host, [(0, n)], [probe]))
-    meta["vllm_zeros_allocations_layer_pitch"] = None if geo is None else geo.layer_pitch
-    del zeros, zkv
+    meta["vllm_zeros_allocations_layer_pitch"] = layer_pitch(
+        [z.view(torch.bfloat16).view(kv[0].shape) for z in zeros]
+    )
+    del zeros
 
     # the copy-engine path of the library, forced
     ce_paths = [
