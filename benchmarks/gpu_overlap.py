@@ -12,32 +12,34 @@ host memory (L1 objects for tiercache's paths).
 
 Transfer paths, each run back to back on another stream from a second thread (at most two moves queued):
 ``tiercache`` (``dispatch.gather`` / ``scatter`` with the slots on the host, as the vLLM connector passes
-them: the path dispatch picks; ``tiercache_kernels``: its kernel paths only), ``tiercache_device_slots``
-(the same with the slot mapping on the device: layer pieces or the object pipeline), its ``over_the_bus``
-kernel (SMs read / write host memory in place) and ``object_pipeline`` (kernel into device staging, copy
-engine to host) forced; ``copy_engine``
-(``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers as rows, on KV whose layers
-lie at one pitch), the same with runs of 8 and 4 blocks in order (``copy_engine_runs8`` / ``_runs4``) and a
-sequential table (``copy_engine_sequential``); its batched 1D copies instead (a copy per block run, plane
-and layer, in sub-batches of ``cuMemcpyBatchAsync``: ``copy_engine_batched``, ``_batched_runs8``,
-``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D copy per block run and layer, for layers
-anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through
-``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch (``tiercache_flash``);
-``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's
-stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync``
-per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one
-``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the batch cut into
-``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``, and the library's batch so cut:
-``copy_engine_batched_streams<k>``); ``--green-paths`` with the
-mover's stream in a CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on
-those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and
-round: the path's rate alone, then the model's time for ``--forwards`` forwards back to back with the path
-moving against the mean of a window alone just before and one just after (so the device's drift cancels;
-how far those two differ is the round's noise, ``model_alone_spread_percent``), and the path's rate meanwhile
-(rates from the moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the
-model several times, with the model in the first round only). ``pinned_copy``'s own cost to the model is
-the least any path that moves the same bytes can cost it. Bit-exact checks: every path's stored object
-equals the reference gather, and a retrieve of it gives back the KV.
+them: the path dispatch picks; ``tiercache_kernels``: its kernel paths only), ``tiercache_device_slots`` (the
+same with the slot mapping on the device: layer pieces or the object pipeline), its ``over_the_bus`` kernel
+(SMs read / write host memory in place) and ``object_pipeline`` (kernel into device staging, copy engine to
+host) forced; ``copy_engine`` (``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers
+as rows, on KV whose layers lie at one pitch), the same with runs of 8 and 4 blocks in order
+(``copy_engine_runs8`` / ``_runs4``) and a sequential table (``copy_engine_sequential``); its batched 1D
+copies instead (a copy per block run, plane and layer, in sub-batches of ``cuMemcpyBatchAsync``:
+``copy_engine_batched``, ``_batched_runs8``, ``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D
+copy per block run and layer, for layers anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations
+through ``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch
+(``tiercache_flash``); vLLM's block-outermost ``BLNHC`` allocation (the connector's ``kv_layout = "blocks"``:
+every layer's page of a block in one run) through dispatch (``tiercache_blocks``: objects of whole blocks, one
+copy per run of consecutive blocks on the copy engines); ``lmcache`` (LMCache 0.5.6's
+``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's stream; ``--lmcache-src`` as
+for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync`` per move, one copy per
+contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one ``cudaMemcpyAsync`` per run; up
+to 1024 tokens), shuffled and sequential, and the batch cut into ``--ce-streams`` batches on as many streams
+(``copy_engine_batch_streams<k>``, and the library's batch so cut: ``copy_engine_batched_streams<k>``);
+``--green-paths`` with the mover's stream in a CUDA green context of each ``--mover-sms`` count
+(``<path>_sms<k>``: their kernels on those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes:
+the ceiling). Per path, direction and round: the path's rate alone, then the model's time for ``--forwards``
+forwards back to back with the path moving against the mean of a window alone just before and one just after
+(so the device's drift cancels; how far those two differ is the round's noise,
+``model_alone_spread_percent``), and the path's rate meanwhile (rates from the moves' completion times;
+medians over rounds; the SM-over-the-bus paths, which slow the model several times, with the model in the
+first round only). ``pinned_copy``'s own cost to the model is the least any path that moves the same bytes can
+cost it. Bit-exact checks: every path's stored object equals the reference gather, and a retrieve of it gives
+back the KV.
 
 Every size runs in a child process that reports each sample as it ends; a sample that outlasts
 ``--sample-budget`` has every thread's stack dumped to stderr and ends the child, which is started again
@@ -109,7 +111,17 @@ def child(args: argparse.Namespace) -> None:
     import gpu_bench as gb
     import torch
 
-    from tiercache.gpu import LayoutKind, Move, copy_engine, dispatch, layer_pieces, object_spec, reference
+    from tiercache.gpu import (
+        LayoutKind,
+        Move,
+        PagedLayout,
+        block_pages,
+        copy_engine,
+        dispatch,
+        layer_pieces,
+        object_spec,
+        reference,
+    )
     from tiercache.store.l1 import L1Cache
 
     def emit(**ev: Any) -> None:
@@ -312,9 +324,10 @@ def child(args: argparse.Namespace) -> None:
         store: Callable[[], object],
         load: Callable[[], object],
         lay: Any = layout,
+        ref_back: torch.Tensor | None = None,
     ) -> bool:
         """Run ``store`` then ``load`` once (a hang ends the child like a sample's); record whether both are
-        bit-exact; True if they ran."""
+        bit-exact (the retrieve against ``ref_back``, default ``ref``); True if they ran."""
         emit(event="start", key=f"{name}:setup")
         faulthandler.dump_traceback_later(args.sample_budget, exit=True)
         try:
@@ -330,7 +343,9 @@ def child(args: argparse.Namespace) -> None:
             with torch.cuda.stream(side):
                 load()
             torch.cuda.synchronize()
-            checks[f"{name}_retrieve"] = torch.equal(retrieved(kvx_t, s_, lay), ref)
+            checks[f"{name}_retrieve"] = torch.equal(
+                retrieved(kvx_t, s_, lay), ref if ref_back is None else ref_back
+            )
         except Exception as exc:  # recorded; the other paths still run
             emit(event="error", key=f"{name}:setup", error=repr(exc))
             return False
@@ -481,6 +496,53 @@ def child(args: argparse.Namespace) -> None:
                 type(p[2]).__name__ for p in gf.prepared.values() if isinstance(p, tuple) and len(p) > 2
             ]
             paths["tiercache_flash"] = (lambda: dispatch.gather(kvf, gf), lambda: dispatch.scatter(kvf_t, sf))
+
+    # vLLM's block-outermost BLNHC allocation (the connector's kv_layout = "blocks"): objects of whole blocks
+    if "tiercache_blocks" not in skip:
+        blay = PagedLayout(LayoutKind.VLLM_BLOCKS, L, H, D, BS, "bfloat16")
+        page = BS * HD * 2  # elements of one layer's page of a block
+
+        def blnhc(seed: int) -> list[torch.Tensor]:
+            g = torch.Generator(device=gb.DEV).manual_seed(seed)
+            buf = torch.randint(
+                -30000, 30000, (nb * L * page,), generator=g, device=gb.DEV, dtype=torch.int16
+            )
+            flat = buf.view(torch.bfloat16)
+            return [
+                flat.as_strided((nb, H, BS, 2 * D), (L * page, 2 * D, H * 2 * D, 1), i * page)
+                for i in range(L)
+            ]
+
+        kvb, kvb_t = blnhc(25), blnhc(26)
+        outs_b = [torch.empty((2, L, e - s, HD), dtype=torch.bfloat16, device=gb.DEV) for s, e in sp]
+        reference.gather(kvb, Move.gather(blay, sl.to(gb.DEV), sp, outs_b))
+        want_b = gb.bits(torch.cat(outs_b, dim=2).cpu())  # the objects side by side, as check compares them
+        want_b_back = retrieved(kvb, sl, blay)
+        del outs_b
+        houts = l1_objects("tiercache_blocks")
+        gblk, sblk = Move.gather(blay, sl_host, sp, houts), Move.scatter(blay, sl_host, sp, houts)
+        if check(
+            "tiercache_blocks",
+            houts,
+            want_b,
+            kvb_t,
+            sl,
+            lambda: dispatch.gather(kvb, gblk),
+            lambda: dispatch.scatter(kvb_t, sblk),
+            blay,
+            want_b_back,
+        ):
+            view, pages = block_pages.as_pages(kvb, gblk)
+            picked = pages.prepared.get(id(view))
+            taken = picked[2] if isinstance(picked, tuple) and len(picked) > 2 else None
+            meta.setdefault("dispatch_picked", {})["tiercache_blocks"] = [type(taken).__name__]
+            if isinstance(taken, copy_engine.CopyMove):
+                meta.setdefault("copies_per_move", {})["tiercache_blocks"] = taken.issued
+                meta.setdefault("mean_row_bytes", {})["tiercache_blocks"] = taken.mean_row_bytes
+            paths["tiercache_blocks"] = (
+                lambda: dispatch.gather(kvb, gblk),
+                lambda: dispatch.scatter(kvb_t, sblk),
+            )
 
     if lmc is not None and "lmcache" not in skip:
         lhost = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)

@@ -2,7 +2,9 @@
 """Moves between CUDA paged KV and pinned host objects on the copy engines alone: no kernel, so a model
 running beside them keeps every SM.
 
-A move becomes 2D copies (``plan``), per run of tokens whose KV follows at the token pitch (consecutive
+A move of whole pages (``CPU_BLOCKS``, and ``VLLM_BLOCKS`` as ``tiercache.gpu.block_pages`` makes it one: a
+block of every layer in one run of bytes) becomes one copy per run of consecutive blocks. A move of tokens
+becomes 2D copies (``plan``), per run of tokens whose KV follows at the token pitch (consecutive
 slots of a block, or of blocks that follow each other). Where a token's row of a plane is contiguous
 (``VLLM_LEGACY``, ``VLLM_MLA``): one copy per run and plane, its rows the move's layers, when the layer
 tensors lie at one pitch in device memory (``layer_rows``), else one per run and layer, its rows the planes
@@ -97,10 +99,11 @@ class Geometry(NamedTuple):
 def geometry(kv_caches: KVCaches, move: Move) -> Geometry | None:
     """The ``Geometry`` of ``move``'s layout on ``kv_caches``, or None where the layers differ in shape, dtype
     or strides, or a token's plane row is not whole heads at one pitch with the tokens of a block at that
-    pitch times the heads (``CPU_BLOCKS``, vLLM's HND allocation)."""
+    pitch times the heads (vLLM's HND allocation), or a page of whole pages (``CPU_BLOCKS``) is not dense.
+    ``VLLM_BLOCKS``: None (``tiercache.gpu.block_pages`` makes its moves page moves first)."""
     layout = move.layout
     layers = layer_tensors(kv_caches)
-    if len(layers) != layout.num_layers or layout.kind is LayoutKind.CPU_BLOCKS:
+    if len(layers) != layout.num_layers or layout.kind is LayoutKind.VLLM_BLOCKS:
         return None
     first = layers[0]
     if any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype for t in layers):
@@ -109,6 +112,14 @@ def geometry(kv_caches: KVCaches, move: Move) -> Geometry | None:
     st = [x * e for x in first.stride()]
     h, d = layout.num_kv_heads, layout.head_dim
     row = h * d * e
+    if layout.block_aligned:  # whole pages (CPU_BLOCKS), each dense: a token's row is a share of its page
+        nb = first.shape[0]
+        if nb and not first[0].is_contiguous():
+            return None
+        bases = tuple(t.data_ptr() for t in layers)
+        share = layout.page_elems * e // layout.block_size
+        bs = layout.block_size
+        return Geometry(bases, 1, 0, st[0], share, share, 1, share, share, bs, nb * bs, None)
     if layout.kind is LayoutKind.VLLM_LEGACY:  # [2, NB, BS, H, D]: heads back to back
         if st[4] != e or (h > 1 and st[3] != d * e):
             return None
@@ -156,6 +167,8 @@ def plan(
     move), else one per run and layer with the planes as rows. Rows in pieces: one copy per run, plane and
     layer with the pieces as rows. ``ValueError`` for a slot past the paged KV and a gather's slot < 0,
     before any copy is made."""
+    if move.layout.block_aligned:
+        return _page_plan(geo, move, slots)
     layers = move.layers
     nl = len(layers)
     pitch = geo.layer_pitch if layer_rows and nl > geo.planes else None
@@ -204,6 +217,45 @@ def plan(
                         kv = geo.bases[layer] + p * geo.plane_stride + kv_off
                         obj_at = base + (p * nl + j) * t * row + at
                         copies.append(Copy2D(kv, width, obj_at, width, width, 1))
+    return copies, count
+
+
+def _page_plan(geo: Geometry, move: Move, slots: npt.NDArray[np.int64]) -> tuple[list[Copy2D], int]:
+    """The copies of a move of whole pages (``CPU_BLOCKS``, and ``VLLM_BLOCKS`` as ``block_pages`` makes it
+    one): per layer, one copy per run of consecutive blocks (one row where the blocks lie back to back, else
+    a row per page); a scatter leaves its skipped pages and the pages of slots < 0 alone. Spans, skips and
+    slots are checked as the reference checks them (``ValueError``), before any copy is made."""
+    from tiercache.gpu.reference import block_firsts
+
+    bs = geo.block_size
+    page = geo.row * bs
+    layers = move.layers
+    final = int(slots.shape[0])
+    copies: list[Copy2D] = []
+    count = 0
+    for (s, e), k, obj in zip(move.spans, move.span_skips, move.objects, strict=True):
+        if k == e - s:
+            continue
+        if k % bs:
+            raise ValueError(f"skip_prefix {k} is not a multiple of block_size {bs}; whole pages move")
+        firsts = block_firsts(slots, bs, geo.n_slots, (s + k, e), e == final, move.is_scatter)
+        count += int(np.count_nonzero(slots[s + k : e] >= 0))
+        blocks = np.where(firsts >= 0, firsts // bs, -1)
+        cut = np.ones(blocks.size, dtype=bool)
+        cut[1:] = (blocks[1:] != blocks[:-1] + 1) | (blocks[1:] < 0) | (blocks[:-1] < 0)
+        starts = np.flatnonzero(cut)
+        ends = np.append(starts[1:], blocks.size)
+        pages, p0, base = -(-(e - s) // bs), k // bs, obj.data_ptr()
+        for a, z in zip(starts.tolist(), ends.tolist(), strict=True):
+            if blocks[a] < 0:
+                continue
+            for j, layer in enumerate(layers):
+                kv = geo.bases[layer] + int(blocks[a]) * geo.block_stride
+                at = base + (j * pages + p0 + a) * page
+                if geo.block_stride == page:
+                    copies.append(Copy2D(kv, (z - a) * page, at, (z - a) * page, (z - a) * page, 1))
+                else:
+                    copies.append(Copy2D(kv, geo.block_stride, at, page, page, z - a))
     return copies, count
 
 

@@ -16,7 +16,10 @@ Same semantics as ``tiercache.gpu.reference`` (bit-exact, ``ValueError`` on bad 
 - An fp8 move (``Move.gather_fp8`` / ``Move.scatter_fp8``) on CUDA: the fused fp8 kernel on device
   payloads (pinned host payloads read / written in place by ``triton_kernels`` when called directly), the
   staged pipeline of ``tiercache.gpu.fp8_transfer`` for host payloads (an fp8 L1).
-- Anything else (CPU tensors, CPU_BLOCKS, triton missing, layers with different strides, misaligned
+- Whole pages (``CPU_BLOCKS``; ``VLLM_BLOCKS`` as ``tiercache.gpu.block_pages`` makes its moves page moves):
+  the copy engines between CUDA KV and pinned host objects with the slots on the host (one copy per run of
+  consecutive blocks), the reference otherwise.
+- Anything else (CPU tensors, triton missing, layers with different strides, misaligned
   pointers) or ``TIERCACHE_GPU_KERNELS=0``: the torch reference.
 """
 
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache.errors import Unsupported
-from tiercache.gpu import reference
+from tiercache.gpu import block_pages, reference
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
 from tiercache.gpu.move import Move
 
@@ -76,7 +79,7 @@ _REFERENCE = "reference"  # the path a move took on some KV caches (Move.prepare
 def kernels_enabled(kv_caches: KVCaches, layout: PagedLayout) -> bool:
     """True when this call would try the Triton path (CUDA tensors, a token layout, triton importable)."""
     global _TRITON_OK
-    if os.environ.get("TIERCACHE_GPU_KERNELS", "1") == "0" or layout.kind is LayoutKind.CPU_BLOCKS:
+    if os.environ.get("TIERCACHE_GPU_KERNELS", "1") == "0" or layout.block_aligned:
         return False
     layers = layer_tensors(kv_caches)
     if not layers or layers[0].device.type != "cuda":
@@ -110,9 +113,11 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
                 return bound.run()  # type: ignore[no-any-return]
         elif path == _REFERENCE:
             return None
+    if move.layout.block_aligned:
+        return _pages_run(kv_caches, move)
     if move.fp8:
         return _fp8_run(kv_caches, move)
-    if not move.objects or not kernels_enabled(kv_caches, move.layout):  # CPU KV, CPU_BLOCKS, no triton
+    if not move.objects or not kernels_enabled(kv_caches, move.layout):  # CPU KV, no triton
         move.prepared[id(kv_caches)] = (_REFERENCE, kv_caches)
         return None
     from tiercache.gpu import transfer
@@ -150,6 +155,27 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
         path, n = _REFERENCE, None
     move.prepared[id(kv_caches)] = (path, kv_caches)
     return n
+
+
+def _pages_run(kv_caches: KVCaches, move: Move) -> int | None:
+    """Run a move of whole pages on the copy engines (CUDA KV, pinned host objects, slots on the host,
+    ``host_path`` not ``kernel``): the tokens written, or None when the reference must do it."""
+    from tiercache.gpu import copy_engine
+
+    layers = layer_tensors(kv_caches)
+    ce = None
+    if (
+        not move.fp8
+        and host_path() != "kernel"
+        and layers[0].device.type == "cuda"
+        and _where(move.objects, layers[0].device) == "host"
+    ):
+        ce = copy_engine.prepare(kv_caches, move)
+    if ce is None:
+        move.prepared[id(kv_caches)] = (_REFERENCE, kv_caches)
+        return None
+    move.prepared[id(kv_caches)] = ("bound", kv_caches, ce)
+    return ce.run()
 
 
 def host_path() -> str:
@@ -221,6 +247,8 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
     Triton launch, or the staged pipeline into host objects, on CUDA; the reference elsewhere."""
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
+    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
+        kv_caches, move = block_pages.as_pages(kv_caches, move)
     if _kernel_run(kv_caches, move) is None:
         reference.gather(kv_caches, move)
 
@@ -231,6 +259,8 @@ def scatter(kv_caches: KVCaches, move: Move) -> int:
     skips)."""
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
+    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
+        kv_caches, move = block_pages.as_pages(kv_caches, move)
     n = _kernel_run(kv_caches, move)
     if n is None:
         return reference.scatter(kv_caches, move)

@@ -11,8 +11,13 @@ Kinds (per-layer tensor shapes; H = kv heads, D = head size, BS = block size, NB
   so a block is an opaque page and is only ever copied whole. Objects of this kind hold the raw pages in
   order (layer-major, then block), padded up to whole blocks; their bytes are only meaningful to an engine
   with the same CPU layout, block size and model shape, which ``fingerprint`` encodes (own keyspace).
+- ``VLLM_BLOCKS``: vLLM's block-outermost ``BLNHC`` allocation (``[NB, L, BS, H, 2*D]`` in memory, handed
+  over as per-layer ``[NB, H, BS, 2*D]`` views): every layer's page of a block lies in one run of bytes.
+  Moved as whole blocks of every layer (``tiercache.gpu.block_pages``: one copy per run of blocks, no
+  kernel); its objects hold those runs in block order, padded up to whole blocks, and are only meaningful
+  to an engine with the same allocation, block size and model shape (own keyspace, as ``CPU_BLOCKS``).
 
-No torch import here: ``detect_layout`` only reads ``.shape``, ``.dtype`` and ``.device`` of the tensors.
+No torch import here: ``detect_layout`` only reads the tensors' shape, dtype, device, strides and addresses.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "LayoutKind",
     "PagedLayout",
     "ReadPlan",
+    "block_pages_problem",
     "check_spans",
     "detect_layout",
     "fp8_payload_nbytes",
@@ -52,6 +58,7 @@ class LayoutKind(enum.Enum):
     VLLM_MLA = "vllm_mla"
     VLLM_LEGACY = "vllm_legacy"
     CPU_BLOCKS = "cpu_blocks"
+    VLLM_BLOCKS = "vllm_blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,7 @@ _KIND_INFO: dict[LayoutKind, _KindInfo] = {
     LayoutKind.VLLM_MLA: _KindInfo(KVFormat.KV_MLA, 4, block_aligned=False),
     LayoutKind.VLLM_LEGACY: _KindInfo(KVFormat.KV_2LTD, 5, block_aligned=False),
     LayoutKind.CPU_BLOCKS: _KindInfo(KVFormat.KV_2LTD, 4, block_aligned=True),
+    LayoutKind.VLLM_BLOCKS: _KindInfo(KVFormat.KV_2LTD, 4, block_aligned=True),
 }
 
 
@@ -136,7 +144,7 @@ class PagedLayout:
         """Compatibility string for the keyspace: equal fingerprints mean interchangeable L1 objects.
 
         K/V layouts (FLASH, LEGACY) share one fingerprint, since they gather into the same KV_2LTD objects;
-        CPU_BLOCKS objects are page-ordered bytes, so kind and block size are part of theirs.
+        CPU_BLOCKS and VLLM_BLOCKS objects are page-ordered bytes, so kind and block size are part of theirs.
         """
         base = (
             f"{self.object_format.name}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}:{self.dtype}"
@@ -209,6 +217,10 @@ def detect_layout(
     shape = shapes[0]
     dtype = dtype_name(first.dtype)
     candidates = _candidates(shape, block_size, num_kv_heads, head_dim, use_mla, _cpu_backend_possible(first))
+    if kind is LayoutKind.VLLM_BLOCKS:
+        candidates = [(kind, h, d) for k, h, d in candidates if k is LayoutKind.VLLM_FLASH]
+        if len(candidates) == 1 and (problem := block_pages_problem(layers, *candidates[0][1:])):
+            raise ValueError(f"KV cache tensors are not vLLM's BLNHC allocation: {problem}")
     if kind is not None:
         candidates = [c for c in candidates if c[0] is kind]
         if not candidates:
@@ -225,6 +237,29 @@ def detect_layout(
         )
     k, h, d = candidates[0]
     return PagedLayout(k, len(layers), h, d, block_size, dtype)
+
+
+def block_pages_problem(layers: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int) -> str | None:
+    """Why per-layer ``[NB, H, BS, 2*D]`` views are not one ``BLNHC`` allocation, or None when they are: each
+    layer's page of a block dense in ``[BS, H, 2*D]`` order, the layers' pages of a block back to back (layer
+    ``l`` ``l`` pages after layer 0), the blocks at least every layer's pages apart."""
+    first = layers[0]
+    nb, h, bs, c = first.shape
+    if (h, c) != (num_kv_heads, 2 * head_dim):
+        return f"shape {tuple(first.shape)} is not [NB, {num_kv_heads}, BS, {2 * head_dim}]"
+    strides = {tuple(t.stride()) for t in layers}
+    if len(strides) != 1:
+        return f"the layers' strides differ: {sorted(strides)}"
+    s_blk, s_head, s_tok, s_c = strides.pop()
+    if (s_c != 1 and c > 1) or (s_head != c and h > 1) or (s_tok != h * c and bs > 1):
+        return f"a page is not dense in [BS, H, 2*D] order (strides {first.stride()})"
+    page = h * bs * c * first.element_size()
+    bases = [t.data_ptr() for t in layers]
+    if any(b - bases[0] != i * page for i, b in enumerate(bases)):
+        return f"the layers' pages of a block are not back to back ({page} bytes apart)"
+    if nb > 1 and s_blk * first.element_size() < len(layers) * page:
+        return f"blocks {s_blk * first.element_size()} bytes apart, less than every layer's pages"
+    return None
 
 
 def _cpu_backend_possible(layer: torch.Tensor) -> bool:

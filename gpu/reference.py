@@ -3,7 +3,8 @@
 Per span and layer this is one vectorized index op per KV plane (``index_select`` into the object, or
 ``index_copy_`` into the paged view); there is no per-token Python loop. Data moves as same-width integer bit
 patterns, so every dtype (fp8 included) round-trips exactly. Slots are ``block_id * block_size + offset``.
-CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``index_copy_`` per layer.
+CPU_BLOCKS layouts move whole blocks (opaque pages) with one ``index_select``/``index_copy_`` per layer;
+VLLM_BLOCKS moves run as such page moves (``block_pages``: a block of every layer is one page).
 CPU tensors take the native row kernel when it is built (``cpu_rows``: one call for all spans and layers).
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from tiercache import fp8_math
-from tiercache.gpu import cpu_rows
+from tiercache.gpu import block_pages, cpu_rows
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors, object_spec
 from tiercache.gpu.move import Move
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
     from tiercache.gpu.layouts import KVCaches
 
-__all__ = ["gather", "scatter"]
+__all__ = ["block_firsts", "gather", "scatter"]
 
 _BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -46,6 +47,8 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
     """
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
+    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
+        kv_caches, move = block_pages.as_pages(kv_caches, move)
     if move.fp8:
         _gather_fp8(kv_caches, move)
         return
@@ -62,6 +65,8 @@ def scatter(kv_caches: KVCaches, move: Move) -> int:
     """
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
+    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
+        kv_caches, move = block_pages.as_pages(kv_caches, move)
     objects = _decode_fp8(kv_caches, move) if move.fp8 else move.objects
     return _scatter(
         move.layers, objects, kv_caches, move.layout, move.slot_mapping, move.spans, move.span_skips
@@ -251,7 +256,7 @@ def _block_offsets(tokens: int, block_size: int) -> npt.NDArray[np.int64]:
     return offs
 
 
-def _block_firsts(
+def block_firsts(
     slots: npt.NDArray[np.int64],
     block_size: int,
     n_slots: int,
@@ -305,7 +310,7 @@ def _gather(
     final = int(slot_mapping.shape[0])
     for (start, end), obj in zip(spans, out, strict=True):
         if page_slots is not None:  # CPU_BLOCKS
-            firsts = _block_firsts(page_slots, layout.block_size, n_slots, (start, end), end == final, False)
+            firsts = block_firsts(page_slots, layout.block_size, n_slots, (start, end), end == final, False)
             blocks = torch.from_numpy(firsts // layout.block_size)
             job = _page_job(geo, obj, len(firsts), blocks, 0, device)
             idx = blocks
@@ -367,7 +372,7 @@ def _scatter(
                 raise ValueError(
                     f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
                 )
-            firsts = _block_firsts(page_slots, bs, n_slots, (start + skip, end), end == final, True)
+            firsts = block_firsts(page_slots, bs, n_slots, (start + skip, end), end == final, True)
             kept = int(np.count_nonzero(page_slots[start + skip : end] >= 0))
             if not kept:
                 continue

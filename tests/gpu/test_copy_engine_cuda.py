@@ -188,3 +188,55 @@ def test_runs_from_another_thread_on_its_stream() -> None:
     assert not t.is_alive()
     assert not errors
     assert all(torch.equal(bits(w), bits(o)) for w, o in zip(want, outs, strict=True))
+
+
+def blnhc(seed: int, gap: int = 0) -> tuple[PagedLayout, list[torch.Tensor], torch.Tensor]:
+    """vLLM's block-outermost BLNHC allocation of ``L`` layers (4 heads of 64, bf16): per-layer
+    ``[NB, H, BS, 2D]`` views of one buffer whose blocks hold every layer's page back to back, then ``gap``
+    elements of padding; and the buffer as [NB, block] rows."""
+    heads, dim = 4, 64
+    layout = PagedLayout(LayoutKind.VLLM_BLOCKS, L, heads, dim, BS, "bfloat16")
+    page = heads * BS * 2 * dim
+    block = L * page + gap
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    buf = torch.randint(0, 30000, (NB * block,), generator=g, device=DEV, dtype=torch.int16).view(
+        torch.bfloat16
+    )
+    kv = [
+        buf.as_strided((NB, heads, BS, 2 * dim), (block, 2 * dim, heads * 2 * dim, 1), i * page)
+        for i in range(L)
+    ]
+    return layout, kv, buf.view(NB, block)
+
+
+@pytest.mark.parametrize("gap", [0, 64], ids=["packed", "padded"])
+def test_block_pages_take_the_copy_engines(gap: int) -> None:
+    """A shuffled table on vLLM's BLNHC allocation: dispatch moves whole blocks to and from pinned L1 objects
+    on the copy engines (no kernel), bit-exact against the reference, a scatter's skip, a hole and the
+    blocks' padding left alone."""
+    from tiercache.gpu import block_pages
+
+    layout, kv, _ = blnhc(1, gap)
+    n = N - 8  # the last block half filled
+    spans = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
+    slots = slots_of(2)[:n].contiguous()
+    outs = pinned_objects(layout, spans)
+    move = Move.gather(layout, slots, spans, outs)
+    dispatch.gather(kv, move)
+    view, pages = block_pages.as_pages(kv, move)
+    picked = pages.prepared[id(view)]
+    assert isinstance(picked[2], copy_engine.CopyMove)
+    want = [torch.empty(o.shape, dtype=o.dtype, device=DEV) for o in outs]
+    reference.gather(kv, Move.gather(layout, slots.to(DEV), spans, want))
+    for w, o in zip(want, outs, strict=True):
+        assert not sentinel_left(o)
+        assert torch.equal(bits(w), bits(o))
+    _, dst, dst_rows = blnhc(3, gap)
+    _, ref, ref_rows = blnhc(3, gap)
+    holes = slots.clone()
+    holes[208:224] = -1  # one block not on the GPU
+    skips = [BS] + [0] * (len(spans) - 1)
+    written = dispatch.scatter(dst, Move.scatter(layout, holes, spans, outs, skips))
+    assert written == reference.scatter(ref, Move.scatter(layout, holes.to(DEV), spans, outs, skips))
+    assert written == n - BS - BS
+    assert torch.equal(bits(dst_rows), bits(ref_rows))

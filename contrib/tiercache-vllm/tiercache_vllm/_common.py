@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from tiercache.config import Config
-    from tiercache.gpu.layouts import PagedLayout
+    from tiercache.gpu.layouts import LayoutKind, PagedLayout
     from tiercache.keys import KeySpace
     from tiercache.store.engine import CacheEngine, LookupResult
 
@@ -49,6 +49,7 @@ __all__ = [
     "model_fingerprint",
     "open_engine",
     "register_engine",
+    "requested_kv_layout",
     "shared_engine",
     "slot_mapping",
 ]
@@ -69,7 +70,10 @@ _EXTRA_KEYS: dict[str, tuple[type, ...]] = {
     "server": (str,),
     "keyspace_file": (str,),
     "window_checkpoint_tokens": (int,),
+    "kv_layout": (str,),
 }
+KV_LAYOUTS = ("layers", "blocks")
+"""``kv_layout`` values: vLLM's per-layer allocation, or its block-outermost ``BLNHC`` one (whole blocks)."""
 
 _RANGES: dict[str, tuple[float, float]] = {
     "lookup_timeout_s": (0.001, 3600.0),
@@ -121,6 +125,12 @@ class ConnectorSettings:
     window_checkpoint_tokens: int = 0
     """Windowed KV cache groups store only the chunks a load of a hit boundary reads: every multiple of this
     (a multiple of ``chunk_size``), and the prompt's last chunk boundary. 0: every chunk boundary."""
+    kv_layout: str = "layers"
+    """``layers``: vLLM's own choice of allocation; objects hold tokens, shared by every instance of the model
+    whatever its block size. ``blocks``: ask vLLM for its block-outermost ``BLNHC`` allocation (on a GPU, one
+    attention group, no MLA) and store whole blocks of every layer: a block moves to and from the pinned L1
+    as one copy on the copy engines, no kernel; objects are then shared only with instances that store blocks
+    of the same size. Where vLLM allocates otherwise, ``layers`` (one warning). Not with ``layerwise``."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -143,6 +153,13 @@ class ConnectorSettings:
             values["config"] = os.path.abspath(values["config"])
         if values.get("keyspace_file"):
             values["keyspace_file"] = os.path.abspath(values["keyspace_file"])
+        if values.get("kv_layout", "layers") not in KV_LAYOUTS:
+            raise ValueError(f"kv_connector_extra_config['kv_layout'] must be one of {KV_LAYOUTS}")
+        if values.get("kv_layout") == "blocks" and values.get("layerwise"):
+            raise ValueError(
+                "kv_connector_extra_config['kv_layout'] = 'blocks' moves whole blocks of every layer: "
+                "it cannot be combined with 'layerwise'"
+            )
         if values.get("key_source", "auto") not in KEY_SOURCES:
             raise ValueError(f"kv_connector_extra_config['key_source'] must be one of {KEY_SOURCES}")
         if "server" in values:
@@ -275,9 +292,10 @@ def layout_from_vllm(
     """The paged layout vLLM will hand the worker for KV cache group ``group``, from its configs alone (the
     scheduler has no tensors); ``NotImplementedError`` naming what cannot be cached (``_groups``).
 
-    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, otherwise ``VLLM_FLASH``; a
-    recurrent state group -> its state pages (``_state.state_layout``). Every attention group must share one
-    page format (heads, head size, dtype, vLLM's block size).
+    CPU platform -> ``CPU_BLOCKS`` (whole-block pages), MLA -> ``VLLM_MLA``, ``kv_layout = "blocks"`` on
+    vLLM's ``BLNHC`` allocation -> ``VLLM_BLOCKS``, otherwise ``VLLM_FLASH``; a recurrent state group -> its
+    state pages (``_state.state_layout``). Every attention group must share one page format (heads, head
+    size, dtype, vLLM's block size).
     """
     from vllm.platforms import current_platform
 
@@ -304,7 +322,7 @@ def layout_from_vllm(
     if use_mla:
         kind, heads = LayoutKind.VLLM_MLA, 1
     else:
-        kind = LayoutKind.CPU_BLOCKS if current_platform.is_cpu() else LayoutKind.VLLM_FLASH
+        kind = LayoutKind.CPU_BLOCKS if current_platform.is_cpu() else _gpu_kind(vllm_config, len(groups))
         heads = int(spec.num_kv_heads)
     return PagedLayout(
         kind,
@@ -314,6 +332,45 @@ def layout_from_vllm(
         block_size=int(spec.block_size),
         dtype=str(spec.dtype).removeprefix("torch."),
     )
+
+
+def requested_kv_layout(vllm_config: VllmConfig) -> str | None:
+    """The vLLM KV cache layout the connector asks for: ``BLNHC`` where ``kv_layout`` is ``blocks`` on a GPU
+    platform (vLLM's CPU attention has one layout), else None (vLLM's own choice)."""
+    from vllm.platforms import current_platform
+
+    return "BLNHC" if _blocks_asked(vllm_config) and not current_platform.is_cpu() else None
+
+
+def _blocks_asked(vllm_config: VllmConfig) -> bool:
+    """True where the connector's ``kv_layout`` setting is ``blocks``."""
+    transfer = vllm_config.kv_transfer_config
+    extra = getattr(transfer, "kv_connector_extra_config", None) if transfer is not None else None
+    return ConnectorSettings.from_extra(extra).kv_layout == "blocks"
+
+
+def _gpu_kind(vllm_config: VllmConfig, n_groups: int) -> LayoutKind:
+    """``VLLM_BLOCKS`` where the connector asked for ``BLNHC`` and vLLM allocated it for a model of one KV
+    cache group, else ``VLLM_FLASH`` (with one warning where blocks were asked for)."""
+    from tiercache.gpu.layouts import LayoutKind
+
+    if not _blocks_asked(vllm_config):
+        return LayoutKind.VLLM_FLASH
+    resolved = vllm_config.cache_config.kv_cache_layout
+    if resolved == "BLNHC" and n_groups == 1:
+        return LayoutKind.VLLM_BLOCKS
+    if not _WARNED_LAYOUT:
+        _WARNED_LAYOUT.append(True)
+        logger.warning(
+            "tiercache: kv_layout 'blocks' needs vLLM's BLNHC allocation and one KV cache group; vLLM "
+            "allocated %s for %d group(s): storing tokens (kv_layout 'layers')",
+            resolved,
+            n_groups,
+        )
+    return LayoutKind.VLLM_FLASH
+
+
+_WARNED_LAYOUT: list[bool] = []  # the kv_layout warning was logged in this process
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:

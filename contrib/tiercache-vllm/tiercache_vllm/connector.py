@@ -160,6 +160,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         atexit.register(self.shutdown)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``BLNHC`` (vLLM's block-outermost allocation) where ``kv_layout`` is ``blocks`` on a GPU, else
+        None: vLLM's own choice."""
+        from tiercache_vllm._common import requested_kv_layout
+
+        return requested_kv_layout(vllm_config)
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layerwise loads and saves run in per-layer hooks, which full CUDA-graph replay skips: ask for
         piecewise graphs then."""
