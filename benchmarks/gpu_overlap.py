@@ -24,22 +24,22 @@ copy per block run and layer, for layers anywhere); vLLM's own ``[NB, H, BS, K|V
 through ``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch
 (``tiercache_flash``); vLLM's block-outermost ``BLNHC`` allocation (the connector's ``kv_layout = "blocks"``:
 every layer's page of a block in one run) through dispatch (``tiercache_blocks``: objects of whole blocks, one
-copy per run of consecutive blocks on the copy engines); ``lmcache`` (LMCache 0.5.6's
-``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's stream; ``--lmcache-src`` as
-for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync`` per move, one copy per
-contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one ``cudaMemcpyAsync`` per run; up
-to 1024 tokens), shuffled and sequential, and the batch cut into ``--ce-streams`` batches on as many streams
-(``copy_engine_batch_streams<k>``, and the library's batch so cut: ``copy_engine_batched_streams<k>``);
-``--green-paths`` with the mover's stream in a CUDA green context of each ``--mover-sms`` count
-(``<path>_sms<k>``: their kernels on those SMs only); ``pinned_copy`` (one contiguous copy of the same bytes:
-the ceiling). Per path, direction and round: the path's rate alone, then the model's time for ``--forwards``
-forwards back to back with the path moving against the mean of a window alone just before and one just after
-(so the device's drift cancels; how far those two differ is the round's noise,
-``model_alone_spread_percent``), and the path's rate meanwhile (rates from the moves' completion times;
-medians over rounds; the SM-over-the-bus paths, which slow the model several times, with the model in the
-first round only). ``pinned_copy``'s own cost to the model is the least any path that moves the same bytes can
-cost it. Bit-exact checks: every path's stored object equals the reference gather, and a retrieve of it gives
-back the KV.
+copy per run of consecutive blocks on the copy engines, in one batch; ``copy_engine_blocks_2d``: the same
+copies issued one by one); ``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs
+over the bus, on the mover's stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch``
+(one ``cudaMemcpyBatchAsync`` per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and
+``copy_engine_loop`` (one ``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the
+batch cut into ``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``, and the
+library's batch so cut: ``copy_engine_batched_streams<k>``); ``--green-paths`` with the mover's stream in a
+CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on those SMs only);
+``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and round: the
+path's rate alone, then the model's time for ``--forwards`` forwards back to back with the path moving against
+the mean of a window alone just before and one just after (so the device's drift cancels; how far those two
+differ is the round's noise, ``model_alone_spread_percent``), and the path's rate meanwhile (rates from the
+moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the model several times,
+with the model in the first round only). ``pinned_copy``'s own cost to the model is the least any path that
+moves the same bytes can cost it. Bit-exact checks: every path's stored object equals the reference gather,
+and a retrieve of it gives back the KV.
 
 Every size runs in a child process that reports each sample as it ends; a sample that outlasts
 ``--sample-budget`` has every thread's stack dumped to stderr and ends the child, which is started again
@@ -539,10 +539,25 @@ def child(args: argparse.Namespace) -> None:
             if isinstance(taken, copy_engine.CopyMove):
                 meta.setdefault("copies_per_move", {})["tiercache_blocks"] = taken.issued
                 meta.setdefault("mean_row_bytes", {})["tiercache_blocks"] = taken.mean_row_bytes
+                meta.setdefault("batched", {})["tiercache_blocks"] = taken.batched
             paths["tiercache_blocks"] = (
                 lambda: dispatch.gather(kvb, gblk),
                 lambda: dispatch.scatter(kvb_t, sblk),
             )
+    if "tiercache_blocks" not in skip and "copy_engine_blocks_2d" not in skip:  # the same copies one by one
+        houts = l1_objects("copy_engine_blocks_2d")
+        view, pg = block_pages.as_pages(kvb, Move.gather(blay, sl_host, sp, houts))
+        view_t, ps = block_pages.as_pages(kvb_t, Move.scatter(blay, sl_host, sp, houts))
+        cg, cs = copy_engine.prepare(view, pg), copy_engine.prepare(view_t, ps)
+        if cg is None or cs is None:
+            emit(
+                event="error", key="copy_engine_blocks_2d:setup", error="copy_engine.prepare: not applicable"
+            )
+        else:
+            meta.setdefault("copies_per_move", {})["copy_engine_blocks_2d"] = cg.issued
+            meta.setdefault("batched", {})["copy_engine_blocks_2d"] = cg.batched
+            if check("copy_engine_blocks_2d", houts, want_b, kvb_t, sl, cg.run, cs.run, blay, want_b_back):
+                paths["copy_engine_blocks_2d"] = (cg.run, cs.run)
 
     if lmc is not None and "lmcache" not in skip:
         lhost = torch.empty((2, L, n, HD), dtype=torch.bfloat16, pin_memory=True)
