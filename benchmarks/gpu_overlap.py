@@ -10,36 +10,38 @@ layers, 8 KV heads, head_dim 128, bf16, block 16), vLLM's per-layer ``[2, NB, BS
 and, for some paths, a sequential one (long runs of blocks in order); objects ``[2, L, T, H*D]`` in pinned
 host memory (L1 objects for tiercache's paths).
 
-Transfer paths, each run back to back on another stream from a second thread (at most two moves queued):
-``tiercache`` (``dispatch.gather`` / ``scatter`` with the slots on the host, as the vLLM connector passes
-them: the path dispatch picks; ``tiercache_kernels``: its kernel paths only), ``tiercache_device_slots`` (the
-same with the slot mapping on the device: layer pieces or the object pipeline), its ``over_the_bus`` kernel
-(SMs read / write host memory in place) and ``object_pipeline`` (kernel into device staging, copy engine to
-host) forced; ``copy_engine`` (``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers
-as rows, on KV whose layers lie at one pitch), the same with runs of 8 and 4 blocks in order
-(``copy_engine_runs8`` / ``_runs4``) and a sequential table (``copy_engine_sequential``); its batched 1D
-copies instead (a copy per block run, plane and layer, in sub-batches of ``cuMemcpyBatchAsync``:
-``copy_engine_batched``, ``_batched_runs8``, ``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D
-copy per block run and layer, for layers anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations
-through ``copy_engine_flash`` (a copy per block run, plane and layer) and through dispatch
-(``tiercache_flash``); vLLM's block-outermost ``BLNHC`` allocation (the connector's ``kv_layout = "blocks"``:
-every layer's page of a block in one run) through dispatch (``tiercache_blocks``: objects of whole blocks, one
-copy per run of consecutive blocks on the copy engines, in one batch; ``copy_engine_blocks_2d``: the same
-copies issued one by one); ``lmcache`` (LMCache 0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs
-over the bus, on the mover's stream; ``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch``
-(one ``cudaMemcpyBatchAsync`` per move, one copy per contiguous block run and layer, ``ce_batch.cu``) and
-``copy_engine_loop`` (one ``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the
-batch cut into ``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``, and the
-library's batch so cut: ``copy_engine_batched_streams<k>``); ``--green-paths`` with the mover's stream in a
-CUDA green context of each ``--mover-sms`` count (``<path>_sms<k>``: their kernels on those SMs only);
-``pinned_copy`` (one contiguous copy of the same bytes: the ceiling). Per path, direction and round: the
-path's rate alone, then the model's time for ``--forwards`` forwards back to back with the path moving against
-the mean of a window alone just before and one just after (so the device's drift cancels; how far those two
-differ is the round's noise, ``model_alone_spread_percent``), and the path's rate meanwhile (rates from the
-moves' completion times; medians over rounds; the SM-over-the-bus paths, which slow the model several times,
-with the model in the first round only). ``pinned_copy``'s own cost to the model is the least any path that
-moves the same bytes can cost it. Bit-exact checks: every path's stored object equals the reference gather,
-and a retrieve of it gives back the KV.
+Transfer paths, each run back to back on another stream from a second thread (a library path seen done when
+its call returns, which is when its copies are done; the raw copies and LMCache's kernel, which return at
+once, followed by an event each and at most two moves queued): ``tiercache`` (``dispatch.gather`` /
+``scatter`` with the slots on the host, as the vLLM connector passes them: the path dispatch picks;
+``tiercache_kernels``: its kernel paths only), ``tiercache_device_slots`` (the same with the slot mapping on
+the device: layer pieces or the object pipeline), its ``over_the_bus`` kernel (SMs read / write host memory in
+place) and ``object_pipeline`` (kernel into device staging, copy engine to host) forced; ``copy_engine``
+(``tiercache.gpu.copy_engine``: one 2D copy per block run and plane, the layers as rows, on KV whose layers
+lie at one pitch), the same with runs of 8 and 4 blocks in order (``copy_engine_runs8`` / ``_runs4``) and a
+sequential table (``copy_engine_sequential``); its batched 1D copies instead (a copy per block run, plane and
+layer, in sub-batches of ``cuMemcpyBatchAsync``: ``copy_engine_batched``, ``_batched_runs8``,
+``_batched_sequential``) and ``copy_engine_per_layer`` (one 2D copy per block run and layer, for layers
+anywhere); vLLM's own ``[NB, H, BS, K|V]`` layout on NHD allocations through ``copy_engine_flash`` (a copy per
+block run, plane and layer) and through dispatch (``tiercache_flash``); vLLM's block-outermost ``BLNHC``
+allocation (the connector's ``kv_layout = "blocks"``: every layer's page of a block in one run) through
+dispatch (``tiercache_blocks``: objects of whole blocks, one copy per run of consecutive blocks on the copy
+engines, in one batch; ``copy_engine_blocks_2d``: the same copies issued one by one); ``lmcache`` (LMCache
+0.5.6's ``multi_layer_kv_transfer`` on a pinned object, SMs over the bus, on the mover's stream;
+``--lmcache-src`` as for ``vs_lmcache.py gpu``); ``copy_engine_batch`` (one ``cudaMemcpyBatchAsync`` per move,
+one copy per contiguous block run and layer, ``ce_batch.cu``) and ``copy_engine_loop`` (one
+``cudaMemcpyAsync`` per run; up to 1024 tokens), shuffled and sequential, and the batch cut into
+``--ce-streams`` batches on as many streams (``copy_engine_batch_streams<k>``, and the library's batch so cut:
+``copy_engine_batched_streams<k>``); ``--green-paths`` with the mover's stream in a CUDA green context of each
+``--mover-sms`` count (``<path>_sms<k>``: their kernels on those SMs only); ``pinned_copy`` (one contiguous
+copy of the same bytes: the ceiling). Per path, direction and round: the path's rate alone, then the model's
+time for ``--forwards`` forwards back to back with the path moving against the mean of a window alone just
+before and one just after (so the device's drift cancels; how far those two differ is the round's noise,
+``model_alone_spread_percent``), and the path's rate meanwhile (rates from the moves' completion times;
+medians over rounds; the SM-over-the-bus paths, which slow the model several times, with the model in the
+first round only). ``pinned_copy``'s own cost to the model is the least any path that moves the same bytes can
+cost it. Bit-exact checks: every path's stored object equals the reference gather, and a retrieve of it gives
+back the KV.
 
 Every size runs in a child process that reports each sample as it ends; a sample that outlasts
 ``--sample-budget`` has every thread's stack dumped to stderr and ends the child, which is started again
@@ -176,10 +178,14 @@ def child(args: argparse.Namespace) -> None:
             return float(a.elapsed_time(b)) / 1e3 / k
 
     class Mover:
-        """Runs ``fn`` back to back on a side stream in a thread (two moves queued at most), counting."""
+        """Runs ``fn`` back to back on a side stream in a thread, counting: a move that returns once its work
+        is done (``waits``) is seen done when it returns; any other is followed by an event, two moves queued
+        at most, and seen done when its event is."""
 
-        def __init__(self, fn: Callable[[], object], stream: torch.cuda.Stream | None = None) -> None:
-            self.fn, self.done, self.stop = fn, 0, threading.Event()
+        def __init__(
+            self, fn: Callable[[], object], stream: torch.cuda.Stream | None = None, waits: bool = False
+        ) -> None:
+            self.fn, self.done, self.stop, self.waits = fn, 0, threading.Event(), waits
             self.times: list[float] = []  # when each move was seen done
             self.error: BaseException | None = None
             self.stream = stream if stream is not None else torch.cuda.Stream()
@@ -189,6 +195,10 @@ def child(args: argparse.Namespace) -> None:
             try:
                 queued: deque[torch.cuda.Event] = deque()
                 with torch.cuda.stream(self.stream):
+                    while self.waits and not self.stop.is_set():
+                        self.fn()
+                        self.times.append(time.perf_counter())
+                        self.done += 1
                     while not self.stop.is_set():
                         self.fn()
                         ev = torch.cuda.Event()
@@ -222,9 +232,13 @@ def child(args: argparse.Namespace) -> None:
         return (len(ts) - 1) * nbytes / (ts[-1] - ts[0]) / gb.GB if len(ts) > 2 else 0.0
 
     def alone_rate(
-        fn: Callable[[], object], nbytes: int, seconds: float, stream: torch.cuda.Stream | None = None
+        fn: Callable[[], object],
+        nbytes: int,
+        seconds: float,
+        stream: torch.cuda.Stream | None = None,
+        waits: bool = False,
     ) -> float:
-        with Mover(fn, stream) as m:
+        with Mover(fn, stream, waits) as m:
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds or (len(m.times) < 4 and m.thread.is_alive()):
                 time.sleep(0.005)
@@ -232,9 +246,14 @@ def child(args: argparse.Namespace) -> None:
         return rate(m, t0, t1, nbytes)
 
     def together(
-        model: Model, fn: Callable[[], object], nbytes: int, k: int, stream: torch.cuda.Stream | None = None
+        model: Model,
+        fn: Callable[[], object],
+        nbytes: int,
+        k: int,
+        stream: torch.cuda.Stream | None = None,
+        waits: bool = False,
     ) -> tuple[float, float]:
-        with Mover(fn, stream) as m:
+        with Mover(fn, stream, waits) as m:
             t0 = time.perf_counter()
             fwd = model.forwards_s(k)
             t1 = time.perf_counter()
@@ -307,6 +326,7 @@ def child(args: argparse.Namespace) -> None:
     keep: list[Any] = []  # the L1 caches whose objects the paths move
     side = torch.cuda.Stream()
     checks: dict[str, bool] = {}
+    queued_paths: set[str] = set()  # paths that return before their copies are done (the rest wait for them)
     meta: dict[str, Any] = {}
 
     def l1_objects(name: str) -> list[torch.Tensor]:
@@ -571,6 +591,7 @@ def child(args: argparse.Namespace) -> None:
 
         if check("lmcache", [lhost], want_h, kv_t, sl, lstore, lload):
             paths["lmcache"] = (lstore, lload)
+            queued_paths.add("lmcache")
 
     # cudaMemcpyBatchAsync / cudaMemcpyAsync per contiguous block run and layer and plane
     def block_runs(kvx: list[torch.Tensor], table: np.ndarray, obj: torch.Tensor) -> tuple[np.ndarray, ...]:
@@ -634,6 +655,7 @@ def child(args: argparse.Namespace) -> None:
             st, ld = ce_call(batch, obj_at, kv_at, size), ce_call(batch, kvt_at, obj_at, size)
             if check(name, [host], ref, kv_t, s_, st, ld):
                 paths[name] = (st, ld)
+                queued_paths.add(name)
         for k in ce_streams_ks:
             name = f"copy_engine_batch{tname}_streams{k}"
             if name in skip:
@@ -642,10 +664,12 @@ def child(args: argparse.Namespace) -> None:
             st, ld = ce_streams(k, obj_at, kv_at, size), ce_streams(k, kvt_at, obj_at, size)
             if check(name, [host], ref, kv_t, s_, st, ld):
                 paths[name] = (st, ld)
+                queued_paths.add(name)
 
     if "pinned_copy" not in skip:
         hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dbuf = torch.empty(nbytes, dtype=torch.uint8, device=gb.DEV).random_(1, 255)
+        queued_paths.add("pinned_copy")
         paths["pinned_copy"] = (
             lambda: hbuf.copy_(dbuf, non_blocking=True),
             lambda: dbuf.copy_(hbuf, non_blocking=True),
@@ -667,10 +691,13 @@ def child(args: argparse.Namespace) -> None:
             name = f"{base}_sms{k}"
             if base in paths and name not in skip:
                 paths[name] = paths[base]
+                if base in queued_paths:
+                    queued_paths.add(name)
                 mover_streams[name] = green
     paths = {k: v for k, v in paths.items() if k not in SLOW_PATHS} | {
         k: v for k, v in paths.items() if k in SLOW_PATHS
     }  # the slow ones last: a size's budget ends there if anywhere
+    meta["queued_paths"] = sorted(queued_paths)
     emit(event="meta", bytes=nbytes, bit_exact=checks, **meta)
 
     for r in range(args.rounds):
@@ -680,13 +707,16 @@ def child(args: argparse.Namespace) -> None:
                 emit(event="start", key=key, round=r)
                 faulthandler.dump_traceback_later(args.sample_budget, exit=True)
                 try:
-                    alone = alone_rate(fn, nbytes, args.alone_seconds, mover_streams.get(name))
+                    waits = name not in queued_paths
+                    alone = alone_rate(fn, nbytes, args.alone_seconds, mover_streams.get(name), waits)
                     emit(event="alone", key=key, round=r, alone_GBps=alone)
                     if r and name in SLOW_PATHS:  # one round with the model: it starves the model for seconds
                         emit(event="ready", key=key)
                         continue
                     before = model.forwards_s(args.forwards)
-                    fwd, with_rate = together(model, fn, nbytes, args.forwards, mover_streams.get(name))
+                    fwd, with_rate = together(
+                        model, fn, nbytes, args.forwards, mover_streams.get(name), waits
+                    )
                     after = model.forwards_s(args.forwards)  # drift between the windows cancels
                     base = (before + after) / 2
                 except Exception as exc:  # recorded; the other paths still run
