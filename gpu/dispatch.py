@@ -65,8 +65,8 @@ PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger tha
 # 0.81-0.96 of the pinned ceiling with the model -0.1-1.2 % slower, copies of 1 MiB at 0.50-0.57, and vLLM's
 # [NB, H, BS, K|V] layout (a 256-byte row per head) at 0.18-0.19 alone (gpu_overlap_every_path_h100.json).
 # On a shuffled table of 16-token blocks the copy engines' batches of 32 KiB copies moved KV at 0.45-0.63 of
-# the ceiling (gpu_overlap_every_path_h100.json), 2D copies of 1 MiB at 0.49-0.57, where the kernel paths
-# moved it at 0.68-0.98 with the model 0.2-5.2 % slower (gpu_overlap_h100.json,
+# the ceiling (gpu_overlap_every_path_h100.json), 2D copies of 1 MiB at 0.50-0.57, where the kernel paths
+# moved it at 0.73-0.98 with the model 0.2-5.0 % slower (gpu_overlap_h100.json,
 # gpu_overlap_every_path_h100.json): behind at 256 and 4096 tokens, so auto leaves such tables to the kernel
 # paths. On vLLM's block-outermost allocation (VLLM_BLOCKS) a block of every layer is one copy of 2 MiB at
 # that shape, and whole-page moves always take the copy engines (_pages_run).
@@ -161,10 +161,10 @@ def _kernel_run(kv_caches: KVCaches, move: Move) -> int | None:
 def _pages_run(kv_caches: KVCaches, move: Move) -> int | None:
     """Run a move of whole pages on the copy engines (CUDA KV, pinned host objects, slots on the host,
     ``host_path`` not ``kernel``): one batch of copies where the driver has batches, else a 2D copy per
-    run of blocks; the tokens written, or None when the reference must do it. On an H100, 2 MiB blocks of a
-    shuffled table moved at 0.86-0.87 / 0.97-0.98 of the pinned ceiling alone in one batch at 256 / 4096
-    tokens, at 0.84-0.87 / 0.92-0.93 issued one by one (the copy engines spend a few microseconds on each copy
-    handed to them alone), the model beside them slowed about as much as by one copy of the same bytes
+    run of blocks; the tokens written, or None when the reference must do it. On an H100 beside a model,
+    2 MiB blocks of a shuffled table moved at 0.92-0.93 / 0.97-0.98 of the pinned ceiling in one batch at 256
+    / 4096 tokens and at 0.89-0.90 / 0.91-0.92 issued one by one (the copy engines spend a few microseconds
+    on each copy handed to them alone), the model slowed about as much as by one copy of the same bytes
     (gpu_overlap_h100.json)."""
     from tiercache.gpu import copy_engine
 
