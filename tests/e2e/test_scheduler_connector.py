@@ -612,10 +612,12 @@ def test_kv_layout_blocks_asks_for_blnhc_on_a_gpu_only_and_falls_back_to_tokens(
 ) -> None:
     """``kv_layout = "blocks"``: vLLM's CPU attention has one allocation, so nothing is asked of it here and
     the pages stay CPU_BLOCKS; on a GPU the blocks layout is taken only where vLLM allocated BLNHC for one
-    KV cache group, else tokens with one warning; refused with layerwise, and an unknown value is named."""
+    KV cache group, else tokens with one warning; refused with layerwise and with an fp8 L1, and an unknown
+    value is named."""
     from tiercache_vllm import TierCacheConnector
     from tiercache_vllm._common import ConnectorSettings, _gpu_kind
 
+    from tiercache.errors import ConfigError
     from tiercache.gpu.layouts import LayoutKind
 
     vc = make_vllm_config(tiny_model, posix_config, extra_config={"kv_layout": "blocks"})
@@ -637,6 +639,9 @@ def test_kv_layout_blocks_asks_for_blnhc_on_a_gpu_only_and_falls_back_to_tokens(
         ConnectorSettings.from_extra({"kv_layout": "blocks", "layerwise": True})
     with pytest.raises(ValueError, match="kv_layout"):
         ConnectorSettings.from_extra({"kv_layout": "pages"})
+    with pytest.raises(ConfigError, match=r"kv_layout.*fp8 L1"):
+        ConnectorSettings.from_extra({"kv_layout": "blocks", "l1_codec": "fp8"}).load_config()
+    assert ConnectorSettings.from_extra({"kv_layout": "blocks"}).load_config().l1.codec == "raw"
 
 
 def test_new_weights_at_the_same_path_change_the_keyspace(

@@ -170,14 +170,21 @@ class ConnectorSettings:
 
     def load_config(self) -> Config:
         """The tiercache config named by ``config`` (or the L1-only default), with ``l1_codec`` applied
-        (``ConfigError`` when the tiers cannot store it)."""
+        (``ConfigError`` when the tiers cannot store it, or for an fp8 L1 with ``kv_layout = "blocks"``)."""
         from tiercache.config import Config, check_l1_codec, load_config
+        from tiercache.errors import ConfigError
 
         config = load_config(self.config) if self.config else Config()
-        if self.l1_codec is None:
-            return config
-        check_l1_codec(self.l1_codec, config.tiers, "kv_connector_extra_config['l1_codec']")
-        return dataclasses.replace(config, l1=dataclasses.replace(config.l1, codec=self.l1_codec))
+        if self.l1_codec is not None:
+            check_l1_codec(self.l1_codec, config.tiers, "kv_connector_extra_config['l1_codec']")
+            config = dataclasses.replace(config, l1=dataclasses.replace(config.l1, codec=self.l1_codec))
+        if self.kv_layout == "blocks" and config.l1.codec == "fp8":
+            raise ConfigError(
+                "kv_connector_extra_config['kv_layout'] = 'blocks' stores whole blocks as they lie in "
+                "memory; an fp8 L1 quantizes KV while it is gathered by token: use l1 codec 'raw' (an fp8 "
+                "tier codec still compresses the blocks in L2)"
+            )
+        return config
 
     @property
     def config_id(self) -> str:
