@@ -381,11 +381,17 @@ def child(args: argparse.Namespace) -> None:
         kvx_t: list[torch.Tensor],
         s_: torch.Tensor,
         setting: dict[str, Any] | None = None,
+        lay: Any = layout,
+        ref: torch.Tensor | None = None,
+        ref_back: torch.Tensor | None = None,
     ) -> None:
+        """Measure ``name``: dispatch's gather / scatter of ``lay`` (slots ``s_``) into L1 objects, with
+        ``setting``'s module attributes set while it is prepared; ``ref`` / ``ref_back``: the bytes it must
+        store and give back (default: the per-layer KV's)."""
         if name in skip:
             return
         houts = l1_objects(name)
-        g, s = Move.gather(layout, s_, sp, houts), Move.scatter(layout, s_, sp, houts)
+        g, s = Move.gather(lay, s_, sp, houts), Move.scatter(lay, s_, sp, houts)
         saved = {k: getattr(mod, k) for mod, k in (setting or {}).get("attrs", [])}
         for (mod, k), v in zip(
             (setting or {}).get("attrs", []), (setting or {}).get("values", []), strict=True
@@ -395,20 +401,28 @@ def child(args: argparse.Namespace) -> None:
             ok = check(
                 name,
                 houts,
-                want_h,
+                want_h if ref is None else ref,
                 kvx_t,
                 sl,
                 lambda: dispatch.gather(kvx, g),
                 lambda: dispatch.scatter(kvx_t, s),
+                lay,
+                ref_back,
             )
         finally:
             for mod, k in (setting or {}).get("attrs", []):
                 setattr(mod, k, saved[k])
         if ok:  # prepared under those settings: later runs keep to them
-            picked = [type(p[2]).__name__ for p in g.prepared.values() if isinstance(p, tuple) and len(p) > 2]
-            meta.setdefault("dispatch_picked", {})[name] = picked or [
-                type(p).__name__ for p in g.prepared.values()
+            ran = block_pages.as_pages(kvx, g)[1] if lay.kind is LayoutKind.VLLM_BLOCKS else g
+            taken = [p[2] for p in ran.prepared.values() if isinstance(p, tuple) and len(p) > 2]
+            meta.setdefault("dispatch_picked", {})[name] = [type(t).__name__ for t in taken] or [
+                type(p).__name__ for p in ran.prepared.values()
             ]
+            for t in taken:
+                if isinstance(t, copy_engine.CopyMove):
+                    meta.setdefault("copies_per_move", {})[name] = t.issued
+                    meta.setdefault("mean_row_bytes", {})[name] = t.mean_row_bytes
+                    meta.setdefault("batched", {})[name] = t.batched
             paths[name] = (lambda: dispatch.gather(kvx, g), lambda: dispatch.scatter(kvx_t, s))
 
     big = 1 << 62
@@ -499,23 +513,7 @@ def child(args: argparse.Namespace) -> None:
             meta.setdefault("mean_row_bytes", {})["copy_engine_flash"] = cg.mean_row_bytes
             if check("copy_engine_flash", houts, want_f, kvf1_t, sl, cg.run, cs.run, flay):
                 paths["copy_engine_flash"] = (cg.run, cs.run)
-    if "tiercache_flash" not in skip:
-        houts = l1_objects("tiercache_flash")
-        gf, sf = Move.gather(flay, sl_host, sp, houts), Move.scatter(flay, sl_host, sp, houts)
-        if check(
-            "tiercache_flash",
-            houts,
-            want_f,
-            kvf_t,
-            sl,
-            lambda: dispatch.gather(kvf, gf),
-            lambda: dispatch.scatter(kvf_t, sf),
-            flay,
-        ):
-            meta.setdefault("dispatch_picked", {})["tiercache_flash"] = [
-                type(p[2]).__name__ for p in gf.prepared.values() if isinstance(p, tuple) and len(p) > 2
-            ]
-            paths["tiercache_flash"] = (lambda: dispatch.gather(kvf, gf), lambda: dispatch.scatter(kvf_t, sf))
+    add_dispatch("tiercache_flash", kvf, kvf_t, sl_host, lay=flay, ref=want_f)
 
     # vLLM's block-outermost BLNHC allocation (the connector's kv_layout = "blocks"): objects of whole blocks
     if "tiercache_blocks" not in skip:
@@ -539,31 +537,7 @@ def child(args: argparse.Namespace) -> None:
         want_b = gb.bits(torch.cat(outs_b, dim=2).cpu())  # the objects side by side, as check compares them
         want_b_back = retrieved(kvb, sl, blay)
         del outs_b
-        houts = l1_objects("tiercache_blocks")
-        gblk, sblk = Move.gather(blay, sl_host, sp, houts), Move.scatter(blay, sl_host, sp, houts)
-        if check(
-            "tiercache_blocks",
-            houts,
-            want_b,
-            kvb_t,
-            sl,
-            lambda: dispatch.gather(kvb, gblk),
-            lambda: dispatch.scatter(kvb_t, sblk),
-            blay,
-            want_b_back,
-        ):
-            view, pages = block_pages.as_pages(kvb, gblk)
-            picked = pages.prepared.get(id(view))
-            taken = picked[2] if isinstance(picked, tuple) and len(picked) > 2 else None
-            meta.setdefault("dispatch_picked", {})["tiercache_blocks"] = [type(taken).__name__]
-            if isinstance(taken, copy_engine.CopyMove):
-                meta.setdefault("copies_per_move", {})["tiercache_blocks"] = taken.issued
-                meta.setdefault("mean_row_bytes", {})["tiercache_blocks"] = taken.mean_row_bytes
-                meta.setdefault("batched", {})["tiercache_blocks"] = taken.batched
-            paths["tiercache_blocks"] = (
-                lambda: dispatch.gather(kvb, gblk),
-                lambda: dispatch.scatter(kvb_t, sblk),
-            )
+        add_dispatch("tiercache_blocks", kvb, kvb_t, sl_host, lay=blay, ref=want_b, ref_back=want_b_back)
     if "tiercache_blocks" not in skip and "copy_engine_blocks_2d" not in skip:  # the same copies one by one
         houts = l1_objects("copy_engine_blocks_2d")
         view, pg = block_pages.as_pages(kvb, Move.gather(blay, sl_host, sp, houts))
