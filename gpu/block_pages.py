@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["as_pages", "page_layout"]
 
-_VIEWS: dict[int, tuple[KVCaches, list[torch.Tensor]]] = {}  # id(kv_caches) -> (kv_caches, whole-block view)
-_VIEWS_KEPT = 8  # KV caches registered at once in one process: one per engine, a few in tests
-
 
 def page_layout(layout: PagedLayout) -> PagedLayout:
     """The ``CPU_BLOCKS`` layout of one layer whose page is a whole block of ``layout`` (every layer)."""
@@ -40,11 +37,8 @@ def page_layout(layout: PagedLayout) -> PagedLayout:
 
 
 def _whole_blocks(kv_caches: KVCaches, layout: PagedLayout) -> list[torch.Tensor]:
-    """One ``[NB, L*H, BS, 2*D]`` view of the allocation behind ``kv_caches`` (the same list while they are
-    the same object, so what a path prepared for it stays valid); ``ValueError`` unless they are ``BLNHC``."""
-    kept = _VIEWS.get(id(kv_caches))
-    if kept is not None and kept[0] is kv_caches:
-        return kept[1]
+    """One ``[NB, L*H, BS, 2*D]`` view of the allocation behind ``kv_caches``; ``ValueError`` unless they are
+    ``BLNHC``. Not kept beyond the move that asked (a view holds the allocation's memory)."""
     layers = layer_tensors(kv_caches)
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} KV cache tensors for a layout of {layout.num_layers} layers")
@@ -53,31 +47,27 @@ def _whole_blocks(kv_caches: KVCaches, layout: PagedLayout) -> list[torch.Tensor
         raise ValueError(f"KV cache tensors are not vLLM's BLNHC allocation: {problem}")
     first = layers[0]
     nb, h, bs, c = first.shape
-    view = [
+    return [
         first.as_strided(
             (nb, layout.num_layers * h, bs, c), (first.stride(0), bs * c, c, 1), first.storage_offset()
         )
     ]
-    if len(_VIEWS) >= _VIEWS_KEPT:
-        _VIEWS.pop(next(iter(_VIEWS)))
-    _VIEWS[id(kv_caches)] = (kv_caches, view)
-    return view
 
 
 def as_pages(kv_caches: KVCaches, move: Move) -> tuple[list[torch.Tensor], Move]:
     """The page move of a ``VLLM_BLOCKS`` ``move`` on ``kv_caches`` and the view it runs on (made once per
-    move and KV caches, kept on the move); ``ValueError`` for a move of some layers only or tensors that are
-    not one ``BLNHC`` allocation."""
-    view = _whole_blocks(kv_caches, move.layout)
+    move and KV caches, kept on the move, so a run again finds what its path prepared on the view);
+    ``ValueError`` for a move of some layers only or tensors that are not one ``BLNHC`` allocation."""
     key = ("pages", id(kv_caches))
     kept = move.prepared.get(key)
-    if kept is not None and kept[0] is view:
-        return view, kept[1]
+    if kept is not None and kept[0] is kv_caches:
+        return kept[1], kept[2]
     if len(move.layers) != move.layout.num_layers:
         raise ValueError(
             f"a VLLM_BLOCKS move carries whole blocks of every layer, not layers {move.layers.start}-"
             f"{move.layers.stop - 1} of {move.layout.num_layers}"
         )
+    view = _whole_blocks(kv_caches, move.layout)
     pages = page_layout(move.layout)
     objects = move.objects
     if not move.fp8:  # a payload is bytes already; an object [2, L, T, H*D] becomes [2, 1, T, L*H*D]
@@ -95,5 +85,5 @@ def as_pages(kv_caches: KVCaches, move: Move) -> tuple[list[torch.Tensor], Move]
         move.host_slots,
         move.fp8,
     )
-    move.prepared[key] = (view, paged)
+    move.prepared[key] = (kv_caches, view, paged)
     return view, paged
