@@ -11,6 +11,7 @@ reference (or the CPU row kernel) elsewhere. Only moves of every layer apply (``
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from tiercache.gpu.layouts import LayoutKind, PagedLayout, block_pages_problem, layer_tensors
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from tiercache.gpu.layouts import KVCaches
 
 __all__ = ["as_pages", "page_layout"]
+
+# id(first layer tensor) -> (a weak reference to it, every layer's id and address, the whole-block view): the
+# entry goes when that tensor does, so a view never outlives the KV it was made of
+_VIEWS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[tuple[int, int], ...], list[torch.Tensor]]] = {}
 
 
 def page_layout(layout: PagedLayout) -> PagedLayout:
@@ -37,37 +42,46 @@ def page_layout(layout: PagedLayout) -> PagedLayout:
 
 
 def _whole_blocks(kv_caches: KVCaches, layout: PagedLayout) -> list[torch.Tensor]:
-    """One ``[NB, L*H, BS, 2*D]`` view of the allocation behind ``kv_caches``; ``ValueError`` unless they are
-    ``BLNHC``. Not kept beyond the move that asked (a view holds the allocation's memory)."""
+    """One ``[NB, L*H, BS, 2*D]`` view of the allocation behind ``kv_caches``, the same list while they hold
+    the same layer tensors at the same addresses (so what a path prepared on it is found again);
+    ``ValueError`` unless they are ``BLNHC``."""
     layers = layer_tensors(kv_caches)
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} KV cache tensors for a layout of {layout.num_layers} layers")
+    first = layers[0]
+    signature = tuple((id(t), t.data_ptr()) for t in layers)
+    kept = _VIEWS.get(id(first))
+    if kept is not None and kept[0]() is first and kept[1] == signature:
+        return kept[2]
     problem = block_pages_problem(layers, layout.num_kv_heads, layout.head_dim)
     if problem is not None:
         raise ValueError(f"KV cache tensors are not vLLM's BLNHC allocation: {problem}")
-    first = layers[0]
     nb, h, bs, c = first.shape
-    return [
+    view = [
         first.as_strided(
             (nb, layout.num_layers * h, bs, c), (first.stride(0), bs * c, c, 1), first.storage_offset()
         )
     ]
+    key = id(first)
+    _VIEWS[key] = (weakref.ref(first, lambda _: _VIEWS.pop(key, None)), signature, view)
+    return view
 
 
 def as_pages(kv_caches: KVCaches, move: Move) -> tuple[list[torch.Tensor], Move]:
     """The page move of a ``VLLM_BLOCKS`` ``move`` on ``kv_caches`` and the view it runs on (made once per
-    move and KV caches, kept on the move, so a run again finds what its path prepared on the view);
-    ``ValueError`` for a move of some layers only or tensors that are not one ``BLNHC`` allocation."""
-    key = ("pages", id(kv_caches))
-    kept = move.prepared.get(key)
-    if kept is not None and kept[0] is kv_caches:
-        return kept[1], kept[2]
+    move and allocation, kept on the move, so a run again finds what its path prepared on the view; made again
+    where ``kv_caches`` now holds other tensors); ``ValueError`` for a move of some layers only or tensors
+    that are not one ``BLNHC`` allocation."""
     if len(move.layers) != move.layout.num_layers:
         raise ValueError(
             f"a VLLM_BLOCKS move carries whole blocks of every layer, not layers {move.layers.start}-"
             f"{move.layers.stop - 1} of {move.layout.num_layers}"
         )
     view = _whole_blocks(kv_caches, move.layout)
+    key = ("pages", id(kv_caches))
+    kept = move.prepared.get(key)
+    if kept is not None and kept[0] is view:
+        return view, kept[1]
     pages = page_layout(move.layout)
     objects = move.objects
     if not move.fp8:  # a payload is bytes already; an object [2, L, T, H*D] becomes [2, 1, T, L*H*D]
@@ -85,5 +99,5 @@ def as_pages(kv_caches: KVCaches, move: Move) -> tuple[list[torch.Tensor], Move]
         move.host_slots,
         move.fp8,
     )
-    move.prepared[key] = (kv_caches, view, paged)
+    move.prepared[key] = (view, paged)
     return view, paged

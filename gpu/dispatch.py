@@ -69,7 +69,7 @@ PIECED_MAX_BYTES = 128 << 20  # two staging buffers' worth: pieces no bigger tha
 # moved it at 0.73-0.98 with the model 0.2-5.0 % slower (gpu_overlap_h100.json,
 # gpu_overlap_every_path_h100.json): behind at 256 and 4096 tokens, so auto leaves such tables to the kernel
 # paths. On vLLM's block-outermost allocation (VLLM_BLOCKS) a block of every layer is one copy of 2 MiB at
-# that shape, and whole-page moves always take the copy engines (_pages_run).
+# that shape, and whole-page moves take the copy engines wherever they apply (_pages_run).
 # Read from TIERCACHE_GPU_HOST_PATH at import.
 HOST_PATH = os.environ.get("TIERCACHE_GPU_HOST_PATH", "auto")
 _HOST_PATHS = ("auto", "copy_engine", "kernel")

@@ -608,33 +608,54 @@ def test_keyspace_covers_cache_dtype_and_model_config(tiny_model: Path, posix_co
 
 
 def test_kv_layout_blocks_asks_for_blnhc_on_a_gpu_only_and_falls_back_to_tokens(
-    tiny_model: Path, posix_config: Path, caplog: pytest.LogCaptureFixture
+    tiny_model: Path, posix_config: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``kv_layout = "blocks"``: vLLM's CPU attention has one allocation, so nothing is asked of it here and
     the pages stay CPU_BLOCKS; on a GPU the blocks layout is taken only where vLLM allocated BLNHC for one
-    KV cache group, else tokens with one warning; refused with layerwise and with an fp8 L1, and an unknown
-    value is named."""
-    from tiercache_vllm import TierCacheConnector
-    from tiercache_vllm._common import ConnectorSettings, _gpu_kind
+    KV cache group, else tokens with one warning each time it falls back another way; only asked for models
+    of one attention kind without MLA; refused with layerwise and with an fp8 L1, and an unknown value is
+    named."""
+    from tiercache_vllm import TierCacheConnector, _common
+    from tiercache_vllm._common import ConnectorSettings, _gpu_kind, blocks_fit
 
     from tiercache.errors import ConfigError
     from tiercache.gpu.layouts import LayoutKind
 
+    monkeypatch.setattr(_common, "_LAYOUT_WARNINGS", set())
     vc = make_vllm_config(tiny_model, posix_config, extra_config={"kv_layout": "blocks"})
     assert TierCacheConnector.get_required_kvcache_layout(vc) is None
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
     assert layout_from_vllm(vc, kcc).kind is LayoutKind.CPU_BLOCKS
+    assert blocks_fit(vc)
     vc.cache_config.kv_cache_layout = "BLNHC"
     assert _gpu_kind(vc, 1) is LayoutKind.VLLM_BLOCKS
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "kv_layout 'blocks'" in r.getMessage()]
+
     with caplog.at_level("WARNING", logger="tiercache.vllm"):
         assert _gpu_kind(vc, 2) is LayoutKind.VLLM_FLASH
+        assert _gpu_kind(vc, 2) is LayoutKind.VLLM_FLASH
+        assert len(warnings()) == 1
+        assert "2 group(s)" in warnings()[0]
         vc.cache_config.kv_cache_layout = "LBNHC"
         assert _gpu_kind(vc, 1) is LayoutKind.VLLM_FLASH
-    plain = make_vllm_config(tiny_model, posix_config)
-    plain.cache_config.kv_cache_layout = "BLNHC"
-    assert _gpu_kind(plain, 1) is LayoutKind.VLLM_FLASH  # BLNHC without the setting: tokens, no warning
-    assert sum("kv_layout 'blocks'" in r.getMessage() for r in caplog.records) <= 1
+        assert len(warnings()) == 2
+        assert "allocated LBNHC" in warnings()[1]
+        plain = make_vllm_config(tiny_model, posix_config)
+        plain.cache_config.kv_cache_layout = "BLNHC"
+        assert _gpu_kind(plain, 1) is LayoutKind.VLLM_FLASH  # BLNHC without the setting: tokens, no warning
+        mixed = make_vllm_config(
+            tiny_model,
+            posix_config,
+            extra_config={"kv_layout": "blocks"},
+            hf_overrides={"layer_types": ["full_attention", "sliding_attention"]},
+        )
+        assert not blocks_fit(mixed)
+        assert blocks_fit(plain)  # not asked: fits, and says nothing
+        assert len(warnings()) == 3
+        assert "several attention kinds" in warnings()[2]
     with pytest.raises(ValueError, match="layerwise"):
         ConnectorSettings.from_extra({"kv_layout": "blocks", "layerwise": True})
     with pytest.raises(ValueError, match="kv_layout"):

@@ -238,7 +238,10 @@ def test_block_pages_take_the_copy_engines(gap: int) -> None:
     holes = slots.clone()
     holes[208:224] = -1  # one block not on the GPU
     skips = [BS] + [0] * (len(spans) - 1)
-    written = dispatch.scatter(dst, Move.scatter(layout, holes, spans, outs, skips))
+    s_move = Move.scatter(layout, holes, spans, outs, skips)
+    written = dispatch.scatter(dst, s_move)
+    s_view, s_pages = block_pages.as_pages(dst, s_move)
+    assert isinstance(s_pages.prepared[id(s_view)][2], copy_engine.CopyMove)
     assert written == reference.scatter(ref, Move.scatter(layout, holes.to(DEV), spans, outs, skips))
     assert written == n - BS - BS
     assert torch.equal(bits(dst_rows), bits(ref_rows))

@@ -251,3 +251,80 @@ async def test_engine_stores_and_restores_whole_blocks_through_a_file_tier(tmp_p
             await decode.retrieve_result(tokens, kv2, slots_for(dst_table, len(tokens)), skip_tokens=BS + 1)
     finally:
         await decode.aclose()
+
+
+def test_tensors_that_are_not_one_blnhc_allocation_are_named() -> None:
+    """Each way per-layer views can miss vLLM's BLNHC allocation is refused with its reason."""
+    _, kv = vllm_caches(KVCacheLayout.BLNHC)
+    layers = list(kv.values())
+    swapped = [layers[1], layers[0], *layers[2:]]  # the dict's order is not the memory's
+    with pytest.raises(ValueError, match="back to back"):
+        detect_layout(swapped, BS, kind=LayoutKind.VLLM_BLOCKS)
+    base = layers[0]
+    close = [  # blocks one page apart: every layer's pages of a block cannot fit
+        base.as_strided(base.shape, (PAGE, *base.stride()[1:]), base.storage_offset() + i * PAGE)
+        for i in range(L)
+    ]
+    with pytest.raises(ValueError, match="less than every layer's pages"):
+        detect_layout(close, BS, kind=LayoutKind.VLLM_BLOCKS)
+    mixed = [layers[0], layers[1].contiguous(), *layers[2:]]
+    with pytest.raises(ValueError, match="strides differ"):
+        detect_layout(mixed, BS, kind=LayoutKind.VLLM_BLOCKS)
+
+
+def test_a_move_run_again_follows_the_tensors_its_caches_hold_now() -> None:
+    """A move kept and run again after its KV dict was refilled with another allocation reads that one."""
+    raw, kv = vllm_caches(KVCacheLayout.BLNHC, seed=11)
+    slots = slots_for([2, 5], 2 * BS)
+    out = empty_objects([(0, 2 * BS)])
+    move = Move.gather(LAYOUT, slots, [(0, 2 * BS)], out)
+    dispatch.gather(kv, move)
+    assert torch.equal(out[0].view(2, -1), blocks_of(raw)[[2, 5]])
+    raw2, kv2 = vllm_caches(KVCacheLayout.BLNHC, seed=12)
+    kv.clear()
+    kv.update(kv2)
+    dispatch.gather(kv, move)
+    assert torch.equal(out[0].view(2, -1), blocks_of(raw2)[[2, 5]])
+
+
+def test_copy_engine_plan_of_several_layers_of_pages_equals_the_reference() -> None:
+    """Whole pages of several layers (CPU_BLOCKS, each layer its own tensor): the plan puts layer j's pages at
+    its place in the object, as the reference does."""
+    layout = PagedLayout(LayoutKind.CPU_BLOCKS, L, H, D, BS, "float32")
+    g = torch.Generator().manual_seed(13)
+    kv = [torch.randn(layout.layer_shape(NB), generator=g) for _ in range(L)]
+    slots = slots_for([4, 5, 1], 3 * BS - 2)
+    spans = [(0, 2 * BS), (2 * BS, 3 * BS - 2)]
+    want = [torch.full(object_spec(layout, e - s).shape, -7.0) for s, e in spans]
+    got = [torch.full(object_spec(layout, e - s).shape, -7.0) for s, e in spans]
+    reference.gather(kv, Move.gather(layout, slots, spans, want))
+    move = Move.gather(layout, slots, spans, got)
+    geo = copy_engine.geometry(kv, move)
+    assert geo is not None
+    copies, _ = copy_engine.plan(geo, move, slots.numpy())
+    assert len(copies) == 2 * L  # per layer: blocks 4, 5 in one copy; block 1
+    copy_engine.run_on_host(copies, to_kv=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_engine_refuses_layerwise_objects_and_an_fp8_l1_of_whole_blocks() -> None:
+    from tiercache.config import ManagerConfig, config_from_dict
+    from tiercache.store.engine import CacheEngine
+    from tiercache.store.l1 import L1Cache
+    from tiercache.store.manager import StorageManager
+
+    keyspace = CacheEngine.keyspace_for(config_from_dict({}), LAYOUT, model="test/model")
+    slot = CacheEngine.slot_bytes(LAYOUT, 2 * BS, False)
+    raw_l1 = StorageManager(L1Cache(slot * 4, slot), [], ManagerConfig())
+    try:
+        with pytest.raises(ValueError, match="whole blocks of every layer"):
+            CacheEngine(raw_l1, LAYOUT, keyspace, chunk_size=2 * BS, layerwise=True)
+    finally:
+        await raw_l1.aclose()
+    fp8_l1 = StorageManager(L1Cache(slot * 4, slot, codec="fp8"), [], ManagerConfig())
+    try:
+        with pytest.raises(ValueError, match="fp8 L1"):
+            CacheEngine(fp8_l1, LAYOUT, keyspace, chunk_size=2 * BS)
+    finally:
+        await fp8_l1.aclose()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tiercache.config import TENANT_BY
-from tiercache.gpu.layouts import PagedLayout, ReadPlan, object_spec, plan_read
+from tiercache.gpu.layouts import LayoutKind, PagedLayout, ReadPlan, object_spec, plan_read
 from tiercache.gpu.move import Move
 from tiercache.keys import BlockHashes, ChunkSpan, KeySpace, RequestIdentity, TokenDatabase, contiguous_prefix
 from tiercache.spec import KVFormat
@@ -118,6 +118,11 @@ class CacheEngine:
         """What names a request's tenant: ``"salt"``, or ``"salt+lora"`` (its LoRA adapter too)."""
         self.l1_codec = l1_codec(manager.l1)
         """What L1 holds (``[l1] codec``); ``"fp8"``: quantized on gather, dequantized on scatter."""
+        if layout.kind is LayoutKind.VLLM_BLOCKS and (layerwise or self.l1_codec == "fp8"):
+            raise ValueError(
+                "VLLM_BLOCKS objects hold whole blocks of every layer as they lie in memory: not layerwise "
+                'objects, nor an fp8 L1 (l1.codec = "fp8"), whose channel scales would span layers'
+            )
         if self.l1_codec == "fp8":
             if layerwise:
                 raise ValueError('an fp8 L1 (l1.codec = "fp8") does not support layerwise objects yet')

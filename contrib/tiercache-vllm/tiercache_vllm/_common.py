@@ -180,9 +180,8 @@ class ConnectorSettings:
             config = dataclasses.replace(config, l1=dataclasses.replace(config.l1, codec=self.l1_codec))
         if self.kv_layout == "blocks" and config.l1.codec == "fp8":
             raise ConfigError(
-                "kv_connector_extra_config['kv_layout'] = 'blocks' stores whole blocks as they lie in "
-                "memory; an fp8 L1 quantizes KV while it is gathered by token: use l1 codec 'raw' (an fp8 "
-                "tier codec still compresses the blocks in L2)"
+                "kv_connector_extra_config['kv_layout'] = 'blocks' stores whole blocks of every layer as "
+                "they lie in memory, where an fp8 L1's channel scales would span layers: use l1 codec 'raw'"
             )
         return config
 
@@ -342,11 +341,14 @@ def layout_from_vllm(
 
 
 def requested_kv_layout(vllm_config: VllmConfig) -> str | None:
-    """The vLLM KV cache layout the connector asks for: ``BLNHC`` where ``kv_layout`` is ``blocks`` on a GPU
-    platform (vLLM's CPU attention has one layout), else None (vLLM's own choice)."""
+    """The vLLM KV cache layout the connector asks for: ``BLNHC`` where ``kv_layout`` is ``blocks``, on a GPU
+    platform (vLLM's CPU attention has one layout), for a model that can store blocks
+    (``blocks_fit``), else None (vLLM's own choice)."""
     from vllm.platforms import current_platform
 
-    return "BLNHC" if _blocks_asked(vllm_config) and not current_platform.is_cpu() else None
+    if not _blocks_asked(vllm_config) or current_platform.is_cpu():
+        return None
+    return "BLNHC" if blocks_fit(vllm_config) else None
 
 
 def _blocks_asked(vllm_config: VllmConfig) -> bool:
@@ -354,6 +356,26 @@ def _blocks_asked(vllm_config: VllmConfig) -> bool:
     transfer = vllm_config.kv_transfer_config
     extra = getattr(transfer, "kv_connector_extra_config", None) if transfer is not None else None
     return ConnectorSettings.from_extra(extra).kv_layout == "blocks"
+
+
+def blocks_fit(vllm_config: VllmConfig) -> bool:
+    """True for a model whose KV can be stored as whole blocks: no MLA, no recurrent layers and one kind of
+    attention in every layer (one KV cache group); logs once why not where ``kv_layout`` asked for blocks."""
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_text_config", None)
+    kinds = set(getattr(hf, "layer_types", None) or ())
+    why = (
+        "MLA"
+        if getattr(model, "use_mla", False)
+        else "recurrent layers"
+        if getattr(model, "is_hybrid", False)
+        else f"layers of several attention kinds ({sorted(kinds)})"
+        if len(kinds) > 1
+        else None
+    )
+    if why is not None and _blocks_asked(vllm_config):
+        _warn_layout_once(f"kv_layout 'blocks' does not apply to a model with {why}: storing tokens")
+    return why is None
 
 
 def _gpu_kind(vllm_config: VllmConfig, n_groups: int) -> LayoutKind:
@@ -366,18 +388,21 @@ def _gpu_kind(vllm_config: VllmConfig, n_groups: int) -> LayoutKind:
     resolved = vllm_config.cache_config.kv_cache_layout
     if resolved == "BLNHC" and n_groups == 1:
         return LayoutKind.VLLM_BLOCKS
-    if not _WARNED_LAYOUT:
-        _WARNED_LAYOUT.append(True)
-        logger.warning(
-            "tiercache: kv_layout 'blocks' needs vLLM's BLNHC allocation and one KV cache group; vLLM "
-            "allocated %s for %d group(s): storing tokens (kv_layout 'layers')",
-            resolved,
-            n_groups,
-        )
+    _warn_layout_once(
+        f"kv_layout 'blocks' needs vLLM's BLNHC allocation and one KV cache group; vLLM allocated {resolved} "
+        f"for {n_groups} group(s): storing tokens (kv_layout 'layers')"
+    )
     return LayoutKind.VLLM_FLASH
 
 
-_WARNED_LAYOUT: list[bool] = []  # the kv_layout warning was logged in this process
+_LAYOUT_WARNINGS: set[str] = set()  # the kv_layout warnings logged in this process
+
+
+def _warn_layout_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _LAYOUT_WARNINGS:
+        _LAYOUT_WARNINGS.add(message)
+        logger.warning("tiercache: %s", message)
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
