@@ -247,6 +247,9 @@ def block_pages_problem(layers: Sequence[torch.Tensor], num_kv_heads: int, head_
     nb, h, bs, c = first.shape
     if (h, c) != (num_kv_heads, 2 * head_dim):
         return f"shape {tuple(first.shape)} is not [NB, {num_kv_heads}, BS, {2 * head_dim}]"
+    shapes = {(tuple(t.shape), t.dtype) for t in layers}
+    if len(shapes) != 1:
+        return f"the layers' shapes or dtypes differ: {sorted(map(str, shapes))}"
     strides = {tuple(t.stride()) for t in layers}
     if len(strides) != 1:
         return f"the layers' strides differ: {sorted(strides)}"

@@ -270,6 +270,9 @@ def test_tensors_that_are_not_one_blnhc_allocation_are_named() -> None:
     mixed = [layers[0], layers[1].contiguous(), *layers[2:]]
     with pytest.raises(ValueError, match="strides differ"):
         detect_layout(mixed, BS, kind=LayoutKind.VLLM_BLOCKS)
+    short = [layers[0], layers[1][: NB - 1], *layers[2:]]
+    with pytest.raises(ValueError, match="shapes or dtypes differ"):
+        dispatch.gather(short, Move.gather(LAYOUT, slots_for([1], BS), [(0, BS)], empty_objects([(0, BS)])))
 
 
 def test_a_move_run_again_follows_the_tensors_its_caches_hold_now() -> None:
