@@ -99,7 +99,8 @@ class Geometry(NamedTuple):
 def geometry(kv_caches: KVCaches, move: Move) -> Geometry | None:
     """The ``Geometry`` of ``move``'s layout on ``kv_caches``, or None where the layers differ in shape, dtype
     or strides, or a token's plane row is not whole heads at one pitch with the tokens of a block at that
-    pitch times the heads (vLLM's HND allocation), or a page of whole pages (``CPU_BLOCKS``) is not dense.
+    pitch times the heads (vLLM's HND allocation), or the pages of a whole-page layout (``CPU_BLOCKS``) are
+    not dense.
     ``VLLM_BLOCKS``: None (``tiercache.gpu.block_pages`` makes its moves page moves first)."""
     layout = move.layout
     layers = layer_tensors(kv_caches)
