@@ -413,7 +413,7 @@ def child(args: argparse.Namespace) -> None:
             for mod, k in (setting or {}).get("attrs", []):
                 setattr(mod, k, saved[k])
         if ok:  # prepared under those settings: later runs keep to them
-            ran = block_pages.as_pages(kvx, g)[1] if lay.kind is LayoutKind.VLLM_BLOCKS else g
+            ran = block_pages.as_pages(kvx, g)[1]
             taken = [p[2] for p in ran.prepared.values() if isinstance(p, tuple) and len(p) > 2]
             meta.setdefault("dispatch_picked", {})[name] = [type(t).__name__ for t in taken] or [
                 type(p).__name__ for p in ran.prepared.values()

@@ -67,11 +67,13 @@ def _whole_blocks(kv_caches: KVCaches, layout: PagedLayout) -> list[torch.Tensor
     return view
 
 
-def as_pages(kv_caches: KVCaches, move: Move) -> tuple[list[torch.Tensor], Move]:
-    """The page move of a ``VLLM_BLOCKS`` ``move`` on ``kv_caches`` and the view it runs on (made once per
-    move and allocation, kept on the move, so a run again finds what its path prepared on the view; made again
-    where ``kv_caches`` now holds other tensors); ``ValueError`` for a move of some layers only or tensors
-    that are not one ``BLNHC`` allocation."""
+def as_pages(kv_caches: KVCaches, move: Move) -> tuple[KVCaches, Move]:
+    """What runs ``move`` on ``kv_caches``: for a ``VLLM_BLOCKS`` move its page move and the view it runs on
+    (made once per move and allocation, kept on the move, so a run again finds what its path prepared on the
+    view; made again where ``kv_caches`` now holds other tensors), any other move as it is. ``ValueError``
+    for a ``VLLM_BLOCKS`` move of some layers only or tensors that are not one ``BLNHC`` allocation."""
+    if move.layout.kind is not LayoutKind.VLLM_BLOCKS:
+        return kv_caches, move
     if len(move.layers) != move.layout.num_layers:
         raise ValueError(
             f"a VLLM_BLOCKS move carries whole blocks of every layer, not layers {move.layers.start}-"

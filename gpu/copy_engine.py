@@ -48,6 +48,7 @@ __all__ = [
     "Copy2D",
     "CopyMove",
     "Geometry",
+    "batches_available",
     "batches_supported",
     "flat_copies",
     "geometry",
@@ -237,9 +238,7 @@ def _page_plan(geo: Geometry, move: Move, slots: npt.NDArray[np.int64]) -> tuple
     for (s, e), k, obj in zip(move.spans, move.span_skips, move.objects, strict=True):
         if k == e - s:
             continue
-        if k % bs:
-            raise ValueError(f"skip_prefix {k} is not a multiple of block_size {bs}; whole pages move")
-        firsts = block_firsts(slots, bs, geo.n_slots, (s + k, e), e == final, move.is_scatter)
+        firsts = block_firsts(slots, bs, geo.n_slots, (s, e), e == final, move.is_scatter, k)
         count += int(np.count_nonzero(slots[s + k : e] >= 0))
         blocks = np.where(firsts >= 0, firsts // bs, -1)
         cut = np.ones(blocks.size, dtype=bool)
@@ -454,6 +453,14 @@ def sub_batches(start: int, stop: int) -> list[tuple[int, int]]:
         cuts.append((start, min(start + size, stop)))
         start, size = cuts[-1][1], min(2 * size, SUB_BATCH_MAX)
     return cuts
+
+
+def batches_available() -> bool:
+    """True when the launch extension is built and it and the driver can issue batched copies."""
+    from tiercache.gpu import launch
+
+    nat = launch.native_copies()
+    return nat is not None and batches_supported(nat)
 
 
 def batches_supported(nat: Any) -> bool:

@@ -33,7 +33,7 @@ import torch
 
 from tiercache.errors import Unsupported
 from tiercache.gpu import block_pages, reference
-from tiercache.gpu.layouts import LayoutKind, PagedLayout, layer_tensors
+from tiercache.gpu.layouts import PagedLayout, layer_tensors
 from tiercache.gpu.move import Move
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ def _pages_run(kv_caches: KVCaches, move: Move) -> int | None:
         and layers[0].device.type == "cuda"
         and _where(move.objects, layers[0].device) == "host"
     ):
-        ce = copy_engine.prepare(kv_caches, move, batched=True) or copy_engine.prepare(kv_caches, move)
+        ce = copy_engine.prepare(kv_caches, move, batched=copy_engine.batches_available())
     if ce is None:
         move.prepared[id(kv_caches)] = (_REFERENCE, kv_caches)
         return None
@@ -253,8 +253,7 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
     Triton launch, or the staged pipeline into host objects, on CUDA; the reference elsewhere."""
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
-    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
-        kv_caches, move = block_pages.as_pages(kv_caches, move)
+    kv_caches, move = block_pages.as_pages(kv_caches, move)
     if _kernel_run(kv_caches, move) is None:
         reference.gather(kv_caches, move)
 
@@ -265,8 +264,7 @@ def scatter(kv_caches: KVCaches, move: Move) -> int:
     skips)."""
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
-    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
-        kv_caches, move = block_pages.as_pages(kv_caches, move)
+    kv_caches, move = block_pages.as_pages(kv_caches, move)
     n = _kernel_run(kv_caches, move)
     if n is None:
         return reference.scatter(kv_caches, move)

@@ -47,8 +47,7 @@ def gather(kv_caches: KVCaches, move: Move) -> None:
     """
     if move.is_scatter:
         raise ValueError(f"{move!r} is a scatter")
-    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
-        kv_caches, move = block_pages.as_pages(kv_caches, move)
+    kv_caches, move = block_pages.as_pages(kv_caches, move)
     if move.fp8:
         _gather_fp8(kv_caches, move)
         return
@@ -65,8 +64,7 @@ def scatter(kv_caches: KVCaches, move: Move) -> int:
     """
     if not move.is_scatter:
         raise ValueError(f"{move!r} is a gather")
-    if move.layout.kind is LayoutKind.VLLM_BLOCKS:
-        kv_caches, move = block_pages.as_pages(kv_caches, move)
+    kv_caches, move = block_pages.as_pages(kv_caches, move)
     objects = _decode_fp8(kv_caches, move) if move.fp8 else move.objects
     return _scatter(
         move.layers, objects, kv_caches, move.layout, move.slot_mapping, move.spans, move.span_skips
@@ -263,12 +261,16 @@ def block_firsts(
     span: tuple[int, int],
     final: bool,
     allow_negative: bool,
+    skip: int = 0,
 ) -> npt.NDArray[np.int64]:
-    """First slot of each block of a block-aligned span of ``slots`` (the whole slot mapping on the host;
-    < 0: page not on the GPU). ``ValueError`` for a span that is not whole blocks (but a ``final`` one), a
-    slot past the paged KV, slots that do not map whole blocks in order, and slots < 0 unless
-    ``allow_negative``. Checked in numpy (a dozen small torch ops cost ~50 us a span)."""
-    start, end = span
+    """First slot of each block of a block-aligned span of ``slots`` past its first ``skip`` tokens (the whole
+    slot mapping on the host; < 0: page not on the GPU). ``ValueError`` for a skip that is not whole blocks, a
+    span that is not whole blocks (but a ``final`` one), a slot past the paged KV, slots that do not map whole
+    blocks in order, and slots < 0 unless ``allow_negative``. Checked in numpy (a dozen small torch ops cost
+    ~50 us a span)."""
+    if skip % block_size:
+        raise ValueError(f"skip_prefix {skip} is not a multiple of block_size {block_size}; whole pages move")
+    start, end = span[0] + skip, span[1]
     if start % block_size or (end % block_size and not final):
         raise ValueError(
             f"span {span} is not block-aligned (block_size {block_size}); CPU_BLOCKS copies whole pages only"
@@ -368,11 +370,7 @@ def _scatter(
             continue
         job: cpu_rows.RowJob | None
         if page_slots is not None:  # CPU_BLOCKS
-            if skip % bs:
-                raise ValueError(
-                    f"skip_prefix {skip} is not a multiple of block_size {bs}; CPU_BLOCKS writes whole pages"
-                )
-            firsts = block_firsts(page_slots, bs, n_slots, (start + skip, end), end == final, True)
+            firsts = block_firsts(page_slots, bs, n_slots, (start, end), end == final, True, skip)
             kept = int(np.count_nonzero(page_slots[start + skip : end] >= 0))
             if not kept:
                 continue

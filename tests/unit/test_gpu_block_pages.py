@@ -331,3 +331,19 @@ async def test_engine_refuses_layerwise_objects_and_an_fp8_l1_of_whole_blocks() 
             CacheEngine(fp8_l1, LAYOUT, keyspace, chunk_size=2 * BS)
     finally:
         await fp8_l1.aclose()
+
+
+def test_a_skip_of_part_of_a_block_is_refused_by_the_plan_and_the_reference() -> None:
+    raw, kv = vllm_caches(KVCacheLayout.BLNHC, seed=14)
+    before = raw.clone()
+    slots = slots_for([3, 6], 2 * BS)
+    objs = empty_objects([(0, 2 * BS)])
+    move = Move.scatter(LAYOUT, slots, [(0, 2 * BS)], objs, BS + 1)
+    pages_kv, page_move = block_pages.as_pages(kv, move)
+    geo = copy_engine.geometry(pages_kv, page_move)
+    assert geo is not None
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        copy_engine.plan(geo, page_move, slots.numpy())
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        reference.scatter(kv, move)
+    assert torch.equal(raw, before)
