@@ -1,7 +1,7 @@
 """What the scripts in ``benchmarks/`` share: the repository root, the test harness's server launchers
 (``tiercache.testing.harness``) and tiercache.cli.bench's measuring helpers (timing, GB/s, ratios, host info)
 and its JSON printer; the random paged KV the CPU copy benchmarks copy from; the size sweeps' command line
-and load fields.
+and load fields; the model-shaped GPU workload the GPU overlap benchmarks run beside their moves.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "ROOT",
     "S3_TEST_ENV",
     "FlashKV",
+    "MatmulModel",
     "MotoServer",
     "NodeServer",
     "ServerProcess",
@@ -128,3 +129,58 @@ def contiguous_geometry(kv: torch.Tensor, heads: int, head_dim: int) -> Geometry
         row_bytes=head_dim * e,
         n_slots=tokens,
     )
+
+
+class MatmulModel:
+    """A model-shaped CUDA workload: one forward is ``layers`` x the four bf16 matrix products of a Llama-8B
+    decoder layer (hidden 4096, q/k/v 6144, MLP 14336) on ``tokens`` tokens, captured once as a CUDA graph and
+    replayed on a stream of its own (so the host's work for other streams cannot starve its launches)."""
+
+    def __init__(self, tokens: int, layers: int) -> None:
+        import torch
+
+        dev = torch.device("cuda")
+        g = torch.Generator(device=dev).manual_seed(3)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return (torch.randn(shape, generator=g, device=dev) * 0.02).bfloat16()
+
+        self.x = rand(tokens, 4096)
+        self.w = [rand(4096, 6144), rand(4096, 4096), rand(4096, 28672), rand(14336, 4096)]
+        self.q = torch.empty(tokens, 6144, dtype=torch.bfloat16, device=dev)
+        self.o = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=dev)
+        self.gu = torch.empty(tokens, 28672, dtype=torch.bfloat16, device=dev)
+        self.h = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=dev)
+        self.flops = 2 * tokens * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) * layers
+        self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                self._layers(layers)
+        self.stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self._layers(layers)
+        torch.cuda.synchronize()
+
+    def _layers(self, k: int) -> None:
+        import torch
+
+        for _ in range(k):
+            torch.matmul(self.x, self.w[0], out=self.q)
+            torch.matmul(self.q[:, :4096], self.w[1], out=self.o)
+            torch.matmul(self.o, self.w[2], out=self.gu)
+            torch.matmul(self.gu[:, :14336], self.w[3], out=self.h)
+
+    def forwards_s(self, k: int) -> float:
+        """Device seconds per forward of ``k`` replays back to back on the model's stream."""
+        import torch
+
+        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self.stream):
+            a.record()
+            for _ in range(k):
+                self.graph.replay()
+            b.record()
+        b.synchronize()
+        return float(a.elapsed_time(b)) / 1e3 / k

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import MatmulModel
 
 DEV = torch.device("cuda")
 L, H, D, BS = 32, 8, 128, 16
@@ -172,44 +173,6 @@ class Worker(threading.Thread):
                 return
 
 
-def make_model() -> tuple[torch.cuda.CUDAGraph, torch.cuda.Stream]:
-    """The bf16 matrix products of 32 Llama-8B decoder layers on 1024 tokens, captured as one CUDA graph."""
-    g = torch.Generator(device=DEV).manual_seed(0)
-    x = torch.randn(1024, 4096, device=DEV, dtype=torch.bfloat16, generator=g)
-    shapes = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
-    ws = [torch.randn(a, b, device=DEV, dtype=torch.bfloat16, generator=g) * 0.01 for a, b in shapes]
-    s = torch.cuda.Stream()
-
-    def fwd() -> torch.Tensor:
-        y = x
-        for _ in range(32):
-            _ = y @ ws[0]
-            _ = y @ ws[1]
-            gu = y @ ws[2]
-            y = gu[:, :14336] @ ws[3]
-        return y
-
-    with torch.cuda.stream(s):
-        fwd()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            fwd()
-    return graph, s
-
-
-def time_forwards(graph: torch.cuda.CUDAGraph, s: torch.cuda.Stream, n: int) -> float:
-    """Seconds per forward of ``n`` replays back to back (events on the model's stream)."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(s):
-        e0.record(s)
-        for _ in range(n):
-            graph.replay()
-        e1.record(s)
-    e1.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / n
-
-
 def configs(threads: list[int], sub_batches: list[int]) -> list[tuple[str, int, int, int, Attr]]:
     """(name, threads, sub-batch, streams per thread, attributes) of every configuration."""
     any_order = Attr(SRC_ORDER_ANY, Loc(0, 0), Loc(0, 0), PREFER_OVERLAP)
@@ -239,7 +202,7 @@ def wait_all(workers: list[Worker]) -> None:
             raise RuntimeError(f"a worker gave no report in {WAIT_S} s (see its traceback above)") from None
 
 
-def measure(workers: list[Worker], nbytes: int, reps: int, graph: Any, ms: Any) -> dict[str, float]:
+def measure(workers: list[Worker], nbytes: int, reps: int, model: MatmulModel) -> dict[str, float]:
     """One configuration's call rate, issue cost, queued rate alone and beside the model."""
 
     def window(span: Any) -> tuple[float, float]:
@@ -270,9 +233,9 @@ def measure(workers: list[Worker], nbytes: int, reps: int, graph: Any, ms: Any) 
         "issue_us_per_copy": sum(w.issue_s for w in workers) / (reps + 3) / copies * 1e6,
     }
     r["cont_alone_GBps"], _ = window(lambda: time.sleep(0.3))
-    before = time_forwards(graph, ms, 8)
-    r["model_GBps"], beside = window(lambda: time_forwards(graph, ms, 16))
-    after = time_forwards(graph, ms, 8)
+    before = model.forwards_s(8)
+    r["model_GBps"], beside = window(lambda: model.forwards_s(16))
+    after = model.forwards_s(8)
     r["model_slowdown_pct"] = (beside / ((before + after) / 2) - 1) * 100
     r["model_alone_drift_pct"] = (after / before - 1) * 100
     return r
@@ -291,9 +254,8 @@ def main() -> None:
     assert cu.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
     kvbuf = torch.randint(-3000, 3000, (PLANES * NB * PIECE // 2,), device=DEV, dtype=torch.int16)
     planes_view = kvbuf.view(torch.uint8).view(PLANES, NB, PIECE)
-    graph, ms = make_model()
-    for _ in range(3):
-        time_forwards(graph, ms, 4)
+    model = MatmulModel(1024, 32)
+    model.forwards_s(4)
     res: dict[str, Any] = {"benchmark": "gpu_issue_threads", "command": "python " + " ".join(sys.argv)}
     res |= {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "v13": V13, "sizes": {}}
     gen = torch.Generator().manual_seed(1)
@@ -354,7 +316,7 @@ def main() -> None:
                     call(workers)
                     ok = bool(torch.equal(dbuf.cpu(), host))
                 r: dict[str, Any] = {"ok": ok, "copies": 1 if name == "pinned_copy" else len(sizes)}
-                r |= measure(workers, nbytes, 20 if n <= 256 else 5, graph, ms)
+                r |= measure(workers, nbytes, 20 if n <= 256 else 5, model)
                 for w in workers:
                     w.cmd.put(("quit", None))
                 rows[f"{direction}/{name}"] = r

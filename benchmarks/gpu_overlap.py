@@ -76,6 +76,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import MatmulModel  # noqa: E402
+
 L, H, D, BS, CHUNK = 32, 8, 128, 16, 256
 HD = H * D
 ELEM = 2  # bf16
@@ -132,50 +134,6 @@ def child(args: argparse.Namespace) -> None:
 
     skip = set(filter(None, args.skip.split(",")))
     n = args.size
-
-    class Model:
-        """One forward: ``layers`` x the four matrix products of a Llama-8B layer, as a CUDA graph."""
-
-        def __init__(self, tokens: int, layers: int) -> None:
-            g = torch.Generator(device=gb.DEV).manual_seed(3)
-
-            def rand(*shape: int) -> torch.Tensor:
-                return (torch.randn(shape, generator=g, device=gb.DEV) * 0.02).bfloat16()
-
-            self.x = rand(tokens, 4096)
-            self.w = [rand(4096, 6144), rand(4096, 4096), rand(4096, 28672), rand(14336, 4096)]
-            self.q = torch.empty(tokens, 6144, dtype=torch.bfloat16, device=gb.DEV)
-            self.o = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
-            self.gu = torch.empty(tokens, 28672, dtype=torch.bfloat16, device=gb.DEV)
-            self.h = torch.empty(tokens, 4096, dtype=torch.bfloat16, device=gb.DEV)
-            self.flops = 2 * tokens * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) * layers
-            self.stream = torch.cuda.Stream()
-            with torch.cuda.stream(self.stream):
-                for _ in range(3):
-                    self._layers(layers)
-            self.stream.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=self.stream):
-                self._layers(layers)
-            torch.cuda.synchronize()
-
-        def _layers(self, k: int) -> None:
-            for _ in range(k):
-                torch.matmul(self.x, self.w[0], out=self.q)
-                torch.matmul(self.q[:, :4096], self.w[1], out=self.o)
-                torch.matmul(self.o, self.w[2], out=self.gu)
-                torch.matmul(self.gu[:, :14336], self.w[3], out=self.h)
-
-        def forwards_s(self, k: int) -> float:
-            """Device seconds per forward of ``k`` replays back to back on the model's stream."""
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.stream):
-                a.record()
-                for _ in range(k):
-                    self.graph.replay()
-                b.record()
-            b.synchronize()
-            return float(a.elapsed_time(b)) / 1e3 / k
 
     class Mover:
         """Runs ``fn`` back to back on a side stream in a thread, counting: a move that returns once its work
@@ -246,7 +204,7 @@ def child(args: argparse.Namespace) -> None:
         return rate(m, t0, t1, nbytes)
 
     def together(
-        model: Model,
+        model: MatmulModel,
         fn: Callable[[], object],
         nbytes: int,
         k: int,
@@ -272,7 +230,7 @@ def child(args: argparse.Namespace) -> None:
     ce.ce_batch.argtypes = [ptr_t, ptr_t, ptr_t, size_t, ctypes.c_int, ptr_t]
     ce.ce_loop.argtypes = [ptr_t, ptr_t, ptr_t, size_t, ptr_t]
 
-    model = Model(args.model_tokens, args.layers)
+    model = MatmulModel(args.model_tokens, args.layers)
     fwd0 = model.forwards_s(args.forwards)
     emit(event="model", forward_ms=fwd0 * 1e3, TFLOPs=model.flops / fwd0 / 1e12)
 
