@@ -5,12 +5,15 @@ submit it and (for synchronous loads) wait with a deadline. A load that fails, t
 tokens than planned reports the affected blocks through ``get_block_ids_with_load_errors`` so vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); garbage is never used, and nothing the request
 computes on top of a short load is stored (its saves are dropped until the scheduler re-plans them after
-the recompute, see ``SaveOp.epoch``). A load or save that times out is cancelled and waited for until its
-coroutine no longer runs before its blocks are reported invalid or given back. Saves are asynchronous:
-the scheduler delays a finished request's block free until ``get_finished`` reports its saves done, and
-preempted requests' saves are flushed in ``handle_preemptions`` before their blocks can be reused. A worker
-without an engine reports every load as a miss (async ones finished at once) and tells the scheduler
-(``WorkerState``) so that it stops reporting hits.
+the recompute, see ``SaveOp.epoch``). On CUDA the moves run on a stream of their own
+(``tiercache.gpu.streams.MoverStream``, the loop thread's current stream), fenced against vLLM's: a step's
+saves and loads start after the work vLLM has queued when its hook calls them, and vLLM's later work waits
+for a load's moves once the load is settled. A load or save that times out is cancelled and waited for
+until its coroutine no longer runs before its blocks are reported invalid or given back. Saves are
+asynchronous: the scheduler delays a finished request's block free until ``get_finished`` reports its saves
+done, and preempted requests' saves are flushed in ``handle_preemptions`` before their blocks can be reused.
+A worker without an engine reports every load as a miss (async ones finished at once) and tells the
+scheduler (``WorkerState``) so that it stops reporting hits.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tiercache.gpu.streams import MoverStream
 from tiercache_vllm import _loop
 from tiercache_vllm._common import (
     ConnectorSettings,
@@ -149,6 +153,8 @@ class WorkerSide:
         """Cache resets done (``TierCacheMetadata.reset_epoch``, see ``_events.reset_worker``)."""
         self.clock: Callable[[], float] = time.monotonic
         """Clock for async load deadlines (tests inject one)."""
+        self._mover = MoverStream()
+        """The stream the loop thread moves KV on, and its fences against vLLM's (inert off CUDA)."""
         self.stats = _WorkerStats()
 
     # ----- setup ---------------------------------------------------------------------------------
@@ -216,6 +222,8 @@ class WorkerSide:
         for i, (ident, engine) in enumerate(zip(idents, self._group_engines, strict=True)):
             if i != largest:
                 register_engine(ident, engine)
+        self._mover = MoverStream(next(iter(self.kv_caches.values())).device)
+        _loop.call(_use_stream(self._mover), self.settings.open_timeout_s)
 
     def _caches_of(self, group: GroupSpec) -> dict[str, torch.Tensor]:
         """A group's layers as the engine moves them: a recurrent group's as whole state pages."""
@@ -234,6 +242,8 @@ class WorkerSide:
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         """Start this step's loads; synchronous ones finish here, or (layerwise) layer by layer while the
         forward pass runs, each attention layer waiting only for its own layer (``wait_for_layer_load``)."""
+        if meta.loads:
+            self._mover.after_caller()  # no load writes a block before vLLM's queued work is done with it
         for op in meta.loads:
             slots = self._load_slots(op)
             job: _loop.Job[RetrieveResult | _GroupsResult] | None = None
@@ -358,7 +368,9 @@ class WorkerSide:
         (in every KV cache group).
 
         A short load also stops the request's saves until the scheduler re-plans them (``SaveOp.epoch``).
+        vLLM's work queued from now on runs after the load's moves (and a stopped load's last writes).
         """
+        self._mover.before_caller()
         good_end = op.skip_tokens
         if isinstance(result, _GroupsResult):
             good_end = max(good_end, result.good_end)
@@ -411,6 +423,8 @@ class WorkerSide:
             return
         if self._layer_index.get(layer_name) == 0:
             self._start_layer_saves(meta)
+        if self._layer_saves:
+            self._mover.after_caller()  # this layer's gathers read KV its attention has written
         for req_id, agen, jobs in self._layer_saves:
             job = _loop.start(_advance(agen, jobs[-1].future if jobs else None))
             jobs.append(job)
@@ -448,6 +462,8 @@ class WorkerSide:
         self._finish_sync_loads()
         if not self.can_save:
             return
+        if meta.saves:
+            self._mover.after_caller()  # the saves read KV the forward just queued has written
         if self.settings.layerwise:
             for req_id, agen, jobs in self._layer_saves:
                 last = jobs[-1].future if jobs else None
@@ -653,6 +669,11 @@ class WorkerSide:
             )
         except Exception:
             logger.exception("tiercache: draining the engine at shutdown failed")
+
+
+async def _use_stream(mover: MoverStream) -> None:
+    """Make ``mover``'s stream the loop thread's current stream."""
+    mover.use_on_this_thread()
 
 
 async def _advance(agen: AsyncIterator[int], previous: concurrent.futures.Future[Any] | None) -> int | None:
