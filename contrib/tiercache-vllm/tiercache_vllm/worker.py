@@ -5,15 +5,15 @@ submit it and (for synchronous loads) wait with a deadline. A load that fails, t
 tokens than planned reports the affected blocks through ``get_block_ids_with_load_errors`` so vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); garbage is never used, and nothing the request
 computes on top of a short load is stored (its saves are dropped until the scheduler re-plans them after
-the recompute, see ``SaveOp.epoch``). On CUDA the moves run on a stream of their own
-(``tiercache.gpu.streams.MoverStream``, the loop thread's current stream), fenced against vLLM's: a step's
-saves and loads start after the work vLLM has queued when its hook calls them, and vLLM's later work waits
-for a load's moves once the load is settled. A load or save that times out is cancelled and waited for
-until its coroutine no longer runs before its blocks are reported invalid or given back. Saves are
-asynchronous: the scheduler delays a finished request's block free until ``get_finished`` reports its saves
-done, and preempted requests' saves are flushed in ``handle_preemptions`` before their blocks can be reused.
-A worker without an engine reports every load as a miss (async ones finished at once) and tells the
-scheduler (``WorkerState``) so that it stops reporting hits.
+the recompute, see ``SaveOp.epoch``). On CUDA the moves run on a stream of their own (the process's
+``tiercache.gpu.streams.mover_stream``, the loop thread's current stream), fenced against vLLM's: a step's
+saves and loads start once the work vLLM had queued when its hook called them is done (waited for off the
+loop), and vLLM's later work waits on the device for a load's moves once the load is settled. A load or save
+that times out is cancelled and waited for until its coroutine no longer runs before its blocks are reported
+invalid or given back. Saves are asynchronous: the scheduler delays a finished request's block free until
+``get_finished`` reports its saves done, and preempted requests' saves are flushed in ``handle_preemptions``
+before their blocks can be reused. A worker without an engine reports every load as a miss (async ones
+finished at once) and tells the scheduler (``WorkerState``) so that it stops reporting hits.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tiercache.gpu.streams import MoverStream
+from tiercache.gpu.streams import Fence, MoverStream, mover_stream
 from tiercache_vllm import _loop
 from tiercache_vllm._common import (
     ConnectorSettings,
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerSide"]
 
+T = TypeVar("T")
+
 logger = logging.getLogger(__name__.replace("tiercache_vllm", "tiercache.vllm", 1))
 
 
@@ -77,6 +79,7 @@ class _PendingLoad:
     job: _loop.Job[RetrieveResult | _GroupsResult] | None  # None: nothing to run (a miss)
     deadline: float = float("inf")
     layers: LayerProgress | None = None  # layerwise: the layers already written
+    written: Fence | None = None  # after the load's moves on the mover stream, once its job has ended
 
 
 @dataclass(slots=True)
@@ -222,7 +225,7 @@ class WorkerSide:
         for i, (ident, engine) in enumerate(zip(idents, self._group_engines, strict=True)):
             if i != largest:
                 register_engine(ident, engine)
-        self._mover = MoverStream(next(iter(self.kv_caches.values())).device)
+        self._mover = mover_stream(next(iter(self.kv_caches.values())).device)
         _loop.call(_use_stream(self._mover), self.settings.open_timeout_s)
 
     def _caches_of(self, group: GroupSpec) -> dict[str, torch.Tensor]:
@@ -242,33 +245,31 @@ class WorkerSide:
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         """Start this step's loads; synchronous ones finish here, or (layerwise) layer by layer while the
         forward pass runs, each attention layer waiting only for its own layer (``wait_for_layer_load``)."""
-        if meta.loads:
-            self._mover.after_caller()  # no load writes a block before vLLM's queued work is done with it
+        # vLLM clears new blocks on its stream, where the last forward may still run: loads write after that
+        fence = self._mover.caller_fence() if meta.loads else Fence()
         for op in meta.loads:
             slots = self._load_slots(op)
-            job: _loop.Job[RetrieveResult | _GroupsResult] | None = None
-            layers = None
+            pending = _PendingLoad(op, slots, None, self.clock() + self.settings.load_timeout_s)
+            load: Coroutine[Any, Any, RetrieveResult | _GroupsResult] | None = None
             if self.engine is not None and self.can_load and not self._plain:
                 self.stats.loads += 1
-                job = _loop.start(self._load_groups(op, slots))
+                load = self._load_groups(op, slots)
             elif self.engine is not None and self.can_load:
                 self.stats.loads += 1
                 if self.settings.layerwise and not op.is_async:
-                    layers = LayerProgress()
-                    job = _loop.start(
-                        load_layers(
-                            self.engine,
-                            op.token_ids,
-                            self.kv_caches,
-                            slots[0],
-                            layers,
-                            skip_tokens=op.skip_tokens,
-                            lookup=op.lookup,
-                            **_keying(op),
-                        )
+                    pending.layers = LayerProgress()
+                    load = load_layers(
+                        self.engine,
+                        op.token_ids,
+                        self.kv_caches,
+                        slots[0],
+                        pending.layers,
+                        skip_tokens=op.skip_tokens,
+                        lookup=op.lookup,
+                        **_keying(op),
                     )
                 else:
-                    retrieve = self.engine.retrieve_result(
+                    load = self.engine.retrieve_result(
                         op.token_ids,
                         self.kv_caches,
                         slots[0],
@@ -276,14 +277,23 @@ class WorkerSide:
                         lookup=op.lookup,
                         **_keying(op),
                     )
-                    job = _loop.start(retrieve)
-            pending = _PendingLoad(op, slots, job, self.clock() + self.settings.load_timeout_s, layers)
+            if load is not None:
+                pending.job = _loop.start(self._load_after(fence, load, pending))
             if op.is_async:
                 self._async_loads[op.req_id] = pending  # a miss is reported finished by get_finished
             else:
                 self._sync_loads.append(pending)
         if not self.settings.layerwise:
             self._finish_sync_loads()
+
+    async def _load_after(
+        self, fence: Fence, load: Coroutine[Any, Any, RetrieveResult | _GroupsResult], pending: _PendingLoad
+    ) -> RetrieveResult | _GroupsResult:
+        """Run ``load`` after ``fence``; once it ends, ``pending.written`` fences its moves."""
+        try:
+            return await _after(fence, load)
+        finally:
+            pending.written = self._mover.moves_fence()
 
     def _load_slots(self, op: LoadOp) -> list[torch.Tensor]:
         """Each KV cache group's slots for a load (a null block's tokens -1: never written)."""
@@ -332,7 +342,7 @@ class WorkerSide:
             if not pending.job.finished():
                 logger.warning("tiercache: layerwise load of %s timed out; recomputing", pending.op.req_id)
                 self._stop(pending.job, "load", pending.op.req_id)
-            self._record(pending.op, pending.slots, None)
+            self._record(pending, None)
         if layer == len(self._layer_index) - 1:
             self._finish_sync_loads()
 
@@ -349,7 +359,7 @@ class WorkerSide:
                     self._stop(job, "load", pending.op.req_id)
                 except Exception:
                     logger.exception("tiercache: load of %s failed; recomputing", pending.op.req_id)
-            self._record(pending.op, pending.slots, result)
+            self._record(pending, result)
 
     def _stop(self, job: _loop.Job[Any], what: str, req_id: str) -> None:
         """Cancel ``job`` and wait until it no longer runs: only then may its blocks be given back to vLLM.
@@ -361,16 +371,16 @@ class WorkerSide:
         while not job.stop(self.settings.load_timeout_s):
             logger.error("tiercache: cancelled %s of %s is still running; waiting for it", what, req_id)
 
-    def _record(
-        self, op: LoadOp, slots: list[torch.Tensor], result: RetrieveResult | _GroupsResult | None
-    ) -> None:
+    def _record(self, pending: _PendingLoad, result: RetrieveResult | _GroupsResult | None) -> None:
         """Turn a load's outcome into invalid blocks: every block of [good_end, load_end) is recomputed
         (in every KV cache group).
 
         A short load also stops the request's saves until the scheduler re-plans them (``SaveOp.epoch``).
-        vLLM's work queued from now on runs after the load's moves (and a stopped load's last writes).
+        vLLM's work queued from now on runs after the load's moves (a stopped load's last writes too).
         """
-        self._mover.before_caller()
+        if pending.written is not None:
+            pending.written.hold()
+        op, slots = pending.op, pending.slots
         good_end = op.skip_tokens
         if isinstance(result, _GroupsResult):
             good_end = max(good_end, result.good_end)
@@ -421,12 +431,15 @@ class WorkerSide:
         """Layerwise mode: store this layer of every chunk saved this step (after its attention ran)."""
         if not self.settings.layerwise or self.engine is None or not self.can_save:
             return
-        if self._layer_index.get(layer_name) == 0:
+        if layer_name not in self._layer_index:  # not a layer of the registered KV: no step of the stores
+            return
+        if self._layer_index[layer_name] == 0:
             self._start_layer_saves(meta)
-        if self._layer_saves:
-            self._mover.after_caller()  # this layer's gathers read KV its attention has written
+        if not self._layer_saves:
+            return
+        fence = self._mover.caller_fence()  # this layer's gathers read KV its attention has written
         for req_id, agen, jobs in self._layer_saves:
-            job = _loop.start(_advance(agen, jobs[-1].future if jobs else None))
+            job = _loop.start(_after(fence, _advance(agen, jobs[-1].future if jobs else None)))
             jobs.append(job)
             self._saving[req_id].append(job)
 
@@ -462,17 +475,16 @@ class WorkerSide:
         self._finish_sync_loads()
         if not self.can_save:
             return
-        if meta.saves:
-            self._mover.after_caller()  # the saves read KV the forward just queued has written
+        fence = self._mover.caller_fence() if meta.saves else Fence()  # after the forward's KV writes
         if self.settings.layerwise:
             for req_id, agen, jobs in self._layer_saves:
                 last = jobs[-1].future if jobs else None
-                self._track(req_id, _finish(agen, last))
+                self._track(req_id, _after(fence, _finish(agen, last)))
             deferred, self._deferred_saves = self._deferred_saves, []
             for op in deferred:
                 layers = self._layer_store(op) if self.engine is not None else None
                 if layers is not None:
-                    self._track(op.req_id, _finish(layers, None))
+                    self._track(op.req_id, _after(fence, _finish(layers, None)))
             self._layer_saves = []
             return
         started = []
@@ -485,7 +497,7 @@ class WorkerSide:
                 store = self.engine.store(op.token_ids, self.kv_caches, slots, mask, **_keying(op))
             else:
                 store = self._store_groups(op)
-            started.append(self._track(op.req_id, store, count_result=True))
+            started.append(self._track(op.req_id, _after(fence, store), count_result=True))
             self.stats.saves += 1
         if any(g.windowed for g in self.groups):
             # vLLM frees a window's pages while the request runs (not after its finish hook), and hands them
@@ -599,7 +611,7 @@ class WorkerSide:
             if not done:
                 continue
             del self._async_loads[req_id]
-            self._record(pending.op, pending.slots, result)
+            self._record(pending, result)
             recving.add(req_id)
         return sending or None, recving or None
 
@@ -674,6 +686,16 @@ class WorkerSide:
 async def _use_stream(mover: MoverStream) -> None:
     """Make ``mover``'s stream the loop thread's current stream."""
     mover.use_on_this_thread()
+
+
+async def _after(fence: Fence, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` once ``fence`` is reached (waited for off the loop); never started if cancelled before."""
+    try:
+        await fence.reached()
+    except BaseException:
+        work.close()
+        raise
+    return await work
 
 
 async def _advance(agen: AsyncIterator[int], previous: concurrent.futures.Future[Any] | None) -> int | None:
