@@ -58,7 +58,6 @@ class MoverStream:
     docstring); inert when ``device`` is None or not a CUDA device. Share one per device: ``mover_stream``."""
 
     def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
         self.stream: Any = None
         if device is not None and device.type == "cuda":
             import torch
@@ -80,22 +79,23 @@ class MoverStream:
             return Fence()
         import torch
 
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.stream.device))
-        return Fence(event)
+        return self._fence_on(torch.cuda.current_stream(self.stream.device))
 
     def moves_fence(self) -> Fence:
         """A fence after the moves issued on this stream so far."""
-        if self.stream is None:
-            return Fence()
+        return Fence() if self.stream is None else self._fence_on(self.stream)
+
+    @staticmethod
+    def _fence_on(stream: Any) -> Fence:
+        """A fence after the work queued on ``stream`` so far."""
         import torch
 
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         return Fence(event)
 
 
-_MOVERS: dict[tuple[int, str], MoverStream] = {}
+_MOVERS: dict[tuple[int, int], MoverStream] = {}  # (pid, CUDA device index): a forked child makes its own
 
 
 def mover_stream(device: torch.device | None) -> MoverStream:
@@ -108,7 +108,7 @@ def mover_stream(device: torch.device | None) -> MoverStream:
     index: int | None = device.index
     if index is None:  # "cuda": the current device
         index = torch.cuda.current_device()
-    key = (os.getpid(), f"cuda:{index}")
+    key = (os.getpid(), index)
     mover = _MOVERS.get(key)
     if mover is None:
         mover = _MOVERS[key] = MoverStream(torch.device("cuda", index))

@@ -3,14 +3,14 @@
 forward on) shares no order with the moves' thread, so a save issued right after the forward is queued reads
 stale KV unless it waited for a ``caller_fence``, and the model reads a load's KV before its last write
 unless it holds the load's ``moves_fence``; with the fences both see the right bytes, and waiting for a fence
-leaves the event loop free. The forward's and the load's late writes are held back on the device by
-``torch.cuda._sleep``, so the stale cases are not a race the test may lose."""
+leaves the event loop free. The forward's and the load's late writes wait on the device behind a ``Gate`` the
+test opens, and every stale read is checked while it is still shut, so no case is a race the test may lose."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -19,14 +19,52 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+from tiercache_vllm._layerwise import LayerProgress
+
 from tiercache.gpu import LayoutKind, Move, PagedLayout, dispatch, object_spec, reference
-from tiercache.gpu.streams import MoverStream, mover_stream
+from tiercache.gpu.streams import Fence, MoverStream, mover_stream
 from tiercache.store.l1 import L1Cache
 
 DEV = torch.device("cuda")
 L, H, D, BS, NB, N = 4, 4, 64, 16, 32, 256
 LAYOUT = PagedLayout(LayoutKind.VLLM_LEGACY, L, H, D, BS, "bfloat16")
-SLEEP_CYCLES = 400_000_000  # about 0.2 s on the device: far longer than a move of this 1 MiB
+MAX_SPINS = 20_000_000  # a shut gate gives up after some seconds, so a failing test cannot hang the device
+
+
+@triton.jit
+def _spin_while_shut(flag_ptr, max_spins):  # type: ignore[no-untyped-def]
+    spins = 0
+    while (tl.load(flag_ptr, volatile=True) == 0) & (spins < max_spins):
+        spins += 1
+
+
+class Gate:
+    """Work queued on a stream after ``shut_here()`` waits on the device until the test calls ``open()``."""
+
+    def __init__(self) -> None:
+        self.flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+        self.opener = torch.cuda.Stream()
+        torch.cuda.synchronize()
+
+    def shut_here(self) -> None:
+        """Hold the current stream's later work back (one spinning program on one SM)."""
+        _spin_while_shut[(1,)](self.flag, MAX_SPINS)
+
+    def open(self) -> None:
+        with torch.cuda.stream(self.opener):
+            self.flag.fill_(1)
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    g = Gate()
+    try:
+        yield g
+    finally:
+        g.open()  # a failed test leaves nothing spinning
+        torch.cuda.synchronize()
 
 
 def kv_caches(value: float) -> list[torch.Tensor]:
@@ -49,8 +87,11 @@ def pinned_object() -> torch.Tensor:
     return obj.tensor()
 
 
-def on_mover_thread(mover: MoverStream, work: Callable[[], None]) -> None:
-    """Run ``work`` on another thread whose current stream is the mover's, as the connector's loop thread."""
+def on_mover_thread(
+    mover: MoverStream, work: Callable[[], None], meanwhile: Callable[[], None] = lambda: None
+) -> None:
+    """Run ``work`` on another thread whose current stream is the mover's, as the connector's loop thread,
+    and ``meanwhile`` on this one."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -62,6 +103,7 @@ def on_mover_thread(mover: MoverStream, work: Callable[[], None]) -> None:
 
     t = threading.Thread(target=run)
     t.start()
+    meanwhile()
     t.join()
     if errors:
         raise errors[0]
@@ -69,88 +111,144 @@ def on_mover_thread(mover: MoverStream, work: Callable[[], None]) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def warm() -> None:
-    """One gather first, so that no test's move waits for a compile or a first allocation."""
+    """One gather and one open gate first, so that no test waits for a compile or a first allocation."""
     obj = pinned_object()
     dispatch.gather(kv_caches(0.0), Move.gather(LAYOUT, slots(), [(0, N)], [obj]))
+    g = Gate()
+    g.open()
+    g.shut_here()
     torch.cuda.synchronize()
 
 
-def saved_after_forward(fence: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A forward on a model stream writes 1.0 into KV that held 0.0 (late, behind a sleep), then a save is
-    issued on the mover's thread, waiting for the fence taken after the forward or not; (the saved object,
-    the KV the forward wrote)."""
+def saved_after_forward(gate: Gate, fence: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A forward on a model stream writes 1.0 into KV that held 0.0 (behind the gate), then a save is issued
+    on the mover's thread, waiting for the fence taken after the forward or not; (the saved object, the KV the
+    forward wrote). Without the fence the save is done, and checked, while the gate is still shut."""
     kv = kv_caches(0.0)
     model = torch.cuda.Stream()
     mover = MoverStream(DEV)
     obj = pinned_object()
     with torch.cuda.stream(model):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        gate.shut_here()
         for t in kv:
             t.fill_(1.0)
         after_forward = mover.caller_fence()
     move = Move.gather(LAYOUT, slots(), [(0, N)], [obj])
+    waiting = threading.Event()
+    forward_done_at_save: list[bool] = []
 
     def save() -> None:
         if fence:
+            waiting.set()
             asyncio.run(after_forward.reached())
+        forward_done_at_save.append(model.query())
         dispatch.gather(kv, move)
 
-    on_mover_thread(mover, save)
+    def open_once_waiting() -> None:
+        if fence:
+            waiting.wait()
+            gate.open()
+
+    on_mover_thread(mover, save, meanwhile=open_once_waiting)
+    assert forward_done_at_save == [fence]
+    gate.open()
     torch.cuda.synchronize()
     return obj.clone(), kv
 
 
-def test_a_fenced_save_reads_the_kv_the_forward_wrote() -> None:
-    obj, kv = saved_after_forward(fence=True)
+def test_a_fenced_save_reads_the_kv_the_forward_wrote(gate: Gate) -> None:
+    obj, kv = saved_after_forward(gate, fence=True)
     want = torch.empty_like(obj)
     reference.gather(kv, Move.gather(LAYOUT, slots(), [(0, N)], [want]))
     assert torch.equal(obj, want)
     assert bool((obj == 1.0).all())
 
 
-def test_without_the_fence_a_save_reads_stale_kv() -> None:
+def test_without_the_fence_a_save_reads_stale_kv(gate: Gate) -> None:
     """What the fence prevents: the save ran before the forward's write (so the test above can fail)."""
-    obj, _ = saved_after_forward(fence=False)
+    obj, _ = saved_after_forward(gate, fence=False)
     assert bool((obj == 0.0).all())
 
 
-def read_after_load(fence: bool) -> torch.Tensor:
-    """A load's last write (late, behind a sleep) of 2.0 into KV holding 0.0 on the mover's stream, then the
-    model's stream reads the KV, holding the load's fence or not; what it read."""
-    kv = kv_caches(0.0)
-    model = torch.cuda.Stream()
-    mover = MoverStream(DEV)
-    written = []
+def loaded_on_mover(gate: Gate, mover: MoverStream, kv: list[torch.Tensor], value: float) -> Fence:
+    """A load's last write (behind the gate) of ``value`` into ``kv`` on the mover's stream, as a staged
+    scatter's kernel still running when the load's call returned; the load's fence."""
+    written: list[Fence] = []
 
     def load() -> None:
-        torch.cuda._sleep(SLEEP_CYCLES)
+        gate.shut_here()
         for t in kv:
-            t.fill_(2.0)  # as a staged scatter's kernel, still running when the load's call returned
+            t.fill_(value)
         written.append(mover.moves_fence())
 
     on_mover_thread(mover, load)
+    return written[0]
+
+
+def read_after_load(gate: Gate, fence: bool) -> torch.Tensor:
+    """The model's stream reads KV holding 0.0 after a load of 2.0, holding the load's fence or not; what it
+    read. Without the fence the read is done, and checked, while the gate is still shut."""
+    kv = kv_caches(0.0)
+    model = torch.cuda.Stream()
+    written = loaded_on_mover(gate, MoverStream(DEV), kv, 2.0)
     with torch.cuda.stream(model):
         if fence:
-            written[0].hold()
+            written.hold()
         seen = torch.stack([t.clone() for t in kv])
+    if fence:
+        assert not model.query()  # the read waits for the load
+    else:
+        model.synchronize()  # the read is done before the load's write
+    gate.open()
     torch.cuda.synchronize()
     return seen
 
 
-def test_a_forward_holding_the_loads_fence_reads_the_loaded_kv() -> None:
-    assert bool((read_after_load(fence=True) == 2.0).all())
+def test_a_forward_holding_the_loads_fence_reads_the_loaded_kv(gate: Gate) -> None:
+    assert bool((read_after_load(gate, fence=True) == 2.0).all())
 
 
-def test_without_the_fence_the_forward_reads_before_the_load() -> None:
-    assert bool((read_after_load(fence=False) == 0.0).all())
+def test_without_the_fence_the_forward_reads_before_the_load(gate: Gate) -> None:
+    assert bool((read_after_load(gate, fence=False) == 0.0).all())
 
 
-def test_waiting_for_a_fence_leaves_the_event_loop_free() -> None:
+def test_an_attention_layer_waits_on_the_device_for_its_layer_only(gate: Gate) -> None:
+    """Layerwise loads: ``LayerProgress.wait`` makes the forward's stream hold the written layer's fence, so
+    its read waits for that layer's moves and a layer written earlier is read at once."""
+    kv = kv_caches(0.0)
+    model = torch.cuda.Stream()
+    mover = MoverStream(DEV)
+    progress = LayerProgress()
+    layer0 = kv_caches(0.0)[:1]
+
+    def load_layer0() -> None:
+        layer0[0].fill_(5.0)
+        progress.written(mover.moves_fence())
+
+    on_mover_thread(mover, load_layer0)
+    progress.written(loaded_on_mover(gate, mover, kv, 3.0))
+    with torch.cuda.stream(model):
+        assert progress.wait(0, timeout=0.0)
+        seen0 = layer0[0].clone()
+    model.synchronize()  # layer 0's moves came before the gate
+    assert bool((seen0 == 5.0).all())
+    with torch.cuda.stream(model):
+        assert progress.wait(1, timeout=0.0)
+        seen1 = torch.stack([t.clone() for t in kv])
+    assert not model.query()
+    gate.open()
+    torch.cuda.synchronize()
+    assert bool((seen1 == 3.0).all())
+    progress.end()
+    assert not progress.wait(2, timeout=0.0)
+
+
+def test_waiting_for_a_fence_leaves_the_event_loop_free(gate: Gate) -> None:
     """A job waiting for the model's queued work does not stop the loop's other jobs."""
     model = torch.cuda.Stream()
     mover = MoverStream(DEV)
     with torch.cuda.stream(model):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        gate.shut_here()
         fence = mover.caller_fence()
     order: list[str] = []
 
@@ -161,6 +259,7 @@ def test_waiting_for_a_fence_leaves_the_event_loop_free() -> None:
     async def other() -> None:
         await asyncio.sleep(0)
         order.append("other job" if not model.query() else "other job, after the model")
+        gate.open()
 
     async def both() -> None:
         await asyncio.gather(waiter(), other())
@@ -179,17 +278,18 @@ def test_one_mover_per_device_on_the_threads_that_use_it() -> None:
     assert torch.cuda.current_stream().cuda_stream != mover.stream.cuda_stream
 
 
-def test_the_legacy_default_stream_does_not_hold_the_moves_back() -> None:
+def test_the_legacy_default_stream_does_not_hold_the_moves_back(gate: Gate) -> None:
     """Non-blocking: work on the legacy default stream (where a thread's work goes unless told otherwise)
     does not delay the moves' stream."""
     mover = MoverStream(DEV)
     x = torch.zeros(1, device=DEV)
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.default_stream()):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        gate.shut_here()
     with torch.cuda.stream(mover.stream):
         x.fill_(3.0)
     mover.stream.synchronize()
-    assert not torch.cuda.default_stream().query()  # still asleep, and the mover's fill is done
+    assert not torch.cuda.default_stream().query()  # still shut, and the mover's fill is done
+    gate.open()
     torch.cuda.synchronize()
     assert x.item() == 3.0

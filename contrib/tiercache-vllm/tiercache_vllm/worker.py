@@ -264,6 +264,7 @@ class WorkerSide:
                         self.kv_caches,
                         slots[0],
                         pending.layers,
+                        self._mover,
                         skip_tokens=op.skip_tokens,
                         lookup=op.lookup,
                         **_keying(op),
