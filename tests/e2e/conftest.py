@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.make_tiny import make_model
+from tests.e2e.vllm_zygote import Forker
 from tiercache.testing.harness.processes import free_port, port_open, start_process
 
 HERE = Path(__file__).resolve().parent
@@ -118,22 +119,46 @@ def run_vllm(
     import json
 
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, **OFFLINE_ENV, **(env_extra or {})}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if not check and proc.returncode != 0:
-        return {"returncode": proc.returncode, "stderr": proc.stderr}
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-6000:]}"
+    env = _child_env(env_extra)
+    returncode = None
+    if "env" not in spec:  # a spec's env is set before vLLM is imported: a fresh interpreter
+        returncode = _FORKER.run(HERE / script, [str(spec_path), str(out_path)], env, log_path, timeout)
+    if returncode is not None:
+        output = log_path.read_text(errors="replace")  # stdout and stderr as they came
+    else:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / script), str(spec_path), str(out_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+        log_path.write_text(output)
+    if not check and returncode != 0:
+        return {"returncode": returncode, "stderr": output}
+    assert returncode == 0, f"{name} failed:\n{output[-6000:]}"
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
+
+
+def _child_env(env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM child script: this one, offline, vLLM's own KV cache size unset."""
+    env = {**os.environ, **OFFLINE_ENV, **(env_extra or {})}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
+_FORKER = Forker()  # this test process's vLLM zygote (vllm_zygote.py)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_zygote() -> Iterator[None]:
+    """Stop this process's zygote, if one started, by its PID at the end of the session."""
+    yield
+    _FORKER.stop()
 
 
 @pytest.fixture(scope="session")
