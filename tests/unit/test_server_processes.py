@@ -256,6 +256,27 @@ def test_socket_mode_and_clean_sigterm(sock_dir: Path) -> None:
     assert not os.path.exists(srv.path + ".lock")
 
 
+def test_the_socket_path_appears_once_the_server_accepts(sock_dir: Path) -> None:
+    """The socket is bound as ``PATH.new`` and renamed into place after it listens: a client that connects
+    the moment the path exists is accepted, and a crashed server's ``PATH.new`` is replaced, not kept."""
+    path = str(sock_dir / "l1.sock")
+    for _ in range(5):
+        leftover = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        leftover.bind(path + ".new")
+        leftover.close()
+        srv = NodeServer(path, read_ready=False)
+        try:
+            assert wait_for(lambda: os.path.exists(path), attempts=10**7)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as first:
+                first.connect(path)  # ECONNREFUSED if the path had appeared before listen
+            assert srv.read_ready()
+            assert os.stat(path).st_mode & 0o777 == 0o600
+            assert not os.path.exists(path + ".new")
+        finally:
+            assert srv.stop() == 0
+        assert not os.path.exists(path)
+
+
 def test_sigterm_stops_a_server_whose_stdout_reader_went_away(sock_dir: Path) -> None:
     """The stop line cannot be printed (closed pipe): the server still stops cleanly."""
     srv = Server(str(sock_dir / "l1.sock"))

@@ -44,6 +44,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tiercache.server.protocol import MAX_SOCKET_PATH
+
 __all__ = [
     "DEFAULT_SOCKET",
     "AutostartError",
@@ -71,7 +73,6 @@ _LOCK_NAME = "lock"
 _KEEPER_NAME = "keeper"
 """``KEEPER_PID STARTER_PID`` of the keeper that owns the directory now (an older keeper leaves the directory
 to it; a failed record whose keeper and starter are both gone is stale)."""
-_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _STATUS_GRACE_S = 10.0
 """How long the starter waits for the keeper's answer beyond the keeper's own start timeout."""
 _PR_SET_PDEATHSIG = 1
@@ -133,8 +134,8 @@ def ensure_private_server(
     for _ in range(8):  # a keeper removing the directory between our open and our flock: take a fresh one
         where = private_dir(instance, base)
         sock_path = str(where / SOCKET_NAME)
-        if len(sock_path) > _MAX_SOCKET_PATH:
-            raise AutostartError(f"socket path {sock_path} is over {_MAX_SOCKET_PATH} bytes; set TMPDIR")
+        if len(sock_path) > MAX_SOCKET_PATH:
+            raise AutostartError(f"socket path {sock_path} is over {MAX_SOCKET_PATH} bytes; set TMPDIR")
         with _instance_lock(where) as held:
             if not held:
                 continue
