@@ -9,14 +9,14 @@ files fill both workers at the end (no long file left alone at the tail).
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tiercache.testing.harness.processes import socket_dir
 
 settings.register_profile("tiercache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("tiercache")
@@ -29,9 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
-    """A fresh directory for unix sockets, directly under /tmp: a socket path must stay under 108 bytes,
-    and pytest's ``tmp_path`` (numbered run, xdist worker, test name) can pass that under a long TMPDIR."""
-    d = Path(tempfile.mkdtemp(prefix="tc-sock-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    os.chmod(d, 0o755)  # other uids may reach a socket when its own mode allows
+    """A fresh directory for unix sockets (``socket_dir``: pytest's ``tmp_path`` can be too deep for one)."""
+    d = socket_dir("tc-sock-")
     yield d
     shutil.rmtree(d, ignore_errors=True)

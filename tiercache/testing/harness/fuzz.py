@@ -53,7 +53,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 import traceback
@@ -67,7 +66,7 @@ from tiercache.errors import ConfigError, FrameError
 from tiercache.serde import CodecPipeline, build_pipeline, read_header
 from tiercache.serde.aesgcm import AesGcmCodec
 from tiercache.spec import KVFormat, KVSpec
-from tiercache.testing.harness.processes import NodeServer
+from tiercache.testing.harness.processes import NodeServer, socket_dir
 
 __all__ = ["TARGETS", "ConfigFuzz", "ConnectorFuzz", "FrameFuzz", "run_target"]
 
@@ -1068,7 +1067,7 @@ def run_live(
     before, during and after the fuzz, its log bytes, whether it stayed alive, and whether everything the
     fuzzer held came back once it exited."""
     nbytes = LIVE_SPEC.with_tokens(tokens).nbytes
-    tmp = Path(tempfile.mkdtemp(prefix="tc-fz-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    tmp = socket_dir("tc-fz-")
     path = str(tmp / "s.sock")
     flags = [
         "--capacity",

@@ -33,6 +33,7 @@ __all__ = [
     "free_port",
     "port_open",
     "run_as",
+    "socket_dir",
     "start_process",
     "wait_for",
     "wait_until",
@@ -138,18 +139,29 @@ def start_process(
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env
         )
     proc = ServerProcess(argv, popen, log_path)
+    try:
+        _await_ready(proc, ready, timeout)
+    except BaseException:  # not ready in time, or the wait interrupted: nothing is left running
+        proc.kill()
+        raise
+    return proc
+
+
+def _await_ready(proc: ServerProcess, ready: Callable[[], bool], timeout: float) -> None:
+    """Poll ``ready()`` until true; RuntimeError (with the log) if ``proc`` exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while True:
         if not proc.alive():
-            raise RuntimeError(f"{argv[0]} exited with {popen.returncode} before ready:\n{proc.log()}")
+            raise RuntimeError(
+                f"{proc.argv[0]} exited with {proc.popen.returncode} before ready:\n{proc.log()}"
+            )
         try:
             if ready():
-                return proc
+                return
         except Exception:  # readiness probes may fail while starting
             pass
         if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{argv[0]} not ready after {timeout} s:\n{proc.log()}")
+            raise RuntimeError(f"{proc.argv[0]} not ready after {timeout} s:\n{proc.log()}")
         time.sleep(0.02)
 
 
@@ -281,6 +293,15 @@ def run_as(uid: int, fn: Callable[[], str]) -> str:
         outcome = f.read().decode()
     os.waitpid(pid, 0)
     return outcome
+
+
+def socket_dir(prefix: str) -> Path:
+    """A fresh directory for unix sockets (mode 0755), directly under /tmp where there is one: a socket path
+    must stay under 108 bytes, which a deep temp directory (a long ``TMPDIR``, pytest's per-test paths) can
+    pass. The caller removes it."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
+    os.chmod(d, 0o755)  # other uids may reach a socket when its own mode allows
+    return d
 
 
 def wait_for(cond: Callable[[], bool], attempts: int = 3000) -> bool:
