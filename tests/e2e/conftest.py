@@ -110,11 +110,13 @@ def run_vllm(
     check: bool = True,
     script: str = "run_vllm.py",
     env_extra: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Run ``script`` (tests/e2e/run_vllm.py or another child script taking ``SPEC OUT``) with ``spec`` in its
     own process, ``env_extra`` in its environment; return its JSON result (log beside it).
 
     ``check=False``: a failed run returns ``{"returncode", "stderr"}`` instead of failing the test.
+    ``fresh=True``: a fresh interpreter, not a child of this process's zygote (a string-hash seed of its own).
     """
     import json
 
@@ -123,7 +125,7 @@ def run_vllm(
     spec_path.write_text(json.dumps(spec))
     env = _child_env(env_extra)
     returncode = None
-    if "env" not in spec:  # a spec's env is set before vLLM is imported: a fresh interpreter
+    if not fresh and "env" not in spec:  # a spec's env is set before vLLM is imported: a fresh interpreter
         returncode = _FORKER.run(HERE / script, [str(spec_path), str(out_path)], env, log_path, timeout)
     if returncode is not None:
         output = log_path.read_text(errors="replace")  # stdout and stderr as they came

@@ -82,7 +82,9 @@ def stack(
     }
     cold = vllm_run(work, "cold", spec(tiny_model, DECODE))
     producer = {"role": "kv_producer", "extra": {"config": str(configs["both"])}}
-    prefill = vllm_run(work, "prefill", spec(tiny_model, STORED, producer))
+    # a fresh interpreter: the decodes (children of a zygote) hash strings with another seed, so what
+    # crosses processes must not depend on hash()
+    prefill = vllm_run(work, "prefill", spec(tiny_model, STORED, producer), fresh=True)
     expected = tokens_by_name(cold, DECODE)
     assert tokens_by_name(prefill, STORED) == {n: expected[n] for n in STORED}
     assert all(

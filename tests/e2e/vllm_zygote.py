@@ -11,9 +11,11 @@ reports it: negative for a signal), or ``{"fresh": KEYS}`` at once where ``env``
 own in more than what importing vLLM sets and the name of the running test (``KEYS``: the others; a variable
 read at interpreter start or at import, such as ``PYTHONPATH``, would not reach a forked child): the caller
 then starts a fresh interpreter, and the zygote's log names them.
-The child takes ``env`` as its environment and ``cwd`` as its working directory, writes its stdout and
-stderr to ``log``, runs ``script`` as ``__main__`` with ``argv`` and ends as that script would, through the
-interpreter's normal exit.
+The child takes ``env`` (over what vLLM's imports set) as its environment and ``cwd`` as its working
+directory, writes its stdout and stderr to ``log``, runs ``script`` as ``__main__`` with ``argv`` and ends
+as that script would, through the interpreter's normal exit. A client that closes its connection before the
+answer (a timeout, an interrupted test) has its child killed; the zygote ends with the process that
+started it.
 
 Client: ``Zygote`` (start, run, stop by PID), and ``Forker``, which keeps one zygote per test process.
 """
@@ -30,10 +32,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from tiercache.testing.harness.processes import socket_dir, start_process
 
 HERE = Path(__file__).resolve().parent
 
@@ -42,8 +45,6 @@ class Zygote:
     """A started zygote (``python vllm_zygote.py SOCKET``); ``run`` forks one child script through it."""
 
     def __init__(self, sock_path: Path, env: dict[str, str], timeout: float = 600.0) -> None:
-        from tiercache.testing.harness.processes import start_process
-
         self.sock_path = sock_path
         argv = [sys.executable, str(HERE / "vllm_zygote.py"), str(sock_path)]
         self.proc = start_process(argv, ready=sock_path.exists, timeout=timeout, env=env)
@@ -53,7 +54,8 @@ class Zygote:
     ) -> int | None:
         """Run ``script`` with ``argv`` and ``env`` in a forked child, in this process's working directory
         (its output to ``log``); its return code, or None where ``env`` needs a fresh interpreter.
-        ``subprocess.TimeoutExpired`` after ``timeout`` seconds, the child killed."""
+        ``subprocess.TimeoutExpired`` after ``timeout`` seconds. However the wait ends, the connection
+        closes with it, and the zygote kills a child whose connection closed."""
         request = {"script": str(script), "argv": argv, "log": str(log), "env": env, "cwd": os.getcwd()}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(str(self.sock_path))
@@ -62,13 +64,13 @@ class Zygote:
             forked = json.loads(replies.readline())
             if "fresh" in forked:
                 return None
-            pid = int(forked["pid"])
             conn.settimeout(timeout)
             try:
                 line = replies.readline()
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)  # the zygote reaps it
+            except TimeoutError:  # leaving closes the connection: the zygote kills the child
                 raise subprocess.TimeoutExpired([str(script), *argv], timeout) from None
+            if not line:
+                raise RuntimeError(f"the vLLM zygote ended during a run (its log: {log})")
             return int(json.loads(line)["returncode"])
 
     def stop(self) -> None:
@@ -105,7 +107,7 @@ class Forker:
     def _start(self, env: dict[str, str]) -> None:
         self.stop()
         self.refused = None
-        sock_dir = Path(tempfile.mkdtemp(prefix="tc-zyg-", dir="/tmp" if os.path.isdir("/tmp") else None))
+        sock_dir = socket_dir("tc-zyg-")
         try:
             self.zygote = Zygote(sock_dir / "zygote.sock", env)
         except RuntimeError as exc:
@@ -126,8 +128,9 @@ def _preload() -> None:
     from tiercache_vllm import connector  # noqa: F401
 
 
-def _child(request: dict[str, Any]) -> None:
-    """In the forked child: become ``python SCRIPT ARGV...`` with output to the request's log."""
+def _child(request: dict[str, Any], set_by_imports: dict[str, str]) -> None:
+    """In the forked child: become ``python SCRIPT ARGV...`` with output to the request's log, in the
+    request's environment over what vLLM's imports set (as a fresh interpreter would have it)."""
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -135,9 +138,11 @@ def _child(request: dict[str, Any]) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in any interpreter
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
+    os.environ.update(set_by_imports)
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     script = request["script"]
@@ -156,10 +161,13 @@ def _differences(env: dict[str, str], *own: dict[str, str]) -> list[str]:
 
 
 def serve(sock_path: str) -> None:
-    """Accept requests until killed; fork a child per request and report its end (module docstring)."""
+    """Fork a child per request and report its end (module docstring) while the process that started this
+    zygote lives; a child whose client went away (its connection closed) is killed."""
+    parent = os.getppid()
     started = dict(os.environ)
     _preload()
     imported = dict(os.environ)  # vLLM's imports set a few variables
+    set_by_imports = {k: v for k, v in imported.items() if started.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path + ".tmp")
     listener.listen(16)
@@ -167,37 +175,78 @@ def serve(sock_path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
-    while True:
-        if selector.select(timeout=0.05):
-            conn, _ = listener.accept()
-            request = json.loads(conn.makefile("r").readline())
-            different = _differences(request["env"], started, imported)
-            if different:
-                print(f"a fresh interpreter for {request['argv'][0]}: {different}", flush=True)
-                conn.sendall(json.dumps({"fresh": different}).encode() + b"\n")
-                conn.close()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                selector.close()
-                listener.close()
-                conn.close()
-                for other in waiting.values():
-                    other.close()
-                _child(request)
-                sys.exit(0)  # the script returned: exit as its interpreter would
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            waiting[pid] = conn
-        while waiting:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = waiting.pop(pid)
-            with contextlib.suppress(OSError):  # the client gave up (a timeout killed the child)
-                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    while os.getppid() == parent:
+        for key, _ in selector.select(timeout=0.05):
+            if key.fileobj is listener:
+                _answer(listener, selector, waiting, (started, imported), set_by_imports)
+            else:  # a waiting connection turns readable when its client closed it: the run is abandoned
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.data, signal.SIGKILL)
+        _reap(selector, waiting)
+    for pid in waiting:  # the test process is gone: so are its runs and the socket's directory
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(os.path.dirname(sock_path), ignore_errors=True)
+
+
+def _answer(
+    listener: socket.socket,
+    selector: selectors.BaseSelector,
+    waiting: dict[int, socket.socket],
+    own: tuple[dict[str, str], dict[str, str]],
+    set_by_imports: dict[str, str],
+) -> None:
+    """Take one request: refuse it (``fresh``) or fork its child and tell the client its pid. A malformed or
+    silent request, or a client gone before it heard the pid, costs that request only."""
+    conn, _ = listener.accept()
+    pid = 0
+    try:
+        conn.settimeout(30)  # a request is one line, sent at once
+        request = json.loads(conn.makefile("r").readline())
+        different = _differences(request["env"], *own)
+        if different:
+            print(f"a fresh interpreter for {request['argv'][0]}: {different}", flush=True)
+            conn.sendall(json.dumps({"fresh": different}).encode() + b"\n")
             conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            selector.close()
+            listener.close()
+            conn.close()
+            for other in waiting.values():
+                other.close()
+            _child(request, set_by_imports)
+            sys.exit(0)  # the script returned: exit as its interpreter would
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"a request dropped: {exc!r}", flush=True)
+        if pid:
+            os.kill(pid, signal.SIGKILL)  # reaped with the others
+        conn.close()
+        return
+    waiting[pid] = conn
+    selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def _reap(selector: selectors.BaseSelector, waiting: dict[int, socket.socket]) -> None:
+    """Reap every child that ended; tell its client (if still waiting) its return code."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children
+            return
+        if pid == 0:
+            return
+        conn = waiting.pop(pid, None)
+        if conn is None:  # a child whose request was dropped
+            continue
+        selector.unregister(conn)
+        with contextlib.suppress(OSError):  # the client gave up (its run was killed)
+            conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        conn.close()
 
 
 if __name__ == "__main__":
