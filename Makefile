@@ -54,7 +54,7 @@ lint: install
 MYPY_CACHE := $(CURDIR)/.mypy_cache
 
 typecheck: install
-	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	$(VENV)/bin/mypy --num-workers auto --cache-dir $(MYPY_CACHE)
 	cd contrib/tiercache-vllm && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	cd contrib/tiercache-fsspec && ../../$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -85,16 +86,23 @@ def test_gather_and_scatter_match_reference(kind: LayoutKind, strided: bool, dty
         assert torch.equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [tk.TileConfig(32, 0, 1), tk.TileConfig(64, 2, 2), tk.DEFAULT_CONFIG],
-    ids=["head-chunks", "two-tokens", "default"],
-)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize(("kind", "strided"), KINDS[:3])
-def test_head_chunks_and_odd_shapes(
-    kind: LayoutKind, strided: bool, dtype: torch.dtype, cfg: tk.TileConfig
-) -> None:
+TILE_CONFIGS = {
+    "head-chunks": tk.TileConfig(32, 0, 1),
+    "two-tokens": tk.TileConfig(64, 2, 2),
+    "default": tk.DEFAULT_CONFIG,
+}
+BF16, F32 = torch.bfloat16, torch.float32
+# every (layout, tile config) pair once; each layout and each config with both dtypes (pairwise, not the
+# whole product: a head-chunk case takes about 15 s in the interpreter)
+ODD_SHAPE_CASES = [
+    pytest.param(*kind.values, dtype, cfg, id=f"{kind.id}-{str(dtype).removeprefix('torch.')}-{cfg}")
+    for kind, dtypes in zip(KINDS[:3], [(BF16, F32, BF16), (F32, BF16, F32), (BF16, F32, F32)], strict=True)
+    for dtype, cfg in zip(dtypes, TILE_CONFIGS, strict=True)
+]
+
+
+@pytest.mark.parametrize(("kind", "strided", "dtype", "cfg"), ODD_SHAPE_CASES)
+def test_head_chunks_and_odd_shapes(kind: LayoutKind, strided: bool, dtype: torch.dtype, cfg: str) -> None:
     """Three heads of 12 channels: head chunks with a masked head, rows that are not a power of two."""
     gen = torch.Generator().manual_seed(14)
     layout = PagedLayout(kind, 2, 3, 12, BS, str(dtype))
@@ -106,11 +114,11 @@ def test_head_chunks_and_odd_shapes(
     want = [poisoned(object_spec(layout, e - s).shape, dtype) for s, e in SPANS]
     got = [poisoned(w.shape, dtype) for w in want]
     ref_gather(kv, layout, slots, SPANS, want)
-    k_gather(kv, layout, slots, SPANS, got, cfg=cfg)
+    k_gather(kv, layout, slots, SPANS, got, cfg=TILE_CONFIGS[cfg])
     assert all(not sentinel_left(b) and torch.equal(bits(a), bits(b)) for a, b in zip(want, got, strict=True))
     dst = [poisoned(t.shape, dtype) for t in kv]
     dst_ref = [t.clone() for t in dst]
-    assert k_scatter(got, dst, layout, slots, SPANS, [1, 0, 4], cfg=cfg) == 70 - 5
+    assert k_scatter(got, dst, layout, slots, SPANS, [1, 0, 4], cfg=TILE_CONFIGS[cfg]) == 70 - 5
     ref_scatter(got, dst_ref, layout, slots, SPANS, [1, 0, 4])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst_ref, dst, strict=True))
 
@@ -277,18 +285,17 @@ def test_fp8_gather_refuses_non_finite_input(block_t: int) -> None:
     layout, kv, slots = make_kv(LayoutKind.VLLM_FLASH, torch.bfloat16, True, seed=13)
     kv = [(torch.randn(t.shape) * 3).to(torch.bfloat16) for t in kv]
     outs = [torch.empty(tk.fp8_payload_nbytes(layout, e - s), dtype=torch.uint8) for s, e in SPANS]
-    for poison in (float("nan"), float("inf"), -float("inf")):
+    # each poison under another of the three slot checks (the finite check is the same in all)
+    slot_checks: list[dict[str, Any]] = [{}, {"trusted": True}, {"host_slots": slots.clone()}]
+    for poison, kw in zip((float("nan"), float("inf"), -float("inf")), slot_checks, strict=True):
         bad = [t.clone() for t in kv]
         blk, off = divmod(int(slots[40]), BS)
         bad[2][blk, 1, off, D + 3] = poison  # layer 2, head 1, a V channel of token 40
-        for kw in ({}, {"trusted": True}, {"host_slots": slots.clone()}):
-            with pytest.raises(ValueError, match="finite"):
-                tk.gather_fp8(
-                    bad, Move.gather_fp8(layout, slots, SPANS, outs, **kw), block_t=block_t, block_d=4
-                )  # type: ignore[arg-type]
-        tk.gather_fp8(
-            bad, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4, check=False
-        )
+        with pytest.raises(ValueError, match="finite"):
+            tk.gather_fp8(bad, Move.gather_fp8(layout, slots, SPANS, outs, **kw), block_t=block_t, block_d=4)
+    tk.gather_fp8(
+        bad, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4, check=False
+    )  # unchecked: no error
     tk.gather_fp8(
         kv, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4
     )  # finite: no error
