@@ -293,9 +293,9 @@ def test_fp8_gather_refuses_non_finite_input(block_t: int) -> None:
         bad[2][blk, 1, off, D + 3] = poison  # layer 2, head 1, a V channel of token 40
         with pytest.raises(ValueError, match="finite"):
             tk.gather_fp8(bad, Move.gather_fp8(layout, slots, SPANS, outs, **kw), block_t=block_t, block_d=4)
-    tk.gather_fp8(
-        bad, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4, check=False
-    )  # unchecked: no error
+        tk.gather_fp8(
+            bad, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4, check=False
+        )  # unchecked: no error
     tk.gather_fp8(
         kv, Move.gather_fp8(layout, slots, SPANS, outs), block_t=block_t, block_d=4
     )  # finite: no error

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from tests.unit._l1_helpers import SLOT, SPEC, pattern, put, read
 from tiercache.server.client import SharedL1
 from tiercache.spec import KVSpec
 from tiercache.store.l1 import L1Cache, ObjectState
-from tiercache.testing.harness.processes import NodeServer
+from tiercache.testing.harness.processes import NodeServer, socket_dir
 
 Factory = Callable[[int], Any]
 
@@ -24,7 +23,7 @@ Factory = Callable[[int], Any]
 @pytest.fixture(params=["in_process", "shared"])
 def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
     servers: list[NodeServer] = []
-    tmp = tempfile.mkdtemp(prefix="tc-l1c-")
+    tmp = str(socket_dir("tc-l1c-"))
 
     def in_process(slots: int) -> L1Cache:
         return L1Cache(slots * SLOT, SLOT, pinned=False)

@@ -257,16 +257,15 @@ def test_socket_mode_and_clean_sigterm(sock_dir: Path) -> None:
 
 
 def test_the_socket_path_appears_once_the_server_accepts(sock_dir: Path) -> None:
-    """The socket is bound as ``PATH.new`` and renamed into place after it listens: a client that connects
+    """The socket is bound as ``PATH.new`` and linked into place after it listens: a client that connects
     the moment the path exists is accepted, and a crashed server's ``PATH.new`` is replaced, not kept."""
     path = str(sock_dir / "l1.sock")
     for _ in range(5):
-        leftover = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        leftover.bind(path + ".new")
-        leftover.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as leftover:
+            leftover.bind(path + ".new")
         srv = NodeServer(path, read_ready=False)
         try:
-            assert wait_for(lambda: os.path.exists(path), attempts=10**7)
+            assert wait_for(lambda p=srv.proc: os.path.exists(path) or p.poll() is not None, attempts=10**7)
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as first:
                 first.connect(path)  # ECONNREFUSED if the path had appeared before listen
             assert srv.read_ready()
@@ -275,6 +274,18 @@ def test_the_socket_path_appears_once_the_server_accepts(sock_dir: Path) -> None
         finally:
             assert srv.stop() == 0
         assert not os.path.exists(path)
+
+
+def test_a_server_refuses_a_file_in_the_way_of_its_socket(sock_dir: Path) -> None:
+    """Something other than a socket at ``PATH.new`` is not replaced: the server refuses to start."""
+    path = str(sock_dir / "l1.sock")
+    Path(path + ".new").write_text("x")
+    srv = NodeServer(path)
+    assert not srv.ready
+    assert srv.stop() == 2
+    assert "l1.sock.new exists and is not a socket" in srv.log()
+    assert Path(path + ".new").read_text() == "x"
+    assert not os.path.exists(path)
 
 
 def test_sigterm_stops_a_server_whose_stdout_reader_went_away(sock_dir: Path) -> None:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tiercache.server.protocol import MAX_SOCKET_PATH
+from tiercache.server.listen import MAX_SOCKET_PATH, socket_path_fits
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -134,7 +134,7 @@ def ensure_private_server(
     for _ in range(8):  # a keeper removing the directory between our open and our flock: take a fresh one
         where = private_dir(instance, base)
         sock_path = str(where / SOCKET_NAME)
-        if len(sock_path) > MAX_SOCKET_PATH:
+        if not socket_path_fits(sock_path):
             raise AutostartError(f"socket path {sock_path} is over {MAX_SOCKET_PATH} bytes; set TMPDIR")
         with _instance_lock(where) as held:
             if not held:

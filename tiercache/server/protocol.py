@@ -19,7 +19,6 @@ __all__ = [
     "CONTROL_ACTIONS",
     "MAX_KEYS",
     "MAX_MESSAGE",
-    "MAX_SOCKET_PATH",
     "MAX_WAIT_S",
     "PROTOCOL_VERSION",
     "ROLES",
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 2
-MAX_SOCKET_PATH = 107  # bytes of a socket path: sun_path holds 108 with the terminating NUL
 MAX_MESSAGE = 128 * 1024  # bytes of one message (a SEQPACKET datagram must fit the default socket buffer)
 MAX_KEYS = 1024  # keys/slots/leases in one request
 MAX_KEY_LEN = 512

@@ -30,9 +30,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tiercache.server.listen import listen_at
 from tiercache.server.logs import RateLimitedLog
 from tiercache.server.metrics import OpLatency
-from tiercache.server.protocol import MAX_MESSAGE, MAX_SOCKET_PATH, Message, Op, ProtocolError, decode, encode
+from tiercache.server.protocol import MAX_MESSAGE, Message, Op, ProtocolError, decode, encode
 from tiercache.server.segment import Geometry, Segment
 from tiercache.server.slots import Caps, SlotTable
 
@@ -118,13 +119,6 @@ def _lock_path(lock_path: str) -> int:
         socket_path = lock_path.removesuffix(".lock")
         raise ServerAlreadyRunning(f"a tiercache server is already listening on {socket_path}") from None
     return fd
-
-
-def _staging_path(path: str) -> str:
-    """Where the socket is bound before it listens (``PATH.new``, then renamed to ``path``); ``path``
-    itself where the longer name would not fit a socket address."""
-    staging = path + ".new"
-    return staging if len(os.fsencode(staging)) <= MAX_SOCKET_PATH else path
 
 
 def claim_socket_path(path: str) -> None:
@@ -289,21 +283,10 @@ class L1Server:
             await self.storage.manager.store.restore_ledgers()
         self._lock_fd = _lock_path(path + ".lock")
         claim_socket_path(path)
-        staging = _staging_path(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staging)  # a crashed server's, under the lock we hold
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)  # no window in which the socket is reachable by others
         try:
-            sock.bind(staging)
-        finally:
-            os.umask(old)
-        if self.options.group is not None:
-            os.chown(staging, -1, self.options.group)
-        os.chmod(staging, self.options.mode)
-        sock.listen(128)
-        if staging != path:
-            os.rename(staging, path)  # the path appears once it accepts: a probe of the path needs no retry
+            sock = listen_at(path, mode=self.options.mode, group=self.options.group)
+        except FileExistsError as exc:
+            raise ServerAlreadyRunning(str(exc)) from None
         st = os.lstat(path)
         self._socket_id = (st.st_dev, st.st_ino)
         sock.setblocking(False)

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from tiercache.server.listen import MAX_SOCKET_PATH, socket_path_fits
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -64,7 +66,6 @@ class ServerSettings(Protocol):
 
 
 _SCHEME = "unix://"
-_MAX_SOCKET_PATH = 107
 
 
 def check_server_setting(value: str) -> str:
@@ -73,10 +74,10 @@ def check_server_setting(value: str) -> str:
     if value in ("off", "auto"):
         return value
     path = value[len(_SCHEME) :] if value.startswith(_SCHEME) else ""
-    if not path.startswith("/") or len(path) > _MAX_SOCKET_PATH or "\0" in path:
+    if not path.startswith("/") or not socket_path_fits(path) or "\0" in path:
         raise ValueError(
             'kv_connector_extra_config[\'server\'] must be "off", "auto" or "unix:///absolute/path" '
-            f"(a socket path of at most {_MAX_SOCKET_PATH} bytes): {value!r}"
+            f"(a socket path of at most {MAX_SOCKET_PATH} bytes): {value!r}"
         )
     return value
 

@@ -1,0 +1,69 @@
+"""A unix socket that appears at its path only once it accepts connections (standard library only: the
+connector and autostart use the size limit without the server's dependencies)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+
+__all__ = ["MAX_SOCKET_PATH", "listen_at", "socket_path_fits"]
+
+MAX_SOCKET_PATH = 107
+"""Bytes of a unix socket path: ``sun_path`` holds 108 with the terminating NUL."""
+
+
+def socket_path_fits(path: str) -> bool:
+    """Whether ``path`` fits a unix socket address."""
+    return len(os.fsencode(path)) <= MAX_SOCKET_PATH
+
+
+def listen_at(
+    path: str,
+    kind: socket.SocketKind = socket.SOCK_SEQPACKET,
+    *,
+    mode: int = 0o600,
+    group: int | None = None,
+    backlog: int = 128,
+) -> socket.socket:
+    """A listening unix socket of ``kind`` at ``path`` with file mode ``mode`` (and ``group``), bound as
+    ``PATH.new`` and linked to ``path`` once it listens, so a client that finds the path is accepted.
+
+    ``path`` must be free (``FileExistsError`` if it exists by then); a socket left at ``PATH.new`` by a
+    crashed process is replaced, anything else there refused (``FileExistsError``). Where ``PATH.new`` would
+    not fit a socket address, ``path`` is bound in place. On any failure nothing stays bound or linked."""
+    staging = path + ".new" if socket_path_fits(path + ".new") else path
+    if staging != path:
+        _clear_stale_socket(staging)
+    sock = socket.socket(socket.AF_UNIX, kind)
+    try:
+        old = os.umask(~mode & 0o777)  # created with its final mode: no window in which others may connect
+        try:
+            sock.bind(staging)
+        finally:
+            os.umask(old)
+        if group is not None:
+            os.chown(staging, -1, group, follow_symlinks=False)
+        sock.listen(backlog)
+        if staging != path:
+            os.link(staging, path)  # FileExistsError rather than replacing what appeared at the path
+            os.unlink(staging)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        raise
+    return sock
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a socket file at ``path``; ``FileExistsError`` if something else is there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
