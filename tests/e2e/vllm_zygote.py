@@ -34,8 +34,9 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from tiercache.server.listen import listen_at
 from tiercache.testing.harness.processes import socket_dir, start_process
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +47,7 @@ class Zygote:
 
     def __init__(self, sock_path: Path, env: dict[str, str], timeout: float = 600.0) -> None:
         self.sock_path = sock_path
-        argv = [sys.executable, str(HERE / "vllm_zygote.py"), str(sock_path)]
+        argv = [sys.executable, str(HERE / "vllm_zygote.py"), str(sock_path), str(os.getpid())]
         self.proc = start_process(argv, ready=sock_path.exists, timeout=timeout, env=env)
 
     def run(
@@ -58,20 +59,17 @@ class Zygote:
         closes with it, and the zygote kills a child whose connection closed."""
         request = {"script": str(script), "argv": argv, "log": str(log), "env": env, "cwd": os.getcwd()}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
             conn.connect(str(self.sock_path))
             conn.sendall(json.dumps(request).encode() + b"\n")
             replies = conn.makefile("r")
-            forked = json.loads(replies.readline())
-            if "fresh" in forked:
-                return None
-            conn.settimeout(timeout)
             try:
-                line = replies.readline()
+                forked = _reply(replies, log)
+                if "fresh" in forked:
+                    return None
+                return int(_reply(replies, log)["returncode"])
             except TimeoutError:  # leaving closes the connection: the zygote kills the child
                 raise subprocess.TimeoutExpired([str(script), *argv], timeout) from None
-            if not line:
-                raise RuntimeError(f"the vLLM zygote ended during a run (its log: {log})")
-            return int(json.loads(line)["returncode"])
 
     def stop(self) -> None:
         self.proc.kill()
@@ -151,6 +149,7 @@ def _child(request: dict[str, Any], set_by_imports: dict[str, str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+REQUEST_TIMEOUT_S = 30.0  # a client sends its request line at once; a silent one is dropped
 PER_TEST = {"PYTEST_CURRENT_TEST"}  # pytest names the running test here; no child reads it at start
 
 
@@ -160,94 +159,141 @@ def _differences(env: dict[str, str], *own: dict[str, str]) -> list[str]:
     return sorted(k for k in keys if all(env.get(k) != o.get(k) for o in own))
 
 
-def serve(sock_path: str) -> None:
-    """Fork a child per request and report its end (module docstring) while the process that started this
-    zygote lives; a child whose client went away (its connection closed) is killed."""
-    parent = os.getppid()
+def _reply(replies: IO[str], log: Path) -> dict[str, Any]:
+    """The zygote's next answer line; RuntimeError if it ended instead."""
+    line = replies.readline()
+    if not line:
+        raise RuntimeError(f"the vLLM zygote ended during a run (the run's log: {log})")
+    answer: dict[str, Any] = json.loads(line)
+    return answer
+
+
+def serve(sock_path: str, parent: int) -> None:
+    """Fork a child per request and report its end (module docstring) until process ``parent`` ends; a
+    child whose client went away (its connection closed) is killed with its process group."""
+    try:
+        parent_fd = os.pidfd_open(parent)  # readable once the test process has ended
+    except ProcessLookupError:
+        return
     started = dict(os.environ)
     _preload()
     imported = dict(os.environ)  # vLLM's imports set a few variables
     set_by_imports = {k: v for k, v in imported.items() if started.get(k) != v}
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path + ".tmp")
-    listener.listen(16)
-    os.rename(sock_path + ".tmp", sock_path)  # ready: the socket appears once it accepts
+    listener = listen_at(sock_path, socket.SOCK_STREAM, backlog=16)  # ready: the path accepts
     selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    waiting: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
-    while os.getppid() == parent:
-        for key, _ in selector.select(timeout=0.05):
-            if key.fileobj is listener:
-                _answer(listener, selector, waiting, (started, imported), set_by_imports)
-            else:  # a waiting connection turns readable when its client closed it: the run is abandoned
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(key.data, signal.SIGKILL)
-        _reap(selector, waiting)
-    for pid in waiting:  # the test process is gone: so are its runs and the socket's directory
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    selector.register(listener, selectors.EVENT_READ, "listener")
+    selector.register(parent_fd, selectors.EVENT_READ, "parent")
+    waiting: dict[int, Run] = {}
+    while True:
+        events = [key for key, _ in selector.select()]
+        if any(key.data == "parent" for key in events):
+            break
+        for key in events:
+            if key.data == "listener":
+                request = _request(listener, (started, imported))
+                if request is not None:
+                    _fork(*request, set_by_imports, selector, waiting)
+            elif key.fileobj is key.data.conn:  # a run's connection turned readable: its client left
+                selector.unregister(key.fileobj)
+                key.data.kill()
+            else:  # a run's pidfd: the child ended
+                _report(key.data, selector, waiting)
+    for run in waiting.values():  # the test process is gone: so are its runs
+        run.kill()
     shutil.rmtree(os.path.dirname(sock_path), ignore_errors=True)
 
 
-def _answer(
-    listener: socket.socket,
-    selector: selectors.BaseSelector,
-    waiting: dict[int, socket.socket],
-    own: tuple[dict[str, str], dict[str, str]],
-    set_by_imports: dict[str, str],
-) -> None:
-    """Take one request: refuse it (``fresh``) or fork its child and tell the client its pid. A malformed or
-    silent request, or a client gone before it heard the pid, costs that request only."""
+class Run:
+    """A forked child: its pid, a pidfd (readable once it ended) and the connection waiting for it."""
+
+    def __init__(self, pid: int, conn: socket.socket) -> None:
+        self.pid, self.conn = pid, conn
+        self.pidfd = os.pidfd_open(pid)
+
+    def kill(self) -> None:
+        """SIGKILL the child and its process group (vLLM's own processes); it is reaped on its pidfd."""
+        for kill in (os.kill, os.killpg):  # the child may not have made its group yet
+            with contextlib.suppress(ProcessLookupError):
+                kill(self.pid, signal.SIGKILL)
+
+
+def _request(
+    listener: socket.socket, own: tuple[dict[str, str], dict[str, str]]
+) -> tuple[dict[str, Any], socket.socket] | None:
+    """Accept one request; answer ``fresh`` where its environment needs a fresh interpreter. The request
+    and its connection, or None: answered, or dropped when malformed or not sent at once."""
     conn, _ = listener.accept()
-    pid = 0
     try:
-        conn.settimeout(30)  # a request is one line, sent at once
-        request = json.loads(conn.makefile("r").readline())
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        request = _parsed(conn.makefile("r").readline())
         different = _differences(request["env"], *own)
-        if different:
-            print(f"a fresh interpreter for {request['argv'][0]}: {different}", flush=True)
-            conn.sendall(json.dumps({"fresh": different}).encode() + b"\n")
-            conn.close()
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            selector.close()
-            listener.close()
-            conn.close()
-            for other in waiting.values():
-                other.close()
-            _child(request, set_by_imports)
-            sys.exit(0)  # the script returned: exit as its interpreter would
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not different:
+            conn.settimeout(None)
+            return request, conn
+        print(f"a fresh interpreter for {request['script']}: {different}", flush=True)
+        conn.sendall(json.dumps({"fresh": different}).encode() + b"\n")
+    except Exception as exc:  # this request only; the zygote serves the next
         print(f"a request dropped: {exc!r}", flush=True)
-        if pid:
-            os.kill(pid, signal.SIGKILL)  # reaped with the others
-        conn.close()
-        return
-    waiting[pid] = conn
-    selector.register(conn, selectors.EVENT_READ, pid)
+    conn.close()
+    return None
 
 
-def _reap(selector: selectors.BaseSelector, waiting: dict[int, socket.socket]) -> None:
-    """Reap every child that ended; tell its client (if still waiting) its return code."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:  # no children
-            return
-        if pid == 0:
-            return
-        conn = waiting.pop(pid, None)
-        if conn is None:  # a child whose request was dropped
-            continue
-        selector.unregister(conn)
-        with contextlib.suppress(OSError):  # the client gave up (its run was killed)
-            conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+def _parsed(line: str) -> dict[str, Any]:
+    """A request line as the child needs it (``ValueError``, ``KeyError``, ... where it is not one)."""
+    raw = json.loads(line)
+    return {
+        "script": str(raw["script"]),
+        "argv": [str(a) for a in raw["argv"]],
+        "log": str(raw["log"]),
+        "cwd": str(raw["cwd"]),
+        "env": {str(k): str(v) for k, v in raw["env"].items()},
+    }
+
+
+def _fork(
+    request: dict[str, Any],
+    conn: socket.socket,
+    set_by_imports: dict[str, str],
+    selector: selectors.BaseSelector,
+    waiting: dict[int, Run],
+) -> None:
+    """Fork the request's child (it never returns here) and tell the client its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: an error in the script propagates and ends it as an interpreter would
+        for key in list(selector.get_map().values()):  # the listener, the pidfds, the other connections
+            if isinstance(key.fileobj, socket.socket):
+                key.fileobj.close()
+            else:
+                os.close(key.fd)
+        selector.close()
         conn.close()
+        os.setsid()  # its own process group: an abandoned run is killed with vLLM's processes
+        _child(request, set_by_imports)
+        sys.exit(0)  # the script returned: exit as its interpreter would
+    run = Run(pid, conn)
+    waiting[pid] = run
+    selector.register(run.pidfd, selectors.EVENT_READ, run)
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        selector.register(conn, selectors.EVENT_READ, run)
+    except OSError:  # the client already left
+        run.kill()
+
+
+def _report(run: Run, selector: selectors.BaseSelector, waiting: dict[int, Run]) -> None:
+    """Reap an ended child and tell its client (if still there) its return code."""
+    _, status = os.waitpid(run.pid, 0)
+    del waiting[run.pid]
+    selector.unregister(run.pidfd)
+    os.close(run.pidfd)
+    with contextlib.suppress(KeyError):
+        selector.unregister(run.conn)
+    with contextlib.suppress(OSError):  # the client gave up (its run was killed)
+        run.conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    run.conn.close()
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))
