@@ -4,13 +4,15 @@ of imports a fresh interpreter pays on a small CPU machine (most of a tiny model
 workers the same way, after its imports. The children share the zygote's string-hash seed: a test of what
 must not depend on it (``PYTHONHASHSEED``) starts its processes itself.
 
-Server: ``python vllm_zygote.py SOCKET`` imports vLLM and the connector, then listens on the unix socket
-``SOCKET``. A request is one JSON line ``{"script", "argv", "log", "env", "cwd"}``; the answer is
-``{"pid": N}`` once the child is forked and ``{"returncode": R}`` once it has ended (R as ``subprocess``
-reports it: negative for a signal), or ``{"fresh": KEYS}`` at once where ``env`` differs from the zygote's
-own in more than what importing vLLM sets and the name of the running test (``KEYS``: the others; a variable
-read at interpreter start or at import, such as ``PYTHONPATH``, would not reach a forked child): the caller
-then starts a fresh interpreter, and the zygote's log names them.
+Server: ``python vllm_zygote.py SOCKET PID`` imports vLLM and the connector, then listens on the unix
+socket ``SOCKET`` until process ``PID`` (the test process) ends. A request is one JSON line ``{"script",
+"argv", "log", "env", "cwd"}``; the answer is ``{"pid": N}`` once the child is forked and ``{"returncode":
+R}`` once it has ended (R as ``subprocess`` reports it: negative for a signal), or ``{"fresh": KEYS}`` at
+once where ``env`` differs from the zygote's own in more than what importing vLLM sets and the name of the
+running test (``KEYS``: the others; a variable read at interpreter start or at import, such as
+``PYTHONPATH``, would not reach a forked child): the caller then starts a fresh interpreter, and the
+zygote's log names them.
+
 The child takes ``env`` (over what vLLM's imports set) as its environment and ``cwd`` as its working
 directory, writes its stdout and stderr to ``log``, runs ``script`` as ``__main__`` with ``argv`` and ends
 as that script would, through the interpreter's normal exit. A client that closes its connection before the
@@ -43,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 
 
 class Zygote:
-    """A started zygote (``python vllm_zygote.py SOCKET``); ``run`` forks one child script through it."""
+    """A started zygote (``python vllm_zygote.py SOCKET PID``, PID this process); ``run`` forks one child
+    script through it."""
 
     def __init__(self, sock_path: Path, env: dict[str, str], timeout: float = 600.0) -> None:
         self.sock_path = sock_path
