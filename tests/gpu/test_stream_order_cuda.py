@@ -30,27 +30,36 @@ from tiercache.store.l1 import L1Cache
 DEV = torch.device("cuda")
 L, H, D, BS, NB, N = 4, 4, 64, 16, 32, 256
 LAYOUT = PagedLayout(LayoutKind.VLLM_LEGACY, L, H, D, BS, "bfloat16")
-MAX_SPINS = 20_000_000  # a shut gate gives up after some seconds, so a failing test cannot hang the device
+OPEN_AFTER_TURNS = 20  # event-loop turns between a fenced wait's start and the gate's opening
+MAX_SPINS = 20_000_000  # a shut gate gives up after this many spins, so a failing test cannot hang the device
 
 
 @triton.jit
-def _spin_while_shut(flag_ptr, max_spins):  # type: ignore[no-untyped-def]
+def _spin_while_shut(flag_ptr, gave_up_ptr, max_spins):  # type: ignore[no-untyped-def]
     spins = 0
     while (tl.load(flag_ptr, volatile=True) == 0) & (spins < max_spins):
         spins += 1
+    if spins >= max_spins:
+        tl.store(gave_up_ptr, 1)
 
 
 class Gate:
-    """Work queued on a stream after ``shut_here()`` waits on the device until the test calls ``open()``."""
+    """Work queued on a stream after ``shut_here()`` waits on the device until the test calls ``open()``;
+    ``gave_up()``: a gate stopped spinning before it was opened (what it held back ran unheld)."""
 
     def __init__(self) -> None:
         self.flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+        self.gave_up_flag = torch.zeros(1, dtype=torch.int32, device=DEV)
         self.opener = torch.cuda.Stream()
         torch.cuda.synchronize()
 
     def shut_here(self) -> None:
         """Hold the current stream's later work back (one spinning program on one SM)."""
-        _spin_while_shut[(1,)](self.flag, MAX_SPINS)
+        _spin_while_shut[(1,)](self.flag, self.gave_up_flag, MAX_SPINS)
+
+    def gave_up(self) -> bool:
+        torch.cuda.synchronize()
+        return bool(self.gave_up_flag.item())
 
     def open(self) -> None:
         with torch.cuda.stream(self.opener):
@@ -65,6 +74,7 @@ def gate() -> Iterator[Gate]:
     finally:
         g.open()  # a failed test leaves nothing spinning
         torch.cuda.synchronize()
+    assert not g.gave_up(), "a gate gave up spinning: what it held ran before the test opened it"
 
 
 def kv_caches(value: float) -> list[torch.Tensor]:
@@ -87,11 +97,8 @@ def pinned_object() -> torch.Tensor:
     return obj.tensor()
 
 
-def on_mover_thread(
-    mover: MoverStream, work: Callable[[], None], meanwhile: Callable[[], None] = lambda: None
-) -> None:
-    """Run ``work`` on another thread whose current stream is the mover's, as the connector's loop thread,
-    and ``meanwhile`` on this one."""
+def on_mover_thread(mover: MoverStream, work: Callable[[], None]) -> None:
+    """Run ``work`` on another thread whose current stream is the mover's, as the connector's loop thread."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -103,7 +110,6 @@ def on_mover_thread(
 
     t = threading.Thread(target=run)
     t.start()
-    meanwhile()
     t.join()
     if errors:
         raise errors[0]
@@ -123,7 +129,8 @@ def warm() -> None:
 def saved_after_forward(gate: Gate, fence: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A forward on a model stream writes 1.0 into KV that held 0.0 (behind the gate), then a save is issued
     on the mover's thread, waiting for the fence taken after the forward or not; (the saved object, the KV the
-    forward wrote). Without the fence the save is done, and checked, while the gate is still shut."""
+    forward wrote). With the fence, the gate opens from the same event loop some turns after the wait began,
+    and the wait must end only after that; without it, the save is done, and checked, while it is shut."""
     kv = kv_caches(0.0)
     model = torch.cuda.Stream()
     mover = MoverStream(DEV)
@@ -134,23 +141,31 @@ def saved_after_forward(gate: Gate, fence: bool) -> tuple[torch.Tensor, list[tor
             t.fill_(1.0)
         after_forward = mover.caller_fence()
     move = Move.gather(LAYOUT, slots(), [(0, N)], [obj])
-    waiting = threading.Event()
     forward_done_at_save: list[bool] = []
+    order: list[str] = []
+
+    async def fenced() -> None:
+        await after_forward.reached()
+        order.append("fence reached")
+
+    async def open_later() -> None:
+        for _ in range(OPEN_AFTER_TURNS):
+            await asyncio.sleep(0)
+        order.append("opened" if not model.query() else "opened, the forward already done")
+        gate.open()
+
+    async def both() -> None:
+        await asyncio.gather(fenced(), open_later())
 
     def save() -> None:
         if fence:
-            waiting.set()
-            asyncio.run(after_forward.reached())
+            asyncio.run(both())
         forward_done_at_save.append(model.query())
         dispatch.gather(kv, move)
 
-    def open_once_waiting() -> None:
-        if fence:
-            waiting.wait()
-            gate.open()
-
-    on_mover_thread(mover, save, meanwhile=open_once_waiting)
+    on_mover_thread(mover, save)
     assert forward_done_at_save == [fence]
+    assert order == (["opened", "fence reached"] if fence else [])
     gate.open()
     torch.cuda.synchronize()
     return obj.clone(), kv
@@ -231,6 +246,7 @@ def test_an_attention_layer_waits_on_the_device_for_its_layer_only(gate: Gate) -
         assert progress.wait(0, timeout=0.0)
         seen0 = layer0[0].clone()
     model.synchronize()  # layer 0's moves came before the gate
+    assert not mover.stream.query()  # layer 0 was read while layer 1's moves are still held
     assert bool((seen0 == 5.0).all())
     with torch.cuda.stream(model):
         assert progress.wait(1, timeout=0.0)
