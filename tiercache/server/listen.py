@@ -8,7 +8,7 @@ import os
 import socket
 import stat
 
-__all__ = ["MAX_SOCKET_PATH", "listen_at", "socket_path_fits"]
+__all__ = ["MAX_SOCKET_PATH", "is_socket", "listen_at", "socket_path_fits"]
 
 MAX_SOCKET_PATH = 107
 """Bytes of a unix socket path: ``sun_path`` holds 108 with the terminating NUL."""
@@ -57,13 +57,19 @@ def listen_at(
     return sock
 
 
-def _clear_stale_socket(path: str) -> None:
-    """Remove a socket file at ``path``; ``FileExistsError`` if something else is there."""
+def is_socket(path: str) -> bool:
+    """Whether a socket file is at ``path`` (False: nothing is); ``FileExistsError`` for anything else."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return False
     if not stat.S_ISSOCK(st.st_mode):
         raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    return True
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a socket file at ``path``; ``FileExistsError`` if something else is there."""
+    if is_socket(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

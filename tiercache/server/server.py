@@ -23,14 +23,13 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tiercache.server.listen import listen_at
+from tiercache.server.listen import is_socket, listen_at
 from tiercache.server.logs import RateLimitedLog
 from tiercache.server.metrics import OpLatency
 from tiercache.server.protocol import MAX_MESSAGE, Message, Op, ProtocolError, decode, encode
@@ -124,11 +123,10 @@ def _lock_path(lock_path: str) -> int:
 def claim_socket_path(path: str) -> None:
     """Make ``path`` bindable: refuse if a server answers there or it is no socket; unlink a stale socket."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ServerAlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
+        if not is_socket(path):
+            return
+    except FileExistsError as exc:
+        raise ServerAlreadyRunning(str(exc)) from None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         probe.connect(path)
