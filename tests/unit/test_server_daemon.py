@@ -393,12 +393,17 @@ def _nofile(limit: int) -> Callable[[], None]:
     return apply
 
 
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_running_out_of_file_descriptors_is_survived(sock_dir: Path) -> None:
     """With an open-file limit of 48 the server runs out of descriptors under 80 connections: it sheds the
     clients it cannot take (they see EOF or a broken pipe, not a hang), counts the accept errors, and serves
     new clients as soon as descriptors are free again."""
     srv = Server(str(sock_dir / "l1.sock"), "--max-share", "1", preexec=_nofile(48))
     assert srv.ready
+    idle_fds = _open_fds(srv.pid)
     socks = []
     try:
         for _ in range(80):
@@ -423,6 +428,8 @@ def test_running_out_of_file_descriptors_is_survived(sock_dir: Path) -> None:
         for s in socks:
             s.close()
         socks.clear()
+        # the server has seen every close: the next client is not shed (nor counted in shed_clients)
+        assert wait_for(lambda: _open_fds(srv.pid) <= idle_fds, attempts=10**6)
         l1 = SharedL1(srv.path, backoff_s=0.01, max_backoff_s=0.05)
         assert l1.wait_connected(60)
         store(l1, "k")
