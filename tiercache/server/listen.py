@@ -32,27 +32,33 @@ def listen_at(
 
     ``path`` must be free (``FileExistsError`` if it exists by then); a socket left at ``PATH.new`` by a
     crashed process is replaced, anything else there refused (``FileExistsError``). Where ``PATH.new`` would
-    not fit a socket address, ``path`` is bound in place. On any failure nothing stays bound or linked."""
+    not fit a socket address, ``path`` is bound in place. On any failure nothing stays bound or linked, and
+    only names this call created are removed (a bind refused because a socket holds the name leaves it)."""
     staging = path + ".new" if socket_path_fits(path + ".new") else path
     if staging != path:
         _clear_stale_socket(staging)
     sock = socket.socket(socket.AF_UNIX, kind)
+    made: list[str] = []  # the names this call created, removed again if it fails
     try:
         old = os.umask(~mode & 0o777)  # created with its final mode: no window in which others may connect
         try:
             sock.bind(staging)
         finally:
             os.umask(old)
+        made.append(staging)
         if group is not None:
             os.chown(staging, -1, group, follow_symlinks=False)
         sock.listen(backlog)
         if staging != path:
             os.link(staging, path)  # FileExistsError rather than replacing what appeared at the path
+            made.append(path)
             os.unlink(staging)
+            made.remove(staging)
     except BaseException:
         sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staging)
+        for name in made:  # never a name this call did not create: a failed bind leaves what held it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
         raise
     return sock
 
