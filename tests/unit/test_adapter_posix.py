@@ -7,8 +7,9 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 import xxhash
@@ -424,17 +425,31 @@ async def test_get_returns_fresh_buffers(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_close_waits_for_inflight_and_rejects_later_calls(tmp_path: Path) -> None:
+async def test_close_waits_for_inflight_and_rejects_later_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write held in the pool keeps ``aclose`` waiting; once it lands, the put succeeds and the adapter
+    refuses later calls."""
+    started, release = threading.Event(), threading.Event()
+    write_file = posix._write_file
+
+    def held(*args: Any, **kwargs: Any) -> bool:
+        started.set()
+        release.wait(60)
+        return write_file(*args, **kwargs)
+
+    monkeypatch.setattr(posix, "_write_file", held)
     adapter = await PosixAdapter.open(f"file://{tmp_path}")
-    put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))
-    for _ in range(10_000):  # bounded poll: until the write has started
-        if any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")):  # noqa: ASYNC240
-            break
-        await asyncio.sleep(0.001)
-    else:
-        pytest.fail("the put never started writing")
-    await adapter.aclose()  # waits for the in-flight write
+    put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))  # past the inline budget
+    assert await asyncio.to_thread(started.wait, 60), "the put never reached its write"
+    closing = asyncio.ensure_future(adapter.aclose())
+    for _ in range(100):  # the loop turns: close is still waiting for the held write
+        await asyncio.sleep(0)
+    assert not closing.done()
+    release.set()
+    await closing
     assert await put == [True]
+    assert Path(adapter._path("k")).stat().st_size == 32 << 20
     with pytest.raises(AdapterUnavailable):
         await adapter.batched_get(["k"])
 
