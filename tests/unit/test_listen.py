@@ -22,6 +22,7 @@ def _path_of_bytes(directory: Path, size: int) -> str:
 def test_the_path_is_linked_only_after_the_socket_listens(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """At the link, the staging socket already accepts; the path has its mode and the staging name goes."""
     path = str(sock_dir / "l.sock")
     seen: list[str] = []
     real_link = os.link
@@ -39,7 +40,7 @@ def test_the_path_is_linked_only_after_the_socket_listens(
         assert not os.path.exists(path + ".new")
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
             client.connect(path)
-            conn, _ = sock.accept()
+            conn, _ = sock.accept()  # the probe's connection, queued first
             conn.close()
 
 
@@ -61,6 +62,7 @@ def test_a_path_taken_meanwhile_is_left_alone(sock_dir: Path, monkeypatch: pytes
 
 @pytest.mark.parametrize("size", [MAX_SOCKET_PATH - 3, MAX_SOCKET_PATH])
 def test_a_path_too_long_for_staging_is_bound_in_place(sock_dir: Path, size: int) -> None:
+    """A path whose ``.new`` name would not fit a socket address is bound as it is."""
     path = _path_of_bytes(sock_dir, size)
     assert socket_path_fits(path)
     assert not socket_path_fits(path + ".new")
@@ -100,3 +102,43 @@ def test_a_failed_staging_bind_leaves_what_holds_the_staging_name(
         assert err.value.errno == errno.EADDRINUSE
         assert os.path.exists(path + ".new")
         assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in_place"])
+def test_a_failure_after_the_bind_leaves_no_name(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
+) -> None:
+    """The group cannot be set: the bound name goes, and the path never appears."""
+    path = str(sock_dir / "l.sock") if staged else _path_of_bytes(sock_dir, MAX_SOCKET_PATH)
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "not allowed")
+
+    monkeypatch.setattr(os, "chown", refused)
+    with pytest.raises(PermissionError):
+        listen_at(path, group=os.getgid())
+    assert not os.path.exists(path)
+    assert not os.path.exists(path + ".new")
+
+
+def test_a_failure_after_the_link_removes_the_path_too(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging name cannot be removed once linked: the linked path goes as well (no socket nobody
+    listens on is left at the path)."""
+    path = str(sock_dir / "l.sock")
+    real_unlink = os.unlink
+    failed: list[str] = []
+
+    def first_unlink_fails(name: str) -> None:
+        if not failed:
+            failed.append(name)
+            raise PermissionError(errno.EPERM, "not allowed")
+        real_unlink(name)
+
+    monkeypatch.setattr(os, "unlink", first_unlink_fails)
+    with pytest.raises(PermissionError):
+        listen_at(path)
+    assert failed == [path + ".new"]
+    assert not os.path.exists(path)
+    assert not os.path.exists(path + ".new")

@@ -32,8 +32,10 @@ def listen_at(
 
     ``path`` must be free (``FileExistsError`` if it exists by then); a socket left at ``PATH.new`` by a
     crashed process is replaced, anything else there refused (``FileExistsError``). Where ``PATH.new`` would
-    not fit a socket address, ``path`` is bound in place. On any failure nothing stays bound or linked, and
-    only names this call created are removed (a bind refused because a socket holds the name leaves it)."""
+    not fit a socket address, ``path`` is bound in place (a client may then find it before it listens and be
+    refused). On any failure nothing stays bound or linked, and only names this call created are removed (a
+    bind refused because a socket holds the name leaves it). Callers serialise starts on one path (the
+    server's ``PATH.lock``): a concurrent start could take ``PATH.new`` for a stale socket."""
     staging = path + ".new" if socket_path_fits(path + ".new") else path
     if staging != path:
         _clear_stale_socket(staging)
