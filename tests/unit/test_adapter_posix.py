@@ -440,16 +440,18 @@ async def test_close_waits_for_inflight_and_rejects_later_calls(
 
     monkeypatch.setattr(posix, "_write_file", held)
     adapter = await PosixAdapter.open(f"file://{tmp_path}")
-    put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))  # past the inline budget
-    assert await asyncio.to_thread(started.wait, 60), "the put never reached its write"
-    closing = asyncio.ensure_future(adapter.aclose())
-    for _ in range(100):  # the loop turns: close is still waiting for the held write
-        await asyncio.sleep(0)
-    assert not closing.done()
-    release.set()
+    try:
+        put = asyncio.ensure_future(adapter.batched_put(["k"], [b"v" * (32 << 20)]))  # past the inline budget
+        assert await asyncio.to_thread(started.wait, 60), "the put never reached its write"
+        closing = asyncio.ensure_future(adapter.aclose())
+        for _ in range(100):  # the loop turns: close is still waiting for the held write
+            await asyncio.sleep(0)
+        assert not closing.done()
+    finally:
+        release.set()  # a failed check leaves no write held
     await closing
     assert await put == [True]
-    assert Path(adapter._path("k")).stat().st_size == 32 << 20
+    assert Path(adapter._path("k")).stat().st_size == 32 << 20  # noqa: ASYNC240
     with pytest.raises(AdapterUnavailable):
         await adapter.batched_get(["k"])
 
